@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The README's test command: installs what is needed, builds, and runs every test.
+#   1. Debian packages (scripts/setup.sh)
+#   2. clang-format check of the sources
+#   3. release build + the whole CTest suite (unit, MPI, reduced-size slow checks)
+#   4. asan (address+undefined) build + the unit tests under it
+#   5. tsan build + the in-process transport tests under it (when present)
+#   6. libFuzzer targets for a short bounded time (when present)
+# Set SY_TEST_SKIP="asan tsan fuzz format" to skip stages locally; CI skips nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JOBS=${SY_JOBS:-$(nproc)}
+skip() { [[ " ${SY_TEST_SKIP:-} " == *" $1 "* ]]; }
+stage() { echo; echo "=== $* ==="; }
+
+bash scripts/setup.sh
+
+if ! skip format; then
+  stage "clang-format check"
+  bash scripts/format.sh --check
+fi
+
+stage "release build + all tests"
+cmake --preset release >/dev/null
+cmake --build --preset release -j "$JOBS"
+ctest --preset release -j "$JOBS" --timeout 600
+
+if ! skip asan; then
+  stage "asan build + unit tests"
+  cmake --preset asan >/dev/null
+  cmake --build --preset asan -j "$JOBS"
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --preset asan -j "$JOBS" --timeout 600
+fi
+
+if ! skip tsan && [ -d tests/comm ]; then
+  stage "tsan build + in-process transport tests"
+  cmake --preset tsan >/dev/null
+  cmake --build --preset tsan -j "$JOBS"
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --preset tsan -j "$JOBS" --timeout 600
+fi
+
+if ! skip fuzz && [ -f fuzz/CMakeLists.txt ]; then
+  stage "fuzzers (bounded)"
+  bash scripts/fuzz.sh "${SY_FUZZ_SECONDS:-20}"
+fi
+
+echo
+echo "=== all tests passed ==="

@@ -1,0 +1,38 @@
+#include "switchyard/core/dtype.h"
+
+#include "switchyard/core/error.h"
+
+namespace switchyard {
+
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return 4;
+    case DType::kBFloat16: return 2;
+    case DType::kInt32: return 4;
+    case DType::kInt64: return 8;
+  }
+  SY_CHECK(false, "unknown dtype {}", static_cast<int>(dtype));
+  return 0;
+}
+
+std::string_view DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "float32";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+  }
+  SY_CHECK(false, "unknown dtype {}", static_cast<int>(dtype));
+  return "";
+}
+
+DType DTypeFromName(std::string_view name) {
+  if (name == "float32") return DType::kFloat32;
+  if (name == "bfloat16") return DType::kBFloat16;
+  if (name == "int32") return DType::kInt32;
+  if (name == "int64") return DType::kInt64;
+  throw InvalidArgument(
+      fmt::format("unknown dtype '{}': expected one of float32, bfloat16, int32, int64", name));
+}
+
+}  // namespace switchyard
