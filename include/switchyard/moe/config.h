@@ -1,0 +1,100 @@
+// Options of one MoE layer (SPEC.md §1). Keys of layer.json are the field names below.
+// Defaults follow Tutel; `preset` = "deepspeed" switches every convention to DeepSpeed's at once.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "switchyard/kernels/ops.h"
+
+namespace switchyard::moe {
+
+enum class ScoreFunction : uint8_t {
+  kSoftmax,          // softmax over all E, then top-k (GShard/Tutel/DeepSpeed)
+  kSigmoid,          // sigmoid per expert, then top-k (DeepSeek-V3 / Megatron-Core)
+  kSoftmaxAfterTopK  // top-k on logits, softmax over the k chosen (Mixtral / Megatron-Core)
+};
+enum class NoiseKind : uint8_t {
+  kNone,
+  kTutelNormal,  // logits += noise_std * N(0,1) / E
+  kJitter,       // gate input *= U(1 - eps, 1 + eps) elementwise
+  kGumbelSecond  // 2nd choice = argmax(logits + Gumbel) with the 1st masked out
+};
+enum class CapacityFormula : uint8_t {
+  kTutel,     // C = k * floor(cf * ceil(T / E)) (cf > 0); see SPEC §1.2 for cf <= 0
+  kDeepSpeed  // C = ceil(T / E * cf * k) in float32, then min_capacity
+};
+enum class DropPolicy : uint8_t {
+  kPosition,  // the first C in slot order survive
+  kProbs,     // the C with the highest scores survive
+  kRandom     // random priority per token (keyed by global token index)
+};
+enum class SlotOrder : uint8_t {
+  kChoiceMajor,  // all 1st choices in token order, then all 2nd choices, ... (GShard/Tutel)
+  kTokenOrder    // token by token over all k choices together (DeepSpeed k > 2)
+};
+enum class AuxLoss : uint8_t {
+  kGShard,          // E * sum_e m_e * c_e
+  kImportanceLoad,  // cv^2(importance) + cv^2(load) (Shazeer 2017)
+  kNone
+};
+
+struct LayerConfig {
+  // ---- sizes ----
+  int64_t model_dim = 0;    // M
+  int64_t hidden_dim = 0;   // H
+  int64_t num_experts = 0;  // E (global)
+  int64_t top_k = 2;        // k; clamped to E
+
+  // ---- gate ----
+  ScoreFunction score_function = ScoreFunction::kSoftmax;
+  bool normalize_gate = true;  // g_j /= sum_j g_j (k > 1)
+  NoiseKind noise = NoiseKind::kNone;
+  float noise_std = 1.0f;       // kTutelNormal
+  float jitter_eps = 1e-2f;     // kJitter
+  bool random_routing = false;  // GShard: keep 2nd choice only if 2 * g_2 > U(0,1)
+  bool expert_bias = false;     // aux-loss-free balancing (DeepSeek-V3): bias for choice only
+  float expert_bias_update_rate = 1e-3f;
+  bool training = true;         // noise and random routing only when training
+
+  // ---- capacity and slots ----
+  float capacity_factor = 1.0f;  // > 0, == 0 (no drops), < 0 (capped)
+  int64_t min_capacity = 0;
+  int64_t alignment = 1;             // capacity rounded up to a multiple
+  std::optional<int64_t> capacity;   // explicit capacity overrides every formula
+  CapacityFormula capacity_formula = CapacityFormula::kTutel;
+  DropPolicy drop_policy = DropPolicy::kPosition;
+  SlotOrder slot_order = SlotOrder::kChoiceMajor;
+  bool batch_prioritized_routing = false;
+  bool renormalize_after_drop = false;  // DeepSpeed: renormalize surviving gate values
+  bool dropless = false;                // MegaBlocks/Megatron: no capacity, grouped GEMM
+
+  // ---- dispatch / combine ----
+  bool prescore = false;  // scale tokens by g before dispatch (combine is a plain sum)
+
+  // ---- experts ----
+  kernels::Activation activation = kernels::Activation::kGelu;
+  bool gated = false;  // SwiGLU-style: act(x W1^T) * (x W3^T), needs experts.fc3.weight
+  bool fc_bias = true;
+
+  // ---- losses ----
+  AuxLoss aux_loss = AuxLoss::kGShard;
+  float aux_loss_coef = 0.01f;
+  float z_loss_coef = 0.0f;
+
+  // ---- variants (SPEC §1.5) ----
+  bool residual_moe = false;          // PR-MoE: out = moe * c0 + mlp * c1
+  int64_t shared_expert_hidden = 0;   // > 0: DeepSeek shared expert MLP of that hidden size
+
+  // ---- misc ----
+  uint64_t seed = 0;         // keys every random draw (with the global token index)
+  bool check_finite = false;  // reject NaN/Inf in inputs
+  std::string preset = "tutel";  // "tutel" | "deepspeed"
+};
+
+// Checks the options against each other; throws InvalidArgument naming the field and what was
+// expected (e.g. "top_k: expected >= 1, got 0").
+void ValidateConfig(const LayerConfig& config);
+
+}  // namespace switchyard::moe
