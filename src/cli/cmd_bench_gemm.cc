@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/peak_flops.h"
 #include "cli/timing.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/core/threading.h"
@@ -49,6 +50,9 @@ int RunBenchGemm(const BenchGemmOptions& o) {
     max_err = std::max<double>(max_err, std::abs(ref[i] - c[i]));
 
   double gflops = flop / t.median_s / 1e9;
+  // The limit, measured in the same run: one thread's FMA peak times the threads used.
+  PeakFlops peak = MeasurePeakFlops();
+  double peak_total = peak.gflops * o.threads;
   if (o.json) {
     nlohmann::json j = {{"op", "gemm"},
                         {"m", o.m},
@@ -59,13 +63,19 @@ int RunBenchGemm(const BenchGemmOptions& o) {
                         {"min_ms", t.min_s * 1e3},
                         {"gflops", gflops},
                         {"gflops_best", flop / t.min_s / 1e9},
-                        {"max_abs_err", max_err}};
+                        {"max_abs_err", max_err},
+                        {"peak_gflops", peak_total},
+                        {"peak_isa", peak.isa},
+                        {"fraction_of_peak", gflops / peak_total}};
     fmt::print("{}\n", j.dump());
   } else {
     fmt::print("gemm (M x K)(K x N) = ({} x {})({} x {}), {} thread(s), {} reps\n", o.m, o.k, o.k,
                o.n, o.threads, o.repeat);
     fmt::print("  median {:.3f} ms  best {:.3f} ms\n", t.median_s * 1e3, t.min_s * 1e3);
     fmt::print("  {:.1f} GFLOP/s (median), {:.1f} GFLOP/s (best)\n", gflops, flop / t.min_s / 1e9);
+    fmt::print(
+        "  FMA peak ({}, measured now): {:.1f} GFLOP/s for {} thread(s) -> {:.0f}% of peak\n",
+        peak.isa, peak_total, o.threads, 100.0 * gflops / peak_total);
     fmt::print("  max |err| vs reference on first rows: {:.2e}\n", max_err);
     fmt::print("  BLAS: {}\n", kernels::BlasConfig());
   }
