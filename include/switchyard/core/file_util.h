@@ -1,0 +1,92 @@
+// Whole-file reads and crash-safe (atomic) writes.
+//
+// An atomic write goes to a temporary file in the destination's directory, is flushed to disk
+// (fsync), and is then renamed over the destination, after which the directory is fsynced too.
+// Readers therefore see either the old file or the complete new one, never a torn mix; when a
+// write fails (disk full, permission, a directory in the way, an exception while producing the
+// contents) the temporary file is removed and the old file is left exactly as it was.
+//
+// Errors: every failure throws IoError naming the path, the operation and the system's reason.
+// Thread-safety: the functions are safe to call concurrently on different paths. Concurrent
+// atomic writes to the same path are safe too (each uses its own temporary file); the last
+// rename wins.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace switchyard {
+
+// Replaces (or creates) `path` with `bytes`, atomically as described above. New files get mode
+// 0666 minus the process umask, as an ordinary open(O_CREAT) would.
+void WriteFileAtomic(const std::string& path, std::span<const std::byte> bytes);
+// Text convenience form of WriteFileAtomic (e.g. JSON).
+void WriteTextFileAtomic(const std::string& path, std::string_view text);
+
+// The whole contents of a regular file. Throws IoError if it is missing, a directory, or
+// unreadable.
+std::vector<std::byte> ReadFileBytes(const std::string& path);
+// The whole contents of a regular file as text (no decoding).
+std::string ReadTextFile(const std::string& path);
+
+// A file opened for reading at arbitrary offsets (pread), for formats whose header says where
+// the data lies. Thread-safe: ReadAt may be called from several threads at once.
+class RandomAccessFile {
+ public:
+  // Opens a regular file; throws IoError if it is missing, a directory, or unreadable.
+  explicit RandomAccessFile(std::string path);
+  ~RandomAccessFile();
+  RandomAccessFile(const RandomAccessFile&) = delete;
+  RandomAccessFile& operator=(const RandomAccessFile&) = delete;
+
+  // Size in bytes when opened.
+  uint64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+  // Fills `out` with the bytes at [offset, offset + out.size()). Throws IoError if the range
+  // extends past the end of the file or the read fails.
+  void ReadAt(uint64_t offset, std::span<std::byte> out) const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
+
+// Streaming form of WriteFileAtomic, for contents too large to build in memory first:
+//   AtomicFileWriter w(path);   // creates the temporary file
+//   w.Append(header); w.Append(data);
+//   w.Commit();                 // fsync + rename; the new contents become visible
+// Destroying the writer without Commit() (e.g. during an exception) removes the temporary file
+// and leaves `path` untouched. Not thread-safe: one writer belongs to one thread at a time.
+class AtomicFileWriter {
+ public:
+  explicit AtomicFileWriter(std::string path);
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  // Appends bytes to the temporary file. Throws IoError (and the writer is then unusable).
+  void Append(std::span<const std::byte> bytes);
+  void Append(std::string_view text);
+  // Flushes, fsyncs and renames the temporary file over the destination. At most once.
+  void Commit();
+
+  const std::string& path() const { return path_; }
+  // Bytes appended so far.
+  size_t size() const { return size_; }
+
+ private:
+  void Abort() noexcept;
+
+  std::string path_;
+  std::string temp_path_;
+  int fd_ = -1;
+  size_t size_ = 0;
+  bool committed_ = false;
+};
+
+}  // namespace switchyard

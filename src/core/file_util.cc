@@ -1,0 +1,234 @@
+#include "switchyard/core/file_util.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "switchyard/core/error.h"
+
+namespace switchyard {
+namespace {
+
+std::string SystemError(int err) { return std::strerror(err); }
+
+// Directory part of `path` ("." when there is none), for the temporary file and the dir fsync.
+std::string DirName(const std::string& path) {
+  size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+std::string BaseName(const std::string& path) {
+  size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+// Makes the rename durable. Failure to open the directory (e.g. no read permission) is not an
+// error: the data is already on disk, only the name may be lost in a power cut.
+void SyncDirectory(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+class FileCloser {
+ public:
+  explicit FileCloser(int fd) : fd_(fd) {}
+  ~FileCloser() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FileCloser(const FileCloser&) = delete;
+  FileCloser& operator=(const FileCloser&) = delete;
+
+ private:
+  int fd_;
+};
+
+}  // namespace
+
+AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
+  SY_REQUIRE(!path_.empty(), IoError, "cannot write a file with an empty path");
+  SY_REQUIRE(path_.back() != '/', IoError, "cannot write '{}': the path names a directory", path_);
+  struct stat st;
+  if (::stat(path_.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    throw IoError(fmt::format("cannot write '{}': a directory is in the way", path_));
+  }
+  static std::atomic<uint64_t> counter{0};
+  std::string dir = DirName(path_);
+  std::string base = BaseName(path_);
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    temp_path_ = fmt::format("{}/.{}.tmp.{}.{}", dir, base, ::getpid(), counter.fetch_add(1));
+    fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd_ >= 0 || errno != EEXIST) break;
+  }
+  if (fd_ < 0) {
+    int err = errno;
+    throw IoError(fmt::format("cannot write '{}': creating temporary file '{}' failed: {}", path_,
+                              temp_path_, SystemError(err)));
+  }
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (!committed_) Abort();
+}
+
+void AtomicFileWriter::Abort() noexcept {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+  if (!temp_path_.empty()) {
+    ::unlink(temp_path_.c_str());
+    temp_path_.clear();
+  }
+}
+
+void AtomicFileWriter::Append(std::span<const std::byte> bytes) {
+  SY_REQUIRE(fd_ >= 0 && !committed_, IoError,
+             "cannot write '{}': the writer was already committed or failed", path_);
+  const std::byte* p = bytes.data();
+  size_t left = bytes.size();
+  while (left > 0) {
+    ssize_t n = ::write(fd_, p, left);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int err = errno;
+      Abort();
+      throw IoError(fmt::format("cannot write '{}': write failed after {} bytes: {}", path_, size_,
+                                SystemError(err)));
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+    size_ += static_cast<size_t>(n);
+  }
+}
+
+void AtomicFileWriter::Append(std::string_view text) {
+  Append(std::as_bytes(std::span<const char>(text.data(), text.size())));
+}
+
+void AtomicFileWriter::Commit() {
+  SY_REQUIRE(fd_ >= 0 && !committed_, IoError,
+             "cannot write '{}': the writer was already committed or failed", path_);
+  if (::fsync(fd_) != 0) {
+    int err = errno;
+    Abort();
+    throw IoError(fmt::format("cannot write '{}': fsync failed: {}", path_, SystemError(err)));
+  }
+  int rc = ::close(fd_);
+  fd_ = -1;
+  if (rc != 0) {
+    int err = errno;
+    Abort();
+    throw IoError(fmt::format("cannot write '{}': close failed: {}", path_, SystemError(err)));
+  }
+  if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
+    int err = errno;
+    Abort();
+    throw IoError(
+        fmt::format("cannot write '{}': renaming the temporary file into place failed: {}", path_,
+                    SystemError(err)));
+  }
+  temp_path_.clear();
+  committed_ = true;
+  SyncDirectory(DirName(path_));
+}
+
+RandomAccessFile::RandomAccessFile(std::string path) : path_(std::move(path)) {
+  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) {
+    int err = errno;
+    throw IoError(fmt::format("cannot read '{}': {}", path_, SystemError(err)));
+  }
+  struct stat st {};
+  std::string problem;
+  if (::fstat(fd_, &st) != 0) {
+    problem = SystemError(errno);
+  } else if (!S_ISREG(st.st_mode)) {
+    problem = "not a regular file";
+  }
+  if (!problem.empty()) {
+    ::close(fd_);
+    fd_ = -1;
+    throw IoError(fmt::format("cannot read '{}': {}", path_, problem));
+  }
+  size_ = static_cast<uint64_t>(st.st_size);
+}
+
+RandomAccessFile::~RandomAccessFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void RandomAccessFile::ReadAt(uint64_t offset, std::span<std::byte> out) const {
+  SY_REQUIRE(offset <= size_ && out.size() <= size_ - offset, IoError,
+             "cannot read '{}': bytes [{}, {}) lie beyond the end of the file ({} bytes)", path_,
+             offset, offset + out.size(), size_);
+  size_t done = 0;
+  while (done < out.size()) {
+    ssize_t n =
+        ::pread(fd_, out.data() + done, out.size() - done, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int err = errno;
+      throw IoError(
+          fmt::format("cannot read '{}' at offset {}: {}", path_, offset + done, SystemError(err)));
+    }
+    SY_REQUIRE(n > 0, IoError, "cannot read '{}': the file shrank to {} bytes while being read",
+               path_, offset + done);
+    done += static_cast<size_t>(n);
+  }
+}
+
+void WriteFileAtomic(const std::string& path, std::span<const std::byte> bytes) {
+  AtomicFileWriter writer(path);
+  writer.Append(bytes);
+  writer.Commit();
+}
+
+void WriteTextFileAtomic(const std::string& path, std::string_view text) {
+  AtomicFileWriter writer(path);
+  writer.Append(text);
+  writer.Commit();
+}
+
+std::vector<std::byte> ReadFileBytes(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    int err = errno;
+    throw IoError(fmt::format("cannot read '{}': {}", path, SystemError(err)));
+  }
+  FileCloser closer(fd);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    throw IoError(fmt::format("cannot read '{}': {}", path, SystemError(err)));
+  }
+  SY_REQUIRE(S_ISREG(st.st_mode), IoError, "cannot read '{}': not a regular file", path);
+  std::vector<std::byte> bytes(static_cast<size_t>(st.st_size));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int err = errno;
+      throw IoError(fmt::format("cannot read '{}': {}", path, SystemError(err)));
+    }
+    if (n == 0) break;  // the file shrank while we read it
+    done += static_cast<size_t>(n);
+  }
+  bytes.resize(done);
+  return bytes;
+}
+
+std::string ReadTextFile(const std::string& path) {
+  std::vector<std::byte> bytes = ReadFileBytes(path);
+  return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+
+}  // namespace switchyard
