@@ -7,6 +7,7 @@
 #include <numbers>
 #include <vector>
 
+#include "kernels/vec_math.h"
 #include "switchyard/core/error.h"
 
 namespace switchyard::kernels {
@@ -19,7 +20,7 @@ void SoftmaxRows(const float* x, float* y, int64_t rows, int64_t cols) {
     for (int64_t j = 0; j < cols; ++j) mx = std::max(mx, xr[j]);
     float sum = 0.0f;
     for (int64_t j = 0; j < cols; ++j) {
-      yr[j] = std::exp(xr[j] - mx);
+      yr[j] = vec::Exp(xr[j] - mx);
       sum += yr[j];
     }
     float inv = 1.0f / sum;
@@ -136,10 +137,10 @@ void ActivationForward(Activation act, const float* x, float* y, int64_t n) {
       for (int64_t i = 0; i < n; ++i) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
       break;
     case Activation::kGelu:
-      for (int64_t i = 0; i < n; ++i) y[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * kInvSqrt2));
+      for (int64_t i = 0; i < n; ++i) y[i] = 0.5f * x[i] * (1.0f + vec::Erf(x[i] * kInvSqrt2));
       break;
     case Activation::kSilu:
-      for (int64_t i = 0; i < n; ++i) y[i] = x[i] / (1.0f + std::exp(-x[i]));
+      for (int64_t i = 0; i < n; ++i) y[i] = x[i] / (1.0f + vec::Exp(-x[i]));
       break;
     case Activation::kIdentity:
       if (y != x && n > 0) std::memcpy(y, x, static_cast<size_t>(n) * sizeof(float));
@@ -154,14 +155,14 @@ void ActivationBackward(Activation act, const float* x, const float* dy, float* 
       break;
     case Activation::kGelu:
       for (int64_t i = 0; i < n; ++i) {
-        float cdf = 0.5f * (1.0f + std::erf(x[i] * kInvSqrt2));
-        float pdf = kInvSqrt2Pi * std::exp(-0.5f * x[i] * x[i]);
+        float cdf = 0.5f * (1.0f + vec::Erf(x[i] * kInvSqrt2));
+        float pdf = kInvSqrt2Pi * vec::Exp(-0.5f * x[i] * x[i]);
         dx[i] = dy[i] * (cdf + x[i] * pdf);
       }
       break;
     case Activation::kSilu:
       for (int64_t i = 0; i < n; ++i) {
-        float s = 1.0f / (1.0f + std::exp(-x[i]));
+        float s = 1.0f / (1.0f + vec::Exp(-x[i]));
         dx[i] = dy[i] * s * (1.0f + x[i] * (1.0f - s));
       }
       break;
