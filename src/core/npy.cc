@@ -222,8 +222,10 @@ class HeaderParser {
 NpyHeader ParseHeader(std::span<const std::byte> prefix, uint64_t file_size, std::string_view what,
                       uint64_t* needed) {
   auto byte = [&](size_t i) { return static_cast<unsigned char>(prefix[i]); };
-  SY_REQUIRE(file_size >= kMagicLen + 2 && std::memcmp(prefix.data(), kMagic.data(), 6) == 0,
+  SY_REQUIRE(file_size >= kMagic.size() && std::memcmp(prefix.data(), kMagic.data(), 6) == 0,
              IoError, "{}: not a .npy file (it does not start with \"\\x93NUMPY\")", what);
+  SY_REQUIRE(file_size >= kMagicLen, IoError,
+             "{}: the file ends inside the .npy version ({} bytes)", what, file_size);
   unsigned major = byte(6);
   unsigned minor = byte(7);
   SY_REQUIRE((major == 1 || major == 2 || major == 3) && minor == 0, IoError,

@@ -32,9 +32,10 @@ constexpr std::array<std::string_view, 16> kUnsupportedDTypes = {
     "BOOL", "U8",  "I8",  "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16",     "U16",
     "F16",  "U32", "F64", "U64",     "F4",      "F6_E2M3", "F6_E3M2", "C64"};
 
-// Deepest nesting of a valid header: root object (0) > entry object (1) > shape array (2) >
-// dimension (3).
-constexpr int kMaxJsonDepth = 3;
+// A valid header nests 3 levels deep (root object > entry > shape array > dimension); unknown
+// fields of an entry are ignored like the reference implementation does, so allow some room for
+// them, but refuse absurd nesting (hostile input) early.
+constexpr int kMaxJsonDepth = 16;
 
 // Quotes a name for an error message, shortened so that a hostile header cannot produce a
 // gigantic message.
@@ -165,6 +166,14 @@ SafetensorsHeader ParseHeaderText(std::string_view text, uint64_t data_size,
              "{}: the safetensors header does not start with '{{' (byte 0x{:02x}): not a "
              "safetensors file?",
              what, static_cast<unsigned char>(text.front()));
+
+  // The JSON parser stops at a NUL byte as if the input ended there; JSON text never contains
+  // one, so a NUL means garbage (the format pads with spaces only).
+  size_t nul = text.find('\0');
+  SY_REQUIRE(nul == std::string_view::npos, IoError,
+             "{}: the safetensors header contains a NUL byte at offset {}: only JSON and space "
+             "padding are allowed",
+             what, 8 + nul);
 
   // Duplicate keys and nesting depth are checked while parsing: a JSON object keeps only one
   // value per key, so duplicates are invisible afterwards.
