@@ -1,0 +1,96 @@
+// The FFN of a transformer block behind one small interface, so that a block's FFN is either
+// the dense MLP below or an MoE layer (moe::MoeLayer, adapted in the layer above train's
+// dependencies) without the model knowing which.
+//
+// Contract of every implementation:
+// - Parameters are registered in the model's ParameterSet under the prefix the factory gets
+//   ("blocks.3.mlp." for dense, "blocks.3.moe." for MoE: "blocks.3.moe.gate.weight",
+//   "blocks.3.moe.experts.fc1.weight", ...), expert parameters with ParamGroup::kExpert.
+// - Forward(x [num_tokens, model_dim]) returns y of the same shape plus any auxiliary loss the
+//   FFN adds to the training objective (`loss`, already multiplied by its coefficients) and
+//   routing statistics. Backward(forward, dy) accumulates the gradients of
+//   sum(y * dy) + loss_scale * loss into the parameters' grads and returns dx.
+// - Thread-safety: as the pieces of layers.h (Backward writes the shared gradients).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "switchyard/core/tensor.h"
+#include "switchyard/kernels/ops.h"
+#include "switchyard/train/layers.h"
+#include "switchyard/train/parameters.h"
+
+namespace switchyard::train {
+
+// Per-call settings of a forward pass.
+struct FeedForwardContext {
+  int64_t global_token_offset = 0;  // global index of local token 0 (keys random routing draws)
+  uint64_t step = 0;                // training step (keys random routing draws)
+  bool training = true;
+  bool save_for_backward = true;
+  int threads = 1;
+};
+
+// Routing statistics of one MoE forward (empty for a dense FFN).
+struct RoutingStats {
+  std::vector<int64_t> expert_loads;   // [num_experts] routed (token, choice) pairs per expert
+  std::vector<int64_t> expert_counts;  // [num_experts] pairs kept (after capacity drops)
+  int64_t routed = 0;                  // routed pairs (num_tokens * top_k)
+  int64_t dropped = 0;                 // pairs dropped for capacity
+};
+
+struct FeedForwardOutput {
+  Tensor y;                           // [num_tokens, model_dim]
+  double loss = 0;                    // auxiliary loss term added to the objective (coefs applied)
+  double aux_loss = 0;                // load-balancing loss l_aux, before its coefficient (MoE)
+  double z_loss = 0;                  // router z-loss, before its coefficient (MoE)
+  RoutingStats routing;               // empty for dense
+  std::shared_ptr<const void> state;  // what Backward needs (implementation-defined)
+};
+
+class FeedForward {
+ public:
+  virtual ~FeedForward() = default;
+
+  // True for an MoE layer (its routing statistics are reported per step).
+  virtual bool is_moe() const = 0;
+  // Experts of an MoE layer (global), 0 for dense.
+  virtual int64_t num_experts() const { return 0; }
+
+  virtual FeedForwardOutput Forward(const Tensor& x, const FeedForwardContext& context) = 0;
+  // dy [num_tokens, model_dim]; `forward` from Forward with save_for_backward. `loss_scale`
+  // multiplies the gradient of the auxiliary loss term (the objective's weight on it).
+  virtual Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
+                          int threads) = 0;
+};
+
+// Builds the FFN of block `block_index`. `prefix` is where its parameters go (e.g.
+// "blocks.3.moe."); `seed` keys its initialization.
+using FeedForwardFactory = std::function<std::unique_ptr<FeedForward>(
+    int64_t block_index, const std::string& prefix, ParameterSet& params, uint64_t seed)>;
+
+// The dense MLP: y = fc2(act(fc1(x))), "<prefix>fc1.weight" [hidden_dim, model_dim],
+// "<prefix>fc1.bias" [hidden_dim], "<prefix>fc2.weight" [model_dim, hidden_dim],
+// "<prefix>fc2.bias" [model_dim].
+class DenseFeedForward : public FeedForward {
+ public:
+  DenseFeedForward(ParameterSet& params, const std::string& prefix, int64_t model_dim,
+                   int64_t hidden_dim, kernels::Activation activation, float init_std,
+                   float out_init_std, uint64_t seed);
+
+  bool is_moe() const override { return false; }
+  FeedForwardOutput Forward(const Tensor& x, const FeedForwardContext& context) override;
+  Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
+                  int threads) override;
+
+ private:
+  kernels::Activation activation_;
+  Linear fc1_;
+  Linear fc2_;
+};
+
+}  // namespace switchyard::train

@@ -1,0 +1,137 @@
+// A decoder-only transformer language model (GPT-2 layout, pre-norm):
+//   x = embed(tokens) + pos_embed(positions)
+//   for each block: x = x + attn(norm1(x)); x = x + ffn(norm2(x))
+//   logits = final_norm(x) · head^T   (head = embed.weight when tied)
+//   loss = mean cross-entropy(logits, targets) + sum over blocks of the FFN's auxiliary loss
+// The FFN of block i is an MoE layer when IsMoeBlock(config, i) (GShard: every other block) and
+// the dense MLP otherwise. MoE FFNs come from a FeedForwardFactory (feed_forward.h).
+//
+// Parameter names (PyTorch-style): "embed.weight" [vocab_size, model_dim],
+// "pos_embed.weight" [seq_len, model_dim], "blocks.{i}.norm1.{weight,bias}",
+// "blocks.{i}.attn.qkv.{weight,bias}", "blocks.{i}.attn.proj.{weight,bias}",
+// "blocks.{i}.norm2.{weight,bias}", "blocks.{i}.mlp.fc{1,2}.{weight,bias}" or
+// "blocks.{i}.moe.*", "final_norm.{weight,bias}", "head.weight" [vocab_size, model_dim]
+// (untied only). RMSNorm has no bias.
+//
+// Thread-safety: Forward may run concurrently; Backward accumulates into the shared gradients.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "switchyard/core/tensor.h"
+#include "switchyard/kernels/ops.h"
+#include "switchyard/train/feed_forward.h"
+#include "switchyard/train/layers.h"
+#include "switchyard/train/parameters.h"
+
+namespace switchyard::train {
+
+struct ModelConfig {
+  int64_t vocab_size = 256;  // byte-level tokens
+  int64_t seq_len = 64;      // context length (learned position embeddings)
+  int64_t model_dim = 128;
+  int64_t num_layers = 4;
+  int64_t num_heads = 4;
+  int64_t hidden_dim = 512;  // dense FFN hidden size
+  NormKind norm = NormKind::kLayerNorm;
+  kernels::Activation activation = kernels::Activation::kGelu;
+  bool tied_head = true;
+  // Block i has an MoE FFN iff moe_every > 0 and i % moe_every == moe_every - 1 (moe_every 2:
+  // blocks 1, 3, ...; 1: every block; 0: a dense model).
+  int64_t moe_every = 0;
+  float init_std = 0.02f;  // N(0, init_std^2); residual projections use init_std / sqrt(2 L)
+};
+
+// Throws InvalidArgument naming the field and what was expected.
+void ValidateModelConfig(const ModelConfig& config);
+bool IsMoeBlock(const ModelConfig& config, int64_t block_index);
+
+struct BlockCache {
+  NormCache norm1;
+  AttentionCache attn;
+  NormCache norm2;
+  FeedForwardOutput ffn;
+};
+
+// One pre-norm transformer block: "<prefix>norm1.", "<prefix>attn.", "<prefix>norm2." and the
+// FFN, which `make_ffn` builds (registering its own parameters) after the block's norm2, so that
+// parameters are registered in module order.
+class Block {
+ public:
+  Block(ParameterSet& params, const std::string& prefix, const ModelConfig& config,
+        const std::function<std::unique_ptr<FeedForward>()>& make_ffn, uint64_t seed);
+
+  FeedForward& ffn() const { return *ffn_; }
+
+  // x [batch_size * seq_len, model_dim]. `cache` receives the FFN's output statistics and, with
+  // context.save_for_backward, what Backward needs.
+  Tensor Forward(const Tensor& x, int64_t batch_size, const FeedForwardContext& context,
+                 BlockCache* cache) const;
+  Tensor Backward(const BlockCache& cache, const Tensor& dy, float loss_scale, int threads) const;
+
+ private:
+  Norm norm1_;
+  CausalSelfAttention attn_;
+  Norm norm2_;
+  std::unique_ptr<FeedForward> ffn_;
+};
+
+struct ForwardOptions {
+  bool training = true;
+  bool save_for_backward = true;
+  uint64_t step = 0;                // keys the MoE layers' random draws
+  int64_t global_token_offset = 0;  // global index of this rank's first token
+  int threads = 1;
+};
+
+struct ModelState;  // activations kept for Backward (opaque)
+
+struct LmOutput {
+  double loss = 0;      // ce_loss + the FFNs' auxiliary loss terms (the training objective)
+  double ce_loss = 0;   // mean cross-entropy over counted tokens (nats)
+  double aux_loss = 0;  // mean over MoE blocks of l_aux (before coefficients; 0 when dense)
+  double z_loss = 0;    // mean over MoE blocks of the router z-loss
+  int64_t count = 0;    // tokens counted in ce_loss
+  std::vector<RoutingStats> routing;  // one per MoE block, in block order
+  Tensor logits;                      // [batch_size * seq_len, vocab_size] (keep_logits only)
+  std::shared_ptr<const ModelState> state;
+};
+
+class TransformerLm {
+ public:
+  // Validates the config. A model with MoE blocks needs `moe_factory` (InvalidArgument without).
+  TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFactory moe_factory = nullptr);
+  ~TransformerLm();
+  TransformerLm(const TransformerLm&) = delete;
+  TransformerLm& operator=(const TransformerLm&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  ParameterSet& parameters() { return params_; }
+  const ParameterSet& parameters() const { return params_; }
+  int64_t num_moe_blocks() const;
+  // Experts of each MoE block, in block order.
+  std::vector<int64_t> experts_per_moe_block() const;
+
+  // tokens, targets: int32 [batch_size, seq] with 1 <= seq <= config.seq_len; tokens in
+  // [0, vocab_size), targets in [0, vocab_size) or < 0 (ignored). targets may be undefined
+  // (no loss; logits are kept). With save_for_backward the output can be passed to Backward.
+  LmOutput Forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& options,
+                   bool keep_logits = false);
+  // Accumulates loss_scale * d(loss)/d(parameters) into the gradients.
+  void Backward(const LmOutput& forward, float loss_scale = 1.0f, int threads = 1);
+
+ private:
+  ModelConfig config_;
+  ParameterSet params_;
+  std::unique_ptr<Embedding> embed_;
+  std::unique_ptr<Embedding> pos_embed_;
+  std::vector<std::unique_ptr<Block>> blocks_;
+  std::unique_ptr<Norm> final_norm_;
+  Parameter* head_ = nullptr;  // embed.weight (tied) or head.weight
+};
+
+}  // namespace switchyard::train

@@ -1,0 +1,111 @@
+// Causal multi-head self-attention: per (sequence, head) GEMMs on strided views of qkv.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "switchyard/kernels/gemm.h"
+#include "switchyard/kernels/ops.h"
+#include "switchyard/train/layers.h"
+#include "train/parallel_for.h"
+
+namespace switchyard::train {
+
+using kernels::Trans;
+
+CausalSelfAttention::CausalSelfAttention(ParameterSet& params, const std::string& prefix,
+                                         int64_t model_dim, int64_t num_heads, float init_std,
+                                         float proj_init_std, uint64_t seed)
+    : model_dim_(model_dim),
+      num_heads_(num_heads),
+      qkv_(params, prefix + "qkv.", model_dim, 3 * model_dim, true, init_std, seed),
+      proj_(params, prefix + "proj.", model_dim, model_dim, true, proj_init_std, seed) {
+  SY_REQUIRE(num_heads > 0 && model_dim % num_heads == 0, InvalidArgument,
+             "{}: num_heads {} must be positive and divide model_dim {}", prefix, num_heads,
+             model_dim);
+}
+
+Tensor CausalSelfAttention::Forward(const Tensor& x, int64_t batch_size, int threads,
+                                    AttentionCache* cache) const {
+  SY_REQUIRE(batch_size > 0 && x.defined() && x.dim() == 2 && x.size(0) % batch_size == 0,
+             InvalidArgument,
+             "attention x: expected [batch_size * seq_len, model_dim] with batch_size {}, got {}",
+             batch_size, x.defined() ? ShapeToString(x.shape()) : "undefined");
+  const int64_t m = model_dim_, heads = num_heads_, hd = m / heads;
+  const int64_t seq = x.size(0) / batch_size;
+  Tensor qkv = qkv_.Forward(x);
+  Tensor probs = Tensor::Empty({batch_size, heads, seq, seq});
+  Tensor att = Tensor::Empty({x.size(0), m});
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float* qkvp = qkv.data<float>();
+  float* pp = probs.data<float>();
+  float* ap = att.data<float>();
+  ParallelFor(batch_size * heads, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      int64_t b = bh / heads, h = bh % heads;
+      const float* q = qkvp + b * seq * 3 * m + h * hd;
+      const float* k = q + m;
+      const float* v = q + 2 * m;
+      float* p = pp + bh * seq * seq;
+      // scores = q k^T * scale; only the causal (lower) triangle is used.
+      kernels::Gemm(Trans::kNo, Trans::kYes, seq, seq, hd, scale, q, 3 * m, k, 3 * m, 0.0f, p, seq);
+      for (int64_t i = 0; i < seq; ++i) {
+        float* row = p + i * seq;
+        kernels::SoftmaxRows(row, row, 1, i + 1);
+        std::fill(row + i + 1, row + seq, 0.0f);
+      }
+      kernels::Gemm(Trans::kNo, Trans::kNo, seq, hd, seq, 1.0f, p, seq, v, 3 * m, 0.0f,
+                    ap + b * seq * m + h * hd, m);
+    }
+  });
+  Tensor y = proj_.Forward(att);
+  if (cache != nullptr) *cache = AttentionCache{x, qkv, probs, att, batch_size};
+  return y;
+}
+
+Tensor CausalSelfAttention::Backward(const AttentionCache& cache, const Tensor& dy,
+                                     int threads) const {
+  const int64_t m = model_dim_, heads = num_heads_, hd = m / heads;
+  const int64_t num_tokens = cache.x.size(0), batch_size = cache.batch_size;
+  const int64_t seq = num_tokens / batch_size;
+  ExpectShape("attention dy", dy, {num_tokens, m});
+  Tensor datt = proj_.Backward(cache.att, dy);
+  Tensor dqkv = Tensor::Empty({num_tokens, 3 * m});
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float* qkvp = cache.qkv.data<float>();
+  const float* pp = cache.probs.data<float>();
+  const float* dap = datt.data<float>();
+  float* dqkvp = dqkv.data<float>();
+  ParallelFor(batch_size * heads, threads, [&](int64_t begin, int64_t end) {
+    std::vector<float> dp(static_cast<size_t>(seq * seq));
+    for (int64_t bh = begin; bh < end; ++bh) {
+      int64_t b = bh / heads, h = bh % heads;
+      int64_t off = b * seq * 3 * m + h * hd;
+      const float* q = qkvp + off;
+      const float* k = q + m;
+      const float* v = q + 2 * m;
+      float* dq = dqkvp + off;
+      float* dk = dq + m;
+      float* dv = dq + 2 * m;
+      const float* p = pp + bh * seq * seq;
+      const float* da = dap + b * seq * m + h * hd;
+      // dP = dA v^T; dV = P^T dA.
+      kernels::Gemm(Trans::kNo, Trans::kYes, seq, seq, hd, 1.0f, da, m, v, 3 * m, 0.0f, dp.data(),
+                    seq);
+      kernels::Gemm(Trans::kYes, Trans::kNo, seq, hd, seq, 1.0f, p, seq, da, m, 0.0f, dv, 3 * m);
+      // dS = softmax backward over the causal part of each row (zero above the diagonal).
+      for (int64_t i = 0; i < seq; ++i) {
+        float* row = dp.data() + i * seq;
+        kernels::SoftmaxRowsBackward(p + i * seq, row, row, 1, i + 1);
+        std::fill(row + i + 1, row + seq, 0.0f);
+      }
+      // dQ = dS k * scale; dK = dS^T q * scale.
+      kernels::Gemm(Trans::kNo, Trans::kNo, seq, hd, seq, scale, dp.data(), seq, k, 3 * m, 0.0f, dq,
+                    3 * m);
+      kernels::Gemm(Trans::kYes, Trans::kNo, seq, hd, seq, scale, dp.data(), seq, q, 3 * m, 0.0f,
+                    dk, 3 * m);
+    }
+  });
+  return qkv_.Backward(cache.x, dqkv);
+}
+
+}  // namespace switchyard::train

@@ -1,0 +1,43 @@
+#include "switchyard/train/feed_forward.h"
+
+namespace switchyard::train {
+namespace {
+
+struct DenseState {
+  Tensor x;  // [num_tokens, model_dim]
+  Tensor h;  // [num_tokens, hidden_dim] fc1 output, before the activation
+  Tensor a;  // [num_tokens, hidden_dim] act(h)
+};
+
+}  // namespace
+
+DenseFeedForward::DenseFeedForward(ParameterSet& params, const std::string& prefix,
+                                   int64_t model_dim, int64_t hidden_dim,
+                                   kernels::Activation activation, float init_std,
+                                   float out_init_std, uint64_t seed)
+    : activation_(activation),
+      fc1_(params, prefix + "fc1.", model_dim, hidden_dim, true, init_std, seed),
+      fc2_(params, prefix + "fc2.", hidden_dim, model_dim, true, out_init_std, seed) {}
+
+FeedForwardOutput DenseFeedForward::Forward(const Tensor& x, const FeedForwardContext& context) {
+  Tensor h = fc1_.Forward(x);
+  Tensor a = Tensor::Empty(h.shape());
+  kernels::ActivationForward(activation_, h.data<float>(), a.data<float>(), h.numel());
+  FeedForwardOutput out;
+  out.y = fc2_.Forward(a);
+  if (context.save_for_backward)
+    out.state = std::make_shared<const DenseState>(DenseState{x, h, a});
+  return out;
+}
+
+Tensor DenseFeedForward::Backward(const FeedForwardOutput& forward, const Tensor& dy,
+                                  float loss_scale, int threads) {
+  SY_CHECK(forward.state != nullptr, "DenseFeedForward::Backward needs save_for_backward");
+  const auto& s = *static_cast<const DenseState*>(forward.state.get());
+  Tensor da = fc2_.Backward(s.a, dy);
+  kernels::ActivationBackward(activation_, s.h.data<float>(), da.data<float>(), da.data<float>(),
+                              da.numel());
+  return fc1_.Backward(s.x, da);
+}
+
+}  // namespace switchyard::train

@@ -1,0 +1,237 @@
+// Linear, Embedding, Norm and the softmax cross-entropy (attention is in attention.cc).
+#include "switchyard/train/layers.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "switchyard/kernels/gemm.h"
+#include "switchyard/kernels/ops.h"
+
+namespace switchyard::train {
+
+using kernels::Trans;
+
+namespace {
+
+int64_t Rows(std::string_view what, const Tensor& t, int64_t cols) {
+  SY_REQUIRE(t.defined() && t.dim() == 2, InvalidArgument,
+             "{}: expected a 2-d tensor [num_tokens, {}], got {}", what, cols,
+             t.defined() ? ShapeToString(t.shape()) : "undefined");
+  ExpectShape(what, t, {kAnySize, cols});
+  ExpectDType(what, t, DType::kFloat32);
+  return t.size(0);
+}
+
+}  // namespace
+
+// ---- Linear ----
+
+Linear::Linear(ParameterSet& params, const std::string& prefix, int64_t in_dim, int64_t out_dim,
+               bool bias, float init_std, uint64_t seed)
+    : in_dim_(in_dim), out_dim_(out_dim) {
+  SY_REQUIRE(in_dim > 0 && out_dim > 0, InvalidArgument,
+             "{}: Linear sizes must be positive, got in_dim {} out_dim {}", prefix, in_dim,
+             out_dim);
+  Tensor w = Tensor::Empty({out_dim, in_dim});
+  InitNormal(w, init_std, seed, prefix + "weight");
+  weight_ = &params.Add(prefix + "weight", w, {.weight_decay = true});
+  if (bias) bias_ = &params.Add(prefix + "bias", Tensor::Zeros({out_dim}));
+}
+
+Tensor Linear::Forward(const Tensor& x) const {
+  int64_t n = Rows("Linear x", x, in_dim_);
+  Tensor y = Tensor::Empty({n, out_dim_});
+  float* yp = y.data<float>();
+  float beta = 0.0f;
+  if (bias_ != nullptr) {
+    const float* b = bias_->value.data<float>();
+    for (int64_t i = 0; i < n; ++i) std::copy_n(b, out_dim_, yp + i * out_dim_);
+    beta = 1.0f;
+  }
+  kernels::Gemm(Trans::kNo, Trans::kYes, n, out_dim_, in_dim_, 1.0f, x.data<float>(), in_dim_,
+                weight_->value.data<float>(), in_dim_, beta, yp, out_dim_);
+  return y;
+}
+
+Tensor Linear::Backward(const Tensor& x, const Tensor& dy) const {
+  int64_t n = Rows("Linear x", x, in_dim_);
+  ExpectShape("Linear dy", dy, {n, out_dim_});
+  ExpectDType("Linear dy", dy, DType::kFloat32);
+  const float* dyp = dy.data<float>();
+  Tensor dx = Tensor::Empty({n, in_dim_});
+  kernels::Gemm(Trans::kNo, Trans::kNo, n, in_dim_, out_dim_, 1.0f, dyp, out_dim_,
+                weight_->value.data<float>(), in_dim_, 0.0f, dx.data<float>(), in_dim_);
+  kernels::Gemm(Trans::kYes, Trans::kNo, out_dim_, in_dim_, n, 1.0f, dyp, out_dim_, x.data<float>(),
+                in_dim_, 1.0f, weight_->grad.data<float>(), in_dim_);
+  if (bias_ != nullptr) {
+    float* db = bias_->grad.data<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = dyp + i * out_dim_;
+      for (int64_t j = 0; j < out_dim_; ++j) db[j] += row[j];
+    }
+  }
+  return dx;
+}
+
+// ---- Embedding ----
+
+Embedding::Embedding(ParameterSet& params, const std::string& prefix, int64_t num_embeddings,
+                     int64_t dim, float init_std, uint64_t seed)
+    : num_embeddings_(num_embeddings), dim_(dim) {
+  SY_REQUIRE(num_embeddings > 0 && dim > 0, InvalidArgument,
+             "{}: Embedding sizes must be positive, got {} x {}", prefix, num_embeddings, dim);
+  Tensor w = Tensor::Empty({num_embeddings, dim});
+  InitNormal(w, init_std, seed, prefix + "weight");
+  weight_ = &params.Add(prefix + "weight", w, {.weight_decay = true});
+}
+
+Tensor Embedding::Forward(const Tensor& ids) const {
+  SY_REQUIRE(ids.defined() && ids.dim() == 1, InvalidArgument,
+             "Embedding ids: expected a 1-d int32 tensor [num_tokens], got {}",
+             ids.defined() ? ids.ToString() : "undefined");
+  ExpectDType("Embedding ids", ids, DType::kInt32);
+  const int32_t* id = ids.data<int32_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    SY_REQUIRE(id[i] >= 0 && id[i] < num_embeddings_, InvalidArgument,
+               "Embedding ids[{}] = {}: expected a value in [0, {})", i, id[i], num_embeddings_);
+  }
+  Tensor y = Tensor::Empty({ids.numel(), dim_});
+  kernels::GatherRows(weight_->value.data<float>(), num_embeddings_, dim_, id, nullptr, ids.numel(),
+                      y.data<float>());
+  return y;
+}
+
+void Embedding::Backward(const Tensor& ids, const Tensor& dy) const {
+  ExpectShape("Embedding dy", dy, {ids.numel(), dim_});
+  kernels::ScatterAddRows(dy.data<float>(), ids.numel(), dim_, ids.data<int32_t>(), nullptr,
+                          weight_->grad.data<float>(), num_embeddings_);
+}
+
+// ---- Norm ----
+
+NormKind NormKindFromName(std::string_view name) {
+  if (name == "layernorm") return NormKind::kLayerNorm;
+  if (name == "rmsnorm") return NormKind::kRmsNorm;
+  throw InvalidArgument(fmt::format("norm: expected 'layernorm' or 'rmsnorm', got '{}'", name));
+}
+
+std::string_view NormKindName(NormKind kind) {
+  return kind == NormKind::kLayerNorm ? "layernorm" : "rmsnorm";
+}
+
+Norm::Norm(ParameterSet& params, const std::string& prefix, int64_t dim, NormKind kind)
+    : dim_(dim), kind_(kind) {
+  SY_REQUIRE(dim > 0, InvalidArgument, "{}: Norm dim must be positive, got {}", prefix, dim);
+  weight_ = &params.Add(prefix + "weight", Tensor::Full({dim}, 1.0));
+  if (kind == NormKind::kLayerNorm) bias_ = &params.Add(prefix + "bias", Tensor::Zeros({dim}));
+}
+
+Tensor Norm::Forward(const Tensor& x, NormCache* cache) const {
+  int64_t n = Rows("Norm x", x, dim_);
+  Tensor y = Tensor::Empty({n, dim_});
+  Tensor mean = kind_ == NormKind::kLayerNorm ? Tensor::Empty({n}) : Tensor();
+  Tensor rstd = Tensor::Empty({n});
+  const float* xp = x.data<float>();
+  const float* w = weight_->value.data<float>();
+  const float* b = bias_ ? bias_->value.data<float>() : nullptr;
+  float* yp = y.data<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xr = xp + i * dim_;
+    float* yr = yp + i * dim_;
+    float mu = 0.0f;
+    if (kind_ == NormKind::kLayerNorm) {
+      for (int64_t j = 0; j < dim_; ++j) mu += xr[j];
+      mu /= static_cast<float>(dim_);
+      mean.data<float>()[i] = mu;
+    }
+    float ss = 0.0f;
+    for (int64_t j = 0; j < dim_; ++j) ss += (xr[j] - mu) * (xr[j] - mu);
+    float rs = 1.0f / std::sqrt(ss / static_cast<float>(dim_) + kEps);
+    rstd.data<float>()[i] = rs;
+    for (int64_t j = 0; j < dim_; ++j) yr[j] = (xr[j] - mu) * rs * w[j] + (b ? b[j] : 0.0f);
+  }
+  if (cache != nullptr) *cache = NormCache{x, mean, rstd};
+  return y;
+}
+
+Tensor Norm::Backward(const NormCache& cache, const Tensor& dy) const {
+  int64_t n = Rows("Norm x", cache.x, dim_);
+  ExpectShape("Norm dy", dy, {n, dim_});
+  const float* xp = cache.x.data<float>();
+  const float* dyp = dy.data<float>();
+  const float* w = weight_->value.data<float>();
+  float* dw = weight_->grad.data<float>();
+  float* db = bias_ ? bias_->grad.data<float>() : nullptr;
+  Tensor dx = Tensor::Empty({n, dim_});
+  float* dxp = dx.data<float>();
+  std::vector<float> xhat(static_cast<size_t>(dim_)), g(static_cast<size_t>(dim_));
+  float inv_dim = 1.0f / static_cast<float>(dim_);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xr = xp + i * dim_;
+    const float* dyr = dyp + i * dim_;
+    float mu = kind_ == NormKind::kLayerNorm ? cache.mean.data<float>()[i] : 0.0f;
+    float rs = cache.rstd.data<float>()[i];
+    float sum_g = 0.0f, sum_gx = 0.0f;
+    for (int64_t j = 0; j < dim_; ++j) {
+      xhat[j] = (xr[j] - mu) * rs;
+      g[j] = dyr[j] * w[j];
+      sum_g += g[j];
+      sum_gx += g[j] * xhat[j];
+      dw[j] += dyr[j] * xhat[j];
+      if (db) db[j] += dyr[j];
+    }
+    // LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); RMSNorm has no mean term.
+    float mean_g = kind_ == NormKind::kLayerNorm ? sum_g * inv_dim : 0.0f;
+    float mean_gx = sum_gx * inv_dim;
+    float* dxr = dxp + i * dim_;
+    for (int64_t j = 0; j < dim_; ++j) dxr[j] = rs * (g[j] - mean_g - xhat[j] * mean_gx);
+  }
+  return dx;
+}
+
+// ---- Cross-entropy ----
+
+CrossEntropyResult SoftmaxCrossEntropy(const Tensor& logits, const Tensor& targets, Tensor* dlogits,
+                                       float scale) {
+  SY_REQUIRE(logits.defined() && logits.dim() == 2, InvalidArgument,
+             "cross-entropy logits: expected [num_tokens, vocab_size], got {}",
+             logits.defined() ? ShapeToString(logits.shape()) : "undefined");
+  ExpectDType("cross-entropy logits", logits, DType::kFloat32);
+  int64_t n = logits.size(0), vocab = logits.size(1);
+  ExpectShape("cross-entropy targets", targets, {n});
+  ExpectDType("cross-entropy targets", targets, DType::kInt32);
+  const float* lp = logits.data<float>();
+  const int32_t* tp = targets.data<int32_t>();
+  CrossEntropyResult r;
+  std::vector<float> lse(static_cast<size_t>(n));
+  kernels::LogSumExpRows(lp, lse.data(), n, vocab);
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t t = tp[i];
+    if (t < 0) continue;
+    SY_REQUIRE(t < vocab, InvalidArgument, "cross-entropy targets[{}] = {}: expected < {}", i, t,
+               vocab);
+    total += static_cast<double>(lse[i]) - lp[i * vocab + t];
+    ++r.count;
+  }
+  r.loss = r.count > 0 ? total / static_cast<double>(r.count) : 0.0;
+  if (dlogits != nullptr) {
+    *dlogits = Tensor::Empty({n, vocab});
+    float* d = dlogits->data<float>();
+    float coef = r.count > 0 ? scale / static_cast<float>(r.count) : 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      float* dr = d + i * vocab;
+      const float* lr = lp + i * vocab;
+      if (tp[i] < 0) {
+        std::fill_n(dr, vocab, 0.0f);
+        continue;
+      }
+      for (int64_t j = 0; j < vocab; ++j) dr[j] = coef * std::exp(lr[j] - lse[i]);
+      dr[tp[i]] -= coef;
+    }
+  }
+  return r;
+}
+
+}  // namespace switchyard::train

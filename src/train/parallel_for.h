@@ -1,0 +1,40 @@
+// A minimal parallel loop for the train layer's per-(sequence, head) work (private).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <thread>
+#include <vector>
+
+namespace switchyard::train {
+
+// Calls fn(begin, end) on contiguous chunks of [0, n) from up to `threads` threads (the
+// caller's thread included). Exceptions are rethrown on the caller after every chunk finished.
+template <typename Fn>
+void ParallelFor(int64_t n, int threads, Fn&& fn) {
+  int64_t workers = std::min<int64_t>(std::max(1, threads), n);
+  if (workers <= 1) {
+    if (n > 0) fn(int64_t{0}, n);
+    return;
+  }
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(workers));
+  auto run = [&](int64_t w) {
+    try {
+      fn(n * w / workers, n * (w + 1) / workers);
+    } catch (...) {
+      errors[static_cast<size_t>(w)] = std::current_exception();
+    }
+  };
+  {
+    std::vector<std::jthread> pool;
+    pool.reserve(static_cast<size_t>(workers - 1));
+    for (int64_t w = 1; w < workers; ++w) pool.emplace_back(run, w);
+    run(0);
+  }
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+}  // namespace switchyard::train
