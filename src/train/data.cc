@@ -1,0 +1,174 @@
+#include "switchyard/train/data.h"
+
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
+#include "switchyard/core/file_util.h"
+#include "switchyard/core/rng.h"
+
+namespace switchyard::train {
+
+std::vector<std::string> DefaultCorpusFiles(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> files;
+  std::error_code ec;
+  if (fs::is_directory(dir, ec)) {
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      if (entry.is_symlink() || !entry.is_regular_file()) continue;
+      if (entry.path().extension() == ".dat") continue;
+      files.push_back(entry.path().string());
+    }
+  }
+  SY_REQUIRE(!files.empty(), IoError,
+             "default corpus: no fortune files in '{}' (install the Debian packages fortunes-min "
+             "and fortune-mod with scripts/setup.sh, or pass --data FILE)",
+             dir);
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+std::vector<std::string_view> SplitRecords(std::string_view text, int64_t chunk_bytes) {
+  SY_REQUIRE(chunk_bytes >= 1, InvalidArgument, "SplitRecords: chunk_bytes must be >= 1, got {}",
+             chunk_bytes);
+  bool fortune = text.starts_with("%\n") || text.find("\n%\n") != std::string_view::npos ||
+                 text == "%" || text.ends_with("\n%");
+  std::vector<std::string_view> records;
+  size_t start = 0;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t eol = text.find('\n', pos);
+    size_t next = eol == std::string_view::npos ? text.size() : eol + 1;
+    std::string_view line = text.substr(pos, next - pos);
+    bool cut;
+    if (fortune) {
+      cut = line == "%\n" || line == "%";
+    } else {
+      // Cut at the first line end after chunk_bytes, or inside an over-long line.
+      cut = static_cast<int64_t>(next - start) >= chunk_bytes;
+      if (static_cast<int64_t>(next - start) > 2 * chunk_bytes) {
+        next = start + static_cast<size_t>(chunk_bytes);
+      }
+    }
+    pos = next;
+    if (cut) {
+      records.push_back(text.substr(start, pos - start));
+      start = pos;
+    }
+  }
+  if (start < text.size()) records.push_back(text.substr(start));
+  return records;
+}
+
+Corpus CorpusFromText(std::string_view text, double val_fraction) {
+  SY_REQUIRE(val_fraction >= 0 && val_fraction <= 0.5, InvalidArgument,
+             "val_fraction: expected a value in [0, 0.5], got {}", val_fraction);
+  SY_REQUIRE(!text.empty(), InvalidArgument, "corpus: the text is empty");
+  Corpus c;
+  std::vector<std::string_view> records = SplitRecords(text);
+  int64_t k = val_fraction > 0 ? std::max<int64_t>(2, std::llround(1.0 / val_fraction)) : 0;
+  c.records = static_cast<int64_t>(records.size());
+  for (size_t i = 0; i < records.size(); ++i) {
+    bool held_out = k > 0 && static_cast<int64_t>(i) % k == k - 1;
+    auto& dst = held_out ? c.val : c.train;
+    dst.insert(dst.end(), records[i].begin(), records[i].end());
+    c.val_records += held_out ? 1 : 0;
+  }
+  return c;
+}
+
+Corpus LoadCorpus(const std::vector<std::string>& files, double val_fraction) {
+  SY_REQUIRE(!files.empty(), InvalidArgument, "corpus: no files given");
+  std::string text;
+  for (const auto& f : files) {
+    std::string t = ReadTextFile(f);
+    if (!t.empty() && t.back() != '\n') t.push_back('\n');
+    text += t;
+  }
+  SY_REQUIRE(!text.empty(), InvalidArgument, "corpus: the files {} are empty",
+             fmt::join(files, ", "));
+  Corpus c = CorpusFromText(text, val_fraction);
+  c.files = files;
+  return c;
+}
+
+double UnigramEntropy(const std::vector<uint8_t>& tokens) {
+  if (tokens.empty()) return 0;
+  int64_t counts[256] = {};
+  for (uint8_t t : tokens) ++counts[t];
+  double n = static_cast<double>(tokens.size()), h = 0;
+  for (int64_t c : counts) {
+    if (c > 0) {
+      double p = static_cast<double>(c) / n;
+      h -= p * std::log(p);
+    }
+  }
+  return h;
+}
+
+BatchSampler::BatchSampler(const std::vector<uint8_t>& tokens, int64_t seq_len, uint64_t seed)
+    : tokens_(&tokens), seq_len_(seq_len), seed_(seed) {
+  SY_REQUIRE(seq_len >= 1, InvalidArgument, "seq_len must be >= 1, got {}", seq_len);
+  SY_REQUIRE(static_cast<int64_t>(tokens.size()) > seq_len, InvalidArgument,
+             "training text has {} tokens, fewer than one window of seq_len + 1 = {}",
+             tokens.size(), seq_len + 1);
+}
+
+int64_t BatchSampler::Offset(int64_t step, int64_t global_batch, int64_t row) const {
+  CounterRng rng(seed_, kStreamData);
+  auto bits = rng.Bits(static_cast<uint64_t>(step) * static_cast<uint64_t>(global_batch) +
+                       static_cast<uint64_t>(row));
+  uint64_t r = (static_cast<uint64_t>(bits[1]) << 32) | bits[0];
+  uint64_t windows = tokens_->size() - static_cast<uint64_t>(seq_len_);  // offsets 0..size-seq-1
+  return static_cast<int64_t>(r % windows);
+}
+
+Batch BatchSampler::Sample(int64_t step, int64_t global_batch, int64_t row_begin,
+                           int64_t row_end) const {
+  SY_REQUIRE(step >= 0 && global_batch >= 1 && 0 <= row_begin && row_begin <= row_end &&
+                 row_end <= global_batch,
+             InvalidArgument,
+             "BatchSampler: rows [{}, {}) of a global batch of {} at step {} are out of range",
+             row_begin, row_end, global_batch, step);
+  int64_t rows = row_end - row_begin;
+  Batch b{Tensor::Empty({rows, seq_len_}, DType::kInt32),
+          Tensor::Empty({rows, seq_len_}, DType::kInt32)};
+  int32_t* tok = b.tokens.data<int32_t>();
+  int32_t* tgt = b.targets.data<int32_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* src = tokens_->data() + Offset(step, global_batch, row_begin + r);
+    for (int64_t t = 0; t < seq_len_; ++t) {
+      tok[r * seq_len_ + t] = src[t];
+      tgt[r * seq_len_ + t] = src[t + 1];
+    }
+  }
+  return b;
+}
+
+std::vector<Batch> EvaluationBatches(const std::vector<uint8_t>& tokens, int64_t seq_len,
+                                     int64_t batch_size, int64_t max_tokens) {
+  SY_REQUIRE(seq_len >= 1 && batch_size >= 1, InvalidArgument,
+             "EvaluationBatches: seq_len {} and batch_size {} must be >= 1", seq_len, batch_size);
+  int64_t n = static_cast<int64_t>(tokens.size());
+  int64_t windows = n > seq_len ? (n - 1) / seq_len : 0;
+  if (max_tokens > 0) windows = std::min(windows, max_tokens / seq_len);
+  std::vector<Batch> out;
+  for (int64_t w0 = 0; w0 < windows; w0 += batch_size) {
+    int64_t rows = std::min(batch_size, windows - w0);
+    Batch b{Tensor::Empty({rows, seq_len}, DType::kInt32),
+            Tensor::Empty({rows, seq_len}, DType::kInt32)};
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* src = tokens.data() + (w0 + r) * seq_len;
+      for (int64_t t = 0; t < seq_len; ++t) {
+        b.tokens.data<int32_t>()[r * seq_len + t] = src[t];
+        b.targets.data<int32_t>()[r * seq_len + t] = src[t + 1];
+      }
+    }
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+}  // namespace switchyard::train
