@@ -1,10 +1,12 @@
 // Options of one MoE layer (SPEC.md §1). Keys of layer.json are the field names below.
-// Defaults follow Tutel; `preset` = "deepspeed" switches every convention to DeepSpeed's at once.
+// Defaults follow Tutel; `preset` = "deepspeed" switches every convention to DeepSpeed's at once
+// (see PresetConfig). docs/moe.md lists every key with its meaning.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "switchyard/kernels/ops.h"
 
@@ -19,7 +21,7 @@ enum class NoiseKind : uint8_t {
   kNone,
   kTutelNormal,  // logits += noise_std * N(0,1) / E
   kJitter,       // gate input *= U(1 - eps, 1 + eps) elementwise
-  kGumbelSecond  // 2nd choice = argmax(logits + Gumbel) with the 1st masked out
+  kGumbelSecond  // choices 2..k = top-(k-1) of (logits + Gumbel) with the 1st masked out
 };
 enum class CapacityFormula : uint8_t {
   kTutel,     // C = k * floor(cf * ceil(T / E)) (cf > 0); see SPEC §1.2 for cf <= 0
@@ -35,8 +37,9 @@ enum class SlotOrder : uint8_t {
   kTokenOrder    // token by token over all k choices together (DeepSpeed k > 2)
 };
 enum class AuxLoss : uint8_t {
-  kGShard,          // E * sum_e m_e * c_e
-  kImportanceLoad,  // cv^2(importance) + cv^2(load) (Shazeer 2017)
+  kGShard,            // E * sum_e m_e * c_e, c_e from 1st choices
+  kGShardAllChoices,  // E / k * sum_e m_e * c_e, c_e from all k choices (DeepSpeed k > 2)
+  kImportanceLoad,    // (cv^2(importance) + cv^2(load)) / 2 (Shazeer 2017, as Tutel computes it)
   kNone
 };
 
@@ -45,29 +48,29 @@ struct LayerConfig {
   int64_t model_dim = 0;    // M
   int64_t hidden_dim = 0;   // H
   int64_t num_experts = 0;  // E (global)
-  int64_t top_k = 2;        // k; clamped to E
+  int64_t top_k = 2;        // k; k > E is clamped to E (see EffectiveTopK)
 
   // ---- gate ----
   ScoreFunction score_function = ScoreFunction::kSoftmax;
-  bool normalize_gate = true;  // g_j /= sum_j g_j (k > 1)
+  bool normalize_gate = true;  // g_j /= max(sum_j g_j, eps) (k > 1)
   NoiseKind noise = NoiseKind::kNone;
-  float noise_std = 1.0f;       // kTutelNormal
+  float noise_std = 1.0f;       // kTutelNormal (and the sigma of the importance_load loss)
   float jitter_eps = 1e-2f;     // kJitter
   bool random_routing = false;  // GShard: keep 2nd choice only if 2 * g_2 > U(0,1)
   bool expert_bias = false;     // aux-loss-free balancing (DeepSeek-V3): bias for choice only
   float expert_bias_update_rate = 1e-3f;
-  bool training = true;         // noise and random routing only when training
+  bool training = true;  // noise and random routing only when training
 
   // ---- capacity and slots ----
   float capacity_factor = 1.0f;  // > 0, == 0 (no drops), < 0 (capped)
   int64_t min_capacity = 0;
-  int64_t alignment = 1;             // capacity rounded up to a multiple
-  std::optional<int64_t> capacity;   // explicit capacity overrides every formula
+  int64_t alignment = 1;            // capacity rounded up to a multiple
+  std::optional<int64_t> capacity;  // explicit capacity overrides every formula
   CapacityFormula capacity_formula = CapacityFormula::kTutel;
   DropPolicy drop_policy = DropPolicy::kPosition;
   SlotOrder slot_order = SlotOrder::kChoiceMajor;
   bool batch_prioritized_routing = false;
-  bool renormalize_after_drop = false;  // DeepSpeed: renormalize surviving gate values
+  bool renormalize_after_drop = false;  // DeepSpeed: renormalize surviving gate values (k > 1)
   bool dropless = false;                // MegaBlocks/Megatron: no capacity, grouped GEMM
 
   // ---- dispatch / combine ----
@@ -84,17 +87,50 @@ struct LayerConfig {
   float z_loss_coef = 0.0f;
 
   // ---- variants (SPEC §1.5) ----
-  bool residual_moe = false;          // PR-MoE: out = moe * c0 + mlp * c1
-  int64_t shared_expert_hidden = 0;   // > 0: DeepSeek shared expert MLP of that hidden size
+  bool residual_moe = false;         // PR-MoE: out = moe * c0 + mlp * c1
+  int64_t shared_expert_hidden = 0;  // > 0: DeepSeek shared expert MLP of that hidden size
 
   // ---- misc ----
-  uint64_t seed = 0;         // keys every random draw (with the global token index)
-  bool check_finite = false;  // reject NaN/Inf in inputs
+  uint64_t seed = 0;             // keys every random draw (with the global token index)
+  bool check_finite = false;     // reject NaN/Inf in inputs
   std::string preset = "tutel";  // "tutel" | "deepspeed"
 };
+
+// k actually used: min(top_k, num_experts) (k > E is clamped, as SPEC §1.1 says).
+inline int64_t EffectiveTopK(const LayerConfig& config) {
+  return config.top_k < config.num_experts ? config.top_k : config.num_experts;
+}
 
 // Checks the options against each other; throws InvalidArgument naming the field and what was
 // expected (e.g. "top_k: expected >= 1, got 0").
 void ValidateConfig(const LayerConfig& config);
+
+// The defaults of a preset for a given top_k (DeepSpeed's conventions depend on k, SPEC §1.2):
+//   "tutel":     the LayerConfig defaults above.
+//   "deepspeed": capacity_formula deepspeed, min_capacity 4, renormalize_after_drop;
+//                k = 1: drop_policy random (DeepSpeed's random token selection);
+//                k = 2: choice-major slots, drop by position;
+//                k > 2: drop_policy probs, slot_order token_order, aux_loss gshard_all_choices.
+// Throws InvalidArgument for another name.
+LayerConfig PresetConfig(std::string_view preset, int64_t top_k);
+
+// Parses layer.json. The preset (key "preset", default "tutel") supplies the defaults and every
+// other key overrides them. An unknown key, a value of the wrong type or out of range, or an
+// unknown enum name throws InvalidArgument with one line naming the key and what was expected,
+// e.g. "layer.json: key 'top_k': expected an integer >= 1, got 0". The result is validated
+// (ValidateConfig), so model_dim, hidden_dim and num_experts are required.
+LayerConfig LayerConfigFromJson(std::string_view json_text);
+
+// The configuration as a JSON object with every key (enums by name), parseable by
+// LayerConfigFromJson.
+std::string ToJson(const LayerConfig& config);
+
+// Names used in layer.json for the enums.
+std::string_view ScoreFunctionName(ScoreFunction v);
+std::string_view NoiseKindName(NoiseKind v);
+std::string_view CapacityFormulaName(CapacityFormula v);
+std::string_view DropPolicyName(DropPolicy v);
+std::string_view SlotOrderName(SlotOrder v);
+std::string_view AuxLossName(AuxLoss v);
 
 }  // namespace switchyard::moe

@@ -1,0 +1,85 @@
+// The gate of an MoE layer (SPEC §1.1): logits = x · Wg^T in float32, a score function, top-k,
+// gate values, and optionally noise, GShard random routing and the aux-loss-free expert bias.
+//
+// Every random draw is keyed by the GLOBAL token index (global_token_offset + local index) through
+// CounterRng, so a token gets the same noise on whichever rank it lives (docs/moe.md lists the
+// streams and indices).
+//
+// Thread-safety: the functions are reentrant; they share no state.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "switchyard/core/tensor.h"
+#include "switchyard/moe/config.h"
+
+namespace switchyard::moe {
+
+// normalize_gate and renormalize_after_drop divide by max(sum, kGateEps) (torch.finfo(float32).eps,
+// as Tutel and DeepSpeed do).
+inline constexpr float kGateEps = 1.1920928955078125e-07f;
+
+struct GateOptions {
+  int64_t global_token_offset = 0;  // global index of local token 0 (keys the random draws)
+  uint64_t step = 0;                // training step: a new step draws new noise (StepSeed)
+};
+
+// What the gate decided, and what its backward needs. Per-(token, choice) arrays are [T, k]
+// row-major (index t * k + j); choice j = 0 is the 1st choice.
+struct GateResult {
+  int64_t num_tokens = 0;   // T
+  int64_t num_experts = 0;  // E
+  int64_t top_k = 0;        // k (already clamped to E)
+
+  Tensor jitter;        // [T, M] multiplicative jitter of the gate input; undefined without jitter
+  Tensor logits;        // [T, E] x_gate · Wg^T (no additive noise): used by the z-loss
+  Tensor noisy_logits;  // [T, E] logits + Tutel noise; shares `logits` without additive noise
+  // [T, E] the score function on noisy_logits: softmax (also for softmax_after_topk, where it feeds
+  // the aux loss and batch-prioritized routing) or sigmoid.
+  Tensor scores;
+
+  std::vector<int32_t> experts;      // [T, k] chosen expert of each choice
+  std::vector<float> choice_scores;  // [T, k] s_j: the score of the chosen expert (satk: softmax
+                                     //        over the k chosen logits)
+  std::vector<float> gates;          // [T, k] g_j: s_j after normalize_gate
+  std::vector<uint8_t> routed;       // [T, k] 0 where GShard random routing removed the choice
+  std::vector<float> priority;       // [T] max_e scores[t, e]: batch-prioritized routing order
+};
+
+// Runs the gate.
+//   x            [T, M] float32 (the layer converts bfloat16 activations first)
+//   gate_weight  [E, M] float32
+//   expert_bias  [E] float32 when config.expert_bias, else undefined
+// `config` must be valid (ValidateConfig).
+GateResult GateForward(const LayerConfig& config, const Tensor& x, const Tensor& gate_weight,
+                       const Tensor& expert_bias, const GateOptions& options);
+
+// Backward of g_j = normalize(s_j): d_gates [T, k] -> d choice_scores [T, k].
+std::vector<float> GateValuesBackward(const LayerConfig& config, const GateResult& gate,
+                                      std::span<const float> d_gates);
+
+struct GateGradients {
+  Tensor x;            // [T, M] float32
+  Tensor gate_weight;  // [E, M] float32
+};
+
+// Backward of the gate and of its losses:
+//   d_choice_scores [T, k]  gradient of the objective with respect to GateResult::choice_scores
+//   aux_coef, z_coef        the objective contains aux_coef * l_aux + z_coef * z_loss
+// The discrete choices (top-k, drops) pass no gradient; the expert bias is not trained.
+GateGradients GateBackward(const LayerConfig& config, const GateResult& gate, const Tensor& x,
+                           const Tensor& gate_weight, std::span<const float> d_choice_scores,
+                           float aux_coef, float z_coef);
+
+// Aux-loss-free balancing (DeepSeek-V3): expert_bias[e] += rate * sign(mean_load - loads[e]).
+//   loads        [E] routed (token, choice) pairs per expert in this step, before drops (summed
+//                over the ranks of the EP group by the caller)
+//   expert_bias  [E] float32, updated in place
+void UpdateExpertBias(std::span<const int64_t> loads, float rate, const Tensor& expert_bias);
+
+// The Philox key of one step: a hash of (seed, step), so steps draw independent noise.
+uint64_t StepSeed(uint64_t seed, uint64_t step);
+
+}  // namespace switchyard::moe

@@ -1,0 +1,35 @@
+// The gate's losses (SPEC §1.4), forward and backward.
+//
+//   gshard              l_aux = E * sum_e m_e * c_e, m_e = mean_t P[t, e], c_e = fraction of
+//                       tokens whose 1st choice is e. Gradient through m_e only.
+//   gshard_all_choices  l_aux = E / k * sum_e m_e * c_e with c_e counting all k choices
+//   (DeepSpeed's
+//                       top-k loss E^2/k * mean_e(m_e c_e)); equals gshard for k = 1.
+//   importance_load     Tutel's load_importance_loss: (cv^2(Imp) + cv^2(Load)) / 2 with
+//                       Imp_e = sum_t Pc[t, e], Load_e = sum_t Phi((Pc[t, e] - thr_t) / sigma),
+//                       Pc the aux probabilities of the noise-free logits, thr_t the noisy logit
+//                       of token t's k-th choice, sigma = noise_std / E, cv^2(v) =
+//                       var(v) / (mean(v)^2 + 1e-10) with the unbiased variance.
+//   z-loss              z = mean_t (logsumexp_e logits[t, e])^2 on the noise-free logits (ST-MoE).
+// P are the aux probabilities: the softmax over all E experts (score functions softmax and
+// softmax_after_topk), or the sigmoid scores normalized to sum 1 per token (Megatron-Core).
+#pragma once
+
+#include "switchyard/moe/config.h"
+#include "switchyard/moe/gate.h"
+
+namespace switchyard::moe {
+
+struct GateLosses {
+  float l_aux = 0;   // per config.aux_loss (0 for none)
+  float z_loss = 0;  // always computed (it costs O(T * E)); weighted by z_loss_coef
+};
+
+GateLosses ComputeGateLosses(const LayerConfig& config, const GateResult& gate);
+
+// Adds aux_coef * d l_aux / d logits + z_coef * d z / d logits into d_logits [T, E] float32
+// (noisy and noise-free logits differ by a constant, so they share one gradient).
+void GateLossesBackward(const LayerConfig& config, const GateResult& gate, float aux_coef,
+                        float z_coef, const Tensor& d_logits);
+
+}  // namespace switchyard::moe

@@ -1,0 +1,67 @@
+// From routing to a dispatch plan (SPEC §1.2): capacity, slot order, drops, combine weights.
+//
+// The plan is DeepEP's "handle": it says where every (token, choice) goes in the expert buffer and
+// is reused by dispatch, combine and every backward step. The expert buffer has `num_rows` rows:
+//   capacity mode  [E, C, M] flattened: expert e owns rows [e * C, e * C + C); slot c of expert e
+//   is
+//                  row e * C + c; rows past the expert's count are zero padding.
+//   dropless mode  [sum_e counts_e, M]: tokens sorted by expert, expert e owns rows
+//                  [offsets[e], offsets[e + 1]).
+// Within an expert, kept pairs occupy slots 0..count-1 in slot order (see docs/moe.md).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "switchyard/moe/config.h"
+#include "switchyard/moe/gate.h"
+
+namespace switchyard::moe {
+
+// Capacity C per SPEC §1.2 (explicit capacity > capacity_formula, then min_capacity and alignment;
+// the explicit capacity is only rounded up to `alignment`).
+//   num_tokens  T on this rank
+//   max_load    the largest number of routed (token, choice) pairs of any expert, maximised over
+//               the ranks of the EP group; used only when capacity_factor <= 0
+int64_t ComputeCapacity(const LayerConfig& config, int64_t num_tokens, int64_t max_load);
+
+struct PlanOptions {
+  int64_t global_token_offset = 0;  // keys the random drop priority
+  uint64_t step = 0;                // keys the random drop priority (with config.seed)
+  // capacity_factor <= 0: the largest expert load over the EP group. Unset: this rank's largest
+  // load (a single rank is its own group). A distributed caller all-reduces the local max.
+  std::optional<int64_t> global_max_load;
+};
+
+struct DispatchPlan {
+  int64_t num_tokens = 0;   // T
+  int64_t num_experts = 0;  // E
+  int64_t top_k = 0;        // k
+  bool dropless = false;
+  int64_t capacity = 0;  // C (capacity mode); dropless: the largest count (for reporting)
+  int64_t num_rows = 0;  // rows of the expert buffer: E * C, or sum of counts (dropless)
+  int64_t dropped = 0;   // routed pairs dropped for capacity
+
+  std::vector<int64_t> loads;       // [E] routed pairs per expert, before drops
+  std::vector<int64_t> counts;      // [E] kept pairs per expert (<= C)
+  std::vector<int64_t> offsets;     // [E + 1] first row of expert e; offsets[E] = num_rows
+  std::vector<int32_t> slots;       // [T, k] slot within the expert, -1 dropped or not routed
+  std::vector<int32_t> rows;        // [T, k] row of the expert buffer, -1 dropped or not routed
+  std::vector<int32_t> row_tokens;  // [num_rows] token of each row, -1 for padding
+  std::vector<int32_t> row_pairs;   // [num_rows] t * k + j of each row, -1 for padding
+  std::vector<float> weights;       // [T, k] combine weights (0 where dropped), see below
+};
+
+// Assigns slots and drops. Combine weights: the gate values g_j of surviving choices, renormalized
+// over the survivors of each token when renormalize_after_drop (and k > 1); 0 for dropped choices.
+DispatchPlan MakeDispatchPlan(const LayerConfig& config, const GateResult& gate,
+                              const PlanOptions& options);
+
+// Backward of the combine weights: d_weights [T, k] -> d gates [T, k]. Dropped choices pass none.
+std::vector<float> CombineWeightsBackward(const LayerConfig& config, const GateResult& gate,
+                                          const DispatchPlan& plan,
+                                          std::span<const float> d_weights);
+
+}  // namespace switchyard::moe

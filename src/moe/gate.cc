@@ -1,0 +1,317 @@
+#include "switchyard/moe/gate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "switchyard/core/error.h"
+#include "switchyard/core/rng.h"
+#include "switchyard/kernels/gemm.h"
+#include "switchyard/kernels/ops.h"
+#include "switchyard/moe/losses.h"
+
+namespace switchyard::moe {
+namespace {
+
+using kernels::Trans;
+
+bool HasTutelNoise(const LayerConfig& c) {
+  return c.training && c.noise == NoiseKind::kTutelNormal && c.noise_std > 0;
+}
+bool HasJitter(const LayerConfig& c) {
+  return c.training && c.noise == NoiseKind::kJitter && c.jitter_eps > 0;
+}
+bool HasGumbel(const LayerConfig& c, int64_t k) {
+  return c.training && c.noise == NoiseKind::kGumbelSecond && k >= 2;
+}
+
+// Multiplicative jitter U(1 - eps, 1 + eps) for element (g, m): lane m % 4 of the Philox draw
+// g * ceil(M / 4) + m / 4 of the jitter stream.
+Tensor JitterFactors(const LayerConfig& c, uint64_t key, int64_t offset, int64_t num_tokens) {
+  int64_t m_dim = c.model_dim;
+  Tensor j = Tensor::Empty({num_tokens, m_dim});
+  float* p = j.data<float>();
+  CounterRng rng(key, kStreamGateJitter);
+  int64_t quads = (m_dim + 3) / 4;
+  float lo = 1.0f - c.jitter_eps, span = 2.0f * c.jitter_eps;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    uint64_t g = static_cast<uint64_t>(offset + t);
+    for (int64_t q = 0; q < quads; ++q) {
+      auto bits = rng.Bits(g * static_cast<uint64_t>(quads) + static_cast<uint64_t>(q));
+      for (int64_t l = 0; l < 4 && q * 4 + l < m_dim; ++l) {
+        p[t * m_dim + q * 4 + l] = lo + span * BitsToOpenUnit(bits[static_cast<size_t>(l)]);
+      }
+    }
+  }
+  return j;
+}
+
+}  // namespace
+
+uint64_t StepSeed(uint64_t seed, uint64_t step) {
+  auto r = Philox4x32({static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32), 0x5eedu, 0},
+                      {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)});
+  return (static_cast<uint64_t>(r[1]) << 32) | r[0];
+}
+
+GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate_weight,
+                       const Tensor& expert_bias, const GateOptions& options) {
+  const int64_t m_dim = c.model_dim, e_num = c.num_experts;
+  ExpectDType("x", x, DType::kFloat32);
+  ExpectShape("x", x, {kAnySize, m_dim});
+  ExpectDType("gate.weight", gate_weight, DType::kFloat32);
+  ExpectShape("gate.weight", gate_weight, {e_num, m_dim});
+  if (c.expert_bias) {
+    ExpectDType("gate.expert_bias", expert_bias, DType::kFloat32);
+    ExpectShape("gate.expert_bias", expert_bias, {e_num});
+  }
+  const int64_t t_num = x.size(0);
+  const int64_t k = EffectiveTopK(c);
+  const uint64_t key = StepSeed(c.seed, options.step);
+  const int64_t offset = options.global_token_offset;
+
+  GateResult r;
+  r.num_tokens = t_num;
+  r.num_experts = e_num;
+  r.top_k = k;
+
+  // Gate input and logits, float32.
+  Tensor gate_input = x;
+  if (HasJitter(c)) {
+    r.jitter = JitterFactors(c, key, offset, t_num);
+    gate_input = Tensor::Empty({t_num, m_dim});
+    const float* xp = x.data<float>();
+    const float* jp = r.jitter.data<float>();
+    float* gp = gate_input.data<float>();
+    for (int64_t i = 0; i < t_num * m_dim; ++i) gp[i] = xp[i] * jp[i];
+  }
+  r.logits = Tensor::Empty({t_num, e_num});
+  kernels::Gemm(Trans::kNo, Trans::kYes, t_num, e_num, m_dim, 1.0f, gate_input.data<float>(), m_dim,
+                gate_weight.data<float>(), m_dim, 0.0f, r.logits.data<float>(), e_num);
+  r.noisy_logits = r.logits;
+  if (HasTutelNoise(c)) {
+    r.noisy_logits = r.logits.Clone();
+    float* nl = r.noisy_logits.data<float>();
+    CounterRng rng(key, kStreamGateNoise);
+    float scale = c.noise_std / static_cast<float>(e_num);
+    for (int64_t t = 0; t < t_num; ++t) {
+      uint64_t g = static_cast<uint64_t>(offset + t);
+      for (int64_t e = 0; e < e_num; ++e) {
+        nl[t * e_num + e] +=
+            scale * rng.Normal(g * static_cast<uint64_t>(e_num) + static_cast<uint64_t>(e));
+      }
+    }
+  }
+
+  // Scores.
+  const float* nl = r.noisy_logits.data<float>();
+  r.scores = Tensor::Empty({t_num, e_num});
+  float* sc = r.scores.data<float>();
+  if (c.score_function == ScoreFunction::kSigmoid) {
+    for (int64_t i = 0; i < t_num * e_num; ++i) sc[i] = 1.0f / (1.0f + std::exp(-nl[i]));
+  } else {
+    kernels::SoftmaxRows(nl, sc, t_num, e_num);
+  }
+
+  // Selection: top-k of scores (softmax, sigmoid) or of logits (softmax_after_topk), plus the
+  // expert bias, which affects the choice only.
+  const bool satk = c.score_function == ScoreFunction::kSoftmaxAfterTopK;
+  const float* select_src = satk ? nl : sc;
+  std::vector<float> select;
+  if (c.expert_bias) {
+    select.assign(select_src, select_src + t_num * e_num);
+    const float* b = expert_bias.data<float>();
+    for (int64_t t = 0; t < t_num; ++t) {
+      for (int64_t e = 0; e < e_num; ++e) select[static_cast<size_t>(t * e_num + e)] += b[e];
+    }
+    select_src = select.data();
+  }
+  const size_t tk = static_cast<size_t>(t_num * k);
+  r.experts.resize(tk);
+  std::vector<float> topv(tk);
+  if (HasGumbel(c, k)) {
+    // 1st choice as usual; the others are the top-(k-1) of logits + Gumbel, 1st masked out.
+    std::vector<int32_t> first(static_cast<size_t>(t_num));
+    std::vector<float> firstv(static_cast<size_t>(t_num));
+    if (t_num > 0) kernels::TopK(select_src, t_num, e_num, 1, first.data(), firstv.data());
+    CounterRng rng(key, kStreamGumbel);
+    std::vector<float> row(static_cast<size_t>(e_num));
+    std::vector<int32_t> idx(static_cast<size_t>(k - 1));
+    std::vector<float> val(static_cast<size_t>(k - 1));
+    for (int64_t t = 0; t < t_num; ++t) {
+      uint64_t g = static_cast<uint64_t>(offset + t);
+      for (int64_t e = 0; e < e_num; ++e) {
+        row[static_cast<size_t>(e)] =
+            nl[t * e_num + e] +
+            rng.Gumbel(g * static_cast<uint64_t>(e_num) + static_cast<uint64_t>(e));
+      }
+      row[static_cast<size_t>(first[static_cast<size_t>(t)])] =
+          -std::numeric_limits<float>::infinity();
+      kernels::TopK(row.data(), 1, e_num, k - 1, idx.data(), val.data());
+      r.experts[static_cast<size_t>(t * k)] = first[static_cast<size_t>(t)];
+      for (int64_t j = 1; j < k; ++j) {
+        r.experts[static_cast<size_t>(t * k + j)] = idx[static_cast<size_t>(j - 1)];
+      }
+    }
+  } else if (t_num > 0) {
+    kernels::TopK(select_src, t_num, e_num, k, r.experts.data(), topv.data());
+  }
+
+  // Gate values.
+  r.choice_scores.resize(tk);
+  for (int64_t t = 0; t < t_num; ++t) {
+    float* s = r.choice_scores.data() + t * k;
+    const int32_t* ex = r.experts.data() + t * k;
+    if (satk) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < k; ++j) mx = std::max(mx, nl[t * e_num + ex[j]]);
+      float sum = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        s[j] = std::exp(nl[t * e_num + ex[j]] - mx);
+        sum += s[j];
+      }
+      for (int64_t j = 0; j < k; ++j) s[j] /= sum;
+    } else {
+      for (int64_t j = 0; j < k; ++j) s[j] = sc[t * e_num + ex[j]];
+    }
+  }
+  r.gates = r.choice_scores;
+  if (c.normalize_gate && k > 1 && !satk) {
+    for (int64_t t = 0; t < t_num; ++t) {
+      float* g = r.gates.data() + t * k;
+      float sum = 0;
+      for (int64_t j = 0; j < k; ++j) sum += g[j];
+      float denom = std::max(sum, kGateEps);
+      for (int64_t j = 0; j < k; ++j) g[j] /= denom;
+    }
+  }
+
+  // GShard random routing: keep the 2nd choice only if 2 * g_2 > U(0, 1).
+  r.routed.assign(tk, 1);
+  if (c.random_routing && c.training && k >= 2) {
+    CounterRng rng(key, kStreamRandomRouting);
+    for (int64_t t = 0; t < t_num; ++t) {
+      float u = rng.Uniform(static_cast<uint64_t>(offset + t));
+      if (!(2.0f * r.gates[static_cast<size_t>(t * k + 1)] > u)) {
+        r.routed[static_cast<size_t>(t * k + 1)] = 0;
+      }
+    }
+  }
+
+  r.priority.resize(static_cast<size_t>(t_num));
+  for (int64_t t = 0; t < t_num; ++t) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t e = 0; e < e_num; ++e) mx = std::max(mx, sc[t * e_num + e]);
+    r.priority[static_cast<size_t>(t)] = mx;
+  }
+  return r;
+}
+
+std::vector<float> GateValuesBackward(const LayerConfig& c, const GateResult& gate,
+                                      std::span<const float> d_gates) {
+  const int64_t k = gate.top_k;
+  SY_CHECK(static_cast<int64_t>(d_gates.size()) == gate.num_tokens * k);
+  std::vector<float> ds(d_gates.begin(), d_gates.end());
+  const bool satk = c.score_function == ScoreFunction::kSoftmaxAfterTopK;
+  if (!(c.normalize_gate && k > 1 && !satk)) return ds;
+  for (int64_t t = 0; t < gate.num_tokens; ++t) {
+    const float* s = gate.choice_scores.data() + t * k;
+    const float* g = gate.gates.data() + t * k;
+    const float* dg = d_gates.data() + t * k;
+    float* out = ds.data() + t * k;
+    float sum = 0;
+    for (int64_t j = 0; j < k; ++j) sum += s[j];
+    if (sum > kGateEps) {
+      // g_j = s_j / S: ds_j = (dg_j - sum_i dg_i g_i) / S.
+      float dot = 0;
+      for (int64_t j = 0; j < k; ++j) dot += dg[j] * g[j];
+      for (int64_t j = 0; j < k; ++j) out[j] = (dg[j] - dot) / sum;
+    } else {
+      for (int64_t j = 0; j < k; ++j) out[j] = dg[j] / kGateEps;
+    }
+  }
+  return ds;
+}
+
+GateGradients GateBackward(const LayerConfig& c, const GateResult& gate, const Tensor& x,
+                           const Tensor& gate_weight, std::span<const float> d_choice_scores,
+                           float aux_coef, float z_coef) {
+  const int64_t t_num = gate.num_tokens, e_num = gate.num_experts, k = gate.top_k;
+  const int64_t m_dim = c.model_dim;
+  SY_CHECK(static_cast<int64_t>(d_choice_scores.size()) == t_num * k);
+  Tensor d_logits = Tensor::Zeros({t_num, e_num});
+  float* dl = d_logits.data<float>();
+  const float* sc = gate.scores.data<float>();
+
+  if (c.score_function == ScoreFunction::kSoftmaxAfterTopK) {
+    // s = softmax over the chosen logits: dl_j = s_j (ds_j - sum_i ds_i s_i).
+    for (int64_t t = 0; t < t_num; ++t) {
+      const float* s = gate.choice_scores.data() + t * k;
+      const float* ds = d_choice_scores.data() + t * k;
+      const int32_t* ex = gate.experts.data() + t * k;
+      float dot = 0;
+      for (int64_t j = 0; j < k; ++j) dot += ds[j] * s[j];
+      for (int64_t j = 0; j < k; ++j) dl[t * e_num + ex[j]] += s[j] * (ds[j] - dot);
+    }
+  } else {
+    std::vector<float> d_scores(static_cast<size_t>(t_num * e_num), 0.0f);
+    for (int64_t t = 0; t < t_num; ++t) {
+      for (int64_t j = 0; j < k; ++j) {
+        d_scores[static_cast<size_t>(t * e_num + gate.experts[static_cast<size_t>(t * k + j)])] +=
+            d_choice_scores[static_cast<size_t>(t * k + j)];
+      }
+    }
+    if (c.score_function == ScoreFunction::kSoftmax) {
+      std::vector<float> tmp(static_cast<size_t>(t_num * e_num));
+      kernels::SoftmaxRowsBackward(sc, d_scores.data(), tmp.data(), t_num, e_num);
+      for (size_t i = 0; i < tmp.size(); ++i) dl[i] += tmp[i];
+    } else {
+      for (int64_t i = 0; i < t_num * e_num; ++i) {
+        dl[i] += d_scores[static_cast<size_t>(i)] * sc[i] * (1.0f - sc[i]);
+      }
+    }
+  }
+  GateLossesBackward(c, gate, aux_coef, z_coef, d_logits);
+
+  GateGradients g;
+  g.gate_weight = Tensor::Empty({e_num, m_dim});
+  Tensor gate_input = x;
+  if (gate.jitter.defined()) {
+    gate_input = Tensor::Empty({t_num, m_dim});
+    const float* xp = x.data<float>();
+    const float* jp = gate.jitter.data<float>();
+    float* gp = gate_input.data<float>();
+    for (int64_t i = 0; i < t_num * m_dim; ++i) gp[i] = xp[i] * jp[i];
+  }
+  // dWg [E, M] = d_logits^T [E, T] · x_gate [T, M]
+  kernels::Gemm(Trans::kYes, Trans::kNo, e_num, m_dim, t_num, 1.0f, dl, e_num,
+                gate_input.data<float>(), m_dim, 0.0f, g.gate_weight.data<float>(), m_dim);
+  // dx [T, M] = d_logits [T, E] · Wg [E, M] (times the jitter)
+  g.x = Tensor::Empty({t_num, m_dim});
+  kernels::Gemm(Trans::kNo, Trans::kNo, t_num, m_dim, e_num, 1.0f, dl, e_num,
+                gate_weight.data<float>(), m_dim, 0.0f, g.x.data<float>(), m_dim);
+  if (gate.jitter.defined()) {
+    float* dx = g.x.data<float>();
+    const float* jp = gate.jitter.data<float>();
+    for (int64_t i = 0; i < t_num * m_dim; ++i) dx[i] *= jp[i];
+  }
+  return g;
+}
+
+void UpdateExpertBias(std::span<const int64_t> loads, float rate, const Tensor& expert_bias) {
+  const auto e_num = static_cast<int64_t>(loads.size());
+  ExpectDType("gate.expert_bias", expert_bias, DType::kFloat32);
+  ExpectShape("gate.expert_bias", expert_bias, {e_num});
+  if (e_num == 0) return;
+  double mean = 0;
+  for (int64_t l : loads) mean += static_cast<double>(l);
+  mean /= static_cast<double>(e_num);
+  float* b = expert_bias.data<float>();
+  for (int64_t e = 0; e < e_num; ++e) {
+    double diff = mean - static_cast<double>(loads[static_cast<size_t>(e)]);
+    float sign = diff > 0 ? 1.0f : (diff < 0 ? -1.0f : 0.0f);
+    b[e] += rate * sign;
+  }
+}
+
+}  // namespace switchyard::moe

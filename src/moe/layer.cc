@@ -1,0 +1,410 @@
+#include "switchyard/moe/layer.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "moe/parallel_for.h"
+#include "switchyard/core/error.h"
+#include "switchyard/core/rng.h"
+#include "switchyard/kernels/gemm.h"
+#include "switchyard/kernels/ops.h"
+#include "switchyard/moe/dispatch.h"
+#include "switchyard/moe/gate.h"
+#include "switchyard/moe/losses.h"
+#include "switchyard/moe/plan.h"
+
+namespace switchyard::moe {
+
+struct LayerState {
+  DType x_dtype = DType::kFloat32;
+  Tensor x;  // [T, M] float32
+  GateResult gate;
+  DispatchPlan plan;
+  Tensor expert_out;  // [num_rows, M]
+  ExpertActivations experts;
+  // residual_moe
+  Tensor moe_y, mlp_y, coef;  // [T, M], [T, M], [T, 2] softmax coefficients
+  ExpertActivations residual;
+  // shared experts
+  ExpertActivations shared;
+};
+
+namespace {
+
+using kernels::Trans;
+
+constexpr int64_t kConvertGrain = 1 << 14;
+
+Tensor ToFloat32(const Tensor& t, int threads) {
+  if (t.dtype() == DType::kFloat32) return t;
+  Tensor out = Tensor::Empty(t.shape());
+  const BFloat16* src = t.data<BFloat16>();
+  float* dst = out.data<float>();
+  ParallelFor(t.numel(), threads, kConvertGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = static_cast<float>(src[i]);
+  });
+  return out;
+}
+
+Tensor FromFloat32(const Tensor& t, DType dtype, int threads) {
+  if (dtype == DType::kFloat32) return t;
+  Tensor out = Tensor::Empty(t.shape(), dtype);
+  const float* src = t.data<float>();
+  BFloat16* dst = out.data<BFloat16>();
+  ParallelFor(t.numel(), threads, kConvertGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = BFloat16(src[i]);
+  });
+  return out;
+}
+
+void CheckFinite(std::string_view name, const Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return;
+  auto report = [&](int64_t i, double v) {
+    std::string where;
+    int64_t rest = i;
+    std::vector<int64_t> idx(t.shape().size());
+    for (size_t d = t.shape().size(); d-- > 0;) {
+      idx[d] = rest % t.shape()[d];
+      rest /= t.shape()[d];
+    }
+    throw InvalidArgument(
+        fmt::format("{}: element {} is {} (check_finite is on)", name, ShapeToString(idx), v));
+  };
+  if (t.dtype() == DType::kFloat32) {
+    const float* p = t.data<float>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      if (!std::isfinite(p[i])) report(i, p[i]);
+    }
+  } else if (t.dtype() == DType::kBFloat16) {
+    const BFloat16* p = t.data<BFloat16>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      float v = static_cast<float>(p[i]);
+      if (!std::isfinite(v)) report(i, v);
+    }
+  }
+}
+
+ExpertOptions OptionsOf(const LayerConfig& c) { return {c.activation, c.gated}; }
+
+// A dense MLP ([H, M] ... layout) as one expert ([1, H, M] ...), sharing storage.
+ExpertWeights AsOneExpert(const ExpertWeights& w) {
+  auto add_dim = [](const Tensor& t) {
+    if (!t.defined()) return Tensor();
+    Shape s = t.shape();
+    s.insert(s.begin(), 1);
+    return t.Reshape(s);
+  };
+  return {add_dim(w.fc1_weight), add_dim(w.fc1_bias), add_dim(w.fc2_weight), add_dim(w.fc2_bias),
+          add_dim(w.fc3_weight)};
+}
+ExpertWeights DropExpertDim(const ExpertWeights& w) {
+  auto drop = [](const Tensor& t) {
+    if (!t.defined()) return Tensor();
+    Shape s(t.shape().begin() + 1, t.shape().end());
+    return t.Reshape(s);
+  };
+  return {drop(w.fc1_weight), drop(w.fc1_bias), drop(w.fc2_weight), drop(w.fc2_bias),
+          drop(w.fc3_weight)};
+}
+
+ExpertGroups AllRows(int64_t rows) { return ExpertGroups{{0}, {rows}}; }
+
+struct NamedSlot {
+  std::string name;
+  Shape shape;
+  Tensor LayerParams::*member = nullptr;
+  ExpertWeights LayerParams::*group = nullptr;
+  Tensor ExpertWeights::*weight = nullptr;
+  int64_t fan_in = 0;  // InitParams: U(-1/sqrt(fan_in), 1/sqrt(fan_in)); 0: zeros
+};
+
+std::vector<NamedSlot> Slots(const LayerConfig& c) {
+  const int64_t e = c.num_experts, m = c.model_dim, h = c.hidden_dim;
+  std::vector<NamedSlot> s;
+  s.push_back({"gate.weight", {e, m}, &LayerParams::gate_weight, nullptr, nullptr, m});
+  if (c.expert_bias) s.push_back({"gate.expert_bias", {e}, &LayerParams::expert_bias});
+  auto mlp = [&](const std::string& prefix, ExpertWeights LayerParams::*group, Shape lead,
+                 int64_t hidden) {
+    auto with = [&](std::initializer_list<int64_t> tail) {
+      Shape sh = lead;
+      sh.insert(sh.end(), tail);
+      return sh;
+    };
+    s.push_back(
+        {prefix + "fc1.weight", with({hidden, m}), nullptr, group, &ExpertWeights::fc1_weight, m});
+    if (c.fc_bias) {
+      s.push_back(
+          {prefix + "fc1.bias", with({hidden}), nullptr, group, &ExpertWeights::fc1_bias, m});
+    }
+    s.push_back({prefix + "fc2.weight", with({m, hidden}), nullptr, group,
+                 &ExpertWeights::fc2_weight, hidden});
+    if (c.fc_bias) {
+      s.push_back(
+          {prefix + "fc2.bias", with({m}), nullptr, group, &ExpertWeights::fc2_bias, hidden});
+    }
+    if (c.gated) {
+      s.push_back({prefix + "fc3.weight", with({hidden, m}), nullptr, group,
+                   &ExpertWeights::fc3_weight, m});
+    }
+  };
+  mlp("experts.", &LayerParams::experts, {e}, h);
+  if (c.residual_moe) {
+    mlp("residual_mlp.", &LayerParams::residual_mlp, {}, h);
+    s.push_back(
+        {"coefficient.weight", {2, m}, &LayerParams::coefficient_weight, nullptr, nullptr, m});
+    if (c.fc_bias) {
+      s.push_back({"coefficient.bias", {2}, &LayerParams::coefficient_bias, nullptr, nullptr, m});
+    }
+  }
+  if (c.shared_expert_hidden > 0) {
+    mlp("shared_experts.", &LayerParams::shared_mlp, {}, c.shared_expert_hidden);
+  }
+  return s;
+}
+
+Tensor& Member(LayerParams& p, const NamedSlot& s) {
+  return s.member ? p.*(s.member) : (p.*(s.group)).*(s.weight);
+}
+const Tensor& Member(const LayerParams& p, const NamedSlot& s) {
+  return s.member ? p.*(s.member) : (p.*(s.group)).*(s.weight);
+}
+
+void CheckParams(const LayerConfig& c, const LayerParams& p) {
+  for (const NamedSlot& s : Slots(c)) {
+    const Tensor& t = Member(p, s);
+    ExpectDType(s.name, t, DType::kFloat32);
+    ExpectShape(s.name, t, s.shape);
+    if (c.check_finite) CheckFinite(s.name, t);
+  }
+}
+
+// y [T, n] = x [T, M] · W^T [M, n] (+ b).
+Tensor Linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  const int64_t t_num = x.size(0), m = x.size(1), n = w.size(0);
+  Tensor y = Tensor::Empty({t_num, n});
+  float* yp = y.data<float>();
+  if (b.defined()) {
+    for (int64_t t = 0; t < t_num; ++t) {
+      std::memcpy(yp + t * n, b.data<float>(), static_cast<size_t>(n) * sizeof(float));
+    }
+  }
+  kernels::Gemm(Trans::kNo, Trans::kYes, t_num, n, m, 1.0f, x.data<float>(), m, w.data<float>(), m,
+                b.defined() ? 1.0f : 0.0f, yp, n);
+  return y;
+}
+
+void AddInto(const Tensor& dst, const Tensor& src) {
+  float* d = dst.data<float>();
+  const float* s = src.data<float>();
+  for (int64_t i = 0; i < dst.numel(); ++i) d[i] += s[i];
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, Shape>> ParamShapes(const LayerConfig& config) {
+  std::vector<std::pair<std::string, Shape>> out;
+  for (const NamedSlot& s : Slots(config)) out.emplace_back(s.name, s.shape);
+  return out;
+}
+
+LayerParams ParamsFromMap(const LayerConfig& config, const NamedTensors& tensors) {
+  LayerParams p;
+  for (const NamedSlot& s : Slots(config)) {
+    auto it = tensors.find(s.name);
+    SY_REQUIRE(it != tensors.end(), InvalidArgument,
+               "missing tensor '{}' (expected shape {}, needed by the layer config)", s.name,
+               ShapeToString(s.shape));
+    ExpectFloating(s.name, it->second);
+    ExpectShape(s.name, it->second, s.shape);
+    Member(p, s) =
+        it->second.dtype() == DType::kFloat32 ? it->second : it->second.To(DType::kFloat32);
+  }
+  return p;
+}
+
+NamedTensors ParamsToMap(const LayerConfig& config, const LayerParams& params) {
+  NamedTensors out;
+  for (const NamedSlot& s : Slots(config)) {
+    const Tensor& t = Member(params, s);
+    if (t.defined()) out[s.name] = t;
+  }
+  return out;
+}
+
+LayerParams InitParams(const LayerConfig& config, uint64_t seed) {
+  LayerParams p;
+  uint64_t id = 0;
+  for (const NamedSlot& s : Slots(config)) {
+    Tensor t = Tensor::Zeros(s.shape);
+    if (s.fan_in > 0) {
+      float bound = 1.0f / std::sqrt(static_cast<float>(s.fan_in));
+      CounterRng rng(seed, kStreamInit + id);
+      float* d = t.data<float>();
+      for (int64_t i = 0; i < t.numel(); ++i) {
+        d[i] = bound * (2.0f * rng.Uniform(static_cast<uint64_t>(i)) - 1.0f);
+      }
+    }
+    Member(p, s) = t;
+    ++id;
+  }
+  return p;
+}
+
+MoeLayer::MoeLayer(LayerConfig config) : config_(std::move(config)) { ValidateConfig(config_); }
+
+int64_t MoeLayer::top_k() const { return EffectiveTopK(config_); }
+
+LayerOutput MoeLayer::Forward(const LayerParams& params, const Tensor& x,
+                              const ForwardOptions& options) const {
+  const LayerConfig& c = config_;
+  const int threads = std::max(1, options.threads);
+  ExpectFloating("x", x);
+  ExpectShape("x", x, {kAnySize, c.model_dim});
+  CheckParams(c, params);
+  if (c.check_finite) CheckFinite("x", x);
+  SY_REQUIRE(options.global_token_offset >= 0, InvalidArgument,
+             "global_token_offset: expected >= 0, got {}", options.global_token_offset);
+  const int64_t t_num = x.size(0), k = top_k();
+
+  auto state = std::make_shared<LayerState>();
+  LayerState& s = *state;
+  s.x_dtype = x.dtype();
+  s.x = ToFloat32(x, threads);
+  s.gate = GateForward(c, s.x, params.gate_weight, params.expert_bias,
+                       {options.global_token_offset, options.step});
+  GateLosses losses = ComputeGateLosses(c, s.gate);
+  s.plan = MakeDispatchPlan(c, s.gate,
+                            {options.global_token_offset, options.step, options.global_max_load});
+  const ExpertOptions eopt = OptionsOf(c);
+  Tensor expert_in = Dispatch(s.plan, s.x, c.prescore, threads);
+  s.expert_out =
+      ExpertsForward(eopt, params.experts, expert_in, GroupsOf(s.plan), &s.experts, threads);
+  Tensor y = Combine(s.plan, s.expert_out, c.prescore, threads);
+
+  if (c.residual_moe) {
+    s.moe_y = y;
+    s.mlp_y = ExpertsForward(eopt, AsOneExpert(params.residual_mlp), s.x, AllRows(t_num),
+                             &s.residual, threads);
+    s.coef = Linear(s.x, params.coefficient_weight, params.coefficient_bias);
+    kernels::SoftmaxRows(s.coef.data<float>(), s.coef.data<float>(), t_num, 2);
+    y = Tensor::Empty({t_num, c.model_dim});
+    const float* a = s.moe_y.data<float>();
+    const float* b = s.mlp_y.data<float>();
+    const float* cf = s.coef.data<float>();
+    float* yp = y.data<float>();
+    for (int64_t t = 0; t < t_num; ++t) {
+      for (int64_t j = 0; j < c.model_dim; ++j) {
+        int64_t i = t * c.model_dim + j;
+        yp[i] = cf[2 * t] * a[i] + cf[2 * t + 1] * b[i];
+      }
+    }
+  }
+  if (c.shared_expert_hidden > 0) {
+    Tensor sy = ExpertsForward(eopt, AsOneExpert(params.shared_mlp), s.x, AllRows(t_num), &s.shared,
+                               threads);
+    AddInto(y, sy);
+  }
+
+  LayerOutput out;
+  out.y = FromFloat32(y, x.dtype(), threads);
+  out.l_aux = losses.l_aux;
+  out.z_loss = losses.z_loss;
+  out.capacity = s.plan.capacity;
+  out.topk_idx = Tensor::FromVector(s.gate.experts, {t_num, k});
+  out.locations = Tensor::FromVector(s.plan.slots, {t_num, k});
+  out.gates = Tensor::FromVector(s.gate.gates, {t_num, k});
+  out.combine_weights = Tensor::FromVector(s.plan.weights, {t_num, k});
+  out.expert_loads = s.plan.loads;
+  out.expert_counts = s.plan.counts;
+  out.dropped = s.plan.dropped;
+  if (options.save_for_backward) out.state = std::move(state);
+  return out;
+}
+
+LayerGradients MoeLayer::Backward(const LayerParams& params, const LayerOutput& forward,
+                                  const Tensor& dy_in, int threads) const {
+  const LayerConfig& c = config_;
+  threads = std::max(1, threads);
+  SY_REQUIRE(forward.state != nullptr, InvalidArgument,
+             "Backward: the forward ran with save_for_backward = false");
+  const LayerState& s = *forward.state;
+  const int64_t t_num = s.x.size(0), m_dim = c.model_dim;
+  ExpectFloating("dy", dy_in);
+  ExpectShape("dy", dy_in, {t_num, m_dim});
+  if (c.check_finite) CheckFinite("dy", dy_in);
+  CheckParams(c, params);
+  const Tensor dy = ToFloat32(dy_in, threads);
+  const ExpertOptions eopt = OptionsOf(c);
+  LayerGradients g;
+  Tensor dx = Tensor::Zeros({t_num, m_dim});
+
+  // Variants first: they give the MoE part its output gradient.
+  Tensor d_moe = dy;
+  if (c.residual_moe) {
+    d_moe = Tensor::Empty({t_num, m_dim});
+    Tensor d_mlp = Tensor::Empty({t_num, m_dim});
+    Tensor d_coef = Tensor::Empty({t_num, 2});
+    const float* dyp = dy.data<float>();
+    const float* cf = s.coef.data<float>();
+    const float* a = s.moe_y.data<float>();
+    const float* b = s.mlp_y.data<float>();
+    float* dm = d_moe.data<float>();
+    float* dl = d_mlp.data<float>();
+    float* dc = d_coef.data<float>();
+    for (int64_t t = 0; t < t_num; ++t) {
+      double da = 0, db = 0;
+      for (int64_t j = 0; j < m_dim; ++j) {
+        int64_t i = t * m_dim + j;
+        dm[i] = cf[2 * t] * dyp[i];
+        dl[i] = cf[2 * t + 1] * dyp[i];
+        da += static_cast<double>(dyp[i]) * a[i];
+        db += static_cast<double>(dyp[i]) * b[i];
+      }
+      dc[2 * t] = static_cast<float>(da);
+      dc[2 * t + 1] = static_cast<float>(db);
+    }
+    kernels::SoftmaxRowsBackward(cf, dc, dc, t_num, 2);
+    g.params.coefficient_weight = Tensor::Empty({2, m_dim});
+    kernels::Gemm(Trans::kYes, Trans::kNo, 2, m_dim, t_num, 1.0f, dc, 2, s.x.data<float>(), m_dim,
+                  0.0f, g.params.coefficient_weight.data<float>(), m_dim);
+    if (params.coefficient_bias.defined()) {
+      g.params.coefficient_bias = Tensor::Zeros({2});
+      float* bb = g.params.coefficient_bias.data<float>();
+      for (int64_t t = 0; t < t_num; ++t) {
+        bb[0] += dc[2 * t];
+        bb[1] += dc[2 * t + 1];
+      }
+    }
+    kernels::Gemm(Trans::kNo, Trans::kNo, t_num, m_dim, 2, 1.0f, dc, 2,
+                  params.coefficient_weight.data<float>(), m_dim, 1.0f, dx.data<float>(), m_dim);
+    ExpertGradients rg =
+        ExpertsBackward(eopt, AsOneExpert(params.residual_mlp), s.residual, d_mlp, threads);
+    AddInto(dx, rg.input);
+    g.params.residual_mlp = DropExpertDim(rg.weights);
+  }
+  if (c.shared_expert_hidden > 0) {
+    ExpertGradients sg =
+        ExpertsBackward(eopt, AsOneExpert(params.shared_mlp), s.shared, dy, threads);
+    AddInto(dx, sg.input);
+    g.params.shared_mlp = DropExpertDim(sg.weights);
+  }
+
+  // combine -> experts -> dispatch -> combine weights -> gate values -> gate.
+  CombineGradients cg = CombineBackward(s.plan, d_moe, s.expert_out, c.prescore, threads);
+  ExpertGradients eg = ExpertsBackward(eopt, params.experts, s.experts, cg.expert_out, threads);
+  g.params.experts = eg.weights;
+  DispatchGradients dg = DispatchBackward(s.plan, eg.input, s.x, c.prescore, threads);
+  AddInto(dx, dg.x);
+  std::vector<float> d_weights = cg.weights;
+  for (size_t i = 0; i < d_weights.size(); ++i) d_weights[i] += dg.weights[i];
+  std::vector<float> d_gates = CombineWeightsBackward(c, s.gate, s.plan, d_weights);
+  std::vector<float> d_scores = GateValuesBackward(c, s.gate, d_gates);
+  GateGradients gg =
+      GateBackward(c, s.gate, s.x, params.gate_weight, d_scores, c.aux_loss_coef, c.z_loss_coef);
+  AddInto(dx, gg.x);
+  g.params.gate_weight = gg.gate_weight;
+  g.x = FromFloat32(dx, s.x_dtype, threads);
+  return g;
+}
+
+}  // namespace switchyard::moe

@@ -1,0 +1,317 @@
+// The layer against the plain reference (reference_moe.h) for every option: forward outputs,
+// routing, losses, and every gradient against central finite differences of the float64
+// reference.
+#include "switchyard/moe/layer.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moe/reference_moe.h"
+#include "testing/random.h"
+
+namespace switchyard::moe {
+namespace {
+
+using testing::RefOptions;
+using testing::RefParams;
+
+struct Variant {
+  std::string name;
+  std::function<void(LayerConfig&)> edit;
+  int64_t tokens = 13;  // not a multiple of E
+  // Adjusts the random parameters.
+  std::function<void(const LayerConfig&, LayerParams&)> edit_params = nullptr;
+  int64_t global_token_offset = 0;
+  bool skew = false;  // every token prefers expert 0 (extreme imbalance)
+};
+
+// gtest prints the parameter of a failing test with this.
+void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
+
+LayerConfig BaseConfig() {
+  LayerConfig c;
+  c.model_dim = 6;
+  c.hidden_dim = 5;
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.capacity_factor = 1.0f;
+  c.aux_loss_coef = 0.3f;
+  c.z_loss_coef = 0.05f;
+  c.seed = 7;
+  return c;
+}
+
+// All tokens prefer expert 0: its gate row aligns with a constant direction of x.
+void SkewToExpertZero(const LayerConfig& c, LayerParams& p) {
+  float* w = p.gate_weight.data<float>();
+  for (int64_t m = 0; m < c.model_dim; ++m) w[m] = 3.0f;
+}
+
+std::vector<Variant> Variants() {
+  using C = LayerConfig;
+  return {
+      {"default", [](C&) {}},
+      {"top1", [](C& c) { c.top_k = 1; }},
+      {"top3", [](C& c) { c.top_k = 3; }},
+      {"k_equals_E", [](C& c) { c.top_k = 4; }},
+      {"k_greater_than_E_clamped", [](C& c) { c.top_k = 7; }},
+      {"sigmoid", [](C& c) { c.score_function = ScoreFunction::kSigmoid; }},
+      {"softmax_after_topk", [](C& c) { c.score_function = ScoreFunction::kSoftmaxAfterTopK; }},
+      {"no_normalize_gate", [](C& c) { c.normalize_gate = false; }},
+      {"tutel_noise",
+       [](C& c) {
+         c.noise = NoiseKind::kTutelNormal;
+         c.noise_std = 2.0f;
+       },
+       13, nullptr, 1000},
+      {"jitter",
+       [](C& c) {
+         c.noise = NoiseKind::kJitter;
+         c.jitter_eps = 0.1f;
+       }},
+      {"gumbel_second", [](C& c) { c.noise = NoiseKind::kGumbelSecond; }},
+      {"gumbel_top3",
+       [](C& c) {
+         c.noise = NoiseKind::kGumbelSecond;
+         c.top_k = 3;
+       }},
+      {"noise_off_when_not_training",
+       [](C& c) {
+         c.noise = NoiseKind::kTutelNormal;
+         c.training = false;
+       }},
+      {"random_routing", [](C& c) { c.random_routing = true; }},
+      {"expert_bias", [](C& c) { c.expert_bias = true; }, 13,
+       [](const LayerConfig&, LayerParams& p) {
+         float* b = p.expert_bias.data<float>();
+         b[0] = 0.3f;
+         b[1] = -0.2f;
+         b[2] = 0.05f;
+         b[3] = -0.1f;
+       }},
+      {"drops_position", [](C& c) { c.capacity_factor = 0.5f; }},
+      {"drops_probs",
+       [](C& c) {
+         c.capacity_factor = 0.5f;
+         c.drop_policy = DropPolicy::kProbs;
+       }},
+      {"drops_random",
+       [](C& c) {
+         c.capacity_factor = 0.5f;
+         c.drop_policy = DropPolicy::kRandom;
+       }},
+      {"drops_renormalize",
+       [](C& c) {
+         c.capacity_factor = 0.5f;
+         c.renormalize_after_drop = true;
+       }},
+      {"token_order_slots",
+       [](C& c) {
+         c.capacity_factor = 0.5f;
+         c.slot_order = SlotOrder::kTokenOrder;
+       }},
+      {"batch_prioritized",
+       [](C& c) {
+         c.capacity_factor = 0.5f;
+         c.batch_prioritized_routing = true;
+       }},
+      {"cf_zero", [](C& c) { c.capacity_factor = 0.0f; }},
+      {"cf_negative", [](C& c) { c.capacity_factor = -0.5f; }},
+      {"cf_zero_extreme_imbalance", [](C& c) { c.capacity_factor = 0.0f; }, 13, nullptr, 0, true},
+      {"min_capacity_alignment",
+       [](C& c) {
+         c.capacity_factor = 0.5f;
+         c.min_capacity = 5;
+         c.alignment = 4;
+       }},
+      {"explicit_capacity", [](C& c) { c.capacity = 3; }},
+      {"deepspeed_formula",
+       [](C& c) {
+         c.capacity_formula = CapacityFormula::kDeepSpeed;
+         c.capacity_factor = 0.7f;
+       }},
+      {"every_token_dropped", [](C& c) { c.capacity = 0; }},
+      {"experts_with_zero_tokens", [](C& c) { c.top_k = 1; }, 13, nullptr, 0, true},
+      {"dropless", [](C& c) { c.dropless = true; }},
+      {"dropless_imbalanced", [](C& c) { c.dropless = true; }, 13, nullptr, 0, true},
+      {"prescore", [](C& c) { c.prescore = true; }},
+      {"prescore_drops",
+       [](C& c) {
+         c.prescore = true;
+         c.capacity_factor = 0.5f;
+         c.renormalize_after_drop = true;
+       }},
+      {"relu", [](C& c) { c.activation = kernels::Activation::kRelu; }},
+      {"silu", [](C& c) { c.activation = kernels::Activation::kSilu; }},
+      {"swiglu",
+       [](C& c) {
+         c.activation = kernels::Activation::kSilu;
+         c.gated = true;
+       }},
+      {"no_bias", [](C& c) { c.fc_bias = false; }},
+      {"aux_all_choices",
+       [](C& c) {
+         c.aux_loss = AuxLoss::kGShardAllChoices;
+         c.top_k = 3;
+       }},
+      {"aux_importance_load",
+       [](C& c) {
+         c.aux_loss = AuxLoss::kImportanceLoad;
+         c.noise = NoiseKind::kTutelNormal;
+         c.noise_std = 1.0f;
+         c.aux_loss_coef = 10.0f;  // the loss's gradient dominates
+       }},
+      {"aux_importance_load_sigmoid",
+       [](C& c) {
+         c.aux_loss = AuxLoss::kImportanceLoad;
+         c.score_function = ScoreFunction::kSigmoid;
+         c.aux_loss_coef = 10.0f;
+       }},
+      {"aux_sigmoid",
+       [](C& c) {
+         c.score_function = ScoreFunction::kSigmoid;
+         c.aux_loss_coef = 10.0f;
+       }},
+      {"aux_gshard_dominant", [](C& c) { c.aux_loss_coef = 10.0f; }},
+      {"z_loss_dominant", [](C& c) { c.z_loss_coef = 10.0f; }},
+      {"aux_none", [](C& c) { c.aux_loss = AuxLoss::kNone; }},
+      {"residual_moe", [](C& c) { c.residual_moe = true; }},
+      {"shared_expert", [](C& c) { c.shared_expert_hidden = 3; }},
+      {"residual_shared_gated_nobias",
+       [](C& c) {
+         c.residual_moe = true;
+         c.shared_expert_hidden = 3;
+         c.gated = true;
+         c.fc_bias = false;
+       }},
+      {"preset_deepspeed_top1",
+       [](C& c) {
+         c = PresetConfig("deepspeed", 1);
+         c.model_dim = 6, c.hidden_dim = 5, c.num_experts = 4, c.capacity_factor = 0.6f;
+         c.aux_loss_coef = 0.3f;
+         c.min_capacity = 2;
+       }},
+      {"preset_deepspeed_top2",
+       [](C& c) {
+         c = PresetConfig("deepspeed", 2);
+         c.model_dim = 6, c.hidden_dim = 5, c.num_experts = 4, c.capacity_factor = 0.5f;
+         c.aux_loss_coef = 0.3f;
+       }},
+      {"preset_deepspeed_top3",
+       [](C& c) {
+         c = PresetConfig("deepspeed", 3);
+         c.model_dim = 6, c.hidden_dim = 5, c.num_experts = 4, c.capacity_factor = 0.4f;
+         c.aux_loss_coef = 0.3f;
+       }},
+      {"one_token", [](C&) {}, 1},
+      {"one_token_top1", [](C& c) { c.top_k = 1; }, 1},
+  };
+}
+
+class LayerVsReference : public ::testing::TestWithParam<Variant> {
+ protected:
+  void SetUp() override {
+    const Variant& v = GetParam();
+    config_ = BaseConfig();
+    v.edit(config_);
+    ASSERT_NO_THROW(ValidateConfig(config_));
+    params_ = InitParams(config_, 11);
+    if (v.edit_params) v.edit_params(config_, params_);
+    tokens_ = v.tokens;
+    auto xv =
+        switchyard::testing::RandomVector(static_cast<size_t>(tokens_ * config_.model_dim), 3);
+    if (v.skew) {
+      SkewToExpertZero(config_, params_);
+      for (float& f : xv) f = 0.5f + 0.5f * f;  // positive: every token prefers expert 0
+    }
+    x_ = Tensor::FromVector(xv, {tokens_, config_.model_dim});
+    opt_.global_token_offset = v.global_token_offset;
+    ref_opt_.global_token_offset = v.global_token_offset;
+  }
+
+  LayerConfig config_;
+  LayerParams params_;
+  int64_t tokens_ = 0;
+  Tensor x_;
+  ForwardOptions opt_;
+  RefOptions ref_opt_;
+};
+
+TEST_P(LayerVsReference, ForwardMatchesReference) {
+  MoeLayer layer(config_);
+  LayerOutput out = layer.Forward(params_, x_, opt_);
+  RefParams rp = testing::ToRefParams(ParamsToMap(config_, params_));
+  auto ref = testing::ReferenceForward(config_, rp, testing::ToDoubles(x_), tokens_, ref_opt_);
+  const int64_t k = layer.top_k();
+  ASSERT_EQ(out.topk_idx.shape(), (Shape{tokens_, k}));
+  EXPECT_EQ(out.capacity, ref.capacity);
+  for (int64_t i = 0; i < tokens_ * k; ++i) {
+    EXPECT_EQ(out.topk_idx.data<int32_t>()[i], ref.topk[static_cast<size_t>(i)]) << "pair " << i;
+    EXPECT_EQ(out.locations.data<int32_t>()[i], ref.locations[static_cast<size_t>(i)])
+        << "pair " << i;
+    EXPECT_NEAR(out.gates.data<float>()[i], ref.gates[static_cast<size_t>(i)], 1e-5);
+    EXPECT_NEAR(out.combine_weights.data<float>()[i], ref.weights[static_cast<size_t>(i)], 1e-5);
+  }
+  for (int64_t i = 0; i < x_.numel(); ++i) {
+    double want = ref.y[static_cast<size_t>(i)];
+    EXPECT_NEAR(out.y.data<float>()[i], want, 1e-5 + 1e-4 * std::abs(want)) << "y[" << i << "]";
+  }
+  if (GetParam().name.starts_with("drops_") || GetParam().name == "every_token_dropped") {
+    EXPECT_GT(out.dropped, 0) << "the variant is meant to drop";
+  }
+  EXPECT_NEAR(out.l_aux, ref.l_aux, 1e-5 + 1e-5 * std::abs(ref.l_aux));
+  EXPECT_NEAR(out.z_loss, ref.z_loss, 1e-5 + 1e-5 * std::abs(ref.z_loss));
+}
+
+// Central differences of the float64 reference objective against the layer's gradients.
+TEST_P(LayerVsReference, GradientsMatchFiniteDifferences) {
+  MoeLayer layer(config_);
+  LayerOutput out = layer.Forward(params_, x_, opt_);
+  auto dyv = switchyard::testing::RandomVector(static_cast<size_t>(x_.numel()), 5);
+  Tensor dy = Tensor::FromVector(dyv, x_.shape());
+  LayerGradients grads = layer.Backward(params_, out, dy);
+
+  NamedTensors named = ParamsToMap(config_, params_);
+  NamedTensors named_grads = ParamsToMap(config_, grads.params);
+  RefParams rp = testing::ToRefParams(named);
+  std::vector<double> xd = testing::ToDoubles(x_);
+  std::vector<double> dyd(dyv.begin(), dyv.end());
+  const double h = 1e-6;
+  auto objective = [&] {
+    return testing::ReferenceObjective(config_, rp, xd, tokens_, dyd, ref_opt_);
+  };
+  auto check = [&](const std::string& name, std::vector<double>& values, const Tensor& grad) {
+    ASSERT_TRUE(grad.defined()) << name << ": no gradient";
+    ASSERT_EQ(grad.numel(), static_cast<int64_t>(values.size())) << name;
+    int failures = 0;
+    for (size_t i = 0; i < values.size(); ++i) {
+      double keep = values[i];
+      values[i] = keep + h;
+      double up = objective();
+      values[i] = keep - h;
+      double down = objective();
+      values[i] = keep;
+      double fd = (up - down) / (2 * h);
+      double got = grad.At(static_cast<int64_t>(i));
+      if (std::abs(got - fd) > 2e-4 + 2e-3 * std::abs(fd) && failures++ < 5) {
+        ADD_FAILURE() << name << "[" << i << "]: layer " << got << ", finite differences " << fd;
+      }
+    }
+  };
+  check("x", xd, grads.x);
+  for (auto& [name, values] : rp) {
+    if (name == "gate.expert_bias") continue;  // not trained by gradient
+    check("grad." + name, values, named_grads[name]);
+  }
+  EXPECT_EQ(named_grads.count("gate.expert_bias"), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Options, LayerVsReference, ::testing::ValuesIn(Variants()),
+                         [](const auto& variant) { return variant.param.name; });
+
+}  // namespace
+}  // namespace switchyard::moe
