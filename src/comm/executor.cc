@@ -1,0 +1,150 @@
+#include "comm/executor.h"
+
+#include "switchyard/comm/communicator.h"
+#include "switchyard/core/error.h"
+
+namespace switchyard::comm {
+
+Executor::Executor() : thread_([this] { Loop(); }) {}
+
+Executor::~Executor() { Shutdown(); }
+
+void Executor::Submit(const std::shared_ptr<detail::WorkState>& state,
+                      std::shared_ptr<Executor> self) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) {
+      std::lock_guard<std::mutex> state_lock(state->mu);
+      state->error = std::make_exception_ptr(
+          PeerError("collective submitted to a communicator that is being destroyed"));
+      state->done = true;
+      state->body = nullptr;
+      return;
+    }
+    state->seq = next_seq_++;
+    state->executor = std::move(self);
+    queue_.push_back(state);
+  }
+  cv_.notify_all();
+}
+
+bool Executor::TryRunInline(const std::shared_ptr<detail::WorkState>& state) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (running_ || queue_.empty() || queue_.front() != state) return false;
+    queue_.pop_front();
+    running_ = true;
+  }
+  Run(*state);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = false;
+  }
+  cv_.notify_all();
+  return true;
+}
+
+void Executor::Run(detail::WorkState& state) {
+  std::exception_ptr error;
+  try {
+    state.body(state.seq);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  std::shared_ptr<Executor> keep;  // released outside the lock
+  std::function<void(uint64_t)> body;
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    state.error = error;
+    state.done = true;
+    keep = std::move(state.executor);
+    body = std::move(state.body);
+  }
+  state.cv.notify_all();
+}
+
+void Executor::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stop_ || (!running_ && !queue_.empty()); });
+    if (stop_) return;
+    std::shared_ptr<detail::WorkState> state = std::move(queue_.front());
+    queue_.pop_front();
+    running_ = true;
+    lock.unlock();
+    Run(*state);
+    state.reset();
+    lock.lock();
+    running_ = false;
+    cv_.notify_all();
+  }
+}
+
+void Executor::Shutdown() {
+  std::deque<std::shared_ptr<detail::WorkState>> abandoned;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (stop_ && !thread_.joinable()) return;
+    // Let a collective running inline on another thread finish first.
+    cv_.wait(lock, [&] { return !running_; });
+    stop_ = true;
+    abandoned.swap(queue_);
+  }
+  cv_.notify_all();
+  for (auto& state : abandoned) {
+    std::shared_ptr<Executor> keep;
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->error = std::make_exception_ptr(
+          PeerError("communicator destroyed before this collective started"));
+      state->done = true;
+      state->body = nullptr;
+      keep = std::move(state->executor);
+    }
+    state->cv.notify_all();
+    keep.reset();
+  }
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+// ---- Work ----
+
+bool Work::IsCompleted() const {
+  if (!state_) return true;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->done;
+}
+
+void Work::Wait() const {
+  if (!state_) return;
+  std::shared_ptr<Executor> executor;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (!state_->done) executor = state_->executor;
+  }
+  if (executor) executor->TryRunInline(state_);
+  executor.reset();
+  std::unique_lock<std::mutex> lock(state_->mu);
+  state_->cv.wait(lock, [&] { return state_->done; });
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+void Work::Wait(Milliseconds timeout) const {
+  if (!state_) return;
+  Deadline deadline = Clock::now() + timeout;
+  std::shared_ptr<Executor> executor;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (!state_->done) executor = state_->executor;
+  }
+  if (executor) executor->TryRunInline(state_);
+  executor.reset();
+  std::unique_lock<std::mutex> lock(state_->mu);
+  if (!state_->cv.wait_until(lock, deadline, [&] { return state_->done; })) {
+    throw TimeoutError(fmt::format("Work::Wait: collective #{} still running after {} ms",
+                                   state_->seq, timeout.count()));
+  }
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+}  // namespace switchyard::comm

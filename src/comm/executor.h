@@ -1,0 +1,62 @@
+// The progress thread of a communicator: runs its collectives one after another, in the order
+// they were submitted, while the submitting thread goes on computing.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace switchyard::comm {
+
+class Executor;
+
+namespace detail {
+// State shared by a Work handle and the executor that runs it.
+struct WorkState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;                       // guarded by mu
+  std::exception_ptr error;                // guarded by mu, set before done
+  uint64_t seq = 0;                        // position in the communicator's order, set by Submit
+  std::function<void(uint64_t seq)> body;  // released once run
+  std::shared_ptr<Executor> executor;      // while queued: lets Wait() run it inline
+};
+}  // namespace detail
+
+class Executor {
+ public:
+  Executor();
+  ~Executor();  // Shutdown()
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // Queues `state` (its body must be set) and assigns its sequence number.
+  void Submit(const std::shared_ptr<detail::WorkState>& state, std::shared_ptr<Executor> self);
+  // Runs `state` on the calling thread if it is next in line and nothing is running.
+  bool TryRunInline(const std::shared_ptr<detail::WorkState>& state);
+  // Fails what has not started ("communicator destroyed"), waits for the running collective,
+  // stops the thread. Idempotent.
+  void Shutdown();
+
+  // Runs `state`'s body and completes it.
+  static void Run(detail::WorkState& state);
+
+ private:
+  void Loop();
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<detail::WorkState>> queue_;
+  uint64_t next_seq_ = 0;
+  bool running_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace switchyard::comm

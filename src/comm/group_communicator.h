@@ -1,0 +1,81 @@
+// The Communicator of switchyard: collectives as algorithms over any Transport, run in order on
+// a progress thread (Executor).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "comm/executor.h"
+#include "comm/op_context.h"
+#include "switchyard/comm/communicator.h"
+#include "switchyard/comm/transport.h"
+
+namespace switchyard::comm {
+
+class GroupCommunicator final : public Communicator {
+ public:
+  GroupCommunicator(std::unique_ptr<Transport> transport, std::string name, Milliseconds timeout);
+  ~GroupCommunicator() override;
+
+  int rank() const override { return transport_->rank(); }
+  int size() const override { return transport_->size(); }
+  const std::string& name() const override { return name_; }
+  Topology topology() const override { return transport_->topology(); }
+  std::string_view transport_kind() const override { return transport_->kind(); }
+  Milliseconds default_timeout() const override { return timeout_; }
+
+  std::unique_ptr<Communicator> Split(int color, int key, std::string name) override;
+
+  using Communicator::AllGather;
+  using Communicator::AllReduce;
+  using Communicator::AllToAll;
+  using Communicator::AllToAllV;
+  using Communicator::Broadcast;
+  using Communicator::ReduceScatter;
+
+  Work Barrier(const BarrierOptions& options) override;
+  Work Broadcast(void* buffer, size_t count, DType dtype, const BroadcastOptions& options) override;
+  Work Reduce(const void* send, void* recv, size_t count, DType dtype,
+              const ReduceOptions& options) override;
+  Work AllReduce(const void* send, void* recv, size_t count, DType dtype,
+                 const AllReduceOptions& options) override;
+  Work AllGather(const void* send, void* recv, size_t count, DType dtype,
+                 const AllGatherOptions& options) override;
+  Work ReduceScatter(const void* send, void* recv, size_t count, DType dtype,
+                     const ReduceScatterOptions& options) override;
+  Work AllToAll(const void* send, void* recv, size_t count, DType dtype,
+                const AllToAllOptions& options) override;
+  Work AllToAllV(const void* send, std::span<const int64_t> send_counts,
+                 std::span<const int64_t> send_displs, void* recv,
+                 std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
+                 DType dtype, const AllToAllOptions& options) override;
+  Work Scatter(const void* send, void* recv, size_t count, DType dtype,
+               const RootedOptions& options) override;
+  Work Gather(const void* send, void* recv, size_t count, DType dtype,
+              const RootedOptions& options) override;
+
+ protected:
+  Work AllToAllVDynamicRows(const void* send, std::span<const int64_t> send_rows, int64_t row_elems,
+                            const Shape& row_shape, DType dtype, AllToAllVResult* result,
+                            const AllToAllOptions& options) override;
+
+ private:
+  using Body = std::function<void(OpContext&)>;
+  // Queues `body` as collective `info`; timeout 0 = the default.
+  Work Submit(const OpInfo& info, Milliseconds timeout, Body body);
+  // Runs on the progress thread (or inline in Work::Wait).
+  void Execute(const OpInfo& info, Milliseconds timeout, uint64_t seq, const Body& body);
+  Algorithm Select(CollectiveKind kind, Algorithm requested, size_t bytes) const;
+  void CheckRoot(CollectiveKind kind, int root) const;
+
+  std::unique_ptr<Transport> transport_;
+  std::string name_;
+  Milliseconds timeout_;
+  std::shared_ptr<Executor> executor_;
+  std::mutex mu_;
+  std::string broken_;  // guarded by mu_: why the communicator is unusable, "" if it is not
+};
+
+}  // namespace switchyard::comm

@@ -1,0 +1,500 @@
+// The MPI transport (see switchyard/comm/mpi.h).
+//
+// Wire protocol: every message is two MPI messages on the transport's own communicator, a
+// 40-byte header (the collective's 32 bytes + the payload length) on tag 2t and the payload on
+// tag 2t + 1, always both (the payload may be empty). MPI never lets messages with one (source,
+// tag) overtake each other, so headers and payloads pair up in order; a payload longer than the
+// receive is truncated by MPI (MPI_ERR_TRUNCATE, never written past the buffer) and reported.
+// The communicator uses MPI_ERRORS_RETURN, so MPI errors become exceptions, not aborts.
+#include <mpi.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "comm/group_communicator.h"
+#include "switchyard/comm/mpi.h"
+#include "switchyard/comm/reduce.h"
+#include "switchyard/comm/transport.h"
+#include "switchyard/core/error.h"
+
+namespace switchyard::comm {
+namespace {
+
+std::string MpiErrorString(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  return std::string(text, static_cast<size_t>(len));
+}
+
+#define SY_MPI_CALL(call)                                                              \
+  do {                                                                                 \
+    int sy_mpi_rc = (call);                                                            \
+    if (sy_mpi_rc != MPI_SUCCESS) {                                                    \
+      throw PeerError(fmt::format("{} failed: {}", #call, MpiErrorString(sy_mpi_rc))); \
+    }                                                                                  \
+  } while (0)
+
+// bfloat16 reductions for MPI's own collectives: MPI has no bfloat16.
+template <ReduceOp kOp>
+void BFloat16Op(void* in, void* inout, int* len, MPI_Datatype*) {
+  ReduceInto(inout, in, inout, static_cast<size_t>(*len), DType::kBFloat16, kOp);
+}
+
+class MpiRuntime {
+ public:
+  static MpiRuntime& Get() {
+    static MpiRuntime* runtime = new MpiRuntime();  // lives until exit (used at exit)
+    return *runtime;
+  }
+
+  void Init() {
+    std::lock_guard<std::mutex> lock(mu_);
+    SY_REQUIRE(!finalized_, InvalidArgument, "MPI was already finalized in this process");
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    int provided = 0;
+    if (!initialized) {
+      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      initialized_by_us_ = true;
+      std::atexit([] { FinalizeMpi(); });
+    } else {
+      MPI_Query_thread(&provided);
+    }
+    SY_REQUIRE(provided >= MPI_THREAD_MULTIPLE, InvalidArgument,
+               "MPI provides thread level {}, switchyard needs MPI_THREAD_MULTIPLE ({}): "
+               "communicators make progress on their own threads",
+               provided, MPI_THREAD_MULTIPLE);
+    if (bf16_ops_[0] == MPI_OP_NULL) {
+      MPI_Op_create(&BFloat16Op<ReduceOp::kSum>, 1, &bf16_ops_[0]);
+      MPI_Op_create(&BFloat16Op<ReduceOp::kMax>, 1, &bf16_ops_[1]);
+      MPI_Op_create(&BFloat16Op<ReduceOp::kMin>, 1, &bf16_ops_[2]);
+    }
+  }
+
+  void Finalize() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!initialized_by_us_ || finalized_) return;
+    int done = 0;
+    MPI_Finalized(&done);
+    if (!done) {
+      for (MPI_Op& op : bf16_ops_) {
+        if (op != MPI_OP_NULL) MPI_Op_free(&op);
+      }
+      MPI_Finalize();
+    }
+    finalized_ = true;
+  }
+
+  static bool Alive() {
+    int initialized = 0, finalized = 0;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    return initialized && !finalized;
+  }
+
+  MPI_Op Bf16Op(ReduceOp op) const { return bf16_ops_[static_cast<size_t>(op)]; }
+
+ private:
+  std::mutex mu_;
+  bool initialized_by_us_ = false;
+  bool finalized_ = false;
+  MPI_Op bf16_ops_[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+};
+
+MPI_Datatype ToMpi(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return MPI_FLOAT;
+    case DType::kBFloat16: return MPI_UINT16_T;
+    case DType::kInt32: return MPI_INT32_T;
+    case DType::kInt64: return MPI_INT64_T;
+  }
+  return MPI_BYTE;
+}
+
+MPI_Op ToMpi(ReduceOp op, DType dtype) {
+  if (dtype == DType::kBFloat16) return MpiRuntime::Get().Bf16Op(op);
+  switch (op) {
+    case ReduceOp::kSum: return MPI_SUM;
+    case ReduceOp::kMax: return MPI_MAX;
+    case ReduceOp::kMin: return MPI_MIN;
+  }
+  return MPI_OP_NULL;
+}
+
+int ToInt(size_t n, const char* what) {
+  SY_REQUIRE(n <= static_cast<size_t>(INT_MAX), InvalidArgument,
+             "MPI transport: {} of {} exceeds INT_MAX (split the message)", what, n);
+  return static_cast<int>(n);
+}
+
+struct WireHeader {
+  MessageHeader user;
+  uint64_t bytes;
+};
+
+class MpiRequest final : public Request {
+ public:
+  MpiRequest(bool is_send, int peer, uint64_t tag, size_t size, int peer_in_world)
+      : Request(is_send, peer, tag, size), peer_world(peer_in_world) {}
+
+  ~MpiRequest() override {
+    if (!MpiRuntime::Alive()) return;
+    for (MPI_Request* r : {&header_req, &payload_req}) {
+      if (*r == MPI_REQUEST_NULL) continue;
+      if (is_send()) {
+        MPI_Request_free(r);  // MPI finishes it in the background (sends cannot be cancelled)
+      } else {
+        MPI_Cancel(r);
+        MPI_Wait(r, MPI_STATUS_IGNORE);
+      }
+    }
+  }
+
+  // Tests the MPI requests; true when both finished. Throws PeerError on failure.
+  bool Progress() {
+    if (done) return true;
+    if (header_req != MPI_REQUEST_NULL) {
+      int flag = 0;
+      SY_MPI_CALL(MPI_Test(&header_req, &flag, MPI_STATUS_IGNORE));
+      if (flag && !is_send()) {
+        header_ = wire.user;
+        received_bytes_ = static_cast<size_t>(wire.bytes);
+        if (wire.bytes > size()) {
+          failed = fmt::format(
+              "message of {} bytes from rank {} (world rank {}) does not fit the "
+              "{} bytes expected",
+              wire.bytes, peer(), peer_world, size());
+        }
+      }
+    }
+    if (payload_req != MPI_REQUEST_NULL) {
+      int flag = 0;
+      MPI_Status status;
+      int rc = MPI_Test(&payload_req, &flag, &status);
+      if (rc != MPI_SUCCESS) {
+        payload_req = MPI_REQUEST_NULL;  // completed in error (e.g. MPI_ERR_TRUNCATE)
+        if (failed.empty()) {
+          failed = fmt::format("{} rank {} (world rank {}) failed: {}",
+                               is_send() ? "send to" : "receive from", peer(), peer_world,
+                               MpiErrorString(rc));
+        }
+      } else if (flag && !is_send()) {
+        int n = 0;
+        MPI_Get_count(&status, MPI_BYTE, &n);
+        payload_bytes = static_cast<size_t>(n);
+      }
+    }
+    if (header_req != MPI_REQUEST_NULL) return false;
+    if (!failed.empty()) throw PeerError(failed);
+    if (payload_req != MPI_REQUEST_NULL) return false;
+    if (reduce) {
+      ReduceInto(dst, reduction.local, staging.data(), payload_bytes / DTypeSize(reduction.dtype),
+                 reduction.dtype, reduction.op);
+    }
+    done = true;
+    return true;
+  }
+
+  int peer_world;
+  WireHeader wire{};
+  MPI_Request header_req = MPI_REQUEST_NULL;
+  MPI_Request payload_req = MPI_REQUEST_NULL;
+  bool done = false;
+  size_t payload_bytes = 0;
+  std::string failed;
+  // Receives that reduce land in `staging` and are reduced into `dst` on completion.
+  bool reduce = false;
+  RecvReduction reduction;
+  void* dst = nullptr;
+  std::vector<std::byte> staging;
+};
+
+// World ranks -> node index, shared by a world and its splits.
+using NodeMap = std::shared_ptr<const std::vector<int>>;
+
+class MpiTransport final : public Transport, public NativeCollectives {
+ public:
+  MpiTransport(MPI_Comm comm, NodeMap nodes) : comm_(comm), nodes_(std::move(nodes)) {
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    int* ub = nullptr;
+    int flag = 0;
+    MPI_Comm_get_attr(comm_, MPI_TAG_UB, &ub, &flag);
+    tag_space_ = static_cast<uint64_t>(flag && ub ? *ub : 32767) / 2 + 1;
+    MPI_Group world_group, group;
+    MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+    MPI_Comm_group(comm_, &group);
+    std::vector<int> ranks(static_cast<size_t>(size_));
+    for (int i = 0; i < size_; ++i) ranks[static_cast<size_t>(i)] = i;
+    world_ranks_.resize(static_cast<size_t>(size_));
+    MPI_Group_translate_ranks(group, size_, ranks.data(), world_group, world_ranks_.data());
+    MPI_Group_free(&group);
+    MPI_Group_free(&world_group);
+    // Node layout: blocks of equal size on distinct nodes, else one node.
+    auto node = [&](int i) {
+      return (*nodes_)[static_cast<size_t>(world_ranks_[static_cast<size_t>(i)])];
+    };
+    int per = 1;
+    while (per < size_ && node(per) == node(0)) ++per;
+    bool uniform = size_ % per == 0;
+    for (int i = 0; uniform && i < size_; ++i) {
+      uniform = node(i) == node(i / per * per) && (i < per || node(i) != node(i - per));
+    }
+    topology_ = uniform ? Topology{size_ / per, per} : Topology{1, size_};
+  }
+
+  ~MpiTransport() override {
+    if (MpiRuntime::Alive()) MPI_Comm_free(&comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string_view kind() const override { return "mpi"; }
+  int WorldRank(int group_rank) const override {
+    return world_ranks_[static_cast<size_t>(group_rank)];
+  }
+  Topology topology() const override { return topology_; }
+  NativeCollectives* native() override { return this; }
+
+  RequestPtr Isend(int peer, uint64_t tag, const void* data, size_t bytes,
+                   const MessageHeader& header) override {
+    CheckPeer(peer);
+    auto req = std::make_unique<MpiRequest>(true, peer, tag, bytes, WorldRank(peer));
+    req->wire.user = header;
+    req->wire.bytes = bytes;
+    SY_MPI_CALL(MPI_Isend(&req->wire, sizeof(WireHeader), MPI_BYTE, peer, HeaderTag(tag), comm_,
+                          &req->header_req));
+    SY_MPI_CALL(MPI_Isend(data, ToInt(bytes, "message size"), MPI_BYTE, peer, PayloadTag(tag),
+                          comm_, &req->payload_req));
+    return req;
+  }
+
+  RequestPtr Irecv(int peer, uint64_t tag, void* data, size_t capacity,
+                   const RecvReduction* reduction) override {
+    CheckPeer(peer);
+    auto req = std::make_unique<MpiRequest>(false, peer, tag, capacity, WorldRank(peer));
+    void* target = data;
+    if (reduction) {
+      req->reduce = true;
+      req->reduction = *reduction;
+      req->dst = data;
+      req->staging.resize(capacity);
+      target = req->staging.data();
+    }
+    SY_MPI_CALL(MPI_Irecv(&req->wire, sizeof(WireHeader), MPI_BYTE, peer, HeaderTag(tag), comm_,
+                          &req->header_req));
+    SY_MPI_CALL(MPI_Irecv(target, ToInt(capacity, "receive size"), MPI_BYTE, peer, PayloadTag(tag),
+                          comm_, &req->payload_req));
+    return req;
+  }
+
+  void Wait(std::span<Request* const> requests, Deadline deadline) override {
+    for (;;) {
+      bool all_done = true;
+      for (Request* q : requests) {
+        if (q && !static_cast<MpiRequest*>(q)->Progress()) all_done = false;
+      }
+      if (all_done) return;
+      if (Clock::now() >= deadline) throw TimeoutError(DescribeTimeout(requests));
+      sched_yield();
+    }
+  }
+
+  bool Test(Request& request) override { return static_cast<MpiRequest&>(request).Progress(); }
+
+  std::unique_ptr<Transport> Split(int color, int key, uint64_t tag, Deadline deadline) override {
+    // The exchange has a deadline, so a missing member is reported; MPI_Comm_split then runs
+    // with every member present.
+    ExchangeSplitKeys(color, key, tag, deadline);
+    MPI_Comm sub = MPI_COMM_NULL;
+    SY_MPI_CALL(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub));
+    if (sub == MPI_COMM_NULL) return nullptr;
+    return std::make_unique<MpiTransport>(sub, nodes_);
+  }
+
+  // ---- NativeCollectives: MPI's own non-blocking collectives, polled against the deadline. ----
+
+  void Barrier(Deadline deadline) override {
+    MPI_Request r;
+    SY_MPI_CALL(MPI_Ibarrier(comm_, &r));
+    Poll(r, deadline, "MPI_Ibarrier");
+  }
+  void Broadcast(void* buffer, size_t count, DType dtype, int root, Deadline deadline) override {
+    MPI_Request r;
+    SY_MPI_CALL(MPI_Ibcast(buffer, ToInt(count, "count"), ToMpi(dtype), root, comm_, &r));
+    Poll(r, deadline, "MPI_Ibcast");
+  }
+  void Reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, int root,
+              Deadline deadline) override {
+    MPI_Request r;
+    const void* s = (rank_ == root && send == recv) ? MPI_IN_PLACE : send;
+    SY_MPI_CALL(MPI_Ireduce(s, recv, ToInt(count, "count"), ToMpi(dtype), ToMpi(op, dtype), root,
+                            comm_, &r));
+    Poll(r, deadline, "MPI_Ireduce");
+  }
+  void AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                 Deadline deadline) override {
+    MPI_Request r;
+    const void* s = send == recv ? MPI_IN_PLACE : send;
+    SY_MPI_CALL(
+        MPI_Iallreduce(s, recv, ToInt(count, "count"), ToMpi(dtype), ToMpi(op, dtype), comm_, &r));
+    Poll(r, deadline, "MPI_Iallreduce");
+  }
+  void AllGather(const void* send, void* recv, size_t count, DType dtype,
+                 Deadline deadline) override {
+    MPI_Request r;
+    int n = ToInt(count, "count");
+    const void* s = send == static_cast<const std::byte*>(recv) + count * DTypeSize(dtype) * rank_
+                        ? MPI_IN_PLACE
+                        : send;
+    SY_MPI_CALL(MPI_Iallgather(s, n, ToMpi(dtype), recv, n, ToMpi(dtype), comm_, &r));
+    Poll(r, deadline, "MPI_Iallgather");
+  }
+  void ReduceScatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                     Deadline deadline) override {
+    MPI_Request r;
+    SY_MPI_CALL(MPI_Ireduce_scatter_block(send, recv, ToInt(count, "count"), ToMpi(dtype),
+                                          ToMpi(op, dtype), comm_, &r));
+    Poll(r, deadline, "MPI_Ireduce_scatter_block");
+  }
+  void AllToAll(const void* send, void* recv, size_t count, DType dtype,
+                Deadline deadline) override {
+    MPI_Request r;
+    int n = ToInt(count, "count");
+    SY_MPI_CALL(MPI_Ialltoall(send, n, ToMpi(dtype), recv, n, ToMpi(dtype), comm_, &r));
+    Poll(r, deadline, "MPI_Ialltoall");
+  }
+  void AllToAllV(const void* send, std::span<const int64_t> send_counts,
+                 std::span<const int64_t> send_displs, void* recv,
+                 std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
+                 DType dtype, Deadline deadline) override {
+    auto to_int = [](std::span<const int64_t> v) {
+      std::vector<int> out;
+      for (int64_t x : v) out.push_back(ToInt(static_cast<size_t>(x), "count or displacement"));
+      return out;
+    };
+    std::vector<int> sc = to_int(send_counts), sd = to_int(send_displs);
+    std::vector<int> rc = to_int(recv_counts), rd = to_int(recv_displs);
+    MPI_Request r;
+    SY_MPI_CALL(MPI_Ialltoallv(send, sc.data(), sd.data(), ToMpi(dtype), recv, rc.data(), rd.data(),
+                               ToMpi(dtype), comm_, &r));
+    Poll(r, deadline, "MPI_Ialltoallv");
+  }
+  void Scatter(const void* send, void* recv, size_t count, DType dtype, int root,
+               Deadline deadline) override {
+    MPI_Request r;
+    int n = ToInt(count, "count");
+    SY_MPI_CALL(MPI_Iscatter(send, n, ToMpi(dtype), recv, n, ToMpi(dtype), root, comm_, &r));
+    Poll(r, deadline, "MPI_Iscatter");
+  }
+  void Gather(const void* send, void* recv, size_t count, DType dtype, int root,
+              Deadline deadline) override {
+    MPI_Request r;
+    int n = ToInt(count, "count");
+    SY_MPI_CALL(MPI_Igather(send, n, ToMpi(dtype), recv, n, ToMpi(dtype), root, comm_, &r));
+    Poll(r, deadline, "MPI_Igather");
+  }
+
+ private:
+  int HeaderTag(uint64_t tag) const { return static_cast<int>((tag % tag_space_) * 2); }
+  int PayloadTag(uint64_t tag) const { return HeaderTag(tag) + 1; }
+
+  void CheckPeer(int peer) const {
+    SY_REQUIRE(peer >= 0 && peer < size_, InvalidArgument,
+               "peer {} is not a rank of this group of {} ranks", peer, size_);
+  }
+
+  // MPI offers no way to abandon a non-blocking collective: after a timeout it stays posted and
+  // the communicator is unusable (as the Communicator contract says).
+  void Poll(MPI_Request& r, Deadline deadline, const char* what) {
+    for (;;) {
+      int flag = 0;
+      SY_MPI_CALL(MPI_Test(&r, &flag, MPI_STATUS_IGNORE));
+      if (flag) return;
+      if (Clock::now() >= deadline) {
+        throw TimeoutError(fmt::format("timed out in MPI's own {} (some rank did not join)", what));
+      }
+      sched_yield();
+    }
+  }
+
+  std::string DescribeTimeout(std::span<Request* const> requests) const {
+    std::string who, details;
+    int outstanding = 0;
+    for (Request* q : requests) {
+      auto* r = static_cast<MpiRequest*>(q);
+      if (!r || r->done) continue;
+      ++outstanding;
+      bool unmatched = r->header_req != MPI_REQUEST_NULL;
+      if (who.empty() && unmatched) {
+        who = fmt::format("rank {} (world rank {})", r->peer(), r->peer_world);
+      }
+      if (outstanding <= 4) {
+        details +=
+            fmt::format("{}{} rank {} (world rank {}) of {} bytes: {}", details.empty() ? "" : "; ",
+                        r->is_send() ? "send to" : "receive from", r->peer(), r->peer_world,
+                        r->size(), unmatched ? "peer never matched it" : "payload in flight");
+      }
+    }
+    if (who.empty()) who = "payloads to arrive";
+    return fmt::format("timed out waiting for {} ({} of {} requests outstanding: {})", who,
+                       outstanding, requests.size(), details);
+  }
+
+  MPI_Comm comm_;
+  NodeMap nodes_;
+  int rank_ = 0;
+  int size_ = 1;
+  uint64_t tag_space_ = 16384;
+  std::vector<int> world_ranks_;
+  Topology topology_;
+};
+
+}  // namespace
+
+bool MpiCompiledIn() { return true; }
+
+std::unique_ptr<Communicator> CreateMpiWorld(const MpiOptions& options) {
+  MpiRuntime::Get().Init();
+  int world_rank = 0, world_size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  // Node of every world rank: the lowest world rank sharing its memory, renumbered 0, 1, ...
+  std::vector<int> node_of(static_cast<size_t>(world_size));
+  if (options.ranks_per_node > 0) {
+    SY_REQUIRE(world_size % options.ranks_per_node == 0, InvalidArgument,
+               "ranks_per_node {} must divide the MPI world size {}", options.ranks_per_node,
+               world_size);
+    for (int r = 0; r < world_size; ++r)
+      node_of[static_cast<size_t>(r)] = r / options.ranks_per_node;
+  } else {
+    MPI_Comm shared;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank, MPI_INFO_NULL, &shared);
+    int leader = world_rank;
+    MPI_Allreduce(MPI_IN_PLACE, &leader, 1, MPI_INT, MPI_MIN, shared);
+    MPI_Comm_free(&shared);
+    MPI_Allgather(&leader, 1, MPI_INT, node_of.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    std::vector<int> leaders = node_of;
+    std::sort(leaders.begin(), leaders.end());
+    leaders.erase(std::unique(leaders.begin(), leaders.end()), leaders.end());
+    for (int& n : node_of) {
+      n = static_cast<int>(std::lower_bound(leaders.begin(), leaders.end(), n) - leaders.begin());
+    }
+  }
+  MPI_Comm comm;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  auto transport = std::make_unique<MpiTransport>(
+      comm, std::make_shared<const std::vector<int>>(std::move(node_of)));
+  return std::make_unique<GroupCommunicator>(std::move(transport), options.name, options.timeout);
+}
+
+void FinalizeMpi() { MpiRuntime::Get().Finalize(); }
+
+}  // namespace switchyard::comm
