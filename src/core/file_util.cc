@@ -55,8 +55,9 @@ class FileCloser {
 AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
   SY_REQUIRE(!path_.empty(), IoError, "cannot write a file with an empty path");
   SY_REQUIRE(path_.back() != '/', IoError, "cannot write '{}': the path names a directory", path_);
-  struct stat st;
-  if (::stat(path_.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+  struct stat existing {};
+  bool exists = ::stat(path_.c_str(), &existing) == 0;
+  if (exists && S_ISDIR(existing.st_mode)) {
     throw IoError(fmt::format("cannot write '{}': a directory is in the way", path_));
   }
   static std::atomic<uint64_t> counter{0};
@@ -72,6 +73,8 @@ AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
     throw IoError(fmt::format("cannot write '{}': creating temporary file '{}' failed: {}", path_,
                               temp_path_, SystemError(err)));
   }
+  // A replaced file keeps its permission bits (best effort: a failure here is not an error).
+  if (exists && S_ISREG(existing.st_mode)) ::fchmod(fd_, existing.st_mode & 07777);
 }
 
 AtomicFileWriter::~AtomicFileWriter() {

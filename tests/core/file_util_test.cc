@@ -64,6 +64,12 @@ TEST(FileUtil, NewFileModeFollowsUmask) {
   struct stat st;
   ASSERT_EQ(::stat(dir.File("m").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0644u);
+  // Replacing keeps the existing permission bits.
+  ASSERT_EQ(::chmod(dir.File("m").c_str(), 0600), 0);
+  WriteTextFileAtomic(dir.File("m"), "y");
+  ASSERT_EQ(::stat(dir.File("m").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(ReadTextFile(dir.File("m")), "y");
 }
 
 TEST(FileUtil, ReadErrorsNameThePath) {

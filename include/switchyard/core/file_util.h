@@ -22,7 +22,8 @@
 namespace switchyard {
 
 // Replaces (or creates) `path` with `bytes`, atomically as described above. New files get mode
-// 0666 minus the process umask, as an ordinary open(O_CREAT) would.
+// 0666 minus the process umask, as an ordinary open(O_CREAT) would; a replaced file keeps its
+// permission bits. If `path` is a symbolic link, the link itself is replaced by the new file.
 void WriteFileAtomic(const std::string& path, std::span<const std::byte> bytes);
 // Text convenience form of WriteFileAtomic (e.g. JSON).
 void WriteTextFileAtomic(const std::string& path, std::string_view text);
