@@ -1,0 +1,68 @@
+// The run directory's records: one JSON object per line in metrics.jsonl per logged step, and
+// the two figures drawn from them (loss.svg, expert_load.svg).
+//
+// A metrics line: {"step": 100, "loss": 2.1, "ce_loss": 2.09, "aux_loss": 1.01, "z_loss": 0,
+// "lr": 0.003, "grad_norm": 0.8, "tokens_per_s": 21000, "step_time_s": 0.1, "val_loss": 2.2,
+// "expert_load": [[tokens per expert] per MoE layer], "drop_rate": [per MoE layer]}.
+// "val_loss" appears on evaluation steps only; "expert_load" and "drop_rate" for MoE models.
+//
+// Thread-safety: a MetricsWriter belongs to one thread.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace switchyard::train {
+
+struct StepMetrics {
+  int64_t step = 0;  // steps completed (1 after the first step)
+  double loss = NAN;
+  double ce_loss = NAN;
+  double aux_loss = 0;
+  double z_loss = 0;
+  double lr = NAN;
+  double grad_norm = NAN;  // before clipping
+  double tokens_per_s = NAN;
+  double step_time_s = NAN;
+  double val_loss = NAN;                          // NaN: not evaluated at this step
+  std::vector<std::vector<int64_t>> expert_load;  // [moe layer][expert] routed pairs
+  std::vector<double> drop_rate;                  // [moe layer] dropped / routed
+};
+
+// One line of JSON (no newline). NaN fields are omitted.
+std::string MetricsToJson(const StepMetrics& m);
+// Parses a line written by MetricsToJson; throws IoError naming `what` on malformed input.
+StepMetrics MetricsFromJson(const std::string& line, const std::string& what);
+// Every line of a metrics.jsonl file (missing file: empty).
+std::vector<StepMetrics> ReadMetrics(const std::string& path);
+
+// Appends lines to metrics.jsonl, flushing each one.
+class MetricsWriter {
+ public:
+  // Opens `path` for appending. With keep_through_step >= 0 (a resumed run), lines of later
+  // steps (written after the checkpoint by the interrupted run) are removed first, so the file
+  // holds each step once. Throws IoError.
+  explicit MetricsWriter(std::string path, int64_t keep_through_step = -1);
+  ~MetricsWriter();
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
+
+  void Append(const StepMetrics& m);
+
+ private:
+  std::string path_;
+  std::FILE* file_ = nullptr;
+};
+
+// loss.svg: train loss and val loss over steps, with the unigram entropy as a reference line
+// (NaN: none). Written atomically.
+void WriteLossSvg(const std::string& path, const std::vector<StepMetrics>& history,
+                  double unigram_entropy, const std::string& title);
+// expert_load.svg: per MoE layer, tokens per expert over the logged steps. Written atomically.
+void WriteExpertLoadSvg(const std::string& path, const std::vector<StepMetrics>& history,
+                        const std::string& title);
+
+}  // namespace switchyard::train

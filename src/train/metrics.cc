@@ -1,0 +1,170 @@
+#include "switchyard/train/metrics.h"
+
+#include <fmt/format.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "switchyard/core/error.h"
+#include "switchyard/core/file_util.h"
+#include "switchyard/train/svg.h"
+
+namespace switchyard::train {
+
+using nlohmann::json;
+
+std::string MetricsToJson(const StepMetrics& m) {
+  json j;
+  j["step"] = m.step;
+  auto put = [&](const char* key, double v) {
+    if (std::isfinite(v)) j[key] = v;
+  };
+  put("loss", m.loss);
+  put("ce_loss", m.ce_loss);
+  put("aux_loss", m.aux_loss);
+  put("z_loss", m.z_loss);
+  put("lr", m.lr);
+  put("grad_norm", m.grad_norm);
+  put("tokens_per_s", m.tokens_per_s);
+  put("step_time_s", m.step_time_s);
+  put("val_loss", m.val_loss);
+  if (!m.expert_load.empty()) j["expert_load"] = m.expert_load;
+  if (!m.drop_rate.empty()) j["drop_rate"] = m.drop_rate;
+  return j.dump();
+}
+
+StepMetrics MetricsFromJson(const std::string& line, const std::string& what) {
+  StepMetrics m;
+  try {
+    json j = json::parse(line);
+    SY_REQUIRE(j.is_object() && j.contains("step"), IoError, "{}: expected an object with 'step'",
+               what);
+    m.step = j.at("step").get<int64_t>();
+    auto get = [&](const char* key, double& dst) {
+      if (j.contains(key)) dst = j.at(key).get<double>();
+    };
+    get("loss", m.loss);
+    get("ce_loss", m.ce_loss);
+    get("aux_loss", m.aux_loss);
+    get("z_loss", m.z_loss);
+    get("lr", m.lr);
+    get("grad_norm", m.grad_norm);
+    get("tokens_per_s", m.tokens_per_s);
+    get("step_time_s", m.step_time_s);
+    get("val_loss", m.val_loss);
+    if (j.contains("expert_load")) {
+      m.expert_load = j.at("expert_load").get<std::vector<std::vector<int64_t>>>();
+    }
+    if (j.contains("drop_rate")) m.drop_rate = j.at("drop_rate").get<std::vector<double>>();
+  } catch (const json::exception& e) {
+    throw IoError(fmt::format("{}: malformed metrics line: {}", what, e.what()));
+  }
+  return m;
+}
+
+std::vector<StepMetrics> ReadMetrics(const std::string& path) {
+  std::vector<StepMetrics> out;
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return out;
+  std::istringstream in(ReadTextFile(path));
+  std::string line;
+  int64_t n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    if (line.empty()) continue;
+    out.push_back(MetricsFromJson(line, fmt::format("{}:{}", path, n)));
+  }
+  return out;
+}
+
+MetricsWriter::MetricsWriter(std::string path, int64_t keep_through_step) : path_(std::move(path)) {
+  if (keep_through_step >= 0) {
+    std::error_code ec;
+    if (std::filesystem::exists(path_, ec)) {
+      // Keep the lines up to the resumed step, dropping a torn last line if the run was killed
+      // while writing it.
+      std::istringstream in(ReadTextFile(path_));
+      std::string line, kept;
+      while (std::getline(in, line)) {
+        if (line.empty()) continue;
+        try {
+          if (MetricsFromJson(line, path_).step <= keep_through_step) kept += line + "\n";
+        } catch (const IoError&) {
+        }
+      }
+      WriteTextFileAtomic(path_, kept);
+    }
+  }
+  file_ = std::fopen(path_.c_str(), keep_through_step >= 0 ? "a" : "w");
+  SY_REQUIRE(file_ != nullptr, IoError, "{}: cannot open for writing: {}", path_,
+             std::strerror(errno));
+}
+
+MetricsWriter::~MetricsWriter() {
+  if (file_ != nullptr) std::fclose(file_);
+}
+
+void MetricsWriter::Append(const StepMetrics& m) {
+  std::string line = MetricsToJson(m) + "\n";
+  SY_REQUIRE(
+      std::fwrite(line.data(), 1, line.size(), file_) == line.size() && std::fflush(file_) == 0,
+      IoError, "{}: write failed: {}", path_, std::strerror(errno));
+}
+
+void WriteLossSvg(const std::string& path, const std::vector<StepMetrics>& history,
+                  double unigram_entropy, const std::string& title) {
+  PlotSeries train{"train loss", "#1f77b4", {}, {}};
+  PlotSeries val{"val loss", "#d62728", {}, {}};
+  for (const auto& m : history) {
+    if (std::isfinite(m.ce_loss)) {
+      train.x.push_back(static_cast<double>(m.step));
+      train.y.push_back(m.ce_loss);
+    }
+    if (std::isfinite(m.val_loss)) {
+      val.x.push_back(static_cast<double>(m.step));
+      val.y.push_back(m.val_loss);
+    }
+  }
+  LinePlotOptions o;
+  o.title = title;
+  o.y_label = "cross-entropy (nats/token)";
+  if (std::isfinite(unigram_entropy)) {
+    o.reference_lines.push_back(
+        {fmt::format("unigram entropy {:.3f}", unigram_entropy), unigram_entropy, "#555"});
+  }
+  WriteTextFileAtomic(path, LinePlotSvg({train, val}, o));
+}
+
+void WriteExpertLoadSvg(const std::string& path, const std::vector<StepMetrics>& history,
+                        const std::string& title) {
+  std::vector<double> columns;
+  std::vector<HeatmapPanel> panels;
+  for (const auto& m : history) {
+    if (m.expert_load.empty()) continue;
+    if (panels.empty()) {
+      for (size_t l = 0; l < m.expert_load.size(); ++l) {
+        HeatmapPanel p;
+        p.title = fmt::format("MoE layer {}", l);
+        p.values.resize(m.expert_load[l].size());
+        panels.push_back(std::move(p));
+      }
+    }
+    if (m.expert_load.size() != panels.size()) continue;  // layout changed: skip the line
+    columns.push_back(static_cast<double>(m.step));
+    for (size_t l = 0; l < panels.size(); ++l) {
+      auto& rows = panels[l].values;
+      for (size_t e = 0; e < rows.size(); ++e) {
+        rows[e].push_back(e < m.expert_load[l].size() ? static_cast<double>(m.expert_load[l][e])
+                                                      : std::nan(""));
+      }
+    }
+  }
+  HeatmapOptions o;
+  o.title = title;
+  WriteTextFileAtomic(path, HeatmapSvg(panels, columns, o));
+}
+
+}  // namespace switchyard::train

@@ -1,0 +1,73 @@
+#include "switchyard/train/progress.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace switchyard::train {
+
+std::string FormatDuration(double s) {
+  if (!std::isfinite(s) || s < 0) return "-";
+  auto t = static_cast<int64_t>(std::llround(s));
+  if (t >= 3600) return fmt::format("{}h{:02}m", t / 3600, (t / 60) % 60);
+  if (t >= 60) return fmt::format("{}m{:02}s", t / 60, t % 60);
+  return fmt::format("{}s", t);
+}
+
+std::string FormatRate(double r) {
+  if (!std::isfinite(r)) return "-";
+  if (r >= 1e6) return fmt::format("{:.2f}M", r / 1e6);
+  if (r >= 1e3) return fmt::format("{:.1f}k", r / 1e3);
+  return fmt::format("{:.0f}", r);
+}
+
+ProgressBar::ProgressBar(std::FILE* out, bool interactive, int64_t plain_every)
+    : out_(out), interactive_(interactive), plain_every_(std::max<int64_t>(1, plain_every)) {}
+
+bool ProgressBar::IsTerminal(std::FILE* out) { return out != nullptr && isatty(fileno(out)); }
+
+std::string ProgressBar::FormatLine(const ProgressInfo& info, int bar_width) {
+  std::string line;
+  if (bar_width > 0) {
+    double frac = info.total > 0 ? static_cast<double>(info.step) / info.total : 0;
+    int filled = static_cast<int>(std::clamp(frac, 0.0, 1.0) * bar_width);
+    line = "[" + std::string(filled, '#') + std::string(bar_width - filled, '-') + "] ";
+  }
+  int width = static_cast<int>(fmt::formatted_size("{}", info.total));
+  line += fmt::format("step {:>{}}/{}", info.step, width, info.total);
+  line += std::isfinite(info.loss) ? fmt::format("  loss {:.4f}", info.loss) : "  loss -";
+  if (std::isfinite(info.val_loss)) line += fmt::format("  val {:.4f}", info.val_loss);
+  line += fmt::format("  {} tok/s", FormatRate(info.tokens_per_s));
+  if (std::isfinite(info.drop_rate)) line += fmt::format("  drop {:.1f}%", 100 * info.drop_rate);
+  line += "  ETA " + FormatDuration(info.eta_s);
+  return line;
+}
+
+void ProgressBar::Update(const ProgressInfo& info) {
+  if (interactive_) {
+    last_line_ = FormatLine(info, 24);
+    fmt::print(out_, "\r{}\x1b[K", last_line_);
+    bar_visible_ = true;
+  } else if (info.step % plain_every_ == 0 || info.step == info.total) {
+    fmt::print(out_, "{}\n", FormatLine(info, 0));
+  }
+  std::fflush(out_);
+}
+
+void ProgressBar::Print(std::string_view line) {
+  if (interactive_ && bar_visible_) {
+    fmt::print(out_, "\r\x1b[K{}\n{}", line, last_line_);
+  } else {
+    fmt::print(out_, "{}\n", line);
+  }
+  std::fflush(out_);
+}
+
+void ProgressBar::Finish() {
+  if (interactive_ && bar_visible_) fmt::print(out_, "\n");
+  bar_visible_ = false;
+  std::fflush(out_);
+}
+
+}  // namespace switchyard::train
