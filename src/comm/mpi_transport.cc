@@ -10,6 +10,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -227,7 +228,9 @@ class MpiTransport final : public Transport, public NativeCollectives {
     int* ub = nullptr;
     int flag = 0;
     MPI_Comm_get_attr(comm_, MPI_TAG_UB, &ub, &flag);
-    tag_space_ = static_cast<uint64_t>(flag && ub ? *ub : 32767) / 2 + 1;
+    int tag_ub = flag && ub ? *ub : 32767;
+    abort_tag_ = tag_ub;  // odd tags below it carry payloads, even ones headers
+    tag_space_ = static_cast<uint64_t>(tag_ub - 1) / 2;
     MPI_Group world_group, group;
     MPI_Comm_group(MPI_COMM_WORLD, &world_group);
     MPI_Comm_group(comm_, &group);
@@ -250,8 +253,11 @@ class MpiTransport final : public Transport, public NativeCollectives {
     topology_ = uniform ? Topology{size_ / per, per} : Topology{1, size_};
   }
 
+  // A communicator that saw a failure may still have unmatched messages in flight. OpenMPI
+  // reuses the context id of a freed communicator, so they could match in a later one: such a
+  // communicator is therefore never freed (a small, deliberate leak after a failure).
   ~MpiTransport() override {
-    if (MpiRuntime::Alive()) MPI_Comm_free(&comm_);
+    if (MpiRuntime::Alive() && !tainted_.load()) MPI_Comm_free(&comm_);
   }
 
   int rank() const override { return rank_; }
@@ -296,18 +302,50 @@ class MpiTransport final : public Transport, public NativeCollectives {
   }
 
   void Wait(std::span<Request* const> requests, Deadline deadline) override {
-    for (;;) {
-      bool all_done = true;
-      for (Request* q : requests) {
-        if (q && !static_cast<MpiRequest*>(q)->Progress()) all_done = false;
+    try {
+      for (int spins = 0;; ++spins) {
+        bool all_done = true;
+        for (Request* q : requests) {
+          if (q && !static_cast<MpiRequest*>(q)->Progress()) all_done = false;
+        }
+        if (all_done) return;
+        if (spins % 64 == 63) CheckAborts();
+        if (Clock::now() >= deadline) {
+          CheckAborts();
+          throw TimeoutError(DescribeTimeout(requests));
+        }
+        sched_yield();
       }
-      if (all_done) return;
-      if (Clock::now() >= deadline) throw TimeoutError(DescribeTimeout(requests));
-      sched_yield();
+    } catch (...) {
+      tainted_ = true;
+      throw;
     }
   }
 
-  bool Test(Request& request) override { return static_cast<MpiRequest&>(request).Progress(); }
+  // Tells every other member that this rank failed in this group (fire and forget).
+  void Abort(const std::string& reason) override {
+    tainted_ = true;
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (!abort_notice_.empty()) return;
+    abort_notice_ = reason.substr(0, kMaxAbortNotice);
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      MPI_Request r;
+      if (MPI_Isend(abort_notice_.data(), static_cast<int>(abort_notice_.size()), MPI_CHAR, p,
+                    abort_tag_, comm_, &r) == MPI_SUCCESS) {
+        MPI_Request_free(&r);  // abort_notice_ lives as long as the communicator
+      }
+    }
+  }
+
+  bool Test(Request& request) override {
+    try {
+      return static_cast<MpiRequest&>(request).Progress();
+    } catch (...) {
+      tainted_ = true;
+      throw;
+    }
+  }
 
   std::unique_ptr<Transport> Split(int color, int key, uint64_t tag, Deadline deadline) override {
     // The exchange has a deadline, so a missing member is reported; MPI_Comm_split then runs
@@ -414,15 +452,38 @@ class MpiTransport final : public Transport, public NativeCollectives {
   // MPI offers no way to abandon a non-blocking collective: after a timeout it stays posted and
   // the communicator is unusable (as the Communicator contract says).
   void Poll(MPI_Request& r, Deadline deadline, const char* what) {
-    for (;;) {
+    for (int spins = 0;; ++spins) {
       int flag = 0;
       SY_MPI_CALL(MPI_Test(&r, &flag, MPI_STATUS_IGNORE));
       if (flag) return;
+      if (spins % 64 == 63) CheckAborts();
       if (Clock::now() >= deadline) {
+        tainted_ = true;
+        CheckAborts();
         throw TimeoutError(fmt::format("timed out in MPI's own {} (some rank did not join)", what));
       }
       sched_yield();
     }
+  }
+
+  // Throws PeerError if a member sent an abort notice (now or earlier).
+  void CheckAborts() {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (abort_received_.empty()) {
+      int flag = 0;
+      MPI_Status status;
+      MPI_Iprobe(MPI_ANY_SOURCE, abort_tag_, comm_, &flag, &status);
+      if (!flag) return;
+      int len = 0;
+      MPI_Get_count(&status, MPI_CHAR, &len);
+      std::string notice(static_cast<size_t>(std::max(len, 0)), '\0');
+      MPI_Recv(notice.data(), len, MPI_CHAR, status.MPI_SOURCE, abort_tag_, comm_,
+               MPI_STATUS_IGNORE);
+      abort_received_ = fmt::format("rank {} (world rank {}) failed: {}", status.MPI_SOURCE,
+                                    WorldRank(status.MPI_SOURCE), notice);
+    }
+    tainted_ = true;
+    throw PeerError(abort_received_);
   }
 
   std::string DescribeTimeout(std::span<Request* const> requests) const {
@@ -448,8 +509,15 @@ class MpiTransport final : public Transport, public NativeCollectives {
                        outstanding, requests.size(), details);
   }
 
+  static constexpr size_t kMaxAbortNotice = 2048;
+
   MPI_Comm comm_;
   NodeMap nodes_;
+  int abort_tag_ = 32767;
+  std::mutex abort_mu_;
+  std::string abort_notice_;          // sent by Abort; kept alive for the MPI sends
+  std::string abort_received_;        // first notice received from a peer
+  std::atomic<bool> tainted_{false};  // saw a failure: never freed
   int rank_ = 0;
   int size_ = 1;
   uint64_t tag_space_ = 16384;
