@@ -131,14 +131,8 @@ void Work::Wait() const {
 
 void Work::Wait(Milliseconds timeout) const {
   if (!state_) return;
+  // Never runs the collective inline: that could block past `timeout`.
   Deadline deadline = Clock::now() + timeout;
-  std::shared_ptr<Executor> executor;
-  {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    if (!state_->done) executor = state_->executor;
-  }
-  if (executor) executor->TryRunInline(state_);
-  executor.reset();
   std::unique_lock<std::mutex> lock(state_->mu);
   if (!state_->cv.wait_until(lock, deadline, [&] { return state_->done; })) {
     throw TimeoutError(fmt::format("Work::Wait: collective #{} still running after {} ms",

@@ -99,7 +99,7 @@ class InProcessTransport final : public Transport {
   RequestPtr Isend(int peer, uint64_t tag, const void* data, size_t bytes,
                    const MessageHeader& header) override;
   RequestPtr Irecv(int peer, uint64_t tag, void* data, size_t capacity,
-                   const RecvReduction* reduction) override;
+                   const RecvReduction* reduction = nullptr) override;
   void Wait(std::span<Request* const> requests, Deadline deadline) override;
   bool Test(Request& request) override;
   std::unique_ptr<Transport> Split(int color, int key, uint64_t tag, Deadline deadline) override;

@@ -55,7 +55,7 @@ class Work {
   // PeerError, InvalidArgument). The collective's own deadline bounds the wait.
   void Wait() const;
   // As Wait(), but throws TimeoutError if the collective is still running after `timeout` (it
-  // then goes on until it finishes or reaches its own deadline).
+  // then goes on until it finishes or reaches its own deadline). Never runs it inline.
   void Wait(Milliseconds timeout) const;
 
  private:
