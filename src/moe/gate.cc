@@ -235,7 +235,7 @@ std::vector<float> GateValuesBackward(const LayerConfig& c, const GateResult& ga
 
 GateGradients GateBackward(const LayerConfig& c, const GateResult& gate, const Tensor& x,
                            const Tensor& gate_weight, std::span<const float> d_choice_scores,
-                           float aux_coef, float z_coef) {
+                           float aux_coef, float z_coef, const GateLossSums* batch_loss_sums) {
   const int64_t t_num = gate.num_tokens, e_num = gate.num_experts, k = gate.top_k;
   const int64_t m_dim = c.model_dim;
   SY_CHECK(static_cast<int64_t>(d_choice_scores.size()) == t_num * k);
@@ -271,7 +271,11 @@ GateGradients GateBackward(const LayerConfig& c, const GateResult& gate, const T
       }
     }
   }
-  GateLossesBackward(c, gate, aux_coef, z_coef, d_logits);
+  if (batch_loss_sums != nullptr) {
+    GateLossesBackward(c, gate, aux_coef, z_coef, d_logits, *batch_loss_sums);
+  } else {
+    GateLossesBackward(c, gate, aux_coef, z_coef, d_logits);
+  }
 
   GateGradients g;
   g.gate_weight = Tensor::Empty({e_num, m_dim});

@@ -67,25 +67,21 @@ void AuxProbabilitiesBackward(const LayerConfig& c, const float* logits,
   }
 }
 
-// c_e: fraction of tokens whose 1st choice (or any choice) is e, and the loss scale.
-struct GShardTerms {
-  std::vector<double> c;
-  double scale = 0;  // l_aux = scale * sum_e m_e c_e
-};
-GShardTerms GShardCounts(const LayerConfig& config, const GateResult& g) {
-  GShardTerms r;
-  r.c.assign(static_cast<size_t>(g.num_experts), 0.0);
-  bool all = config.aux_loss == AuxLoss::kGShardAllChoices;
-  int64_t choices = all ? g.top_k : 1;
+// Counted choices per expert (1st choice, or all k) and the loss scale:
+// l_aux = scale * sum_e m_e * c_e with c_e = choices_e / T.
+double GShardScale(const LayerConfig& config, const GateResult& g) {
+  int64_t choices = config.aux_loss == AuxLoss::kGShardAllChoices ? g.top_k : 1;
+  return static_cast<double>(g.num_experts) / static_cast<double>(choices);
+}
+std::vector<double> GShardChoices(const LayerConfig& config, const GateResult& g) {
+  std::vector<double> c(static_cast<size_t>(g.num_experts), 0.0);
+  int64_t choices = config.aux_loss == AuxLoss::kGShardAllChoices ? g.top_k : 1;
   for (int64_t t = 0; t < g.num_tokens; ++t) {
     for (int64_t j = 0; j < choices; ++j) {
-      r.c[static_cast<size_t>(g.experts[static_cast<size_t>(t * g.top_k + j)])] += 1.0;
+      c[static_cast<size_t>(g.experts[static_cast<size_t>(t * g.top_k + j)])] += 1.0;
     }
   }
-  double inv_t = g.num_tokens > 0 ? 1.0 / static_cast<double>(g.num_tokens) : 0.0;
-  for (double& v : r.c) v *= inv_t;
-  r.scale = static_cast<double>(g.num_experts) / static_cast<double>(choices);
-  return r;
+  return c;
 }
 
 double NormalCdf(double z) { return 0.5 * std::erfc(-z * std::numbers::sqrt2 / 2); }
@@ -110,32 +106,45 @@ double Cv2(const std::vector<double>& v, std::vector<double>* grad) {
   return var / den;
 }
 
-// Tutel's importance + load loss; with grads, the gradient of `coef * loss` is added to d_logits.
-double ImportanceLoad(const LayerConfig& config, const GateResult& g, float coef, float* d_logits) {
-  const int64_t t_num = g.num_tokens, e_num = g.num_experts, k = g.top_k;
-  const float* clean = g.logits.data<float>();
-  const float* noisy = g.noisy_logits.data<float>();
-  std::vector<double> p = AuxProbabilities(config, clean, t_num, e_num);
+// Tutel's importance + load loss: the threshold of token t is its k-th choice's noisy logit.
+double ImportanceThreshold(const GateResult& g, int64_t t) {
+  const int64_t e_num = g.num_experts, k = g.top_k;
+  return static_cast<double>(
+      g.noisy_logits.data<float>()[t * e_num + g.experts[static_cast<size_t>(t * k + k - 1)]]);
+}
+
+// Imp_e and Load_e of this rank's tokens (added into imp and load).
+void ImportanceLoadSums(const LayerConfig& config, const GateResult& g, std::vector<double>* imp,
+                        std::vector<double>* load) {
+  const int64_t t_num = g.num_tokens, e_num = g.num_experts;
+  std::vector<double> p = AuxProbabilities(config, g.logits.data<float>(), t_num, e_num);
   const double sigma = static_cast<double>(config.noise_std) / static_cast<double>(e_num);
-  std::vector<double> imp(static_cast<size_t>(e_num), 0.0), load(static_cast<size_t>(e_num), 0.0);
-  auto threshold = [&](int64_t t) {
-    return static_cast<double>(noisy[t * e_num + g.experts[static_cast<size_t>(t * k + k - 1)]]);
-  };
+  imp->assign(static_cast<size_t>(e_num), 0.0);
+  load->assign(static_cast<size_t>(e_num), 0.0);
   for (int64_t t = 0; t < t_num; ++t) {
-    double thr = threshold(t);
+    double thr = ImportanceThreshold(g, t);
     for (int64_t e = 0; e < e_num; ++e) {
       double pe = p[static_cast<size_t>(t * e_num + e)];
-      imp[static_cast<size_t>(e)] += pe;
-      load[static_cast<size_t>(e)] += NormalCdf((pe - thr) / sigma);
+      (*imp)[static_cast<size_t>(e)] += pe;
+      (*load)[static_cast<size_t>(e)] += NormalCdf((pe - thr) / sigma);
     }
   }
+}
+
+// Adds the gradient of coef * loss into d_logits, for the loss of the batch with sums imp, load.
+void ImportanceLoadBackward(const LayerConfig& config, const GateResult& g,
+                            const std::vector<double>& imp, const std::vector<double>& load,
+                            float coef, float* d_logits) {
+  const int64_t t_num = g.num_tokens, e_num = g.num_experts, k = g.top_k;
+  const float* clean = g.logits.data<float>();
+  std::vector<double> p = AuxProbabilities(config, clean, t_num, e_num);
+  const double sigma = static_cast<double>(config.noise_std) / static_cast<double>(e_num);
   std::vector<double> d_imp, d_load;
-  double loss =
-      (Cv2(imp, d_logits ? &d_imp : nullptr) + Cv2(load, d_logits ? &d_load : nullptr)) / 2.0;
-  if (!d_logits) return loss;
+  Cv2(imp, &d_imp);
+  Cv2(load, &d_load);
   std::vector<double> dp(p.size());
   for (int64_t t = 0; t < t_num; ++t) {
-    double thr = threshold(t);
+    double thr = ImportanceThreshold(g, t);
     double d_thr = 0;
     for (int64_t e = 0; e < e_num; ++e) {
       size_t i = static_cast<size_t>(t * e_num + e);
@@ -148,90 +157,165 @@ double ImportanceLoad(const LayerConfig& config, const GateResult& g, float coef
         static_cast<float>(d_thr);
   }
   AuxProbabilitiesBackward(config, clean, p, dp, t_num, e_num, d_logits);
-  return loss;
+}
+
+// lse_t of the noise-free logits.
+double LogSumExp(const float* l, int64_t e_num) {
+  double mx = -INFINITY;
+  for (int64_t e = 0; e < e_num; ++e) mx = std::max(mx, static_cast<double>(l[e]));
+  double s = 0;
+  for (int64_t e = 0; e < e_num; ++e) s += std::exp(l[e] - mx);
+  return mx + std::log(s);
+}
+
+bool IsGShard(const LayerConfig& config) {
+  return config.aux_loss == AuxLoss::kGShard || config.aux_loss == AuxLoss::kGShardAllChoices;
 }
 
 }  // namespace
 
-GateLosses ComputeGateLosses(const LayerConfig& config, const GateResult& g) {
-  const int64_t t_num = g.num_tokens, e_num = g.num_experts;
-  GateLosses out;
-  if (t_num == 0) return out;
-  // z-loss on the noise-free logits.
-  const float* l = g.logits.data<float>();
-  double z = 0;
-  for (int64_t t = 0; t < t_num; ++t) {
-    double mx = -INFINITY;
-    for (int64_t e = 0; e < e_num; ++e) mx = std::max(mx, static_cast<double>(l[t * e_num + e]));
-    double s = 0;
-    for (int64_t e = 0; e < e_num; ++e) s += std::exp(l[t * e_num + e] - mx);
-    double lse = mx + std::log(s);
-    z += lse * lse;
+std::vector<double> GateLossSums::ToVector() const {
+  std::vector<double> v{num_tokens, z};
+  for (const auto* part : {&probs, &choices, &importance, &load}) {
+    v.insert(v.end(), part->begin(), part->end());
   }
-  out.z_loss = static_cast<float>(z / static_cast<double>(t_num));
+  return v;
+}
 
-  switch (config.aux_loss) {
-    case AuxLoss::kGShard:
-    case AuxLoss::kGShardAllChoices: {
+GateLossSums GateLossSums::FromVector(const LayerConfig& config, std::span<const double> values) {
+  const auto e_num = static_cast<size_t>(config.num_experts);
+  GateLossSums s;
+  size_t expected = 2 + (IsGShard(config) ? 2 * e_num : 0) +
+                    (config.aux_loss == AuxLoss::kImportanceLoad ? 2 * e_num : 0);
+  SY_REQUIRE(
+      values.size() == expected, InvalidArgument,
+      "GateLossSums::FromVector: expected {} values for aux_loss '{}' and {} experts, got {}",
+      expected, AuxLossName(config.aux_loss), e_num, values.size());
+  s.num_tokens = values[0];
+  s.z = values[1];
+  size_t at = 2;
+  auto take = [&](std::vector<double>* dst) {
+    dst->assign(values.begin() + static_cast<std::ptrdiff_t>(at),
+                values.begin() + static_cast<std::ptrdiff_t>(at + e_num));
+    at += e_num;
+  };
+  if (IsGShard(config)) {
+    take(&s.probs);
+    take(&s.choices);
+  }
+  if (config.aux_loss == AuxLoss::kImportanceLoad) {
+    take(&s.importance);
+    take(&s.load);
+  }
+  return s;
+}
+
+GateLossSums ComputeGateLossSums(const LayerConfig& config, const GateResult& g) {
+  const int64_t t_num = g.num_tokens, e_num = g.num_experts;
+  GateLossSums s;
+  s.num_tokens = static_cast<double>(t_num);
+  const float* l = g.logits.defined() ? g.logits.data<float>() : nullptr;
+  for (int64_t t = 0; t < t_num; ++t) {
+    double lse = LogSumExp(l + t * e_num, e_num);
+    s.z += lse * lse;
+  }
+  if (IsGShard(config)) {
+    s.probs.assign(static_cast<size_t>(e_num), 0.0);
+    if (t_num > 0) {
       std::vector<double> p = AuxProbabilities(config, g.noisy_logits.data<float>(), t_num, e_num);
-      GShardTerms terms = GShardCounts(config, g);
-      double sum = 0;
       for (int64_t e = 0; e < e_num; ++e) {
         double m = 0;
         for (int64_t t = 0; t < t_num; ++t) m += p[static_cast<size_t>(t * e_num + e)];
-        sum += m / static_cast<double>(t_num) * terms.c[static_cast<size_t>(e)];
+        s.probs[static_cast<size_t>(e)] = m;
       }
-      out.l_aux = static_cast<float>(terms.scale * sum);
-      break;
     }
-    case AuxLoss::kImportanceLoad:
-      out.l_aux = static_cast<float>(ImportanceLoad(config, g, 0.0f, nullptr));
-      break;
-    case AuxLoss::kNone: break;
+    s.choices = GShardChoices(config, g);
+  } else if (config.aux_loss == AuxLoss::kImportanceLoad) {
+    ImportanceLoadSums(config, g, &s.importance, &s.load);
+  }
+  return s;
+}
+
+GateLosses GateLossesFromSums(const LayerConfig& config, const GateLossSums& s) {
+  GateLosses out;
+  if (s.num_tokens <= 0) return out;
+  const int64_t e_num = config.num_experts;
+  out.z_loss = static_cast<float>(s.z / s.num_tokens);
+  if (IsGShard(config)) {
+    int64_t choices = config.aux_loss == AuxLoss::kGShardAllChoices ? EffectiveTopK(config) : 1;
+    double scale = static_cast<double>(e_num) / static_cast<double>(choices);
+    double inv_t = 1.0 / s.num_tokens;
+    double sum = 0;
+    for (int64_t e = 0; e < e_num; ++e) {
+      sum += s.probs[static_cast<size_t>(e)] / s.num_tokens *
+             (s.choices[static_cast<size_t>(e)] * inv_t);
+    }
+    out.l_aux = static_cast<float>(scale * sum);
+  } else if (config.aux_loss == AuxLoss::kImportanceLoad) {
+    out.l_aux = static_cast<float>((Cv2(s.importance, nullptr) + Cv2(s.load, nullptr)) / 2.0);
   }
   return out;
 }
 
+GateLosses ComputeGateLosses(const LayerConfig& config, const GateResult& g) {
+  return GateLossesFromSums(config, ComputeGateLossSums(config, g));
+}
+
 void GateLossesBackward(const LayerConfig& config, const GateResult& g, float aux_coef,
                         float z_coef, const Tensor& d_logits) {
+  GateLossSums own;
+  own.num_tokens = static_cast<double>(g.num_tokens);
+  if (aux_coef != 0 && g.num_tokens > 0) {
+    if (IsGShard(config)) {
+      own.choices = GShardChoices(config, g);
+    } else if (config.aux_loss == AuxLoss::kImportanceLoad) {
+      ImportanceLoadSums(config, g, &own.importance, &own.load);
+    }
+  }
+  GateLossesBackward(config, g, aux_coef, z_coef, d_logits, own);
+}
+
+void GateLossesBackward(const LayerConfig& config, const GateResult& g, float aux_coef,
+                        float z_coef, const Tensor& d_logits, const GateLossSums& batch) {
   const int64_t t_num = g.num_tokens, e_num = g.num_experts;
   ExpectShape("d_logits", d_logits, {t_num, e_num});
-  if (t_num == 0) return;
+  if (t_num == 0 || batch.num_tokens <= 0) return;
   float* dl = d_logits.data<float>();
   if (z_coef != 0) {
     // dz/dl[t, e] = 2 lse_t softmax(l_t)_e / T.
     const float* l = g.logits.data<float>();
     for (int64_t t = 0; t < t_num; ++t) {
-      double mx = -INFINITY;
-      for (int64_t e = 0; e < e_num; ++e) mx = std::max(mx, static_cast<double>(l[t * e_num + e]));
-      double s = 0;
-      for (int64_t e = 0; e < e_num; ++e) s += std::exp(l[t * e_num + e] - mx);
-      double lse = mx + std::log(s);
-      double f = z_coef * 2.0 * lse / static_cast<double>(t_num);
+      double lse = LogSumExp(l + t * e_num, e_num);
+      double f = z_coef * 2.0 * lse / batch.num_tokens;
       for (int64_t e = 0; e < e_num; ++e) {
         dl[t * e_num + e] += static_cast<float>(f * std::exp(l[t * e_num + e] - lse));
       }
     }
   }
   if (aux_coef == 0) return;
-  switch (config.aux_loss) {
-    case AuxLoss::kGShard:
-    case AuxLoss::kGShardAllChoices: {
-      const float* nl = g.noisy_logits.data<float>();
-      std::vector<double> p = AuxProbabilities(config, nl, t_num, e_num);
-      GShardTerms terms = GShardCounts(config, g);
-      std::vector<double> dp(p.size());
-      for (int64_t t = 0; t < t_num; ++t) {
-        for (int64_t e = 0; e < e_num; ++e) {
-          dp[static_cast<size_t>(t * e_num + e)] =
-              aux_coef * terms.scale * terms.c[static_cast<size_t>(e)] / static_cast<double>(t_num);
-        }
+  if (IsGShard(config)) {
+    SY_REQUIRE(batch.choices.size() == static_cast<size_t>(e_num), InvalidArgument,
+               "GateLossesBackward: the batch sums hold {} expert counts, expected {}",
+               batch.choices.size(), e_num);
+    const float* nl = g.noisy_logits.data<float>();
+    std::vector<double> p = AuxProbabilities(config, nl, t_num, e_num);
+    const double scale = GShardScale(config, g), inv_t = 1.0 / batch.num_tokens;
+    std::vector<double> dp(p.size());
+    for (int64_t t = 0; t < t_num; ++t) {
+      for (int64_t e = 0; e < e_num; ++e) {
+        dp[static_cast<size_t>(t * e_num + e)] =
+            aux_coef * scale * (batch.choices[static_cast<size_t>(e)] * inv_t) / batch.num_tokens;
       }
-      AuxProbabilitiesBackward(config, nl, p, dp, t_num, e_num, dl);
-      break;
     }
-    case AuxLoss::kImportanceLoad: ImportanceLoad(config, g, aux_coef, dl); break;
-    case AuxLoss::kNone: break;
+    AuxProbabilitiesBackward(config, nl, p, dp, t_num, e_num, dl);
+  } else if (config.aux_loss == AuxLoss::kImportanceLoad) {
+    SY_REQUIRE(batch.importance.size() == static_cast<size_t>(e_num) &&
+                   batch.load.size() == static_cast<size_t>(e_num),
+               InvalidArgument,
+               "GateLossesBackward: the batch sums hold no importance/load of {} "
+               "experts",
+               e_num);
+    ImportanceLoadBackward(config, g, batch.importance, batch.load, aux_coef, dl);
   }
 }
 

@@ -65,13 +65,18 @@ struct GateGradients {
   Tensor gate_weight;  // [E, M] float32
 };
 
+struct GateLossSums;  // losses.h
+
 // Backward of the gate and of its losses:
 //   d_choice_scores [T, k]  gradient of the objective with respect to GateResult::choice_scores
 //   aux_coef, z_coef        the objective contains aux_coef * l_aux + z_coef * z_loss
+//   batch_loss_sums         null: the losses are those of these T tokens; else the losses of a
+//                           batch split over ranks, with these sums (see losses.h)
 // The discrete choices (top-k, drops) pass no gradient; the expert bias is not trained.
 GateGradients GateBackward(const LayerConfig& config, const GateResult& gate, const Tensor& x,
                            const Tensor& gate_weight, std::span<const float> d_choice_scores,
-                           float aux_coef, float z_coef);
+                           float aux_coef, float z_coef,
+                           const GateLossSums* batch_loss_sums = nullptr);
 
 // Aux-loss-free balancing (DeepSeek-V3): expert_bias[e] += rate * sign(mean_load - loads[e]).
 //   loads        [E] routed (token, choice) pairs per expert in this step, before drops (summed

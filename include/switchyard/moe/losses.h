@@ -15,6 +15,9 @@
 // softmax_after_topk), or the sigmoid scores normalized to sum 1 per token (Megatron-Core).
 #pragma once
 
+#include <span>
+#include <vector>
+
 #include "switchyard/moe/config.h"
 #include "switchyard/moe/gate.h"
 
@@ -31,5 +34,32 @@ GateLosses ComputeGateLosses(const LayerConfig& config, const GateResult& gate);
 // (noisy and noise-free logits differ by a constant, so they share one gradient).
 void GateLossesBackward(const LayerConfig& config, const GateResult& gate, float aux_coef,
                         float z_coef, const Tensor& d_logits);
+
+// ---- Losses of a batch split over ranks (expert parallelism). ----
+// Every loss above is a function of per-expert sums over tokens. A rank computes the sums of its
+// own tokens, the ranks add them (an all-reduce of ToVector()), and GateLossesFromSums /
+// the GateLossesBackward overload then give the losses of the whole batch and each rank's share
+// of their gradient. With the sums of one rank's tokens they equal ComputeGateLosses /
+// GateLossesBackward.
+struct GateLossSums {
+  double num_tokens = 0;
+  double z = 0;                    // sum_t lse_t^2 of the noise-free logits
+  std::vector<double> probs;       // [E] sum_t P[t, e] (gshard, gshard_all_choices)
+  std::vector<double> choices;     // [E] counted choices per expert (1st, or all k)
+  std::vector<double> importance;  // [E] importance_load: sum_t Pc[t, e]
+  std::vector<double> load;        // [E] importance_load: sum_t Phi((Pc[t, e] - thr_t) / sigma)
+
+  // [num_tokens, z, probs, choices, importance, load] (empty vectors take no room).
+  std::vector<double> ToVector() const;
+  // Inverse of ToVector for the same config; throws InvalidArgument on a size mismatch.
+  static GateLossSums FromVector(const LayerConfig& config, std::span<const double> values);
+};
+
+GateLossSums ComputeGateLossSums(const LayerConfig& config, const GateResult& gate);
+GateLosses GateLossesFromSums(const LayerConfig& config, const GateLossSums& sums);
+// As GateLossesBackward, for the losses of the batch whose sums are `batch` (gate is this rank's
+// part of it).
+void GateLossesBackward(const LayerConfig& config, const GateResult& gate, float aux_coef,
+                        float z_coef, const Tensor& d_logits, const GateLossSums& batch);
 
 }  // namespace switchyard::moe
