@@ -1,0 +1,62 @@
+// Checkpoints: everything a run needs to continue bit for bit.
+//
+// A checkpoint is a directory <checkpoints>/step_<8-digit step>/ holding
+//   model.safetensors      the model's values by PyTorch-style name (loadable with
+//                          safetensors.torch.load_file; MoE experts as [E, ...] by global id)
+//   optimizer.safetensors  AdamW state: "<param>.exp_avg", "<param>.exp_avg_sq"
+//   state.json             step, optimizer step, RNG state (seed and the counters the data and
+//                          random routing are keyed by), the run's config, and each file's
+//                          size and FNV-1a 64 checksum
+// and <checkpoints>/latest names the newest complete one.
+//
+// Crash safety: the files are written (and fsynced) into a temporary directory that is renamed
+// to its final name only when complete; `latest` is replaced atomically after that. A run killed
+// at any moment leaves `latest` naming a complete checkpoint. Loading verifies every file's size
+// and checksum: a truncated or corrupted checkpoint is an IoError that names the file and the
+// problem, and the checkpoints before it stay usable (pass their directory to load them).
+//
+// Thread-safety: functions are reentrant; concurrent saves into the same directory are not
+// supported.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "switchyard/core/safetensors.h"
+
+namespace switchyard::train {
+
+struct CheckpointData {
+  int64_t step = 0;            // training steps completed
+  int64_t optimizer_step = 0;  // AdamW's step count
+  uint64_t seed = 0;           // the run's seed (keys data sampling, init, routing)
+  int64_t global_batch = 0;    // rows per step (the data sampler's counter stride)
+  std::string config_json;     // the run's configuration (TrainConfigToJson)
+  TensorMap model;             // name -> float32 value
+  TensorMap optimizer;         // "<param>.exp_avg" / "<param>.exp_avg_sq"
+};
+
+// Writes a checkpoint of `data` under `checkpoints_dir` (created if missing), updates `latest`,
+// then deletes all but the newest `keep` checkpoints (keep <= 0: keep all). Returns the new
+// checkpoint's directory. Throws IoError; on failure the previous checkpoints are untouched.
+std::string SaveCheckpoint(const std::string& checkpoints_dir, const CheckpointData& data,
+                           int keep = 0);
+
+// The checkpoint directory `path` refers to: a checkpoint directory itself (has state.json), a
+// checkpoints directory (its `latest`), or a run directory (its checkpoints/latest). Throws
+// IoError naming what was looked for.
+std::string ResolveCheckpoint(const std::string& path);
+
+// Loads and verifies the checkpoint `path` refers to (see ResolveCheckpoint).
+CheckpointData LoadCheckpoint(const std::string& path);
+
+// Checkpoint directories under `checkpoints_dir`, oldest first (by step).
+std::vector<std::string> ListCheckpoints(const std::string& checkpoints_dir);
+
+// FNV-1a 64 of bytes (the checkpoint checksum).
+uint64_t Fnv1a64(std::span<const std::byte> bytes);
+
+}  // namespace switchyard::train

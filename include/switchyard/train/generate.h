@@ -1,0 +1,29 @@
+// Text sampling from a byte-level model: autoregressive, temperature and optional top-k,
+// deterministic for a seed (draw i uses CounterRng(seed, kStreamSample) at index i).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "switchyard/train/model.h"
+
+namespace switchyard::train {
+
+// The CounterRng stream of sampling (core/rng.h's streams stop at kStreamData = 64).
+inline constexpr uint64_t kStreamSample = 65;
+
+struct SampleOptions {
+  std::string prompt;        // bytes to continue; empty: start after a newline
+  int64_t max_tokens = 300;  // tokens to generate
+  float temperature = 0.8f;  // > 0; softmax(logits / temperature)
+  int64_t top_k = 0;         // > 0: sample among the k most likely tokens only
+  uint64_t seed = 0;
+  int threads = 1;
+};
+
+// The generated continuation (without the prompt). The context is the last seq_len tokens.
+// Throws InvalidArgument for temperature <= 0, a model whose vocab is not bytes (256), or
+// negative sizes.
+std::string GenerateText(TransformerLm& model, const SampleOptions& options);
+
+}  // namespace switchyard::train

@@ -1,0 +1,199 @@
+// The training loop on one rank, structured for the parallel layouts to plug in:
+//   data (rows [rank * B / W, (rank + 1) * B / W) of step s's global batch)
+//   -> forward/backward -> hooks.ReduceGradients -> global-norm clip (norm reduced through the
+//   hooks) -> hooks.OptimizerStep (AdamW; ZeRO shards it) -> metrics.
+// TrainHooks' defaults are the single-rank behaviour; data parallelism / ZeRO / expert
+// parallelism implement them with a comm::Communicator in the layers above.
+//
+// Trainer::Run adds the run directory: config.json, metrics.jsonl, loss.svg, expert_load.svg
+// (MoE models), checkpoints/, sample.txt, summary.json, and the progress bar.
+//
+// Determinism: every random draw is keyed by (seed, step, global index), so the same config and
+// layout give the same losses, and a run resumed from the checkpoint of step k repeats the
+// uninterrupted run's losses bit for bit (same thread count).
+//
+// Thread-safety: a Trainer belongs to one thread (its rank).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "switchyard/train/checkpoint.h"
+#include "switchyard/train/data.h"
+#include "switchyard/train/feed_forward.h"
+#include "switchyard/train/metrics.h"
+#include "switchyard/train/model.h"
+#include "switchyard/train/optimizer.h"
+
+namespace switchyard::train {
+
+// Every option of a run. The JSON keys (TrainConfigToJson) are the field names, which are also
+// the command-line flags (--model_dim, --steps, ...).
+struct TrainConfig {
+  ModelConfig model;
+
+  // MoE blocks (model.moe_every > 0), built by the MoE FFN factory.
+  int64_t num_experts = 4;
+  int64_t top_k = 2;
+  double capacity_factor = 1.25;
+  int64_t expert_hidden_dim = 0;  // 0: model.hidden_dim
+  double aux_loss_coef = 0.01;
+  double z_loss_coef = 0.0;
+
+  // Data.
+  std::string data;  // a text file; "" = the fortunes corpus (kFortunesDir)
+  double val_fraction = 0.1;
+
+  // Optimization.
+  int64_t steps = 1000;
+  int64_t batch_size = 32;  // sequences per step (global, over all ranks)
+  double lr = 3e-3;
+  double min_lr = 3e-4;
+  int64_t warmup_steps = 50;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double adam_eps = 1e-8;
+  double grad_clip = 1.0;  // max global gradient norm; 0 disables
+  uint64_t seed = 1;
+
+  // Run directory.
+  std::string out = "runs/train";
+  int64_t log_every = 10;          // metrics line every N steps
+  int64_t eval_every = 100;        // validation loss every N steps (and at the end); 0: end only
+  int64_t eval_tokens = 0;         // held-out tokens per evaluation; 0: all
+  int64_t checkpoint_every = 500;  // 0: at the end only
+  int64_t keep_checkpoints = 2;    // 0: keep all
+  int64_t sample_tokens = 400;     // generated at the end; 0: none
+  double temperature = 0.8;
+  int threads = 0;  // compute threads of this rank; 0: the policy of core/threading.h
+};
+
+// Flat JSON object with every key.
+std::string TrainConfigToJson(const TrainConfig& config);
+// Overrides `base` with the keys of a JSON object; an unknown key or a value of the wrong type
+// throws InvalidArgument naming the key ("config: key 'steps': expected an integer, got ...").
+TrainConfig TrainConfigFromJson(std::string_view json_text, const TrainConfig& base = {});
+// Checks values (InvalidArgument naming the key).
+void ValidateTrainConfig(const TrainConfig& config);
+
+// Every key with a one-line description, in TrainConfigToJson's order (for command-line flags).
+struct ConfigKey {
+  std::string name;
+  std::string help;
+};
+std::vector<ConfigKey> TrainConfigKeys();
+// Sets one key from command-line text: a JSON value (4, 0.5, true) or, when that does not
+// parse, a bare string (--data corpus.txt). Errors as TrainConfigFromJson.
+void SetTrainConfigValue(TrainConfig& config, std::string_view key, std::string_view text);
+
+// Where data parallelism, ZeRO and expert parallelism plug in. The defaults are one rank.
+class TrainHooks {
+ public:
+  virtual ~TrainHooks() = default;
+
+  virtual int rank() const { return 0; }
+  virtual int world_size() const { return 1; }
+  // Ranks sharing this process's cores (ranks as threads), for the threading policy.
+  virtual int ranks_in_process() const { return 1; }
+
+  // After backward: turn this rank's gradients into the global batch's (average over the
+  // data-parallel group for dense parameters, over ep_dp for experts; ZeRO-2 reduce-scatters).
+  virtual void ReduceGradients(ParameterSet& params) {}
+  // The global sum of squared gradients from this rank's ParameterSet, each parameter's
+  // gradient counted once over all ranks.
+  virtual double GradSquaredNorm(const ParameterSet& params) {
+    return train::GradSquaredNorm(params);
+  }
+  virtual void ScaleGradients(ParameterSet& params, float factor) {
+    train::ScaleGradients(params, factor);
+  }
+  // The optimizer step (ZeRO: step this rank's shard, then all-gather the parameters).
+  virtual void OptimizerStep(AdamW& optimizer, ParameterSet& params, float lr) {
+    optimizer.Step(params, lr);
+  }
+  // Sums values over all ranks in place (loss sums, token counts, expert loads).
+  virtual void AllReduceSum(std::span<double> values) {}
+  // The full optimizer state to checkpoint (ZeRO: gathered to the writer).
+  virtual TensorMap OptimizerStateForCheckpoint(const AdamW& optimizer) {
+    return optimizer.StateTensors();
+  }
+  // Only one rank writes the run directory.
+  virtual bool writes_run_directory() const { return rank() == 0; }
+};
+
+struct RunOptions {
+  std::string resume;  // "" : fresh run; else a checkpoint, checkpoints or run directory
+  std::FILE* out = stdout;
+  int interactive = -1;  // progress bar redraws in place: 1 yes, 0 no, -1 when `out` is a TTY
+};
+
+struct RunSummary {
+  int64_t steps = 0;
+  double seconds = 0;
+  double final_train_loss = NAN;  // mean over the last log interval
+  double final_val_loss = NAN;
+  double unigram_entropy = NAN;
+  double tokens_per_s = NAN;  // median over logged intervals
+  int64_t parameters = 0;
+  std::string sample;
+  std::string run_dir;
+};
+
+class Trainer {
+ public:
+  // Loads the corpus and builds the model and optimizer. `moe_factory` builds MoE FFNs (needed
+  // iff config.model.moe_every > 0); `hooks` may be null (one rank) and must outlive the
+  // trainer. Sets the BLAS thread count to this rank's budget.
+  Trainer(TrainConfig config, FeedForwardFactory moe_factory = nullptr,
+          TrainHooks* hooks = nullptr);
+  ~Trainer();
+
+  const TrainConfig& config() const { return config_; }
+  TransformerLm& model() { return *model_; }
+  AdamW& optimizer() { return optimizer_; }
+  const Corpus& corpus() const { return corpus_; }
+  double unigram_entropy() const { return unigram_entropy_; }
+  int threads() const { return threads_; }
+  // Steps completed.
+  int64_t step() const { return step_; }
+
+  // One training step on this rank's rows of the global batch. Returns its metrics
+  // (tokens_per_s and step_time_s of this step; no val_loss).
+  StepMetrics Step();
+  // Mean cross-entropy over the held-out windows (NaN when the held-out text is too short).
+  double Evaluate();
+
+  // State for a checkpoint / restore from one. Restore checks that the checkpoint's model,
+  // seed and batch size match this trainer's config (InvalidArgument naming the key).
+  CheckpointData Snapshot();
+  void Restore(const CheckpointData& data);
+
+  // Text generated by the current model (config.sample_tokens at config.temperature).
+  std::string Sample(int64_t tokens, const std::string& prompt = "");
+
+  // The whole run: trains from the current step (or from options.resume) to config.steps,
+  // writing the run directory, and prints the progress and a final summary to options.out.
+  RunSummary Run(const RunOptions& options = {});
+
+ private:
+  TrainConfig config_;
+  TrainHooks default_hooks_;
+  TrainHooks* hooks_;
+  int threads_ = 1;
+  Corpus corpus_;
+  double unigram_entropy_ = NAN;
+  std::unique_ptr<BatchSampler> sampler_;
+  std::vector<Batch> eval_batches_;
+  std::unique_ptr<TransformerLm> model_;
+  AdamW optimizer_;
+  LrSchedule schedule_;
+  int64_t step_ = 0;
+};
+
+}  // namespace switchyard::train

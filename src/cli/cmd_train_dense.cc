@@ -1,0 +1,62 @@
+// `switchyard train-dense`: the single-rank trainer of src/train on the default corpus, for
+// trying it out until `switchyard train` (ranks, expert parallelism) is wired on top of it.
+// Every TrainConfig key is a flag (--model_dim 128, --steps 500, ...) and a key of the JSON
+// file given with --config; flags override the file.
+#include <fmt/format.h>
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "cli/command.h"
+#include "switchyard/core/file_util.h"
+#include "switchyard/train/trainer.h"
+
+namespace switchyard::cli {
+namespace {
+
+struct TrainDenseOptions {
+  std::string config_file;
+  std::string resume;
+  bool plain = false;
+  std::map<std::string, std::string> values;  // flag -> text, only for flags given
+};
+
+int RunTrainDense(const TrainDenseOptions& o) {
+  train::TrainConfig config;
+  config.out = "runs/train-dense";
+  if (!o.config_file.empty()) {
+    config = train::TrainConfigFromJson(ReadTextFile(o.config_file), config);
+  }
+  for (const auto& [key, text] : o.values) train::SetTrainConfigValue(config, key, text);
+  SY_REQUIRE(config.model.moe_every == 0, InvalidArgument,
+             "train-dense trains dense models only (moe_every must be 0, got {}); MoE blocks "
+             "come with `switchyard train`",
+             config.model.moe_every);
+  train::Trainer trainer(config);
+  train::RunOptions run;
+  run.resume = o.resume;
+  if (o.plain) run.interactive = 0;
+  trainer.Run(run);
+  return 0;
+}
+
+SY_REGISTER_COMMAND(Command{
+    "", "train-dense",
+    "Train the dense transformer on one rank (temporary; `switchyard train` will replace it)",
+    [](CLI::App& app) -> Action {
+      auto o = std::make_shared<TrainDenseOptions>();
+      app.add_option("--config", o->config_file, "JSON file whose keys are the flags below");
+      app.add_option("--resume", o->resume,
+                     "continue from a checkpoint, checkpoints or run directory");
+      app.add_flag("--plain", o->plain, "print progress as plain lines even on a terminal");
+      for (const auto& key : train::TrainConfigKeys()) {
+        app.add_option_function<std::string>(
+            "--" + key.name, [o, name = key.name](const std::string& v) { o->values[name] = v; },
+            key.help);
+      }
+      return [o] { return RunTrainDense(*o); };
+    }});
+
+}  // namespace
+}  // namespace switchyard::cli

@@ -1,0 +1,58 @@
+#include "switchyard/train/generate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "switchyard/core/rng.h"
+
+namespace switchyard::train {
+
+std::string GenerateText(TransformerLm& model, const SampleOptions& o) {
+  const ModelConfig& c = model.config();
+  SY_REQUIRE(c.vocab_size == 256, InvalidArgument,
+             "GenerateText: byte-level models only (vocab_size 256), got {}", c.vocab_size);
+  SY_REQUIRE(o.temperature > 0, InvalidArgument, "temperature must be > 0, got {}", o.temperature);
+  SY_REQUIRE(o.max_tokens >= 0 && o.top_k >= 0, InvalidArgument,
+             "max_tokens ({}) and top_k ({}) must be >= 0", o.max_tokens, o.top_k);
+  std::vector<int32_t> context;
+  for (unsigned char ch : o.prompt.empty() ? std::string("\n") : o.prompt) context.push_back(ch);
+  CounterRng rng(o.seed, kStreamSample);
+  ForwardOptions fo;
+  fo.training = false;
+  fo.save_for_backward = false;
+  fo.threads = o.threads;
+  std::string out;
+  std::vector<double> p(256);
+  std::vector<int> order(256);
+  for (int64_t i = 0; i < o.max_tokens; ++i) {
+    int64_t n = std::min<int64_t>(static_cast<int64_t>(context.size()), c.seq_len);
+    std::vector<int32_t> window(context.end() - n, context.end());
+    Tensor tokens = Tensor::FromVector(window, {1, n});
+    Tensor logits = model.Forward(tokens, Tensor(), fo).logits;
+    const float* last = logits.data<float>() + (n - 1) * 256;
+    double mx = *std::max_element(last, last + 256);
+    for (int v = 0; v < 256; ++v) p[v] = std::exp((last[v] - mx) / o.temperature);
+    if (o.top_k > 0 && o.top_k < 256) {
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p[a] > p[b]; });
+      for (size_t r = static_cast<size_t>(o.top_k); r < order.size(); ++r) p[order[r]] = 0;
+    }
+    double total = std::accumulate(p.begin(), p.end(), 0.0);
+    double u = rng.Uniform(static_cast<uint64_t>(i)) * total;
+    int chosen = -1, last_possible = 0;
+    for (int v = 0; v < 256 && chosen < 0; ++v) {
+      if (p[v] <= 0) continue;
+      last_possible = v;
+      u -= p[v];
+      if (u <= 0) chosen = v;
+    }
+    if (chosen < 0) chosen = last_possible;  // rounding left u slightly above 0
+    context.push_back(chosen);
+    out.push_back(static_cast<char>(chosen));
+  }
+  return out;
+}
+
+}  // namespace switchyard::train

@@ -1,0 +1,587 @@
+#include "switchyard/train/trainer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "switchyard/core/file_util.h"
+#include "switchyard/core/threading.h"
+#include "switchyard/kernels/gemm.h"
+#include "switchyard/train/generate.h"
+#include "switchyard/train/progress.h"
+
+namespace switchyard::train {
+
+using nlohmann::json;
+
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Calls fn(key, field) for every option, in a fixed order (the JSON key order).
+template <typename Config, typename Fn>
+void VisitFields(Config& c, Fn&& fn) {
+  fn("vocab_size", c.model.vocab_size);
+  fn("seq_len", c.model.seq_len);
+  fn("model_dim", c.model.model_dim);
+  fn("num_layers", c.model.num_layers);
+  fn("num_heads", c.model.num_heads);
+  fn("hidden_dim", c.model.hidden_dim);
+  fn("norm", c.model.norm);
+  fn("activation", c.model.activation);
+  fn("tied_head", c.model.tied_head);
+  fn("moe_every", c.model.moe_every);
+  fn("init_std", c.model.init_std);
+  fn("num_experts", c.num_experts);
+  fn("top_k", c.top_k);
+  fn("capacity_factor", c.capacity_factor);
+  fn("expert_hidden_dim", c.expert_hidden_dim);
+  fn("aux_loss_coef", c.aux_loss_coef);
+  fn("z_loss_coef", c.z_loss_coef);
+  fn("data", c.data);
+  fn("val_fraction", c.val_fraction);
+  fn("steps", c.steps);
+  fn("batch_size", c.batch_size);
+  fn("lr", c.lr);
+  fn("min_lr", c.min_lr);
+  fn("warmup_steps", c.warmup_steps);
+  fn("weight_decay", c.weight_decay);
+  fn("beta1", c.beta1);
+  fn("beta2", c.beta2);
+  fn("adam_eps", c.adam_eps);
+  fn("grad_clip", c.grad_clip);
+  fn("seed", c.seed);
+  fn("out", c.out);
+  fn("log_every", c.log_every);
+  fn("eval_every", c.eval_every);
+  fn("eval_tokens", c.eval_tokens);
+  fn("checkpoint_every", c.checkpoint_every);
+  fn("keep_checkpoints", c.keep_checkpoints);
+  fn("sample_tokens", c.sample_tokens);
+  fn("temperature", c.temperature);
+  fn("threads", c.threads);
+}
+
+struct ToJsonVisitor {
+  json& j;
+  template <typename T>
+  void operator()(const char* key, const T& v) {
+    if constexpr (std::is_same_v<T, NormKind>) {
+      j[key] = std::string(NormKindName(v));
+    } else if constexpr (std::is_same_v<T, kernels::Activation>) {
+      j[key] = std::string(kernels::ActivationName(v));
+    } else {
+      j[key] = v;
+    }
+  }
+};
+
+struct FromJsonVisitor {
+  const json& j;
+  std::set<std::string>& used;
+  template <typename T>
+  void operator()(const char* key, T& dst) {
+    if (!j.contains(key)) return;
+    used.insert(key);
+    const json& v = j.at(key);
+    auto bad = [&](const char* expected) {
+      return InvalidArgument(
+          fmt::format("config: key '{}': expected {}, got {}", key, expected, v.dump()));
+    };
+    if constexpr (std::is_same_v<T, bool>) {
+      if (!v.is_boolean()) throw bad("true or false");
+      dst = v.get<bool>();
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      if (!v.is_string()) throw bad("a string");
+      dst = v.get<std::string>();
+    } else if constexpr (std::is_same_v<T, NormKind>) {
+      if (!v.is_string()) throw bad("\"layernorm\" or \"rmsnorm\"");
+      dst = NormKindFromName(v.get<std::string>());
+    } else if constexpr (std::is_same_v<T, kernels::Activation>) {
+      if (!v.is_string()) throw bad("\"relu\", \"gelu\" or \"silu\"");
+      dst = kernels::ActivationFromName(v.get<std::string>());
+    } else if constexpr (std::is_integral_v<T>) {
+      if (!v.is_number_integer()) throw bad("an integer");
+      if constexpr (std::is_unsigned_v<T>) {
+        if (v.is_number_unsigned() || v.get<int64_t>() >= 0) {
+          dst = v.get<T>();
+        } else {
+          throw bad("a non-negative integer");
+        }
+      } else {
+        dst = v.get<T>();
+      }
+    } else {
+      if (!v.is_number()) throw bad("a number");
+      dst = v.get<T>();
+    }
+  }
+};
+
+}  // namespace
+
+std::string TrainConfigToJson(const TrainConfig& config) {
+  json j = json::object();
+  TrainConfig c = config;
+  VisitFields(c, ToJsonVisitor{j});
+  return j.dump(2);
+}
+
+TrainConfig TrainConfigFromJson(std::string_view json_text, const TrainConfig& base) {
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::exception& e) {
+    throw InvalidArgument(fmt::format("config: not valid JSON: {}", e.what()));
+  }
+  SY_REQUIRE(j.is_object(), InvalidArgument, "config: expected a JSON object, got {}",
+             j.type_name());
+  TrainConfig c = base;
+  std::set<std::string> used;
+  VisitFields(c, FromJsonVisitor{j, used});
+  for (const auto& [key, value] : j.items()) {
+    SY_REQUIRE(used.count(key) != 0, InvalidArgument, "config: unknown key '{}'", key);
+  }
+  return c;
+}
+
+std::vector<ConfigKey> TrainConfigKeys() {
+  static const std::map<std::string, std::string> kHelp = {
+      {"vocab_size", "vocabulary size (256: bytes)"},
+      {"seq_len", "context length in tokens"},
+      {"model_dim", "model (hidden) dimension"},
+      {"num_layers", "transformer blocks"},
+      {"num_heads", "attention heads (divide model_dim)"},
+      {"hidden_dim", "hidden size of the dense FFN"},
+      {"norm", "layernorm | rmsnorm"},
+      {"activation", "FFN activation: gelu | relu | silu"},
+      {"tied_head", "output head shares the embedding (true | false)"},
+      {"moe_every", "MoE FFN in blocks i with i % N == N - 1 (0: dense model)"},
+      {"init_std", "std of the normal initialization"},
+      {"num_experts", "experts per MoE layer"},
+      {"top_k", "experts chosen per token"},
+      {"capacity_factor", "expert capacity factor (0: no drops)"},
+      {"expert_hidden_dim", "hidden size of an expert (0: hidden_dim)"},
+      {"aux_loss_coef", "load-balancing loss coefficient"},
+      {"z_loss_coef", "router z-loss coefficient"},
+      {"data", "training text file (default: the fortunes corpus)"},
+      {"val_fraction", "fraction of records held out for the validation loss"},
+      {"steps", "training steps"},
+      {"batch_size", "sequences per step (global)"},
+      {"lr", "peak learning rate"},
+      {"min_lr", "final learning rate of the cosine decay"},
+      {"warmup_steps", "linear warm-up steps"},
+      {"weight_decay", "AdamW decoupled weight decay"},
+      {"beta1", "AdamW beta1"},
+      {"beta2", "AdamW beta2"},
+      {"adam_eps", "AdamW epsilon"},
+      {"grad_clip", "max global gradient norm (0: off)"},
+      {"seed", "seed of initialization, data and sampling"},
+      {"out", "run directory"},
+      {"log_every", "metrics line every N steps"},
+      {"eval_every", "validation loss every N steps (0: at the end)"},
+      {"eval_tokens", "held-out tokens per evaluation (0: all)"},
+      {"checkpoint_every", "checkpoint every N steps (0: at the end)"},
+      {"keep_checkpoints", "checkpoints kept (0: all)"},
+      {"sample_tokens", "bytes of text generated at the end"},
+      {"temperature", "sampling temperature"},
+      {"threads", "compute threads (0: the threading policy)"},
+  };
+  std::vector<ConfigKey> keys;
+  TrainConfig c;
+  VisitFields(c, [&](const char* key, auto&) {
+    auto it = kHelp.find(key);
+    SY_CHECK(it != kHelp.end(), "no help for config key '{}'", key);
+    keys.push_back({key, it->second});
+  });
+  return keys;
+}
+
+void SetTrainConfigValue(TrainConfig& config, std::string_view key, std::string_view text) {
+  json value;
+  try {
+    value = json::parse(text);
+  } catch (const json::exception&) {
+    value = std::string(text);
+  }
+  json j = json::object();
+  j[std::string(key)] = value;
+  config = TrainConfigFromJson(j.dump(), config);
+}
+
+void ValidateTrainConfig(const TrainConfig& c) {
+  ValidateModelConfig(c.model);
+  auto at_least = [](const char* key, double v, double lo) {
+    SY_REQUIRE(v >= lo && std::isfinite(v), InvalidArgument, "config: '{}' must be >= {}, got {}",
+               key, lo, v);
+  };
+  at_least("steps", static_cast<double>(c.steps), 0);
+  at_least("batch_size", static_cast<double>(c.batch_size), 1);
+  at_least("lr", c.lr, 0);
+  at_least("min_lr", c.min_lr, 0);
+  at_least("warmup_steps", static_cast<double>(c.warmup_steps), 0);
+  at_least("weight_decay", c.weight_decay, 0);
+  at_least("grad_clip", c.grad_clip, 0);
+  at_least("log_every", static_cast<double>(c.log_every), 1);
+  at_least("eval_every", static_cast<double>(c.eval_every), 0);
+  at_least("eval_tokens", static_cast<double>(c.eval_tokens), 0);
+  at_least("checkpoint_every", static_cast<double>(c.checkpoint_every), 0);
+  at_least("keep_checkpoints", static_cast<double>(c.keep_checkpoints), 0);
+  at_least("sample_tokens", static_cast<double>(c.sample_tokens), 0);
+  at_least("threads", c.threads, 0);
+  at_least("num_experts", static_cast<double>(c.num_experts), 1);
+  at_least("top_k", static_cast<double>(c.top_k), 1);
+  at_least("expert_hidden_dim", static_cast<double>(c.expert_hidden_dim), 0);
+  at_least("aux_loss_coef", c.aux_loss_coef, 0);
+  at_least("z_loss_coef", c.z_loss_coef, 0);
+  SY_REQUIRE(c.temperature > 0, InvalidArgument, "config: 'temperature' must be > 0, got {}",
+             c.temperature);
+  SY_REQUIRE(c.out.empty() == false, InvalidArgument, "config: 'out' must not be empty");
+}
+
+// ---- Trainer ----
+
+Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks* hooks)
+    : config_(std::move(config)), hooks_(hooks ? hooks : &default_hooks_) {
+  const TrainConfig& c = config_;
+  ValidateTrainConfig(c);
+  SY_REQUIRE(c.batch_size >= hooks_->world_size(), InvalidArgument,
+             "config: batch_size {} must be >= the number of ranks {}", c.batch_size,
+             hooks_->world_size());
+  threads_ =
+      c.threads > 0 ? c.threads : ComputeThreadsPerRank(hooks_->ranks_in_process(), UsableCores());
+  if (hooks_->ranks_in_process() == 1) kernels::SetBlasThreads(threads_);
+
+  corpus_ = c.data.empty() ? LoadCorpus(DefaultCorpusFiles(), c.val_fraction)
+                           : LoadCorpus({c.data}, c.val_fraction);
+  unigram_entropy_ = UnigramEntropy(corpus_.train);
+  SY_REQUIRE(c.model.vocab_size >= 256, InvalidArgument,
+             "config: byte-level data needs vocab_size >= 256, got {}", c.model.vocab_size);
+  sampler_ = std::make_unique<BatchSampler>(corpus_.train, c.model.seq_len, c.seed);
+  eval_batches_ = EvaluationBatches(corpus_.val, c.model.seq_len, c.batch_size, c.eval_tokens);
+
+  model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory));
+  optimizer_ = AdamW(AdamWOptions{.beta1 = static_cast<float>(c.beta1),
+                                  .beta2 = static_cast<float>(c.beta2),
+                                  .eps = static_cast<float>(c.adam_eps),
+                                  .weight_decay = static_cast<float>(c.weight_decay)});
+  schedule_ = LrSchedule{.max_lr = static_cast<float>(c.lr),
+                         .min_lr = static_cast<float>(c.min_lr),
+                         .warmup_steps = c.warmup_steps,
+                         .total_steps = c.steps};
+}
+
+Trainer::~Trainer() = default;
+
+StepMetrics Trainer::Step() {
+  const TrainConfig& c = config_;
+  double t0 = Now();
+  const int64_t world = hooks_->world_size(), rank = hooks_->rank();
+  const int64_t row_begin = c.batch_size * rank / world;
+  const int64_t row_end = c.batch_size * (rank + 1) / world;
+  Batch batch = sampler_->Sample(step_, c.batch_size, row_begin, row_end);
+
+  ParameterSet& params = model_->parameters();
+  params.ZeroGrad();
+  ForwardOptions fo;
+  fo.training = true;
+  fo.save_for_backward = true;
+  fo.step = static_cast<uint64_t>(step_);
+  fo.global_token_offset = row_begin * c.model.seq_len;
+  fo.threads = threads_;
+  LmOutput out = model_->Forward(batch.tokens, batch.targets, fo);
+  model_->Backward(out, 1.0f, threads_);
+
+  hooks_->ReduceGradients(params);
+  double grad_norm = std::sqrt(hooks_->GradSquaredNorm(params));
+  float factor = ClipFactor(grad_norm, static_cast<float>(c.grad_clip));
+  hooks_->ScaleGradients(params, factor);
+  float lr = schedule_.At(step_);
+  hooks_->OptimizerStep(optimizer_, params, lr);
+  ++step_;
+
+  // Global metrics: token-weighted losses and summed routing statistics.
+  std::vector<double> sums = {out.loss * out.count, out.ce_loss * out.count,
+                              out.aux_loss * out.count, out.z_loss * out.count,
+                              static_cast<double>(out.count)};
+  for (const auto& r : out.routing) {
+    sums.push_back(static_cast<double>(r.routed));
+    sums.push_back(static_cast<double>(r.dropped));
+    for (int64_t l : r.expert_loads) sums.push_back(static_cast<double>(l));
+  }
+  hooks_->AllReduceSum(sums);
+  StepMetrics m;
+  m.step = step_;
+  double count = std::max(1.0, sums[4]);
+  m.loss = sums[0] / count;
+  m.ce_loss = sums[1] / count;
+  m.aux_loss = sums[2] / count;
+  m.z_loss = sums[3] / count;
+  size_t k = 5;
+  for (const auto& r : out.routing) {
+    double routed = sums[k], dropped = sums[k + 1];
+    k += 2;
+    m.drop_rate.push_back(routed > 0 ? dropped / routed : 0.0);
+    std::vector<int64_t> load;
+    for (size_t e = 0; e < r.expert_loads.size(); ++e) {
+      load.push_back(static_cast<int64_t>(std::llround(sums[k++])));
+    }
+    m.expert_load.push_back(std::move(load));
+  }
+  m.lr = lr;
+  m.grad_norm = grad_norm;
+  m.step_time_s = Now() - t0;
+  m.tokens_per_s = static_cast<double>(c.batch_size * c.model.seq_len) / m.step_time_s;
+  return m;
+}
+
+double Trainer::Evaluate() {
+  const int64_t world = hooks_->world_size(), rank = hooks_->rank();
+  ForwardOptions fo;
+  fo.training = false;
+  fo.save_for_backward = false;
+  fo.step = static_cast<uint64_t>(step_);
+  fo.threads = threads_;
+  std::vector<double> sums = {0, 0};
+  for (size_t i = 0; i < eval_batches_.size(); ++i) {
+    if (static_cast<int64_t>(i) % world != rank) continue;
+    const Batch& b = eval_batches_[i];
+    LmOutput out = model_->Forward(b.tokens, b.targets, fo);
+    sums[0] += out.ce_loss * static_cast<double>(out.count);
+    sums[1] += static_cast<double>(out.count);
+  }
+  hooks_->AllReduceSum(sums);
+  return sums[1] > 0 ? sums[0] / sums[1] : NAN;
+}
+
+CheckpointData Trainer::Snapshot() {
+  CheckpointData d;
+  d.step = step_;
+  d.optimizer_step = optimizer_.step();
+  d.seed = config_.seed;
+  d.global_batch = config_.batch_size;
+  d.config_json = TrainConfigToJson(config_);
+  d.model = model_->parameters().Values();
+  d.optimizer = hooks_->OptimizerStateForCheckpoint(optimizer_);
+  return d;
+}
+
+void Trainer::Restore(const CheckpointData& data) {
+  TrainConfig saved = TrainConfigFromJson(data.config_json.empty() ? "{}" : data.config_json);
+  // What must match for the model to load and the run to continue identically.
+  json mine = json::parse(TrainConfigToJson(config_));
+  json theirs = json::parse(TrainConfigToJson(saved));
+  for (const char* key : {"vocab_size", "seq_len", "model_dim", "num_layers", "num_heads",
+                          "hidden_dim", "norm", "activation", "tied_head", "moe_every",
+                          "num_experts", "top_k", "expert_hidden_dim", "seed", "batch_size"}) {
+    SY_REQUIRE(mine[key] == theirs[key], InvalidArgument,
+               "resume: the checkpoint was trained with {} = {}, this run has {} (pass the "
+               "checkpoint's value to resume it)",
+               key, theirs[key].dump(), mine[key].dump());
+  }
+  model_->parameters().LoadValues(data.model);
+  optimizer_.LoadState(data.optimizer, data.optimizer_step, model_->parameters());
+  step_ = data.step;
+}
+
+std::string Trainer::Sample(int64_t tokens, const std::string& prompt) {
+  SampleOptions o;
+  o.prompt = prompt;
+  o.max_tokens = tokens;
+  o.temperature = static_cast<float>(config_.temperature);
+  o.seed = config_.seed;
+  o.threads = threads_;
+  return GenerateText(*model_, o);
+}
+
+RunSummary Trainer::Run(const RunOptions& options) {
+  namespace fs = std::filesystem;
+  const TrainConfig& c = config_;
+  std::FILE* out = options.out;
+  bool resumed = false;
+  if (!options.resume.empty()) {
+    std::string dir = ResolveCheckpoint(options.resume);
+    Restore(LoadCheckpoint(dir));
+    resumed = true;
+    fmt::print(out, "resumed from {} at step {}\n", dir, step_);
+  }
+  const bool writer = hooks_->writes_run_directory();
+  const std::string run_dir = c.out;
+  std::unique_ptr<MetricsWriter> metrics;
+  std::vector<StepMetrics> history;
+  if (writer) {
+    std::error_code ec;
+    fs::create_directories(run_dir, ec);
+    SY_REQUIRE(!ec, IoError, "{}: cannot create run directory: {}", run_dir, ec.message());
+    WriteTextFileAtomic(run_dir + "/config.json", TrainConfigToJson(c) + "\n");
+    if (resumed) {
+      for (auto& m : ReadMetrics(run_dir + "/metrics.jsonl")) {
+        if (m.step <= step_) history.push_back(std::move(m));
+      }
+    }
+    metrics = std::make_unique<MetricsWriter>(run_dir + "/metrics.jsonl", resumed ? step_ : -1);
+  }
+  const bool moe = model_->num_moe_blocks() > 0;
+  const int64_t params = model_->parameters().NumTrainableElements();
+  if (writer) {
+    fmt::print(out,
+               "model: {} parameters, {} layers, model_dim {}, {} heads, seq_len {}{}\n"
+               "data: {} ({} train / {} held-out bytes), unigram entropy {:.3f} nats/byte\n"
+               "run: {} steps x {} sequences ({} tokens/step), {} compute thread(s), out {}\n",
+               params, c.model.num_layers, c.model.model_dim, c.model.num_heads, c.model.seq_len,
+               moe ? fmt::format(", MoE every {} blocks", c.model.moe_every) : "",
+               c.data.empty() ? std::string("fortunes corpus") : c.data, corpus_.train.size(),
+               corpus_.val.size(), unigram_entropy_, c.steps, c.batch_size,
+               c.batch_size * c.model.seq_len, threads_, run_dir);
+  }
+  bool interactive =
+      options.interactive < 0 ? ProgressBar::IsTerminal(out) : options.interactive > 0;
+  ProgressBar bar(out, interactive && writer, c.log_every);
+  std::string title =
+      fmt::format("switchyard train: {} layers, d={}, {}", c.model.num_layers, c.model.model_dim,
+                  c.data.empty() ? std::string("fortunes") : c.data);
+  auto write_figures = [&] {
+    if (!writer) return;
+    WriteLossSvg(run_dir + "/loss.svg", history, unigram_entropy_, title);
+    if (moe) WriteExpertLoadSvg(run_dir + "/expert_load.svg", history, title);
+  };
+
+  RunSummary summary;
+  summary.run_dir = run_dir;
+  summary.unigram_entropy = unigram_entropy_;
+  summary.parameters = params;
+  const double run_start = Now();
+  const int64_t first_step = step_;
+  // Interval accumulators (reset at every metrics line).
+  StepMetrics acc;
+  int64_t acc_steps = 0;
+  double acc_time = 0;
+  double last_val = NAN;
+  std::vector<double> rates;
+  while (step_ < c.steps) {
+    StepMetrics m = Step();
+    if (acc_steps == 0) acc = StepMetrics{};
+    ++acc_steps;
+    acc_time += m.step_time_s;
+    acc.loss = (acc_steps == 1 ? 0 : acc.loss) + m.loss;
+    acc.ce_loss = (acc_steps == 1 ? 0 : acc.ce_loss) + m.ce_loss;
+    acc.aux_loss += m.aux_loss;
+    acc.z_loss += m.z_loss;
+    if (acc.expert_load.empty()) {
+      acc.expert_load = m.expert_load;
+      acc.drop_rate = m.drop_rate;
+    } else {
+      for (size_t l = 0; l < m.expert_load.size(); ++l) {
+        for (size_t e = 0; e < m.expert_load[l].size(); ++e) {
+          acc.expert_load[l][e] += m.expert_load[l][e];
+        }
+        acc.drop_rate[l] += m.drop_rate[l];
+      }
+    }
+    double val = NAN;
+    bool last = step_ == c.steps;
+    if ((c.eval_every > 0 && step_ % c.eval_every == 0) || last) {
+      val = Evaluate();
+      last_val = val;
+      if (writer && std::isfinite(val)) {
+        bar.Print(fmt::format("step {}: val loss {:.4f} (train {:.4f}, unigram entropy {:.3f})",
+                              step_, val, acc.ce_loss / acc_steps, unigram_entropy_));
+      }
+    }
+    double n = static_cast<double>(acc_steps);
+    if (step_ % c.log_every == 0 || last || std::isfinite(val)) {
+      StepMetrics line = acc;
+      line.step = step_;
+      line.loss /= n;
+      line.ce_loss /= n;
+      line.aux_loss /= n;
+      line.z_loss /= n;
+      for (auto& d : line.drop_rate) d /= n;
+      line.lr = m.lr;
+      line.grad_norm = m.grad_norm;
+      line.step_time_s = acc_time / n;
+      line.tokens_per_s =
+          static_cast<double>(c.batch_size * c.model.seq_len) * n / std::max(acc_time, 1e-12);
+      line.val_loss = val;
+      rates.push_back(line.tokens_per_s);
+      summary.final_train_loss = line.ce_loss;
+      if (writer) {
+        metrics->Append(line);
+        history.push_back(line);
+      }
+      acc_steps = 0;
+      acc_time = 0;
+      if (std::isfinite(val)) write_figures();
+    }
+    if (writer) {
+      double elapsed = Now() - run_start;
+      double per_step = elapsed / static_cast<double>(step_ - first_step);
+      double drop = NAN;
+      if (!m.drop_rate.empty()) {
+        drop = 0;
+        for (double d : m.drop_rate) drop += d / static_cast<double>(m.drop_rate.size());
+      }
+      bar.Update(ProgressInfo{.step = step_,
+                              .total = c.steps,
+                              .loss = acc_steps > 0 ? acc.ce_loss / n : summary.final_train_loss,
+                              .val_loss = last_val,
+                              .tokens_per_s = rates.empty() ? m.tokens_per_s : rates.back(),
+                              .drop_rate = drop,
+                              .eta_s = per_step * static_cast<double>(c.steps - step_)});
+    }
+    if ((c.checkpoint_every > 0 && step_ % c.checkpoint_every == 0) || last) {
+      CheckpointData snap = Snapshot();
+      if (writer) {
+        SaveCheckpoint(run_dir + "/checkpoints", snap, static_cast<int>(c.keep_checkpoints));
+      }
+    }
+  }
+  bar.Finish();
+  summary.steps = step_;
+  summary.seconds = Now() - run_start;
+  summary.final_val_loss = last_val;
+  if (!rates.empty()) {
+    std::vector<double> sorted = rates;
+    std::sort(sorted.begin(), sorted.end());
+    summary.tokens_per_s = sorted[sorted.size() / 2];
+  }
+  write_figures();
+  if (c.sample_tokens > 0) summary.sample = Sample(c.sample_tokens);
+  if (writer) {
+    if (c.sample_tokens > 0) WriteTextFileAtomic(run_dir + "/sample.txt", summary.sample);
+    json s = {{"steps", summary.steps},
+              {"seconds", summary.seconds},
+              {"parameters", summary.parameters},
+              {"unigram_entropy", summary.unigram_entropy},
+              {"tokens_per_s_median",
+               std::isfinite(summary.tokens_per_s) ? json(summary.tokens_per_s) : json()},
+              {"final_train_loss",
+               std::isfinite(summary.final_train_loss) ? json(summary.final_train_loss) : json()},
+              {"final_val_loss",
+               std::isfinite(summary.final_val_loss) ? json(summary.final_val_loss) : json()}};
+    WriteTextFileAtomic(run_dir + "/summary.json", s.dump(2) + "\n");
+    fmt::print(out,
+               "done: {} steps in {}, {} tok/s (median)\n"
+               "  train loss {:.4f}, val loss {:.4f} nats/byte; unigram entropy {:.3f} "
+               "({:.0f}% of it)\n",
+               summary.steps, FormatDuration(summary.seconds), FormatRate(summary.tokens_per_s),
+               summary.final_train_loss, summary.final_val_loss, summary.unigram_entropy,
+               100 * summary.final_val_loss / summary.unigram_entropy);
+    fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/, sample.txt)\n",
+               run_dir, moe ? ", expert_load.svg" : "");
+    if (c.sample_tokens > 0) {
+      fmt::print(out, "sample (temperature {}):\n{}\n", c.temperature, summary.sample);
+    }
+  }
+  return summary;
+}
+
+}  // namespace switchyard::train

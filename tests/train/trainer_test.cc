@@ -1,0 +1,395 @@
+// The training loop: config keys, checkpoints (atomic, verified, pruned), bit-for-bit resume,
+// learning below the unigram entropy, data-parallel hooks, and the run directory.
+#include "switchyard/train/trainer.h"
+
+#include <gtest/gtest.h>
+
+#include <barrier>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "switchyard/core/file_util.h"
+#include "switchyard/kernels/gemm.h"
+#include "switchyard/train/checkpoint.h"
+#include "switchyard/train/generate.h"
+#include "train/temp_dir.h"
+
+namespace switchyard::train {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+// A small corpus with structure to learn: fortune-style records.
+std::string WriteCorpus(const TempDir& dir) {
+  std::string text;
+  const char* words[] = {"the cat sat on the mat", "a dog ran in the park", "the sun is warm today",
+                         "we like to read books"};
+  for (int i = 0; i < 200; ++i) text += std::string(words[i % 4]) + ".\n%\n";
+  std::string path = dir / "corpus.txt";
+  WriteTextFileAtomic(path, text);
+  return path;
+}
+
+TrainConfig TinyTrainConfig(const TempDir& dir) {
+  TrainConfig c;
+  c.model.seq_len = 16;
+  c.model.model_dim = 32;
+  c.model.num_layers = 2;
+  c.model.num_heads = 2;
+  c.model.hidden_dim = 64;
+  c.batch_size = 8;
+  c.steps = 6;
+  c.warmup_steps = 2;
+  c.lr = 1e-2;
+  c.data = WriteCorpus(dir);
+  c.out = dir / "run";
+  c.eval_every = 3;
+  c.log_every = 1;
+  c.checkpoint_every = 3;
+  c.keep_checkpoints = 0;
+  c.sample_tokens = 20;
+  c.threads = 1;
+  return c;
+}
+
+std::FILE* DevNull() {
+  static std::FILE* f = std::fopen("/dev/null", "w");
+  return f;
+}
+
+TEST(TrainConfigTest, JsonRoundTripAndErrors) {
+  TrainConfig c;
+  c.model.model_dim = 96;
+  c.model.norm = NormKind::kRmsNorm;
+  c.data = "x.txt";
+  c.seed = 7;
+  TrainConfig back = TrainConfigFromJson(TrainConfigToJson(c));
+  EXPECT_EQ(TrainConfigToJson(back), TrainConfigToJson(c));
+  EXPECT_EQ(back.model.model_dim, 96);
+  EXPECT_EQ(back.model.norm, NormKind::kRmsNorm);
+  auto message = [](const std::string& json) {
+    try {
+      TrainConfigFromJson(json);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message(R"({"stepz": 3})"), "config: unknown key 'stepz'");
+  EXPECT_EQ(message(R"({"steps": 2.5})"), "config: key 'steps': expected an integer, got 2.5");
+  EXPECT_EQ(message(R"({"tied_head": 1})"),
+            "config: key 'tied_head': expected true or false, got 1");
+  EXPECT_NE(message(R"({"norm": "batchnorm"})").find("layernorm"), std::string::npos);
+  EXPECT_NE(message("[1]").find("expected a JSON object"), std::string::npos);
+  TrainConfig s;
+  SetTrainConfigValue(s, "steps", "12");
+  SetTrainConfigValue(s, "data", "/some/file.txt");  // bare string
+  SetTrainConfigValue(s, "lr", "1e-3");
+  SetTrainConfigValue(s, "norm", "rmsnorm");
+  EXPECT_EQ(s.steps, 12);
+  EXPECT_EQ(s.data, "/some/file.txt");
+  EXPECT_DOUBLE_EQ(s.lr, 1e-3);
+  EXPECT_THROW(SetTrainConfigValue(s, "steps", "many"), InvalidArgument);
+  EXPECT_EQ(TrainConfigKeys().size(), 39u);
+  s.batch_size = 0;
+  EXPECT_THROW(ValidateTrainConfig(s), InvalidArgument);
+}
+
+TEST(TrainerTest, LearnsBelowTheUnigramEntropy) {
+  TempDir dir;
+  TrainConfig c = TinyTrainConfig(dir);
+  c.steps = 80;
+  c.warmup_steps = 5;
+  Trainer t(c);
+  double first = t.Step().ce_loss;
+  StepMetrics m;
+  while (t.step() < c.steps) m = t.Step();
+  double val = t.Evaluate();
+  EXPECT_GT(first, t.unigram_entropy());
+  EXPECT_LT(m.ce_loss, 0.6 * t.unigram_entropy()) << "first " << first;
+  EXPECT_LT(val, 0.6 * t.unigram_entropy());
+  EXPECT_GT(m.tokens_per_s, 0);
+  EXPECT_TRUE(m.expert_load.empty());
+}
+
+TEST(TrainerTest, SameSeedSameLosses) {
+  TempDir dir;
+  TrainConfig c = TinyTrainConfig(dir);
+  Trainer a(c), b(c);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(a.Step().loss, b.Step().loss);
+  c.seed = 2;
+  Trainer other(c);
+  Trainer again(TinyTrainConfig(dir));
+  EXPECT_NE(other.Step().loss, again.Step().loss);
+}
+
+TEST(TrainerTest, ResumeIsBitForBit) {
+  TempDir dir;
+  TrainConfig c = TinyTrainConfig(dir);
+  std::vector<double> straight;
+  {
+    Trainer t(c);
+    for (int i = 0; i < 6; ++i) straight.push_back(t.Step().loss);
+  }
+  std::string ckpt;
+  std::vector<double> resumed;
+  {
+    Trainer t(c);
+    for (int i = 0; i < 3; ++i) resumed.push_back(t.Step().loss);
+    ckpt = SaveCheckpoint(dir / "ckpts", t.Snapshot());
+    t.Step();  // the interrupted run went on; must not matter
+  }
+  {
+    Trainer t(c);
+    t.Restore(LoadCheckpoint(dir / "ckpts"));
+    EXPECT_EQ(t.step(), 3);
+    EXPECT_EQ(t.optimizer().step(), 3);
+    for (int i = 0; i < 3; ++i) resumed.push_back(t.Step().loss);
+  }
+  ASSERT_EQ(resumed.size(), straight.size());
+  for (size_t i = 0; i < straight.size(); ++i) EXPECT_EQ(resumed[i], straight[i]) << "step " << i;
+}
+
+TEST(TrainerTest, RestoreRejectsAnotherModel) {
+  TempDir dir;
+  TrainConfig c = TinyTrainConfig(dir);
+  Trainer t(c);
+  t.Step();
+  CheckpointData snap = t.Snapshot();
+  c.model.model_dim = 64;
+  Trainer other(c);
+  try {
+    other.Restore(snap);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("model_dim = 32"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CheckpointTest, SaveLoadLatestAndPrune) {
+  TempDir dir;
+  CheckpointData d;
+  d.seed = 3;
+  d.global_batch = 4;
+  d.config_json = R"({"steps": 9})";
+  d.model = {{"w", Tensor::Full({2, 2}, 1.5)}};
+  d.optimizer = {{"w.exp_avg", Tensor::Zeros({2, 2})}, {"w.exp_avg_sq", Tensor::Zeros({2, 2})}};
+  for (int64_t s : {10, 20, 30}) {
+    d.step = s;
+    d.optimizer_step = s;
+    d.model["w"].Fill(static_cast<double>(s));
+    SaveCheckpoint(dir / "ck", d, /*keep=*/2);
+  }
+  auto list = ListCheckpoints(dir / "ck");
+  ASSERT_EQ(list.size(), 2u);
+  EXPECT_EQ(fs::path(list[0]).filename(), "step_00000020");
+  CheckpointData back = LoadCheckpoint(dir / "ck");
+  EXPECT_EQ(back.step, 30);
+  EXPECT_EQ(back.optimizer_step, 30);
+  EXPECT_EQ(back.seed, 3u);
+  EXPECT_EQ(back.global_batch, 4);
+  EXPECT_EQ(back.model.at("w").At(3), 30.0);
+  EXPECT_EQ(back.optimizer.size(), 2u);
+  EXPECT_EQ(ResolveCheckpoint(list[0]), list[0]);
+  EXPECT_EQ(LoadCheckpoint(list[0]).step, 20);
+  // model.safetensors is an ordinary safetensors file with the parameter names.
+  EXPECT_EQ(ReadSafetensors(list[1] + "/model.safetensors").count("w"), 1u);
+  EXPECT_THROW(LoadCheckpoint(dir / "nothing"), IoError);
+}
+
+void FlipByte(const std::string& path, size_t offset) {
+  std::vector<std::byte> bytes = ReadFileBytes(path);
+  bytes.at(offset) ^= std::byte{0x40};
+  WriteFileAtomic(path, bytes);
+}
+
+TEST(CheckpointTest, CorruptedOrTruncatedGivesAClearErrorAndThePreviousStillLoads) {
+  TempDir dir;
+  CheckpointData d;
+  d.model = {{"w", Tensor::Full({64}, 2.0)}};
+  d.step = 1;
+  SaveCheckpoint(dir / "ck", d);
+  d.step = 2;
+  std::string second = SaveCheckpoint(dir / "ck", d);
+  auto message = [&] {
+    try {
+      LoadCheckpoint(dir / "ck");
+    } catch (const IoError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  std::string model = second + "/model.safetensors";
+  std::vector<std::byte> good = ReadFileBytes(model);
+  FlipByte(model, good.size() - 3);  // a bit flip in the data
+  std::string m = message();
+  EXPECT_NE(m.find("model.safetensors is corrupted"), std::string::npos) << m;
+  EXPECT_NE(m.find("step_00000001"), std::string::npos) << m;  // names the usable previous one
+  WriteFileAtomic(model, std::span(good).first(good.size() / 2));
+  m = message();
+  EXPECT_NE(m.find("truncated"), std::string::npos) << m;
+  WriteTextFileAtomic(second + "/state.json", "{\"format_version\": 1, \"step\": ");
+  m = message();
+  EXPECT_NE(m.find("state.json is malformed"), std::string::npos) << m;
+  EXPECT_EQ(LoadCheckpoint(dir / "ck/step_00000001").step, 1);
+}
+
+TEST(CheckpointTest, AKilledSaveNeverBreaksLatest) {
+  TempDir dir;
+  CheckpointData d;
+  d.model = {{"w", Tensor::Full({4}, 1.0)}};
+  d.step = 5;
+  SaveCheckpoint(dir / "ck", d);
+  // What a run killed in the middle of saving step 10 leaves: a partial directory with a torn
+  // file, and `latest` still naming step 5.
+  fs::create_directories(dir / "ck/step_00000010.partial-12345");
+  WriteTextFileAtomic(dir / "ck/step_00000010.partial-12345/model.safetensors", "torn");
+  EXPECT_EQ(LoadCheckpoint(dir / "ck").step, 5);
+  EXPECT_EQ(ListCheckpoints(dir / "ck").size(), 1u);
+  d.step = 10;
+  SaveCheckpoint(dir / "ck", d);  // the next save cleans the leftovers
+  EXPECT_FALSE(fs::exists(dir / "ck/step_00000010.partial-12345"));
+  EXPECT_EQ(LoadCheckpoint(dir / "ck").step, 10);
+}
+
+TEST(RunTest, WritesTheRunDirectoryAndResumesBitForBit) {
+  TempDir dir;
+  TrainConfig c = TinyTrainConfig(dir);
+  RunSummary s;
+  {
+    Trainer t(c);
+    RunOptions o;
+    o.out = DevNull();
+    s = t.Run(o);
+  }
+  for (const char* f : {"config.json", "metrics.jsonl", "loss.svg", "sample.txt", "summary.json",
+                        "checkpoints/latest", "checkpoints/step_00000003/model.safetensors",
+                        "checkpoints/step_00000006/optimizer.safetensors"}) {
+    EXPECT_TRUE(fs::exists(c.out + "/" + f)) << f;
+  }
+  EXPECT_FALSE(fs::exists(c.out + "/expert_load.svg"));  // dense model
+  EXPECT_EQ(s.steps, 6);
+  EXPECT_EQ(s.sample.size(), 20u);
+  EXPECT_TRUE(std::isfinite(s.final_val_loss));
+  EXPECT_EQ(TrainConfigFromJson(ReadTextFile(c.out + "/config.json")).steps, 6);
+  std::vector<StepMetrics> straight = ReadMetrics(c.out + "/metrics.jsonl");
+  ASSERT_EQ(straight.size(), 6u);
+  EXPECT_TRUE(std::isfinite(straight[2].val_loss));
+  // Resume from the step-3 checkpoint of the same run directory: steps 4..6 repeat exactly.
+  {
+    Trainer t(c);
+    RunOptions o;
+    o.out = DevNull();
+    o.resume = c.out + "/checkpoints/step_00000003";
+    t.Run(o);
+  }
+  std::vector<StepMetrics> again = ReadMetrics(c.out + "/metrics.jsonl");
+  ASSERT_EQ(again.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(again[i].step, straight[i].step);
+    EXPECT_EQ(again[i].loss, straight[i].loss) << "step " << again[i].step;
+    EXPECT_EQ(again[i].grad_norm, straight[i].grad_norm);
+  }
+  EXPECT_EQ(again[5].val_loss, straight[5].val_loss);
+}
+
+TEST(GenerateTest, DeterministicForASeed) {
+  TempDir dir;
+  Trainer t(TinyTrainConfig(dir));
+  SampleOptions o;
+  o.max_tokens = 30;
+  o.seed = 4;
+  o.prompt = "the ";
+  std::string a = GenerateText(t.model(), o), b = GenerateText(t.model(), o);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a.size(), 30u);
+  o.seed = 5;
+  EXPECT_NE(GenerateText(t.model(), o), a);
+  o.top_k = 1;  // greedy: independent of the seed
+  std::string g1 = GenerateText(t.model(), o);
+  o.seed = 6;
+  EXPECT_EQ(GenerateText(t.model(), o), g1);
+  o.temperature = 0;
+  EXPECT_THROW(GenerateText(t.model(), o), InvalidArgument);
+}
+
+// Data parallelism through the hooks: two ranks as threads average their gradients through
+// shared memory (what the lead's comm-based hooks do with an all-reduce). The losses equal the
+// single-rank run's up to float summation order.
+class SharedMemoryDataParallel : public TrainHooks {
+ public:
+  struct Shared {
+    explicit Shared(int world) : world(world), barrier(world), slots(world) {}
+    int world;
+    std::barrier<> barrier;
+    std::vector<std::vector<double>> slots;
+  };
+  SharedMemoryDataParallel(Shared& shared, int rank) : shared_(shared), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int world_size() const override { return shared_.world; }
+  int ranks_in_process() const override { return shared_.world; }
+
+  void ReduceGradients(ParameterSet& params) override {
+    std::vector<double> flat;
+    for (auto& p : params.all()) {
+      if (!p.options.trainable) continue;
+      for (int64_t i = 0; i < p.grad.numel(); ++i) flat.push_back(p.grad.data<float>()[i]);
+    }
+    AllReduceSum(flat);
+    size_t k = 0;
+    for (auto& p : params.all()) {
+      if (!p.options.trainable) continue;
+      for (int64_t i = 0; i < p.grad.numel(); ++i) {
+        p.grad.data<float>()[i] = static_cast<float>(flat[k++] / shared_.world);
+      }
+    }
+  }
+  void AllReduceSum(std::span<double> values) override {
+    shared_.slots[rank_].assign(values.begin(), values.end());
+    shared_.barrier.arrive_and_wait();
+    for (size_t i = 0; i < values.size(); ++i) {
+      double s = 0;
+      for (int r = 0; r < shared_.world; ++r) s += shared_.slots[r][i];  // same order everywhere
+      values[i] = s;
+    }
+    shared_.barrier.arrive_and_wait();
+  }
+
+ private:
+  Shared& shared_;
+  int rank_;
+};
+
+TEST(TrainerTest, DataParallelHooksMatchOneRank) {
+  kernels::SetBlasThreads(1);
+  TempDir dir;
+  TrainConfig c = TinyTrainConfig(dir);
+  std::vector<double> single;
+  {
+    Trainer t(c);
+    for (int i = 0; i < 4; ++i) single.push_back(t.Step().ce_loss);
+    single.push_back(t.Evaluate());
+  }
+  SharedMemoryDataParallel::Shared shared(2);
+  std::vector<double> dp[2];
+  {
+    std::vector<std::jthread> ranks;
+    for (int r = 0; r < 2; ++r) {
+      ranks.emplace_back([&, r] {
+        SharedMemoryDataParallel hooks(shared, r);
+        Trainer t(c, nullptr, &hooks);
+        for (int i = 0; i < 4; ++i) dp[r].push_back(t.Step().ce_loss);
+        dp[r].push_back(t.Evaluate());
+      });
+    }
+  }
+  for (size_t i = 0; i < single.size(); ++i) {
+    EXPECT_EQ(dp[0][i], dp[1][i]);  // every rank reports the global value
+    EXPECT_NEAR(dp[0][i], single[i], 1e-4 * single[i]) << "step " << i;
+  }
+}
+
+}  // namespace
+}  // namespace switchyard::train
