@@ -1,6 +1,5 @@
 #include "moe/activation.h"
 
-#include <algorithm>
 #include <bit>
 #include <cmath>
 
@@ -10,10 +9,12 @@ namespace {
 using kernels::Activation;
 
 // e^x for float32, relative error ~2 ulp on [-87.3, 88.3] (Cephes expf polynomial); inputs
-// outside are clamped (e^-87.3 ~ 1.2e-38, e^88.3 ~ 2.2e38).
+// outside are clamped (e^-87.3 ~ 1.2e-38, e^88.3 ~ 2.2e38). Every value is computed
+// unconditionally so loops if-convert and vectorize.
 inline float ExpF(float x) {
-  x = std::min(std::max(x, -87.3f), 88.3f);
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = x < -87.3f ? -87.3f : x;
+  x = x > 88.3f ? 88.3f : x;
+  float n = __builtin_rintf(x * 1.44269504088896341f);
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -23,95 +24,148 @@ inline float ExpF(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   float y = p * r * r + r + 1.0f;
-  return y * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return y * std::bit_cast<float>(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
 }
 
-// erf(x), Abramowitz & Stegun 7.1.26: |error| <= 1.5e-7.
-inline float ErfF(float x) {
-  float a = std::fabs(x);
+constexpr float kInvSqrt2 = 0.70710678118654752440f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+
+// Phi(x) = (1 + erf(x / sqrt2)) / 2 and, through the same exponential, the normal density
+// phi(x) = exp(-x^2 / 2) / sqrt(2 pi). A&S 7.1.26 on |x| / sqrt2.
+struct CdfPdf {
+  float cdf, pdf;
+};
+inline CdfPdf NormalCdfPdf(float x) {
+  float a = __builtin_fabsf(x) * kInvSqrt2;
   float t = 1.0f / (1.0f + 0.3275911f * a);
   float poly = 1.061405429f;
   poly = poly * t - 1.453152027f;
   poly = poly * t + 1.421413741f;
   poly = poly * t - 0.284496736f;
   poly = poly * t + 0.254829592f;
-  float y = 1.0f - poly * t * ExpF(-a * a);
-  return std::copysign(y, x);
+  float e = ExpF(-0.5f * x * x);  // = exp(-a^2)
+  float erf_abs = 1.0f - poly * t * e;
+  float erf = __builtin_copysignf(erf_abs, x);
+  return {0.5f * (1.0f + erf), kInvSqrt2Pi * e};
 }
 
-constexpr float kInvSqrt2 = 0.70710678118654752440f;
-constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
-
-inline float Act(Activation act, float x) {
-  switch (act) {
-    case Activation::kRelu: return x > 0.0f ? x : 0.0f;
-    case Activation::kGelu: return 0.5f * x * (1.0f + ErfF(x * kInvSqrt2));
-    case Activation::kSilu: return x / (1.0f + ExpF(-x));
-    case Activation::kIdentity: return x;
-  }
+template <Activation kAct>
+inline float Act(float x) {
+  if constexpr (kAct == Activation::kRelu) return x > 0.0f ? x : 0.0f;
+  if constexpr (kAct == Activation::kGelu) return x * NormalCdfPdf(x).cdf;
+  if constexpr (kAct == Activation::kSilu) return x / (1.0f + ExpF(-x));
   return x;
 }
 
-// act'(x)
-inline float ActGrad(Activation act, float x) {
-  switch (act) {
-    case Activation::kRelu: return x > 0.0f ? 1.0f : 0.0f;
-    case Activation::kGelu:
-      return 0.5f * (1.0f + ErfF(x * kInvSqrt2)) + x * kInvSqrt2Pi * ExpF(-0.5f * x * x);
-    case Activation::kSilu: {
-      float s = 1.0f / (1.0f + ExpF(-x));
-      return s * (1.0f + x * (1.0f - s));
-    }
-    case Activation::kIdentity: return 1.0f;
-  }
-  return 1.0f;
-}
-
-// One loop per activation, so the switch is outside the loop and each loop vectorizes.
+// act(x) and act'(x) together.
+struct ValueGrad {
+  float value, grad;
+};
 template <Activation kAct>
-void Forward(const float* __restrict pre1, const float* __restrict pre3, float* __restrict h,
-             int64_t n) {
-  if (pre3) {
-    for (int64_t i = 0; i < n; ++i) h[i] = Act(kAct, pre1[i]) * pre3[i];
+inline ValueGrad ActAndGrad(float x) {
+  if constexpr (kAct == Activation::kRelu) {
+    return {x > 0.0f ? x : 0.0f, x > 0.0f ? 1.0f : 0.0f};
+  } else if constexpr (kAct == Activation::kGelu) {
+    CdfPdf c = NormalCdfPdf(x);
+    return {x * c.cdf, c.cdf + x * c.pdf};
+  } else if constexpr (kAct == Activation::kSilu) {
+    float s = 1.0f / (1.0f + ExpF(-x));
+    return {x * s, s * (1.0f + x * (1.0f - s))};
   } else {
-    for (int64_t i = 0; i < n; ++i) h[i] = Act(kAct, pre1[i]);
+    return {x, 1.0f};
   }
 }
 
 template <Activation kAct>
-void Backward(const float* __restrict pre1, const float* __restrict pre3, float* __restrict d,
-              float* __restrict d_pre3, int64_t n) {
-  if (pre3) {
-    for (int64_t i = 0; i < n; ++i) {
-      float dh = d[i];
-      d_pre3[i] = dh * Act(kAct, pre1[i]);
-      d[i] = dh * pre3[i] * ActGrad(kAct, pre1[i]);
+void ForwardRows(int64_t rows, int64_t cols, const float* __restrict bias, float* __restrict pre1,
+                 const float* __restrict pre3, float* __restrict hidden) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* p = pre1 + r * cols;
+    float* h = hidden + r * cols;
+    if (bias) {
+      for (int64_t j = 0; j < cols; ++j) p[j] += bias[j];
     }
-  } else {
-    for (int64_t i = 0; i < n; ++i) d[i] *= ActGrad(kAct, pre1[i]);
+    if (pre3) {
+      const float* q = pre3 + r * cols;
+      for (int64_t j = 0; j < cols; ++j) h[j] = Act<kAct>(p[j]) * q[j];
+    } else {
+      for (int64_t j = 0; j < cols; ++j) h[j] = Act<kAct>(p[j]);
+    }
+  }
+}
+
+template <Activation kAct>
+void BackwardRows(int64_t rows, int64_t cols, const float* __restrict pre1,
+                  const float* __restrict pre3, float* __restrict d, float* __restrict d_pre3,
+                  float* __restrict bias_grad) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p = pre1 + r * cols;
+    float* dr = d + r * cols;
+    if (pre3) {
+      const float* q = pre3 + r * cols;
+      float* d3 = d_pre3 + r * cols;
+      for (int64_t j = 0; j < cols; ++j) {
+        ValueGrad vg = ActAndGrad<kAct>(p[j]);
+        float dh = dr[j];
+        d3[j] = dh * vg.value;
+        dr[j] = dh * q[j] * vg.grad;
+      }
+    } else {
+      for (int64_t j = 0; j < cols; ++j) dr[j] *= ActAndGrad<kAct>(p[j]).grad;
+    }
+    if (bias_grad) {
+      for (int64_t j = 0; j < cols; ++j) bias_grad[j] += dr[j];
+    }
   }
 }
 
 }  // namespace
 
-void ActivationForwardFast(Activation act, const float* pre1, const float* pre3, float* hidden,
-                           int64_t n) {
+void ActivationForwardRows(Activation act, int64_t rows, int64_t cols, const float* bias,
+                           float* pre1, const float* pre3, float* hidden) {
   switch (act) {
-    case Activation::kRelu: Forward<Activation::kRelu>(pre1, pre3, hidden, n); break;
-    case Activation::kGelu: Forward<Activation::kGelu>(pre1, pre3, hidden, n); break;
-    case Activation::kSilu: Forward<Activation::kSilu>(pre1, pre3, hidden, n); break;
-    case Activation::kIdentity: Forward<Activation::kIdentity>(pre1, pre3, hidden, n); break;
+    case Activation::kRelu:
+      ForwardRows<Activation::kRelu>(rows, cols, bias, pre1, pre3, hidden);
+      break;
+    case Activation::kGelu:
+      ForwardRows<Activation::kGelu>(rows, cols, bias, pre1, pre3, hidden);
+      break;
+    case Activation::kSilu:
+      ForwardRows<Activation::kSilu>(rows, cols, bias, pre1, pre3, hidden);
+      break;
+    case Activation::kIdentity:
+      ForwardRows<Activation::kIdentity>(rows, cols, bias, pre1, pre3, hidden);
+      break;
   }
 }
 
-void ActivationBackwardFast(Activation act, const float* pre1, const float* pre3, float* d,
-                            float* d_pre3, int64_t n) {
+void ActivationBackwardRows(Activation act, int64_t rows, int64_t cols, const float* pre1,
+                            const float* pre3, float* d, float* d_pre3, float* bias_grad) {
   switch (act) {
-    case Activation::kRelu: Backward<Activation::kRelu>(pre1, pre3, d, d_pre3, n); break;
-    case Activation::kGelu: Backward<Activation::kGelu>(pre1, pre3, d, d_pre3, n); break;
-    case Activation::kSilu: Backward<Activation::kSilu>(pre1, pre3, d, d_pre3, n); break;
-    case Activation::kIdentity: Backward<Activation::kIdentity>(pre1, pre3, d, d_pre3, n); break;
+    case Activation::kRelu:
+      BackwardRows<Activation::kRelu>(rows, cols, pre1, pre3, d, d_pre3, bias_grad);
+      break;
+    case Activation::kGelu:
+      BackwardRows<Activation::kGelu>(rows, cols, pre1, pre3, d, d_pre3, bias_grad);
+      break;
+    case Activation::kSilu:
+      BackwardRows<Activation::kSilu>(rows, cols, pre1, pre3, d, d_pre3, bias_grad);
+      break;
+    case Activation::kIdentity:
+      BackwardRows<Activation::kIdentity>(rows, cols, pre1, pre3, d, d_pre3, bias_grad);
+      break;
   }
+}
+
+float DotF(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  }
+  float tail = 0;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
 }
 
 }  // namespace switchyard::moe

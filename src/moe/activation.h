@@ -1,6 +1,7 @@
-// Fused expert activations (private to moe): branch-free loops the compiler vectorizes, with a
-// polynomial exp and the Abramowitz-Stegun 7.1.26 erf (|error| <= 1.5e-7), so the elementwise
-// work stays small beside the expert GEMMs. Tests compare them against kernels::ref.
+// Fused expert activations (private to moe): branch-free loops the compiler vectorizes (with
+// -fno-trapping-math), with a polynomial exp and the Abramowitz-Stegun 7.1.26 erf
+// (|error| <= 1.5e-7 + rounding), fused with the fc1 bias and its gradient so that the
+// elementwise work stays one pass over the [rows, H] buffers. Tests compare them with kernels::ref.
 #pragma once
 
 #include <cstdint>
@@ -9,12 +10,18 @@
 
 namespace switchyard::moe {
 
-// hidden = act(pre1) * pre3 (gated, pre3 != nullptr) or act(pre1). n elements.
-void ActivationForwardFast(kernels::Activation act, const float* pre1, const float* pre3,
-                           float* hidden, int64_t n);
+// On `rows` rows of `cols` columns (row-major, contiguous):
+//   pre1 += bias (broadcast over rows; bias may be null), then
+//   hidden = act(pre1) * pre3 (gated, pre3 != nullptr) or act(pre1).
+void ActivationForwardRows(kernels::Activation act, int64_t rows, int64_t cols, const float* bias,
+                           float* pre1, const float* pre3, float* hidden);
 
-// In: d holds d hidden. Out: d holds d pre1; d_pre3 (gated) receives d pre3. n elements.
-void ActivationBackwardFast(kernels::Activation act, const float* pre1, const float* pre3, float* d,
-                            float* d_pre3, int64_t n);
+// In: d holds d hidden. Out: d holds d pre1; d_pre3 (gated, pre3 != nullptr) receives d pre3;
+// bias_grad (may be null) accumulates the column sums of d pre1 (rows in order).
+void ActivationBackwardRows(kernels::Activation act, int64_t rows, int64_t cols, const float* pre1,
+                            const float* pre3, float* d, float* d_pre3, float* bias_grad);
+
+// Plain float32 dot product with 8 independent partial sums (vectorizes without fast-math).
+float DotF(const float* a, const float* b, int64_t n);
 
 }  // namespace switchyard::moe

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "moe/activation.h"
 #include "moe/parallel_for.h"
 #include "switchyard/core/error.h"
 
@@ -21,11 +22,6 @@ inline void Scale(float* __restrict dst, const float* __restrict src, float s, i
 }
 inline void Axpy(float* __restrict dst, const float* __restrict src, float s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] += s * src[i];
-}
-inline float Dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float acc = 0;
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
 }
 
 }  // namespace
@@ -108,7 +104,7 @@ CombineGradients CombineBackward(const DispatchPlan& plan, const Tensor& dy,
         std::memcpy(dst, dyp + int64_t{t} * m_dim, static_cast<size_t>(m_dim) * sizeof(float));
       } else {
         Scale(dst, dyp + int64_t{t} * m_dim, plan.weights[pair], m_dim);
-        g.weights[pair] = Dot(dyp + int64_t{t} * m_dim, ep + r * m_dim, m_dim);
+        g.weights[pair] = DotF(dyp + int64_t{t} * m_dim, ep + r * m_dim, m_dim);
       }
     }
   });
@@ -137,7 +133,7 @@ DispatchGradients DispatchBackward(const DispatchPlan& plan, const Tensor& d_exp
         if (r < 0) continue;
         const float* src = dp + int64_t{r} * m_dim;
         float w = prescore ? plan.weights[i] : 1.0f;
-        if (prescore) g.weights[i] = Dot(xp + t * m_dim, src, m_dim);
+        if (prescore) g.weights[i] = DotF(xp + t * m_dim, src, m_dim);
         if (first) {
           Scale(dst, src, w, m_dim);
           first = false;

@@ -37,10 +37,11 @@ std::vector<RowChunk> Chunks(const ExpertGroups& groups) {
   return chunks;
 }
 
+// fn(chunk_index, chunk) for every chunk, spread over `threads` threads.
 template <typename Fn>
 void ForEachChunk(const std::vector<RowChunk>& chunks, int threads, Fn&& fn) {
   ParallelFor(static_cast<int64_t>(chunks.size()), threads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) fn(chunks[static_cast<size_t>(i)]);
+    for (int64_t i = b; i < e; ++i) fn(i, chunks[static_cast<size_t>(i)]);
   });
 }
 
@@ -71,7 +72,7 @@ float FillBias(const Tensor& bias, const Tensor& out, const std::vector<RowChunk
   const int64_t cols = out.size(1);
   const float* b = bias.data<float>();
   float* o = out.data<float>();
-  ForEachChunk(chunks, threads, [&](const RowChunk& c) {
+  ForEachChunk(chunks, threads, [&](int64_t, const RowChunk& c) {
     for (int64_t r = c.begin; r < c.begin + c.rows; ++r) {
       std::memcpy(o + r * cols, b + c.group * cols, static_cast<size_t>(cols) * sizeof(float));
     }
@@ -105,25 +106,10 @@ std::vector<GemmProblem> WeightGradProblems(const ExpertGroups& groups, const fl
   return ps;
 }
 
-// bias_grad[g, :] = sum over the group's rows of d [rows, cols]; chunk partials summed in chunk
-// order (deterministic).
-Tensor BiasGrad(const Tensor& d, const ExpertGroups& groups, const std::vector<RowChunk>& chunks,
-                int threads) {
-  const int64_t cols = d.size(1);
-  const auto n_groups = static_cast<int64_t>(groups.begin.size());
-  std::vector<float> partial(chunks.size() * static_cast<size_t>(cols));
-  const float* dp = d.data<float>();
-  ParallelFor(static_cast<int64_t>(chunks.size()), threads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const RowChunk& c = chunks[static_cast<size_t>(i)];
-      float* acc = partial.data() + i * cols;
-      std::memcpy(acc, dp + c.begin * cols, static_cast<size_t>(cols) * sizeof(float));
-      for (int64_t r = c.begin + 1; r < c.begin + c.rows; ++r) {
-        const float* src = dp + r * cols;
-        for (int64_t j = 0; j < cols; ++j) acc[j] += src[j];
-      }
-    }
-  });
+// Sums per-chunk column sums `partial` [chunks, cols] into [groups, cols], in chunk order (so
+// the result does not depend on the thread count).
+Tensor ReduceChunkPartials(const std::vector<float>& partial, const std::vector<RowChunk>& chunks,
+                           int64_t n_groups, int64_t cols) {
   Tensor out = Tensor::Zeros({n_groups, cols});
   float* o = out.data<float>();
   for (size_t i = 0; i < chunks.size(); ++i) {
@@ -132,6 +118,22 @@ Tensor BiasGrad(const Tensor& d, const ExpertGroups& groups, const std::vector<R
     for (int64_t j = 0; j < cols; ++j) dst[j] += src[j];
   }
   return out;
+}
+
+// bias_grad[g, :] = column sums of the group's rows of d [rows, cols].
+Tensor BiasGrad(const Tensor& d, const std::vector<RowChunk>& chunks, int64_t n_groups,
+                int threads) {
+  const int64_t cols = d.size(1);
+  std::vector<float> partial(chunks.size() * static_cast<size_t>(cols), 0.0f);
+  const float* dp = d.data<float>();
+  ForEachChunk(chunks, threads, [&](int64_t i, const RowChunk& c) {
+    float* acc = partial.data() + i * cols;
+    for (int64_t r = c.begin; r < c.begin + c.rows; ++r) {
+      const float* src = dp + r * cols;
+      for (int64_t j = 0; j < cols; ++j) acc[j] += src[j];
+    }
+  });
+  return ReduceChunkPartials(partial, chunks, n_groups, cols);
 }
 
 void CheckOne(std::string_view prefix, std::string_view name, const Tensor& t,
@@ -218,20 +220,22 @@ Tensor ExpertsForward(const ExpertOptions& options, const ExpertWeights& w, cons
   Tensor out = Tensor::Empty({rows, m_dim});
   const float* x = input.data<float>();
 
-  float beta1 = FillBias(w.fc1_bias, pre1, chunks, threads);
+  // fc1 bias is added by the activation pass (one pass over [rows, H] instead of two).
   auto p1 = RowProblems(groups, x, m_dim, w.fc1_weight.data<float>(), h_dim * m_dim, m_dim,
                         pre1.data<float>(), h_dim, h_dim, m_dim);
-  kernels::GroupedGemm(Trans::kNo, Trans::kYes, 1.0f, beta1, p1, threads);
+  kernels::GroupedGemm(Trans::kNo, Trans::kYes, 1.0f, 0.0f, p1, threads);
   if (options.gated) {
     auto p3 = RowProblems(groups, x, m_dim, w.fc3_weight.data<float>(), h_dim * m_dim, m_dim,
                           pre3.data<float>(), h_dim, h_dim, m_dim);
     kernels::GroupedGemm(Trans::kNo, Trans::kYes, 1.0f, 0.0f, p3, threads);
   }
-  ForEachChunk(chunks, threads, [&](const RowChunk& c) {
-    int64_t off = c.begin * h_dim, n = c.rows * h_dim;
-    ActivationForwardFast(options.activation, pre1.data<float>() + off,
+  const float* b1 = w.fc1_bias.defined() ? w.fc1_bias.data<float>() : nullptr;
+  ForEachChunk(chunks, threads, [&](int64_t, const RowChunk& c) {
+    int64_t off = c.begin * h_dim;
+    ActivationForwardRows(options.activation, c.rows, h_dim, b1 ? b1 + c.group * h_dim : nullptr,
+                          pre1.data<float>() + off,
                           options.gated ? pre3.data<float>() + off : nullptr,
-                          hidden.data<float>() + off, n);
+                          hidden.data<float>() + off);
   });
   float beta2 = FillBias(w.fc2_bias, out, chunks, threads);
   auto p2 = RowProblems(groups, hidden.data<float>(), h_dim, w.fc2_weight.data<float>(),
@@ -251,7 +255,8 @@ Tensor ExpertsForward(const ExpertOptions& options, const ExpertWeights& w, cons
 
 ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeights& w,
                                 const ExpertActivations& s, const Tensor& d_output, int threads) {
-  const int64_t h_dim = w.fc1_weight.size(1), m_dim = w.fc1_weight.size(2);
+  const int64_t n_groups = w.fc1_weight.size(0), h_dim = w.fc1_weight.size(1),
+                m_dim = w.fc1_weight.size(2);
   const int64_t rows = s.input.size(0);
   SY_REQUIRE(s.pre1.defined() && s.hidden.defined(), InvalidArgument,
              "ExpertsBackward: the forward saved no activations");
@@ -268,28 +273,32 @@ ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeight
   auto pw2 = WeightGradProblems(groups, dy, m_dim, s.hidden.data<float>(), h_dim,
                                 g.weights.fc2_weight.data<float>(), m_dim, h_dim);
   kernels::GroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw2, threads);
-  if (w.fc2_bias.defined()) g.weights.fc2_bias = BiasGrad(d_output, groups, chunks, threads);
+  if (w.fc2_bias.defined()) g.weights.fc2_bias = BiasGrad(d_output, chunks, n_groups, threads);
   Tensor d_pre1 = Tensor::Empty({rows, h_dim});
   auto ph = RowProblems(groups, dy, m_dim, w.fc2_weight.data<float>(), m_dim * h_dim, h_dim,
                         d_pre1.data<float>(), h_dim, h_dim, m_dim);
   kernels::GroupedGemm(Trans::kNo, Trans::kNo, 1.0f, 0.0f, ph, threads);
 
-  // Activation: d_pre1 = act'(pre1) * dh (* pre3); gated: d_pre3 = dh * act(pre1).
+  // Activation: d_pre1 = act'(pre1) * dh (* pre3); gated: d_pre3 = dh * act(pre1); the fc1
+  // bias gradient is summed in the same pass.
   Tensor d_pre3 = options.gated ? Tensor::Empty({rows, h_dim}) : Tensor();
-  ForEachChunk(chunks, threads, [&](const RowChunk& c) {
-    int64_t off = c.begin * h_dim, n = c.rows * h_dim;
-    ActivationBackwardFast(options.activation, s.pre1.data<float>() + off,
+  const bool bias1 = w.fc1_bias.defined();
+  std::vector<float> b1_partial(bias1 ? chunks.size() * static_cast<size_t>(h_dim) : 0, 0.0f);
+  ForEachChunk(chunks, threads, [&](int64_t i, const RowChunk& c) {
+    int64_t off = c.begin * h_dim;
+    ActivationBackwardRows(options.activation, c.rows, h_dim, s.pre1.data<float>() + off,
                            options.gated ? s.pre3.data<float>() + off : nullptr,
                            d_pre1.data<float>() + off,
-                           options.gated ? d_pre3.data<float>() + off : nullptr, n);
+                           options.gated ? d_pre3.data<float>() + off : nullptr,
+                           bias1 ? b1_partial.data() + i * h_dim : nullptr);
   });
+  if (bias1) g.weights.fc1_bias = ReduceChunkPartials(b1_partial, chunks, n_groups, h_dim);
 
   // fc1 (and fc3): dW_g = d_pre_g^T · X_g; db1 = column sums; dX = d_pre1 · W1 (+ d_pre3 · W3).
   g.weights.fc1_weight = Tensor::Empty(w.fc1_weight.shape());
   auto pw1 = WeightGradProblems(groups, d_pre1.data<float>(), h_dim, x, m_dim,
                                 g.weights.fc1_weight.data<float>(), h_dim, m_dim);
   kernels::GroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw1, threads);
-  if (w.fc1_bias.defined()) g.weights.fc1_bias = BiasGrad(d_pre1, groups, chunks, threads);
   g.input = Tensor::Empty({rows, m_dim});
   auto px1 = RowProblems(groups, d_pre1.data<float>(), h_dim, w.fc1_weight.data<float>(),
                          h_dim * m_dim, m_dim, g.input.data<float>(), m_dim, m_dim, h_dim);

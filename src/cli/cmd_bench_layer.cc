@@ -1,0 +1,370 @@
+// `switchyard bench layer`: forward+backward time of one MoE layer against the limit it can
+// approach, the expert GEMMs alone for the same token counts, measured interleaved in the same
+// run. Also a per-step breakdown and, for many small experts, grouped GEMM against a plain loop.
+#include <fmt/format.h>
+#include <malloc.h>
+#include <time.h>
+
+#include <algorithm>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "cli/command.h"
+#include "cli/peak_flops.h"
+#include "cli/timing.h"
+#include "switchyard/core/rng.h"
+#include "switchyard/kernels/gemm.h"
+#include "switchyard/moe/dispatch.h"
+#include "switchyard/moe/gate.h"
+#include "switchyard/moe/layer.h"
+#include "switchyard/moe/losses.h"
+#include "switchyard/moe/plan.h"
+
+namespace switchyard::cli {
+namespace {
+
+using kernels::GemmProblem;
+using kernels::Trans;
+
+struct BenchLayerOptions {
+  int64_t tokens = 4096;
+  int64_t model_dim = 512;
+  int64_t hidden_dim = 2048;
+  int64_t experts = 8;
+  int64_t top_k = 2;
+  float capacity_factor = 1.25f;
+  bool dropless = false;
+  std::string activation = "gelu";
+  bool gated = false;
+  int threads = 1;
+  int blas_threads = 1;
+  int repeat = 10;
+  int warmup = 2;
+  bool breakdown = false;
+  bool json = false;
+  bool no_malloc_cache = false;
+};
+
+Tensor RandomTensor(Shape shape, uint64_t seed) {
+  Tensor t = Tensor::Empty(std::move(shape));
+  CounterRng rng(seed, kStreamData);
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = 2.0f * rng.Uniform(static_cast<uint64_t>(i)) - 1;
+  return t;
+}
+
+// The expert GEMMs of one forward+backward, as the layer issues them, on private buffers of the
+// same sizes: per expert e with m_e rows, forward X W1^T (X W3^T), H W2^T; backward dY W2,
+// dY^T H, dA1^T X, dA1 W1 (dA3^T X, dA3 W3).
+class ExpertGemms {
+ public:
+  ExpertGemms(const std::vector<int64_t>& rows, int64_t m, int64_t h, bool gated)
+      : rows_(rows), m_(m), h_(h), gated_(gated) {
+    int64_t total = 0;
+    for (int64_t r : rows) total += r;
+    auto e = static_cast<int64_t>(rows.size());
+    x_ = RandomTensor({total, m}, 1);
+    y_ = RandomTensor({total, m}, 2);
+    a_ = RandomTensor({total, h}, 3);
+    b_ = RandomTensor({total, h}, 4);
+    w1_ = RandomTensor({e, h, m}, 5);
+    w2_ = RandomTensor({e, m, h}, 6);
+    dw_ = RandomTensor({e, h, m}, 7);
+  }
+
+  // Every GEMM step as one grouped GEMM (what the layer does).
+  void RunGrouped(int threads) const {
+    for (const Step& s : Steps()) kernels::GroupedGemm(s.ta, s.tb, 1.0f, 0.0f, s.problems, threads);
+  }
+  // The same products as a loop of plain GEMMs.
+  void RunLoop() const {
+    for (const Step& s : Steps()) {
+      for (const GemmProblem& p : s.problems) {
+        kernels::Gemm(s.ta, s.tb, p.m, p.n, p.k, 1.0f, p.a, p.lda, p.b, p.ldb, 0.0f, p.c, p.ldc);
+      }
+    }
+  }
+
+ private:
+  struct Step {
+    Trans ta, tb;
+    std::vector<GemmProblem> problems;
+  };
+  std::vector<Step> Steps() const {
+    std::vector<Step> steps;
+    const float* x = x_.data<float>();
+    float* y = y_.data<float>();
+    float* a = a_.data<float>();
+    float* b = b_.data<float>();
+    const float* w1 = w1_.data<float>();
+    const float* w2 = w2_.data<float>();
+    float* dw = dw_.data<float>();
+    auto add = [&](Trans ta, Trans tb, auto make) {
+      Step s{ta, tb, {}};
+      int64_t off = 0;
+      for (size_t e = 0; e < rows_.size(); ++e) {
+        int64_t r = rows_[e];
+        if (r > 0) s.problems.push_back(make(static_cast<int64_t>(e), off, r));
+        off += r;
+      }
+      steps.push_back(std::move(s));
+    };
+    const int64_t m = m_, h = h_, mh = m_ * h_;
+    int copies = gated_ ? 2 : 1;
+    for (int c = 0; c < copies; ++c) {  // X W1^T (and X W3^T)
+      add(Trans::kNo, Trans::kYes, [&](int64_t e, int64_t off, int64_t r) {
+        return GemmProblem{r, h, m, x + off * m, m, w1 + e * mh, m, a + off * h, h};
+      });
+    }
+    add(Trans::kNo, Trans::kYes, [&](int64_t e, int64_t off, int64_t r) {  // H W2^T
+      return GemmProblem{r, m, h, a + off * h, h, w2 + e * mh, h, y + off * m, m};
+    });
+    add(Trans::kYes, Trans::kNo, [&](int64_t e, int64_t off, int64_t r) {  // dW2 = dY^T H
+      return GemmProblem{m, h, r, y + off * m, m, a + off * h, h, dw + e * mh, h};
+    });
+    add(Trans::kNo, Trans::kNo, [&](int64_t e, int64_t off, int64_t r) {  // dH = dY W2
+      return GemmProblem{r, h, m, y + off * m, m, w2 + e * mh, h, b + off * h, h};
+    });
+    for (int c = 0; c < copies; ++c) {
+      add(Trans::kYes, Trans::kNo, [&](int64_t e, int64_t off, int64_t r) {  // dW1 = dA^T X
+        return GemmProblem{h, m, r, b + off * h, h, x + off * m, m, dw + e * mh, m};
+      });
+      add(Trans::kNo, Trans::kNo, [&](int64_t e, int64_t off, int64_t r) {  // dX = dA W1
+        return GemmProblem{r, m, h, b + off * h, h, w1 + e * mh, m, y + off * m, m};
+      });
+    }
+    return steps;
+  }
+
+  std::vector<int64_t> rows_;
+  int64_t m_, h_;
+  bool gated_;
+  Tensor x_, y_, a_, b_, w1_, w2_, dw_;
+};
+
+// CPU time of the whole process (all threads): on a shared machine it counts the work done, not
+// the time other processes held the cores.
+double ProcessCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// Keeps freed memory in the heap instead of returning it to the kernel (glibc hands blocks above
+// 32 MiB to mmap and unmaps them on free, so every step would fault in and zero its buffers
+// again). A process-wide allocator policy, as training frameworks set it (or preload jemalloc).
+void KeepFreedMemory() {
+  mallopt(M_MMAP_MAX, 0);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
+struct Stage {
+  std::string name;
+  std::function<void()> run;
+};
+
+int RunBenchLayer(const BenchLayerOptions& o) {
+  if (!o.no_malloc_cache) KeepFreedMemory();
+  kernels::SetBlasThreads(o.blas_threads);
+  moe::LayerConfig c;
+  c.model_dim = o.model_dim;
+  c.hidden_dim = o.hidden_dim;
+  c.num_experts = o.experts;
+  c.top_k = o.top_k;
+  c.capacity_factor = o.capacity_factor;
+  c.dropless = o.dropless;
+  c.activation = kernels::ActivationFromName(o.activation);
+  c.gated = o.gated;
+  moe::MoeLayer layer(c);
+  moe::LayerParams params = moe::InitParams(c, 1);
+  Tensor x = RandomTensor({o.tokens, o.model_dim}, 10);
+  Tensor dy = RandomTensor({o.tokens, o.model_dim}, 11);
+  moe::ForwardOptions fo;
+  fo.threads = o.threads;
+
+  moe::LayerOutput probe = layer.Forward(params, x, fo);
+  int64_t kept = 0;
+  for (int64_t n : probe.expert_counts) kept += n;
+  const double useful_flop = 3.0 * moe::ExpertFlops(kept, o.model_dim, o.hidden_dim, o.gated);
+  ExpertGemms gemms(probe.expert_counts, o.model_dim, o.hidden_dim, o.gated);
+
+  auto step = [&] {
+    moe::LayerOutput out = layer.Forward(params, x, fo);
+    moe::LayerGradients g = layer.Backward(params, out, dy, o.threads);
+  };
+  // Interleaved: step, grouped GEMMs, looped GEMMs, so drift hits all three alike.
+  for (int i = 0; i < o.warmup; ++i) {
+    step();
+    gemms.RunGrouped(o.threads);
+    gemms.RunLoop();
+  }
+  std::vector<double> t_step, t_grouped, t_loop, c_step, c_grouped, c_loop;
+  auto timed = [](const auto& fn, std::vector<double>& wall, std::vector<double>& cpu) {
+    double w0 = NowSeconds(), c0 = ProcessCpuSeconds();
+    fn();
+    cpu.push_back(ProcessCpuSeconds() - c0);
+    wall.push_back(NowSeconds() - w0);
+  };
+  for (int i = 0; i < o.repeat; ++i) {
+    timed(step, t_step, c_step);
+    timed([&] { gemms.RunGrouped(o.threads); }, t_grouped, c_grouped);
+    timed([&] { gemms.RunLoop(); }, t_loop, c_loop);
+  }
+  TimingStats s_step = SummarizeTimes(t_step), s_grouped = SummarizeTimes(t_grouped),
+              s_loop = SummarizeTimes(t_loop);
+  double cpu_step = SummarizeTimes(c_step).median_s,
+         cpu_grouped = SummarizeTimes(c_grouped).median_s,
+         cpu_loop = SummarizeTimes(c_loop).median_s;
+
+  // Breakdown: each piece of the layer on its own, through the public step functions.
+  std::vector<std::pair<std::string, double>> breakdown;
+  if (o.breakdown) {
+    moe::GateResult gate;
+    moe::DispatchPlan plan;
+    Tensor expert_in, expert_out, y;
+    moe::ExpertActivations acts;
+    moe::CombineGradients cg;
+    moe::ExpertGradients eg;
+    moe::DispatchGradients dg;
+    moe::ExpertOptions eo{c.activation, c.gated};
+    std::vector<Stage> stages = {
+        {"gate forward", [&] { gate = moe::GateForward(c, x, params.gate_weight, Tensor(), {}); }},
+        {"losses forward", [&] { (void)moe::ComputeGateLosses(c, gate); }},
+        {"plan", [&] { plan = moe::MakeDispatchPlan(c, gate, {}); }},
+        {"dispatch", [&] { expert_in = moe::Dispatch(plan, x, false, o.threads); }},
+        {"experts forward",
+         [&] {
+           expert_out = moe::ExpertsForward(eo, params.experts, expert_in, moe::GroupsOf(plan),
+                                            &acts, o.threads);
+         }},
+        {"combine", [&] { y = moe::Combine(plan, expert_out, false, o.threads); }},
+        {"combine backward",
+         [&] { cg = moe::CombineBackward(plan, dy, expert_out, false, o.threads); }},
+        {"experts backward",
+         [&] { eg = moe::ExpertsBackward(eo, params.experts, acts, cg.expert_out, o.threads); }},
+        {"dispatch backward",
+         [&] { dg = moe::DispatchBackward(plan, eg.input, x, false, o.threads); }},
+        {"gate backward",
+         [&] {
+           auto dgates = moe::CombineWeightsBackward(c, gate, plan, cg.weights);
+           auto ds = moe::GateValuesBackward(c, gate, dgates);
+           (void)moe::GateBackward(c, gate, x, params.gate_weight, ds, c.aux_loss_coef,
+                                   c.z_loss_coef);
+         }},
+    };
+    for (const Stage& st : stages) st.run();  // warm-up, in dependency order
+    std::vector<std::vector<double>> times(stages.size());
+    for (int i = 0; i < o.repeat; ++i) {
+      for (size_t j = 0; j < stages.size(); ++j) {
+        double t0 = ProcessCpuSeconds();
+        stages[j].run();
+        times[j].push_back(ProcessCpuSeconds() - t0);
+      }
+    }
+    for (size_t j = 0; j < stages.size(); ++j) {
+      breakdown.emplace_back(stages[j].name, SummarizeTimes(times[j]).median_s);
+    }
+  }
+  PeakFlops peak = MeasurePeakFlops();
+  double peak_total = peak.gflops * o.threads;
+
+  double ratio = s_step.median_s / s_grouped.median_s;
+  double cpu_ratio = cpu_step / cpu_grouped;
+  if (o.json) {
+    nlohmann::json j = {{"op", "layer"},
+                        {"tokens", o.tokens},
+                        {"model_dim", o.model_dim},
+                        {"hidden_dim", o.hidden_dim},
+                        {"experts", o.experts},
+                        {"top_k", layer.top_k()},
+                        {"capacity_factor", o.capacity_factor},
+                        {"dropless", o.dropless},
+                        {"activation", o.activation},
+                        {"gated", o.gated},
+                        {"threads", o.threads},
+                        {"blas_threads", o.blas_threads},
+                        {"capacity", probe.capacity},
+                        {"kept_pairs", kept},
+                        {"dropped_pairs", probe.dropped},
+                        {"step_ms", s_step.median_s * 1e3},
+                        {"tokens_per_s", static_cast<double>(o.tokens) / s_step.median_s},
+                        {"useful_gflops", useful_flop / s_step.median_s / 1e9},
+                        {"expert_gemm_ms", s_grouped.median_s * 1e3},
+                        {"expert_gemm_gflops", useful_flop / s_grouped.median_s / 1e9},
+                        {"expert_gemm_loop_ms", s_loop.median_s * 1e3},
+                        {"step_over_gemm", ratio},
+                        {"step_cpu_ms", cpu_step * 1e3},
+                        {"expert_gemm_cpu_ms", cpu_grouped * 1e3},
+                        {"expert_gemm_loop_cpu_ms", cpu_loop * 1e3},
+                        {"step_over_gemm_cpu", cpu_ratio},
+                        {"malloc_cache", !o.no_malloc_cache},
+                        {"peak_gflops", peak_total}};
+    for (auto& [name, t] : breakdown) j["breakdown_cpu_ms"][name] = t * 1e3;
+    fmt::print("{}\n", j.dump());
+    return 0;
+  }
+  fmt::print(
+      "MoE layer T={} M={} H={} E={} k={} cf={} {}{} act={}, {} thread(s) (BLAS {}), {} reps\n",
+      o.tokens, o.model_dim, o.hidden_dim, o.experts, layer.top_k(), o.capacity_factor,
+      o.dropless ? "dropless" : fmt::format("capacity {}", probe.capacity), o.gated ? " gated" : "",
+      o.activation, o.threads, o.blas_threads, o.repeat);
+  fmt::print("  kept (token, choice) pairs {} (dropped {})\n", kept, probe.dropped);
+  fmt::print(
+      "  forward+backward   {:8.2f} ms/step (median; best {:.2f})  {:9.0f} tokens/s  "
+      "{:6.1f} useful GFLOP/s\n",
+      s_step.median_s * 1e3, s_step.min_s * 1e3, static_cast<double>(o.tokens) / s_step.median_s,
+      useful_flop / s_step.median_s / 1e9);
+  fmt::print(
+      "  expert GEMMs alone {:8.2f} ms (grouped)  {:6.1f} GFLOP/s   -> step / GEMMs = "
+      "{:.3f} (overhead {:.1f}%)\n",
+      s_grouped.median_s * 1e3, useful_flop / s_grouped.median_s / 1e9, ratio,
+      100.0 * (ratio - 1.0));
+  fmt::print("  expert GEMMs loop  {:8.2f} ms (plain GEMM per expert)  grouped/loop = {:.3f}\n",
+             s_loop.median_s * 1e3, s_grouped.median_s / s_loop.median_s);
+  fmt::print(
+      "  process CPU time: step {:.2f} ms, GEMMs {:.2f} ms (grouped), {:.2f} ms (loop) -> "
+      "step / GEMMs = {:.3f}, grouped/loop = {:.3f}\n",
+      cpu_step * 1e3, cpu_grouped * 1e3, cpu_loop * 1e3, cpu_ratio, cpu_grouped / cpu_loop);
+  fmt::print("  FMA peak ({}, measured now) {:.1f} GFLOP/s -> layer at {:.0f}% of peak\n", peak.isa,
+             peak_total, 100.0 * useful_flop / s_step.median_s / 1e9 / peak_total);
+  if (!breakdown.empty()) {
+    fmt::print("  breakdown (each piece alone, median process CPU ms):\n");
+    for (auto& [name, t] : breakdown) fmt::print("    {:18s} {:8.3f}\n", name, t * 1e3);
+  }
+  return 0;
+}
+
+SY_REGISTER_COMMAND(Command{
+    "bench", "layer",
+    "MoE layer forward+backward: ms/step, tokens/s, useful GFLOP/s vs the expert GEMMs alone",
+    [](CLI::App& app) -> Action {
+      auto o = std::make_shared<BenchLayerOptions>();
+      auto range = CLI::Range(int64_t{1}, int64_t{1} << 24);
+      app.add_option("--tokens", o->tokens, "T, tokens on this rank")->check(range);
+      app.add_option("--model-dim", o->model_dim, "M")->check(range);
+      app.add_option("--hidden-dim", o->hidden_dim, "H, hidden size of one expert")->check(range);
+      app.add_option("--experts", o->experts, "E")->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
+      app.add_option("--top-k", o->top_k, "k")->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
+      app.add_option("--capacity-factor", o->capacity_factor, "cf (0: no drops)");
+      app.add_flag("--dropless", o->dropless, "dropless mode (grouped GEMM, no capacity)");
+      app.add_option("--activation", o->activation, "relu, gelu or silu");
+      app.add_flag("--gated", o->gated, "gated experts (SwiGLU form)");
+      app.add_option("--threads", o->threads, "compute threads of the rank")
+          ->check(CLI::Range(1, 256));
+      app.add_option("--blas-threads", o->blas_threads,
+                     "OpenBLAS threads (1: grouped GEMMs spread experts over --threads)")
+          ->check(CLI::Range(1, 256));
+      app.add_option("--repeat", o->repeat, "timed repetitions")->check(CLI::Range(1, 100000));
+      app.add_option("--warmup", o->warmup, "untimed repetitions first")
+          ->check(CLI::Range(0, 1000));
+      app.add_flag("--breakdown", o->breakdown, "also time each piece of the layer alone");
+      app.add_flag("--json", o->json, "one JSON line instead of text");
+      app.add_flag("--no-malloc-cache", o->no_malloc_cache,
+                   "leave glibc malloc's defaults (large buffers are mmapped and faulted in anew "
+                   "every step)");
+      return [o] { return RunBenchLayer(*o); };
+    }});
+
+}  // namespace
+}  // namespace switchyard::cli
