@@ -1,0 +1,78 @@
+// Runs one MoE layer on W ranks as the single-rank layer's drop-in: the tokens of x are split
+// contiguously over the data shards (mesh.h), every rank runs ParallelMoeLayer, and the results
+// come back as one whole-batch result: outputs and token gradients gathered in order, parameter
+// gradients synchronised and reported as moe::MoeLayer would report them on the whole batch (kSum).
+// So the same inputs give the same outputs for every layout (global batch scope).
+//
+// Transports: in-process (W ranks as threads of this process, comm/inprocess.h) or MPI (this
+// process is one rank of mpirun's world; every process passes the same inputs and rank 0 receives
+// the assembled result).
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "switchyard/comm/inprocess.h"
+#include "switchyard/core/tensor.h"
+#include "switchyard/moe/config.h"
+#include "switchyard/moe/layer.h"
+#include "switchyard/parallel/comm_stats.h"
+#include "switchyard/parallel/mesh.h"
+#include "switchyard/parallel/moe_parallel.h"
+
+namespace switchyard::parallel {
+
+enum class Transport : uint8_t { kInProcess, kMpi };
+// "inproc", "mpi".
+std::string_view TransportName(Transport t);
+Transport TransportFromName(std::string_view name);
+
+struct DriverOptions {
+  ParallelOptions parallel;  // parallel.mesh.world_size = W
+  Transport transport = Transport::kInProcess;
+  // Tokens of each data shard, in order (sum = T); empty: an even contiguous split (the first
+  // T % D shards get one more token).
+  std::vector<int64_t> token_split;
+  int64_t global_token_offset = 0;  // global index of x's first token
+  uint64_t step = 0;
+  // Compute threads per rank; 0: ComputeThreadsPerRank(ranks in this process, usable cores).
+  int threads = 0;
+  // Forward+backward repetitions (the last one is reported; for timing).
+  int repeat = 1;
+  comm::InProcessOptions inprocess;
+};
+
+// What one rank did (for timing reports and tests).
+struct RankReport {
+  RankCoords coords;
+  int64_t tokens = 0;
+  CommStats forward, backward, sync;  // of the last repetition
+};
+
+struct LayerRunResult {
+  bool is_root = true;  // false on MPI ranks other than 0 (which hold only `ranks`' own entry)
+  // As moe::LayerOutput for the whole batch: y [T, M] (x's dtype), routing [T, k], the
+  // expert loads / counts summed over the data shards. kPerRank scope: l_aux and z_loss are the
+  // mean over the data shards (their own values in l_aux_per_shard), capacity the largest.
+  moe::LayerOutput output;
+  std::vector<float> l_aux_per_shard;
+  // With dy: gradients for x [T, M] and the parameters (full shapes, summed over data shards).
+  bool has_gradients = false;
+  Tensor grad_x;
+  moe::LayerParams grads;
+  int adaptive_r = 1;
+  double predicted_volume = 0;
+  int64_t buffer_capacity = 0;
+  std::vector<RankReport> ranks;  // by world rank
+};
+
+// x [T, M]; dy [T, M] or undefined (forward only). Throws what the layer throws (InvalidArgument
+// for bad options or shapes) on the calling thread.
+LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerParams& params,
+                               const Tensor& x, const Tensor& dy, const DriverOptions& options);
+
+// The contiguous split of T tokens over D shards used when token_split is empty.
+std::vector<int64_t> EvenSplit(int64_t num_tokens, int shards);
+
+}  // namespace switchyard::parallel

@@ -1,0 +1,162 @@
+// The MoE layer across ranks (SPEC §2): expert parallelism in the layouts of DeepSpeed-MoE, Tutel,
+// FastMoE/MegaBlocks and Megatron-Core, with forward and backward mirroring moe::MoeLayer.
+//
+// Each rank holds its own tokens x [T_rank, M], the gate (replicated) and its shard of the experts
+// (expert_shard.h). A step:
+//   gate on own tokens -> plan (capacity, slots, drops) -> dispatch into the expert buffer
+//   -> tokens to the ranks holding their experts -> experts -> outputs back -> combine
+// with the dispatcher chosen by ParallelOptions::dispatch:
+//   kAllToAll   fixed capacity (Tutel, DeepSpeed): the buffer [E, C, M] viewed as [P, E_l, C, M]
+//               goes through one all-to-all; the receiver computes its experts on [E_l, P * C, M]
+//               (padding skipped: per-expert fill counts travel in a small all-to-all first);
+//               the return trip is the reverse. Optionally hierarchical (2DH, SPEC §2.4).
+//   kAllToAllV  variable size (FastMoE, MegaBlocks, Megatron): counts first, then an all-to-all-v
+//               of exactly the kept rows.
+//   kAllGather  Megatron's allgather dispatcher: tokens and routing are all-gathered over the
+//               expert group, every rank runs its experts on the rows routed to them, and a
+//               reduce-scatter returns the combined partial outputs.
+// Every rank joins every collective, also with zero tokens.
+//
+// Batch scope (where SPEC/issue leave the choice, docs/parallel.md):
+//   kGlobal   capacity, slot order, drops and the losses are those of the global batch (the
+//             concatenation of the ranks' tokens in token-shard order): outputs, l_aux and
+//             gradients equal moe::MoeLayer on the whole batch (up to float summation order).
+//   kPerRank  Tutel's and DeepSpeed's default: capacity, slots and l_aux from each rank's own
+//             tokens; equal to one moe::MoeLayer per rank (capacity_factor <= 0 takes the largest
+//             load over the expert group), parameter gradients summed.
+//
+// Backward returns this rank's contribution to the gradients; SyncGradients sums expert
+// gradients over the ranks holding the same shard and gate gradients over the token shards, after
+// which every rank holds the gradient of the whole batch's objective (kSum), as moe::MoeLayer on
+// the whole batch would report it for the rank's parameters.
+//
+// Thread-safety: one ParallelMoeLayer per rank; its calls are collective over the rank's groups
+// and must be made in the same order on every rank.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "switchyard/comm/communicator.h"
+#include "switchyard/core/tensor.h"
+#include "switchyard/moe/config.h"
+#include "switchyard/moe/layer.h"
+#include "switchyard/parallel/comm_stats.h"
+#include "switchyard/parallel/expert_shard.h"
+#include "switchyard/parallel/mesh.h"
+#include "switchyard/parallel/process_groups.h"
+
+namespace switchyard::parallel {
+
+enum class DispatchKind : uint8_t { kAllToAll, kAllToAllV, kAllGather };
+// "alltoall", "alltoallv", "allgather".
+std::string_view DispatchKindName(DispatchKind kind);
+DispatchKind DispatchKindFromName(std::string_view name);
+
+enum class BatchScope : uint8_t { kGlobal, kPerRank };
+// "global", "per_rank".
+std::string_view BatchScopeName(BatchScope scope);
+BatchScope BatchScopeFromName(std::string_view name);
+
+// Adaptive r (SPEC §2.3): 0 (ZeRO-style DP of the experts) or a divisor of the H-shards n.
+inline constexpr int kAdaptiveRDefault = -1;  // Megatron: r = n (EP+MP); otherwise r = 1
+inline constexpr int kAdaptiveRAuto = -2;     // the cheapest by SPEC §2.3's volume formula
+// "auto", "default" or an integer >= 0.
+int AdaptiveRFromString(std::string_view text);
+
+struct ParallelOptions {
+  MeshConfig mesh;
+  DispatchKind dispatch = DispatchKind::kAllToAll;
+  int adaptive_r = kAdaptiveRDefault;
+  // > 0: hierarchical (2DH) all-to-all with this many ranks per node (kAllToAll only; must divide
+  // the expert group size).
+  int hierarchical_ranks_per_node = 0;
+  // DeepSpeed's TP de-duplication: with the DeepSpeed arrangement and tp > 1 (tp ranks hold the
+  // same tokens), each tp rank sends only its 1 / tp share of every expert's rows and an
+  // all-gather over tp restores the rest before the combine. Applies to kAllToAll / kAllToAllV.
+  bool tp_dedup = true;
+  BatchScope batch_scope = BatchScope::kGlobal;
+};
+
+// SPEC §2.3's communication volume per step (elements), for r = 0 (2 P) and r >= 1
+// (4 C_g r + 2 P / (E r)), with C_g the capacity volume E * C * M of one rank and P the expert
+// parameter count of the layer.
+double PredictedVolume(int r, double capacity_volume, double expert_params, int64_t num_experts);
+// The r that minimises PredictedVolume over 0 and the divisors of `shards`.
+int ChooseAdaptiveR(int shards, double capacity_volume, double expert_params, int64_t num_experts);
+
+struct ParallelForwardOptions {
+  int64_t global_token_offset = 0;  // global index of this rank's first token (keys random draws)
+  uint64_t step = 0;
+  int adaptive_r = kAdaptiveRDefault;  // kAdaptiveRDefault: the layer's option
+  int threads = 1;
+  bool save_for_backward = true;
+};
+
+struct ParallelState;  // what the backward needs (opaque)
+
+struct ParallelOutput {
+  // As moe::LayerOutput, for this rank's tokens: y [T, M] (x's dtype), routing [T, k]. In the
+  // global scope l_aux / z_loss are the whole batch's, capacity and locations the global
+  // ones; expert_loads / expert_counts / dropped count this rank's (token, choice) pairs.
+  moe::LayerOutput layer;
+  int adaptive_r = 1;           // r used
+  double predicted_volume = 0;  // SPEC §2.3 formula for that r (elements per step)
+  int64_t buffer_capacity = 0;  // rows per expert per source on the wire (kAllToAll)
+  CommStats stats;              // of this forward
+  std::shared_ptr<const ParallelState> state;
+};
+
+struct ParallelGradients {
+  Tensor x;                 // [T, M], x's dtype
+  moe::LayerParams params;  // gate_weight [E, M]; experts: this rank's shard
+  CommStats stats;
+};
+
+class ParallelMoeLayer {
+ public:
+  // Validates config and options (InvalidArgument, e.g. a number of experts that the EP size does
+  // not divide) and splits `world` into the process groups: collective over `world`, which must
+  // outlive the layer.
+  ParallelMoeLayer(moe::LayerConfig config, ParallelOptions options, comm::Communicator& world);
+  ~ParallelMoeLayer();
+
+  const moe::LayerConfig& config() const { return config_; }
+  const ParallelOptions& options() const { return options_; }
+  const Mesh& mesh() const { return groups_->mesh(); }
+  const RankCoords& coords() const { return groups_->coords(); }
+  const ShardSpec& shard_spec() const { return spec_; }
+  ProcessGroups& groups() { return *groups_; }
+
+  // This rank's parameters out of the full ones: gate (shared storage) and its expert shard.
+  moe::LayerParams ShardParams(const moe::LayerParams& full) const;
+
+  // x [T, M] float32 or bfloat16; params from ShardParams. Collective.
+  ParallelOutput Forward(const moe::LayerParams& params, const Tensor& x,
+                         const ParallelForwardOptions& options = {});
+
+  // Gradients of this rank's share of sum(y * dy) + aux_loss_coef * l_aux + z_loss_coef * z_loss
+  // (global scope: of the whole batch's losses). dy [T, M]. Collective.
+  ParallelGradients Backward(const moe::LayerParams& params, const ParallelOutput& forward,
+                             const Tensor& dy, int threads = 1);
+
+  // Sums gradients over the ranks that share each parameter (see the top). mean = true divides
+  // by the number of token shards (data-parallel averaging). Collective.
+  void SyncGradients(moe::LayerParams* grads, bool mean = false, CommStats* stats = nullptr);
+
+  // The adaptive r a forward would use (resolves kAdaptiveRDefault; kAdaptiveRAuto needs the
+  // capacity volume, see PredictedVolume).
+  int ResolveAdaptiveR(int requested, double capacity_volume) const;
+
+ private:
+  moe::LayerConfig config_;
+  ParallelOptions options_;
+  std::unique_ptr<ProcessGroups> groups_;
+  ShardSpec spec_;
+  bool dedup_ = false;  // TP de-duplication active
+};
+
+}  // namespace switchyard::parallel

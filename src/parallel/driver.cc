@@ -1,0 +1,373 @@
+#include "switchyard/parallel/driver.h"
+
+#include <fmt/format.h>
+
+#include <bit>
+#include <cstring>
+
+#include "parallel/collectives.h"
+#include "switchyard/comm/mpi.h"
+#include "switchyard/core/error.h"
+#include "switchyard/core/threading.h"
+#include "switchyard/kernels/gemm.h"
+#include "switchyard/parallel/expert_shard.h"
+
+namespace switchyard::parallel {
+
+std::string_view TransportName(Transport t) {
+  return t == Transport::kInProcess ? "inproc" : "mpi";
+}
+
+Transport TransportFromName(std::string_view name) {
+  if (name == "inproc") return Transport::kInProcess;
+  if (name == "mpi") return Transport::kMpi;
+  throw InvalidArgument(fmt::format("transport: expected 'inproc' or 'mpi', got '{}'", name));
+}
+
+std::vector<int64_t> EvenSplit(int64_t num_tokens, int shards) {
+  std::vector<int64_t> split(static_cast<size_t>(shards), num_tokens / shards);
+  for (int64_t d = 0; d < num_tokens % shards; ++d) ++split[static_cast<size_t>(d)];
+  return split;
+}
+
+namespace {
+
+// One rank's results, as needed to assemble the whole batch's.
+struct RankResult {
+  RankReport report;
+  int64_t dropped = 0, capacity = 0, buffer_capacity = 0;
+  int adaptive_r = 1;
+  float l_aux = 0, z_loss = 0;
+  double predicted_volume = 0;
+  Tensor y, grad_x, topk, locations, gates, combine, loads, counts;
+  Tensor grad_gate;
+  moe::ExpertWeights grad_experts;
+};
+
+Tensor VectorTensor(const std::vector<int64_t>& v) {
+  return Tensor::FromVector(v, {static_cast<int64_t>(v.size())});
+}
+
+RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
+                   const moe::LayerParams& params, const Tensor& x, const Tensor& dy,
+                   const DriverOptions& o, const std::vector<int64_t>& split, int threads) {
+  ParallelMoeLayer layer(config, o.parallel, world);
+  const RankCoords& c = layer.coords();
+  SY_REQUIRE(static_cast<int>(split.size()) == layer.mesh().data_shards(), InvalidArgument,
+             "token split: expected {} parts (the data shards of the layout), got {}",
+             layer.mesh().data_shards(), split.size());
+  int64_t start = 0;
+  for (int d = 0; d < c.token_shard; ++d) start += split[static_cast<size_t>(d)];
+  const int64_t t_num = split[static_cast<size_t>(c.token_shard)];
+  const Tensor xs = x.Slice(start, start + t_num);
+  const moe::LayerParams p = layer.ShardParams(params);
+  ParallelForwardOptions fo;
+  fo.global_token_offset = o.global_token_offset + start;
+  fo.step = o.step;
+  fo.threads = threads;
+  fo.save_for_backward = dy.defined();
+  RankResult r;
+  r.report.coords = c;
+  r.report.tokens = t_num;
+  for (int rep = 0; rep < std::max(1, o.repeat); ++rep) {
+    ParallelOutput out = layer.Forward(p, xs, fo);
+    r.report.forward = out.stats;
+    const moe::LayerOutput& lo = out.layer;
+    r.y = lo.y;
+    r.topk = lo.topk_idx;
+    r.locations = lo.locations;
+    r.gates = lo.gates;
+    r.combine = lo.combine_weights;
+    r.loads = VectorTensor(lo.expert_loads);
+    r.counts = VectorTensor(lo.expert_counts);
+    r.dropped = lo.dropped;
+    r.capacity = lo.capacity;
+    r.l_aux = lo.l_aux;
+    r.z_loss = lo.z_loss;
+    r.adaptive_r = out.adaptive_r;
+    r.predicted_volume = out.predicted_volume;
+    r.buffer_capacity = out.buffer_capacity;
+    if (dy.defined()) {
+      ParallelGradients g = layer.Backward(p, out, dy.Slice(start, start + t_num), threads);
+      r.report.backward = g.stats;
+      r.report.sync = CommStats{};
+      layer.SyncGradients(&g.params, /*mean=*/false, &r.report.sync);
+      r.grad_x = g.x;
+      r.grad_gate = g.params.gate_weight;
+      r.grad_experts = g.params.experts;
+    }
+  }
+  return r;
+}
+
+// ---- MPI: results travel to rank 0 as int64 words. ----
+
+class Writer {
+ public:
+  void Int(int64_t v) { words_.push_back(v); }
+  void Double(double v) { words_.push_back(std::bit_cast<int64_t>(v)); }
+  void Stats(const CommStats& s) {
+    for (double b : s.bytes) Double(b);
+    Int(s.collectives);
+    Double(s.comm_seconds);
+    Double(s.total_seconds);
+  }
+  void Put(const Tensor& t) {
+    Int(t.defined() ? 1 : 0);
+    if (!t.defined()) return;
+    Int(static_cast<int64_t>(t.dtype()));
+    Int(t.dim());
+    for (int64_t d : t.shape()) Int(d);
+    const size_t words = (t.nbytes() + 7) / 8;
+    const size_t at = words_.size();
+    words_.resize(at + words, 0);
+    if (t.nbytes() > 0) std::memcpy(words_.data() + at, t.raw(), t.nbytes());
+  }
+  std::vector<int64_t>& words() { return words_; }
+
+ private:
+  std::vector<int64_t> words_;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::span<const int64_t> w) : w_(w) {}
+  int64_t Int() {
+    SY_CHECK(at_ < w_.size(), "truncated rank result");
+    return w_[at_++];
+  }
+  double Double() { return std::bit_cast<double>(Int()); }
+  CommStats Stats() {
+    CommStats s;
+    for (double& b : s.bytes) b = Double();
+    s.collectives = static_cast<int>(Int());
+    s.comm_seconds = Double();
+    s.total_seconds = Double();
+    return s;
+  }
+  Tensor Get() {
+    if (Int() == 0) return Tensor();
+    auto dtype = static_cast<DType>(Int());
+    Shape shape(static_cast<size_t>(Int()));
+    for (int64_t& d : shape) d = Int();
+    Tensor t = Tensor::Empty(shape, dtype);
+    const size_t words = (t.nbytes() + 7) / 8;
+    SY_CHECK(at_ + words <= w_.size(), "truncated rank result");
+    if (t.nbytes() > 0) std::memcpy(t.raw(), w_.data() + at_, t.nbytes());
+    at_ += words;
+    return t;
+  }
+
+ private:
+  std::span<const int64_t> w_;
+  size_t at_ = 0;
+};
+
+std::vector<int64_t> Serialize(const RankResult& r) {
+  Writer w;
+  const RankCoords& c = r.report.coords;
+  for (int v : {c.rank, c.tp_rank, c.token_shard, c.expert_group, c.expert_member,
+                c.expert_position, c.expert_shard, c.expert_replica}) {
+    w.Int(v);
+  }
+  w.Int(r.report.tokens);
+  w.Stats(r.report.forward);
+  w.Stats(r.report.backward);
+  w.Stats(r.report.sync);
+  w.Int(r.dropped);
+  w.Int(r.capacity);
+  w.Int(r.buffer_capacity);
+  w.Int(r.adaptive_r);
+  w.Double(r.l_aux);
+  w.Double(r.z_loss);
+  w.Double(r.predicted_volume);
+  for (const Tensor* t :
+       {&r.y, &r.grad_x, &r.topk, &r.locations, &r.gates, &r.combine, &r.loads, &r.counts,
+        &r.grad_gate, &r.grad_experts.fc1_weight, &r.grad_experts.fc1_bias,
+        &r.grad_experts.fc2_weight, &r.grad_experts.fc2_bias, &r.grad_experts.fc3_weight}) {
+    w.Put(*t);
+  }
+  return std::move(w.words());
+}
+
+RankResult Deserialize(std::span<const int64_t> words) {
+  Reader rd(words);
+  RankResult r;
+  RankCoords& c = r.report.coords;
+  for (int* v : {&c.rank, &c.tp_rank, &c.token_shard, &c.expert_group, &c.expert_member,
+                 &c.expert_position, &c.expert_shard, &c.expert_replica}) {
+    *v = static_cast<int>(rd.Int());
+  }
+  r.report.tokens = rd.Int();
+  r.report.forward = rd.Stats();
+  r.report.backward = rd.Stats();
+  r.report.sync = rd.Stats();
+  r.dropped = rd.Int();
+  r.capacity = rd.Int();
+  r.buffer_capacity = rd.Int();
+  r.adaptive_r = static_cast<int>(rd.Int());
+  r.l_aux = static_cast<float>(rd.Double());
+  r.z_loss = static_cast<float>(rd.Double());
+  r.predicted_volume = rd.Double();
+  for (Tensor* t :
+       {&r.y, &r.grad_x, &r.topk, &r.locations, &r.gates, &r.combine, &r.loads, &r.counts,
+        &r.grad_gate, &r.grad_experts.fc1_weight, &r.grad_experts.fc1_bias,
+        &r.grad_experts.fc2_weight, &r.grad_experts.fc2_bias, &r.grad_experts.fc3_weight}) {
+    *t = rd.Get();
+  }
+  return r;
+}
+
+// Gathers every rank's result at rank 0 (others get an empty vector).
+std::vector<RankResult> GatherResults(comm::Communicator& world, const RankResult& mine) {
+  std::vector<int64_t> words = Serialize(mine);
+  std::vector<int64_t> size{static_cast<int64_t>(words.size())};
+  internal::AllReduceMax(world, size, Traffic::kRouting, nullptr);
+  std::vector<int64_t> sizes = internal::AllGather(
+      world, std::vector<int64_t>{static_cast<int64_t>(words.size())}, Traffic::kRouting, nullptr);
+  words.resize(static_cast<size_t>(size[0]), 0);
+  std::vector<int64_t> all(world.rank() == 0 ? words.size() * static_cast<size_t>(world.size())
+                                             : 0);
+  comm::RootedOptions ro;
+  world.Gather(words.data(), all.data(), words.size(), DType::kInt64, ro).Wait();
+  std::vector<RankResult> out;
+  if (world.rank() != 0) return out;
+  for (int p = 0; p < world.size(); ++p) {
+    std::span<const int64_t> part(all.data() + static_cast<size_t>(p) * words.size(),
+                                  static_cast<size_t>(sizes[static_cast<size_t>(p)]));
+    out.push_back(Deserialize(part));
+  }
+  return out;
+}
+
+// Rows of `parts` concatenated (all of one dtype and row shape).
+Tensor ConcatRows(const std::vector<Tensor>& parts) {
+  SY_CHECK(!parts.empty());
+  Shape shape = parts[0].shape();
+  int64_t rows = 0;
+  for (const Tensor& t : parts) rows += t.size(0);
+  shape[0] = rows;
+  Tensor out = Tensor::Empty(shape, parts[0].dtype());
+  auto* dst = static_cast<std::byte*>(out.raw());
+  for (const Tensor& t : parts) {
+    if (t.nbytes() > 0) std::memcpy(dst, t.raw(), t.nbytes());
+    dst += t.nbytes();
+  }
+  return out;
+}
+
+LayerRunResult Assemble(const moe::LayerConfig& config, const Mesh& mesh,
+                        std::vector<RankResult>& ranks, BatchScope scope, bool with_grads) {
+  LayerRunResult res;
+  const int shards = mesh.data_shards();
+  std::vector<const RankResult*> shard(static_cast<size_t>(shards), nullptr);
+  for (const RankResult& r : ranks) {
+    res.ranks.push_back(r.report);
+    // Tensor-parallel duplicates (DeepSpeed) hold the same shard: the first one reports it.
+    const RankResult*& slot = shard[static_cast<size_t>(r.report.coords.token_shard)];
+    if (slot == nullptr) slot = &r;
+  }
+  auto concat = [&](Tensor RankResult::*field) {
+    std::vector<Tensor> parts;
+    for (const RankResult* r : shard) parts.push_back(r->*field);
+    return ConcatRows(parts);
+  };
+  moe::LayerOutput& o = res.output;
+  o.y = concat(&RankResult::y);
+  o.topk_idx = concat(&RankResult::topk);
+  o.locations = concat(&RankResult::locations);
+  o.gates = concat(&RankResult::gates);
+  o.combine_weights = concat(&RankResult::combine);
+  o.expert_loads.assign(static_cast<size_t>(config.num_experts), 0);
+  o.expert_counts.assign(static_cast<size_t>(config.num_experts), 0);
+  double l_aux = 0, z = 0;
+  for (const RankResult* r : shard) {
+    for (int64_t e = 0; e < config.num_experts; ++e) {
+      o.expert_loads[static_cast<size_t>(e)] += r->loads.data<int64_t>()[e];
+      o.expert_counts[static_cast<size_t>(e)] += r->counts.data<int64_t>()[e];
+    }
+    o.dropped += r->dropped;
+    o.capacity = std::max(o.capacity, r->capacity);
+    l_aux += r->l_aux;
+    z += r->z_loss;
+    res.l_aux_per_shard.push_back(r->l_aux);
+  }
+  const RankResult& first = *shard[0];
+  res.adaptive_r = first.adaptive_r;
+  res.predicted_volume = first.predicted_volume;
+  res.buffer_capacity = first.buffer_capacity;
+  // The global scope's losses are the whole batch's (equal on every rank); per rank: the mean.
+  o.l_aux = scope == BatchScope::kGlobal ? first.l_aux : static_cast<float>(l_aux / shards);
+  o.z_loss = scope == BatchScope::kGlobal ? first.z_loss : static_cast<float>(z / shards);
+  if (!with_grads) return res;
+  res.has_gradients = true;
+  res.grad_x = concat(&RankResult::grad_x);
+  res.grads.gate_weight = ranks[0].grad_gate;
+  const int64_t e = config.num_experts, h = config.hidden_dim, m = config.model_dim;
+  moe::ExpertWeights& full = res.grads.experts;
+  full.fc1_weight = Tensor::Zeros({e, h, m});
+  full.fc2_weight = Tensor::Zeros({e, m, h});
+  if (config.fc_bias) {
+    full.fc1_bias = Tensor::Zeros({e, h});
+    full.fc2_bias = Tensor::Zeros({e, m});
+  }
+  if (config.gated) full.fc3_weight = Tensor::Zeros({e, h, m});
+  for (const RankResult& r : ranks) {
+    if (r.report.coords.expert_group != 0) continue;
+    PlaceShard(r.grad_experts, ShardOf(mesh, r.report.coords.rank, m), &full);
+  }
+  return res;
+}
+
+}  // namespace
+
+LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerParams& params,
+                               const Tensor& x, const Tensor& dy, const DriverOptions& options) {
+  DriverOptions o = options;
+  ExpectFloating("x", x);
+  ExpectShape("x", x, {kAnySize, config.model_dim});
+  if (dy.defined()) ExpectShape("dy", dy, {x.size(0), config.model_dim});
+  const int w = o.parallel.mesh.world_size;
+  SY_REQUIRE(w >= 1, InvalidArgument, "ranks: expected >= 1, got {}", w);
+  const Mesh mesh(o.parallel.mesh, config.num_experts, config.hidden_dim);
+  std::vector<int64_t> split =
+      o.token_split.empty() ? EvenSplit(x.size(0), mesh.data_shards()) : o.token_split;
+  int64_t total = 0;
+  for (int64_t t : split) {
+    SY_REQUIRE(t >= 0, InvalidArgument, "token split: negative part {}", t);
+    total += t;
+  }
+  SY_REQUIRE(total == x.size(0), InvalidArgument,
+             "token split: the parts add up to {} tokens, x has {}", total, x.size(0));
+
+  if (o.transport == Transport::kMpi) {
+    std::unique_ptr<comm::Communicator> world = comm::CreateMpiWorld();
+    SY_REQUIRE(world->size() == w, InvalidArgument, "--ranks {} but mpirun started {} processes", w,
+               world->size());
+    const int threads = o.threads > 0 ? o.threads : ComputeThreadsPerRank(1, UsableCores());
+    kernels::SetBlasThreads(threads);
+    RankResult mine = RunRank(*world, config, params, x, dy, o, split, threads);
+    std::vector<RankResult> all = GatherResults(*world, mine);
+    if (world->rank() != 0) {
+      LayerRunResult res;
+      res.is_root = false;
+      res.ranks.push_back(mine.report);
+      return res;
+    }
+    return Assemble(config, mesh, all, o.parallel.batch_scope, dy.defined());
+  }
+
+  const int threads = o.threads > 0 ? o.threads : ComputeThreadsPerRank(w, UsableCores());
+  kernels::SetBlasThreads(threads);
+  std::vector<RankResult> results(static_cast<size_t>(w));
+  comm::RunInProcess(
+      w,
+      [&](comm::Communicator& world) {
+        results[static_cast<size_t>(world.rank())] =
+            RunRank(world, config, params, x, dy, o, split, threads);
+      },
+      o.inprocess);
+  return Assemble(config, mesh, results, o.parallel.batch_scope, dy.defined());
+}
+
+}  // namespace switchyard::parallel

@@ -1,0 +1,394 @@
+#include "switchyard/parallel/moe_parallel.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+#include <limits>
+
+#include "parallel/allgather_dispatch.h"
+#include "parallel/collectives.h"
+#include "parallel/exchange.h"
+#include "parallel/expert_weights.h"
+#include "parallel/routing.h"
+#include "switchyard/core/error.h"
+#include "switchyard/moe/dispatch.h"
+#include "switchyard/moe/gate.h"
+#include "switchyard/moe/losses.h"
+#include "switchyard/moe/plan.h"
+
+namespace switchyard::parallel {
+
+std::string_view DispatchKindName(DispatchKind kind) {
+  switch (kind) {
+    case DispatchKind::kAllToAll: return "alltoall";
+    case DispatchKind::kAllToAllV: return "alltoallv";
+    case DispatchKind::kAllGather: return "allgather";
+  }
+  return "?";
+}
+
+DispatchKind DispatchKindFromName(std::string_view name) {
+  for (DispatchKind k :
+       {DispatchKind::kAllToAll, DispatchKind::kAllToAllV, DispatchKind::kAllGather}) {
+    if (name == DispatchKindName(k)) return k;
+  }
+  throw InvalidArgument(
+      fmt::format("dispatch: expected 'alltoall', 'alltoallv' or 'allgather', got '{}'", name));
+}
+
+std::string_view BatchScopeName(BatchScope scope) {
+  return scope == BatchScope::kGlobal ? "global" : "per_rank";
+}
+
+BatchScope BatchScopeFromName(std::string_view name) {
+  if (name == "global") return BatchScope::kGlobal;
+  if (name == "per_rank") return BatchScope::kPerRank;
+  throw InvalidArgument(
+      fmt::format("batch scope: expected 'global' or 'per_rank', got '{}'", name));
+}
+
+int AdaptiveRFromString(std::string_view text) {
+  if (text == "auto") return kAdaptiveRAuto;
+  if (text == "default") return kAdaptiveRDefault;
+  int r = -1;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), r);
+  SY_REQUIRE(ec == std::errc() && ptr == text.data() + text.size() && r >= 0, InvalidArgument,
+             "adaptive r: expected 'auto' or an integer >= 0, got '{}'", text);
+  return r;
+}
+
+double PredictedVolume(int r, double capacity_volume, double expert_params, int64_t num_experts) {
+  if (r == 0) return 2.0 * expert_params;
+  return 4.0 * capacity_volume * r +
+         2.0 * expert_params / (static_cast<double>(num_experts) * static_cast<double>(r));
+}
+
+int ChooseAdaptiveR(int shards, double capacity_volume, double expert_params, int64_t num_experts) {
+  int best = 1;
+  double best_volume = std::numeric_limits<double>::infinity();
+  for (int r = 1; r <= shards; ++r) {
+    if (shards % r != 0) continue;
+    double v = PredictedVolume(r, capacity_volume, expert_params, num_experts);
+    if (v < best_volume) best = r, best_volume = v;
+  }
+  if (PredictedVolume(0, capacity_volume, expert_params, num_experts) < best_volume) best = 0;
+  return best;
+}
+
+// What the backward needs.
+struct ParallelState {
+  enum class Mode { kLocal, kExchange, kAllGather };
+  Mode mode = Mode::kExchange;
+  DType x_dtype = DType::kFloat32;
+  Tensor x;  // [T, M] float32
+  moe::GateResult gate;
+  moe::DispatchPlan plan;
+  bool has_batch_sums = false;
+  moe::GateLossSums batch_sums;
+  int r = 1;
+  moe::ExpertWeights weights;  // the weights computed with (gathered)
+  moe::ExpertActivations acts;
+  Tensor expert_out;  // rows computed by this rank (kExchange, kAllGather)
+  Tensor out_buf;     // expert outputs in the plan's buffer layout (kLocal, kExchange)
+  std::shared_ptr<internal::TokenExchange> exchange;
+  std::shared_ptr<internal::AllGatherDispatch> allgather;
+};
+
+namespace {
+
+Tensor ToFloat32(const Tensor& t) {
+  return t.dtype() == DType::kFloat32 ? t : t.To(DType::kFloat32);
+}
+
+double ExpertParamCount(const moe::LayerConfig& c) {
+  const double m = static_cast<double>(c.model_dim), h = static_cast<double>(c.hidden_dim);
+  double per = h * m * (c.gated ? 3.0 : 2.0) + (c.fc_bias ? h + m : 0.0);
+  return per * static_cast<double>(c.num_experts);
+}
+
+void AddInto(const Tensor& dst, const Tensor& src) {
+  float* d = dst.data<float>();
+  const float* s = src.data<float>();
+  for (int64_t i = 0; i < dst.numel(); ++i) d[i] += s[i];
+}
+
+}  // namespace
+
+ParallelMoeLayer::ParallelMoeLayer(moe::LayerConfig config, ParallelOptions options,
+                                   comm::Communicator& world)
+    : config_(std::move(config)), options_(std::move(options)) {
+  moe::ValidateConfig(config_);
+  SY_REQUIRE(!config_.residual_moe && config_.shared_expert_hidden == 0, InvalidArgument,
+             "the parallel layer does not support residual_moe or shared experts yet (run them "
+             "as dense layers around it)");
+  MeshConfig mc = options_.mesh;
+  if (mc.world_size == 0 || mc.world_size == 1) mc.world_size = world.size();
+  SY_REQUIRE(mc.world_size == world.size(), InvalidArgument,
+             "mesh world size {} differs from the communicator's {} ranks", mc.world_size,
+             world.size());
+  options_.mesh = mc;
+  Mesh mesh(mc, config_.num_experts, config_.hidden_dim);
+  const int n = mesh.shards();
+  const int r = options_.adaptive_r;
+  SY_REQUIRE(r == kAdaptiveRDefault || r == kAdaptiveRAuto || r == 0 || (r >= 1 && n % r == 0),
+             InvalidArgument,
+             "adaptive r {}: expected 'auto', 0 or a divisor of the {} H-shard(s) of each expert",
+             r, n);
+  const int per_node = options_.hierarchical_ranks_per_node;
+  if (per_node > 0) {
+    SY_REQUIRE(options_.dispatch == DispatchKind::kAllToAll, InvalidArgument,
+               "the hierarchical (2DH) all-to-all applies to --dispatch alltoall, not {}",
+               DispatchKindName(options_.dispatch));
+    SY_REQUIRE(mesh.expert_group_size() % per_node == 0, InvalidArgument,
+               "2DH: {} ranks per node does not divide the expert group of {} ranks", per_node,
+               mesh.expert_group_size());
+  }
+  dedup_ = options_.tp_dedup && mesh.tp_duplicates_tokens() &&
+           options_.dispatch != DispatchKind::kAllGather;
+  groups_ = std::make_unique<ProcessGroups>(world, mesh);
+  spec_ = ShardOf(mesh, world.rank(), config_.model_dim);
+}
+
+ParallelMoeLayer::~ParallelMoeLayer() = default;
+
+moe::LayerParams ParallelMoeLayer::ShardParams(const moe::LayerParams& full) const {
+  moe::LayerParams p;
+  p.gate_weight = full.gate_weight;
+  p.expert_bias = full.expert_bias;
+  p.experts = ShardExperts(full.experts, spec_);
+  return p;
+}
+
+int ParallelMoeLayer::ResolveAdaptiveR(int requested, double capacity_volume) const {
+  const int n = mesh().shards();
+  int r = requested == kAdaptiveRDefault ? options_.adaptive_r : requested;
+  if (r == kAdaptiveRDefault) return mesh().arrangement() == Arrangement::kMegatron ? n : 1;
+  if (r == kAdaptiveRAuto) {
+    return ChooseAdaptiveR(n, capacity_volume, ExpertParamCount(config_), config_.num_experts);
+  }
+  SY_REQUIRE(r == 0 || (r >= 1 && n % r == 0), InvalidArgument,
+             "adaptive r {}: expected 'auto', 0 or a divisor of the {} H-shard(s) of each expert",
+             r, n);
+  return r;
+}
+
+ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const Tensor& x,
+                                         const ParallelForwardOptions& options) {
+  const moe::LayerConfig& c = config_;
+  ParallelOutput out;
+  CommStats* st = &out.stats;
+  internal::ScopedTotal total(st);
+  ExpectFloating("x", x);
+  ExpectShape("x", x, {kAnySize, c.model_dim});
+  ExpectDType("gate.weight", params.gate_weight, DType::kFloat32);
+  ExpectShape("gate.weight", params.gate_weight, {c.num_experts, c.model_dim});
+  CheckShard(params.experts, spec_, c.gated, c.fc_bias);
+  SY_REQUIRE(options.global_token_offset >= 0, InvalidArgument,
+             "global_token_offset: expected >= 0, got {}", options.global_token_offset);
+  const int threads = std::max(1, options.threads);
+  const int64_t t_num = x.size(0), e_num = c.num_experts, m_dim = c.model_dim;
+  const bool global = options_.batch_scope == BatchScope::kGlobal;
+  comm::Communicator& tokens = groups_->Get(GroupKind::kTokens);
+  comm::Communicator& expert = groups_->Get(GroupKind::kExpert);
+
+  auto state = std::make_shared<ParallelState>();
+  ParallelState& s = *state;
+  s.x_dtype = x.dtype();
+  s.x = ToFloat32(x);
+  s.gate = moe::GateForward(c, s.x, params.gate_weight, params.expert_bias,
+                            {options.global_token_offset, options.step});
+  const int64_t k = s.gate.top_k;
+
+  // Losses: of the whole batch in the global scope (per-expert sums added over the token shards).
+  moe::GateLossSums sums = moe::ComputeGateLossSums(c, s.gate);
+  if (global) {
+    std::vector<double> v = sums.ToVector();
+    internal::AllReduceSum(tokens, v, Traffic::kRouting, st);
+    s.batch_sums = moe::GateLossSums::FromVector(c, v);
+    s.has_batch_sums = true;
+  }
+  moe::GateLosses losses = moe::GateLossesFromSums(c, global ? s.batch_sums : sums);
+
+  // Routing: capacity, slots, drops.
+  internal::PairDecisions dec;
+  if (global) {
+    dec =
+        internal::GlobalDecisions(c, s.gate, options.global_token_offset, options.step, tokens, st);
+  } else {
+    std::optional<int64_t> max_load;
+    if (!c.dropless && !c.capacity && c.capacity_factor <= 0) {
+      std::vector<int64_t> loads(static_cast<size_t>(e_num), 0);
+      for (size_t i = 0; i < s.gate.experts.size(); ++i) {
+        if (s.gate.routed[i]) ++loads[static_cast<size_t>(s.gate.experts[i])];
+      }
+      std::vector<int64_t> v{*std::max_element(loads.begin(), loads.end())};
+      internal::AllReduceMax(expert, v, Traffic::kRouting, st);
+      max_load = v[0];
+    }
+    dec = internal::PerRankDecisions(c, s.gate,
+                                     {options.global_token_offset, options.step, max_load});
+  }
+
+  // Adaptive r and the rows per expert on the wire.
+  const int n = mesh().shards();
+  int64_t buffer_capacity = dec.local_capacity;
+  const bool fixed_wire = options_.dispatch == DispatchKind::kAllToAll;
+  const int requested_r =
+      options.adaptive_r == kAdaptiveRDefault ? options_.adaptive_r : options.adaptive_r;
+  if (fixed_wire || requested_r == kAdaptiveRAuto) {
+    std::vector<int64_t> v{buffer_capacity};
+    internal::AllReduceMax(expert, v, Traffic::kRouting, st);
+    buffer_capacity = v[0];
+  }
+  const double capacity_volume = static_cast<double>(e_num * buffer_capacity * m_dim);
+  s.r = ResolveAdaptiveR(requested_r, capacity_volume);
+  const int tp_shares = dedup_ ? groups_->Get(GroupKind::kTensor).size() : 1;
+  const int tp_share = dedup_ ? groups_->Get(GroupKind::kTensor).rank() : 0;
+  int64_t stride = 0;
+  if (fixed_wire && s.r >= 1) {
+    const int64_t slices = static_cast<int64_t>(tp_shares) * (n / s.r);
+    stride = (buffer_capacity + slices - 1) / slices * slices;
+  }
+  s.plan = internal::LayoutPlan(dec, stride);
+  out.adaptive_r = s.r;
+  out.predicted_volume = PredictedVolume(s.r, capacity_volume, ExpertParamCount(c), c.num_experts);
+  out.buffer_capacity = stride > 0 ? stride : buffer_capacity;
+
+  // Experts.
+  const moe::ExpertOptions eopt{c.activation, c.gated};
+  s.weights = internal::GatherComputeWeights(*groups_, params.experts, spec_, s.r, st);
+  Tensor y;
+  if (s.r == 0) {
+    s.mode = ParallelState::Mode::kLocal;
+    Tensor buf = moe::Dispatch(s.plan, s.x, c.prescore, threads);
+    s.out_buf = moe::ExpertsForward(
+        eopt, s.weights, buf, internal::ShareGroups(s.plan, tp_shares, tp_share), &s.acts, threads);
+    if (dedup_) internal::GatherTpShares(groups_->Get(GroupKind::kTensor), s.plan, s.out_buf, st);
+  } else if (options_.dispatch == DispatchKind::kAllGather) {
+    s.mode = ParallelState::Mode::kAllGather;
+    s.allgather = std::make_shared<internal::AllGatherDispatch>(
+        expert, internal::AllGatherSpec{n, s.r, mesh().local_experts(), c.prescore}, s.plan, s.x,
+        st);
+    s.expert_out = moe::ExpertsForward(eopt, s.weights, s.allgather->expert_input(),
+                                       s.allgather->groups(), &s.acts, threads);
+    y = s.allgather->Combine(s.expert_out, st);
+  } else {
+    s.mode = ParallelState::Mode::kExchange;
+    internal::ExchangeSpec es;
+    es.shards = n;
+    es.r = s.r;
+    es.local_experts = mesh().local_experts();
+    es.tp_shares = tp_shares;
+    es.tp_share = tp_share;
+    es.fixed = fixed_wire;
+    if (options_.hierarchical_ranks_per_node > 0) {
+      es.options.algorithm = comm::Algorithm::kHierarchical;
+      es.options.ranks_per_node = options_.hierarchical_ranks_per_node;
+    }
+    s.exchange = std::make_shared<internal::TokenExchange>(expert, es, s.plan, st);
+    Tensor buf = moe::Dispatch(s.plan, s.x, c.prescore, threads);
+    Tensor rows = s.exchange->ToExperts(buf, st);
+    s.expert_out =
+        moe::ExpertsForward(eopt, s.weights, rows, s.exchange->groups(), &s.acts, threads);
+    s.out_buf = s.exchange->FromExperts(s.expert_out, st);
+    if (dedup_) internal::GatherTpShares(groups_->Get(GroupKind::kTensor), s.plan, s.out_buf, st);
+  }
+  if (s.mode != ParallelState::Mode::kAllGather) {
+    y = moe::Combine(s.plan, s.out_buf, c.prescore, threads);
+  }
+
+  moe::LayerOutput& lo = out.layer;
+  lo.y = x.dtype() == DType::kFloat32 ? y : y.To(x.dtype());
+  lo.l_aux = losses.l_aux;
+  lo.z_loss = losses.z_loss;
+  lo.capacity = dec.capacity;
+  lo.topk_idx = Tensor::FromVector(s.gate.experts, {t_num, k});
+  lo.locations = Tensor::FromVector(dec.locations, {t_num, k});
+  lo.gates = Tensor::FromVector(s.gate.gates, {t_num, k});
+  lo.combine_weights = Tensor::FromVector(dec.weights, {t_num, k});
+  lo.expert_loads = dec.loads;
+  lo.expert_counts = s.plan.counts;
+  lo.dropped = s.plan.dropped;
+  if (options.save_for_backward) out.state = std::move(state);
+  return out;
+}
+
+ParallelGradients ParallelMoeLayer::Backward(const moe::LayerParams& params,
+                                             const ParallelOutput& forward, const Tensor& dy_in,
+                                             int threads) {
+  const moe::LayerConfig& c = config_;
+  ParallelGradients g;
+  CommStats* st = &g.stats;
+  internal::ScopedTotal total(st);
+  SY_REQUIRE(forward.state != nullptr, InvalidArgument,
+             "Backward: the forward ran with save_for_backward = false");
+  const ParallelState& s = *forward.state;
+  const int64_t t_num = s.x.size(0), m_dim = c.model_dim;
+  threads = std::max(1, threads);
+  ExpectFloating("dy", dy_in);
+  ExpectShape("dy", dy_in, {t_num, m_dim});
+  CheckShard(params.experts, spec_, c.gated, c.fc_bias);
+  const Tensor dy = ToFloat32(dy_in);
+  const moe::ExpertOptions eopt{c.activation, c.gated};
+
+  Tensor dx;
+  std::vector<float> d_weights;
+  moe::ExpertGradients eg;
+  if (s.mode == ParallelState::Mode::kAllGather) {
+    Tensor d_out = s.allgather->CombineBackward(dy, s.expert_out, st);
+    eg = moe::ExpertsBackward(eopt, s.weights, s.acts, d_out, threads);
+    internal::AllGatherDispatch::Grads ag = s.allgather->DispatchBackward(eg.input, st);
+    dx = ag.x;
+    d_weights = std::move(ag.weights);
+  } else {
+    moe::CombineGradients cg = moe::CombineBackward(s.plan, dy, s.out_buf, c.prescore, threads);
+    Tensor d_in_buf;
+    if (s.mode == ParallelState::Mode::kLocal) {
+      eg = moe::ExpertsBackward(eopt, s.weights, s.acts, cg.expert_out, threads);
+      d_in_buf = eg.input;
+    } else {
+      Tensor rows = s.exchange->ToExperts(cg.expert_out, st);
+      eg = moe::ExpertsBackward(eopt, s.weights, s.acts, rows, threads);
+      d_in_buf = s.exchange->FromExperts(eg.input, st);
+    }
+    if (dedup_) internal::GatherTpShares(groups_->Get(GroupKind::kTensor), s.plan, d_in_buf, st);
+    moe::DispatchGradients dg = moe::DispatchBackward(s.plan, d_in_buf, s.x, c.prescore, threads);
+    dx = dg.x;
+    d_weights = cg.weights;
+    for (size_t i = 0; i < d_weights.size(); ++i) d_weights[i] += dg.weights[i];
+  }
+  std::vector<float> d_gates = moe::CombineWeightsBackward(c, s.gate, s.plan, d_weights);
+  std::vector<float> d_scores = moe::GateValuesBackward(c, s.gate, d_gates);
+  moe::GateGradients gg =
+      moe::GateBackward(c, s.gate, s.x, params.gate_weight, d_scores, c.aux_loss_coef,
+                        c.z_loss_coef, s.has_batch_sums ? &s.batch_sums : nullptr);
+  AddInto(dx, gg.x);
+  g.x = s.x_dtype == DType::kFloat32 ? dx : dx.To(s.x_dtype);
+  g.params.gate_weight = gg.gate_weight;
+  g.params.experts = internal::ReduceComputeGrads(*groups_, eg.weights, spec_, s.r, st);
+  return g;
+}
+
+void ParallelMoeLayer::SyncGradients(moe::LayerParams* grads, bool mean, CommStats* stats) {
+  internal::ScopedTotal total(stats);
+  comm::Communicator& tokens = groups_->Get(GroupKind::kTokens);
+  comm::Communicator& holders =
+      groups_->Get(dedup_ ? GroupKind::kExpertHolders : GroupKind::kExpertData);
+  const float scale = mean ? 1.0f / static_cast<float>(mesh().data_shards()) : 1.0f;
+  auto sync = [&](comm::Communicator& group, const Tensor& t) {
+    if (!t.defined()) return;
+    internal::AllReduceSum(group, t, Traffic::kWeights, stats);
+    if (scale != 1.0f) {
+      float* p = t.data<float>();
+      for (int64_t i = 0; i < t.numel(); ++i) p[i] *= scale;
+    }
+  };
+  sync(tokens, grads->gate_weight);
+  moe::ExpertWeights& e = grads->experts;
+  for (const Tensor* t : {&e.fc1_weight, &e.fc1_bias, &e.fc2_weight, &e.fc2_bias, &e.fc3_weight}) {
+    sync(holders, *t);
+  }
+}
+
+}  // namespace switchyard::parallel

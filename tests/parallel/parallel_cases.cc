@@ -1,0 +1,326 @@
+#include "parallel/parallel_cases.h"
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "switchyard/core/error.h"
+#include "switchyard/core/rng.h"
+#include "switchyard/parallel/mesh.h"
+
+namespace switchyard::parallel::testing {
+
+moe::LayerConfig SmallConfig(int64_t num_experts, bool dropless, float capacity_factor) {
+  moe::LayerConfig c;
+  c.model_dim = 16;
+  c.hidden_dim = 32;
+  c.num_experts = num_experts;
+  c.top_k = 2;
+  c.dropless = dropless;
+  c.capacity_factor = capacity_factor;
+  c.aux_loss_coef = 0.1f;
+  c.z_loss_coef = 0.01f;
+  c.seed = 7;
+  return c;
+}
+
+namespace {
+
+Tensor Uniform(Shape shape, uint64_t seed, float lo, float hi) {
+  Tensor t = Tensor::Empty(std::move(shape));
+  CounterRng rng(seed, kStreamData);
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i)
+    p[i] = lo + (hi - lo) * rng.Uniform(static_cast<uint64_t>(i));
+  return t;
+}
+
+}  // namespace
+
+Inputs MakeInputs(const moe::LayerConfig& config, int64_t num_tokens, uint64_t seed) {
+  Inputs in;
+  in.params = moe::InitParams(config, seed);
+  // Tokens have a positive mean in every dimension and expert e's gate row is pushed along it by
+  // 3 - 1.5 e / M per element: early experts are popular, late ones get no tokens at all.
+  const int64_t m = config.model_dim, e_num = config.num_experts;
+  float* wg = in.params.gate_weight.data<float>();
+  for (int64_t e = 0; e < e_num; ++e) {
+    const float push = (3.0f - 1.5f * static_cast<float>(e)) / static_cast<float>(m);
+    for (int64_t j = 0; j < m; ++j) wg[e * m + j] += push;
+  }
+  in.x = Uniform({num_tokens, m}, seed + 1, -0.5f, 1.5f);
+  in.dy = Uniform({num_tokens, m}, seed + 2, -1.0f, 1.0f);
+  return in;
+}
+
+namespace {
+
+Tensor Rows(const Tensor& t, int64_t begin, int64_t end) { return t.Slice(begin, end); }
+
+Tensor Concat(const std::vector<Tensor>& parts) {
+  Shape shape = parts[0].shape();
+  int64_t rows = 0;
+  for (const Tensor& t : parts) rows += t.size(0);
+  shape[0] = rows;
+  Tensor out = Tensor::Empty(shape, parts[0].dtype());
+  auto* dst = static_cast<std::byte*>(out.raw());
+  for (const Tensor& t : parts) {
+    if (t.nbytes()) std::memcpy(dst, t.raw(), t.nbytes());
+    dst += t.nbytes();
+  }
+  return out;
+}
+
+void AddInto(const Tensor& dst, const Tensor& src) {
+  if (!src.defined()) return;
+  float* d = dst.data<float>();
+  const float* s = src.data<float>();
+  for (int64_t i = 0; i < dst.numel(); ++i) d[i] += s[i];
+}
+
+}  // namespace
+
+Reference WholeBatchReference(const moe::LayerConfig& config, const Inputs& in) {
+  moe::MoeLayer layer(config);
+  Reference ref;
+  ref.output = layer.Forward(in.params, in.x);
+  moe::LayerGradients g = layer.Backward(in.params, ref.output, in.dy);
+  ref.grad_x = g.x;
+  ref.grads = g.params;
+  ref.l_aux_per_shard = {ref.output.l_aux};
+  return ref;
+}
+
+Reference PerShardReference(const moe::LayerConfig& config, const Inputs& in,
+                            const std::vector<int64_t>& split,
+                            const std::vector<int64_t>& global_max_load) {
+  moe::MoeLayer layer(config);
+  Reference ref;
+  std::vector<Tensor> y, topk, loc, gates, cw, gx;
+  int64_t start = 0;
+  double l_aux = 0, z = 0;
+  moe::LayerOutput& o = ref.output;
+  o.expert_loads.assign(static_cast<size_t>(config.num_experts), 0);
+  o.expert_counts.assign(static_cast<size_t>(config.num_experts), 0);
+  for (size_t d = 0; d < split.size(); ++d) {
+    moe::ForwardOptions fo;
+    fo.global_token_offset = start;
+    if (!global_max_load.empty()) fo.global_max_load = global_max_load[d];
+    const Tensor xs = Rows(in.x, start, start + split[d]);
+    moe::LayerOutput out = layer.Forward(in.params, xs, fo);
+    moe::LayerGradients g = layer.Backward(in.params, out, Rows(in.dy, start, start + split[d]));
+    y.push_back(out.y);
+    topk.push_back(out.topk_idx);
+    loc.push_back(out.locations);
+    gates.push_back(out.gates);
+    cw.push_back(out.combine_weights);
+    gx.push_back(g.x);
+    for (size_t e = 0; e < o.expert_loads.size(); ++e) {
+      o.expert_loads[e] += out.expert_loads[e];
+      o.expert_counts[e] += out.expert_counts[e];
+    }
+    o.dropped += out.dropped;
+    o.capacity = std::max(o.capacity, out.capacity);
+    l_aux += out.l_aux;
+    z += out.z_loss;
+    ref.l_aux_per_shard.push_back(out.l_aux);
+    if (d == 0) {
+      ref.grads = g.params;
+      for (Tensor* t : {&ref.grads.gate_weight, &ref.grads.experts.fc1_weight,
+                        &ref.grads.experts.fc1_bias, &ref.grads.experts.fc2_weight,
+                        &ref.grads.experts.fc2_bias, &ref.grads.experts.fc3_weight}) {
+        if (t->defined()) *t = t->Clone();
+      }
+    } else {
+      AddInto(ref.grads.gate_weight, g.params.gate_weight);
+      AddInto(ref.grads.experts.fc1_weight, g.params.experts.fc1_weight);
+      AddInto(ref.grads.experts.fc1_bias, g.params.experts.fc1_bias);
+      AddInto(ref.grads.experts.fc2_weight, g.params.experts.fc2_weight);
+      AddInto(ref.grads.experts.fc2_bias, g.params.experts.fc2_bias);
+      AddInto(ref.grads.experts.fc3_weight, g.params.experts.fc3_weight);
+    }
+    start += split[d];
+  }
+  o.y = Concat(y);
+  o.topk_idx = Concat(topk);
+  o.locations = Concat(loc);
+  o.gates = Concat(gates);
+  o.combine_weights = Concat(cw);
+  o.l_aux = static_cast<float>(l_aux / static_cast<double>(split.size()));
+  o.z_loss = static_cast<float>(z / static_cast<double>(split.size()));
+  ref.grad_x = Concat(gx);
+  return ref;
+}
+
+namespace {
+
+::testing::AssertionResult Close(std::string_view what, const Tensor& a, const Tensor& b,
+                                 double rtol, double atol) {
+  if (a.defined() != b.defined()) {
+    return ::testing::AssertionFailure()
+           << what << ": defined " << a.defined() << " vs " << b.defined();
+  }
+  if (!a.defined()) return ::testing::AssertionSuccess();
+  if (a.shape() != b.shape()) {
+    return ::testing::AssertionFailure()
+           << what << ": shape " << ShapeToString(a.shape()) << " vs " << ShapeToString(b.shape());
+  }
+  double worst = 0;
+  int64_t worst_i = -1;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    double x = a.At(i), y = b.At(i);
+    if (x == y) continue;
+    double err = std::abs(x - y) / (atol + rtol * std::abs(y));
+    if (!(err <= worst)) worst = err, worst_i = i;
+  }
+  if (worst > 1.0 || std::isnan(worst)) {
+    return ::testing::AssertionFailure() << what << ": element " << worst_i << " is "
+                                         << a.At(worst_i) << ", expected " << b.At(worst_i);
+  }
+  return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult Exact(std::string_view what, const Tensor& a, const Tensor& b) {
+  return Close(what, a, b, 0, 0);
+}
+
+Tensor VecTensor(const std::vector<int64_t>& v) {
+  return Tensor::FromVector(v, {static_cast<int64_t>(v.size())});
+}
+
+}  // namespace
+
+::testing::AssertionResult MatchesReference(const LayerRunResult& run, const Reference& ref,
+                                            double rtol, double atol) {
+  const moe::LayerOutput &a = run.output, &b = ref.output;
+  std::vector<::testing::AssertionResult> checks;
+  checks.push_back(Close("y", a.y, b.y, rtol, atol));
+  checks.push_back(
+      Close("l_aux", Tensor::Full({}, a.l_aux), Tensor::Full({}, b.l_aux), rtol, 1e-6));
+  checks.push_back(
+      Close("z_loss", Tensor::Full({}, a.z_loss), Tensor::Full({}, b.z_loss), rtol, 1e-6));
+  checks.push_back(Exact("capacity", Tensor::Full({}, static_cast<double>(a.capacity)),
+                         Tensor::Full({}, static_cast<double>(b.capacity))));
+  checks.push_back(Exact("topk_idx", a.topk_idx, b.topk_idx));
+  checks.push_back(Exact("locations", a.locations, b.locations));
+  checks.push_back(Close("gates", a.gates, b.gates, 1e-5, 1e-6));
+  checks.push_back(Close("combine_weights", a.combine_weights, b.combine_weights, 1e-5, 1e-6));
+  checks.push_back(Exact("expert_loads", VecTensor(a.expert_loads), VecTensor(b.expert_loads)));
+  checks.push_back(Exact("expert_counts", VecTensor(a.expert_counts), VecTensor(b.expert_counts)));
+  checks.push_back(Exact("dropped", Tensor::Full({}, static_cast<double>(a.dropped)),
+                         Tensor::Full({}, static_cast<double>(b.dropped))));
+  if (run.has_gradients) {
+    checks.push_back(Close("grad.x", run.grad_x, ref.grad_x, rtol, atol));
+    checks.push_back(
+        Close("grad.gate.weight", run.grads.gate_weight, ref.grads.gate_weight, rtol, atol));
+    const moe::ExpertWeights &ga = run.grads.experts, &gb = ref.grads.experts;
+    checks.push_back(Close("grad.experts.fc1.weight", ga.fc1_weight, gb.fc1_weight, rtol, atol));
+    checks.push_back(Close("grad.experts.fc1.bias", ga.fc1_bias, gb.fc1_bias, rtol, atol));
+    checks.push_back(Close("grad.experts.fc2.weight", ga.fc2_weight, gb.fc2_weight, rtol, atol));
+    checks.push_back(Close("grad.experts.fc2.bias", ga.fc2_bias, gb.fc2_bias, rtol, atol));
+    checks.push_back(Close("grad.experts.fc3.weight", ga.fc3_weight, gb.fc3_weight, rtol, atol));
+  }
+  std::ostringstream failures;
+  for (const auto& c : checks) {
+    if (!c) failures << "\n  " << c.message();
+  }
+  if (failures.str().empty()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << failures.str();
+}
+
+namespace {
+
+bool Valid(const ParallelOptions& o, int64_t e, int64_t h) {
+  try {
+    Mesh mesh(o.mesh, e, h);
+    if (o.hierarchical_ranks_per_node > 0 &&
+        mesh.expert_group_size() % o.hierarchical_ranks_per_node != 0) {
+      return false;
+    }
+    const int n = mesh.shards();
+    return o.adaptive_r < 0 || o.adaptive_r == 0 || n % o.adaptive_r == 0;
+  } catch (const InvalidArgument&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+std::vector<Layout> LayoutsFor(int w, int64_t e) {
+  std::vector<Layout> all;
+  auto add = [&](std::string name, auto&& edit) {
+    ParallelOptions o;
+    o.mesh.world_size = w;
+    edit(o);
+    if (Valid(o, e, 32)) all.push_back({std::move(name), o});
+  };
+  using D = DispatchKind;
+  add("ds_alltoall", [](ParallelOptions&) {});
+  add("ds_alltoallv", [](ParallelOptions& o) { o.dispatch = D::kAllToAllV; });
+  add("ds_allgather", [](ParallelOptions& o) { o.dispatch = D::kAllGather; });
+  add("ds_r0", [](ParallelOptions& o) { o.adaptive_r = 0; });
+  if (w >= 4) add("ds_2dh", [](ParallelOptions& o) { o.hierarchical_ranks_per_node = 2; });
+  if (w % 2 == 0 && w > 1) {
+    add("ds_tp2_dedup", [](ParallelOptions& o) { o.mesh.tp = 2; });
+    add("ds_tp2_dedup_alltoallv", [](ParallelOptions& o) {
+      o.mesh.tp = 2;
+      o.dispatch = D::kAllToAllV;
+    });
+    add("ds_tp2_nodedup", [](ParallelOptions& o) {
+      o.mesh.tp = 2;
+      o.tp_dedup = false;
+    });
+    add("ds_ep_replicas", [w](ParallelOptions& o) { o.mesh.ep = w / 2; });
+    for (int r : {1, 2, 4}) {
+      add("ds_sharded_r" + std::to_string(r), [r](ParallelOptions& o) { o.adaptive_r = r; });
+    }
+    add("ds_sharded_auto", [](ParallelOptions& o) { o.adaptive_r = kAdaptiveRAuto; });
+    add("ds_sharded_r1_alltoallv", [](ParallelOptions& o) {
+      o.adaptive_r = 1;
+      o.dispatch = D::kAllToAllV;
+    });
+    add("ds_sharded_r1_allgather", [](ParallelOptions& o) {
+      o.adaptive_r = 1;
+      o.dispatch = D::kAllGather;
+    });
+    add("mg_etp2", [](ParallelOptions& o) {
+      o.mesh.arrangement = Arrangement::kMegatron;
+      o.mesh.etp = 2;
+      o.dispatch = D::kAllToAllV;
+    });
+    add("mg_etp2_r1", [](ParallelOptions& o) {
+      o.mesh.arrangement = Arrangement::kMegatron;
+      o.mesh.etp = 2;
+      o.adaptive_r = 1;
+    });
+    add("mg_etp2_allgather", [](ParallelOptions& o) {
+      o.mesh.arrangement = Arrangement::kMegatron;
+      o.mesh.etp = 2;
+      o.dispatch = D::kAllGather;
+    });
+    add("mg_tp2_sp", [](ParallelOptions& o) {
+      o.mesh.arrangement = Arrangement::kMegatron;
+      o.mesh.tp = 2;
+      o.dispatch = D::kAllToAllV;
+    });
+  }
+  if (w >= 8) {
+    add("mg_etp2_ep2_edp2", [](ParallelOptions& o) {
+      o.mesh.arrangement = Arrangement::kMegatron;
+      o.mesh.etp = 2;
+      o.mesh.ep = 2;
+    });
+  }
+  // Drop names that duplicate another layout for these sizes (e.g. "sharded" layouts when the
+  // experts are not sharded and r is 1).
+  std::vector<Layout> out;
+  for (Layout& l : all) {
+    Mesh mesh(l.options.mesh, e, 32);
+    const bool sharded_name = l.name.find("sharded") != std::string::npos;
+    if (sharded_name && mesh.shards() == 1) continue;
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
+}  // namespace switchyard::parallel::testing

@@ -1,0 +1,60 @@
+// Shared by the in-process and MPI suites: layer configs, layouts and the comparison of a
+// parallel run against the single-rank layer (moe::MoeLayer), which is the reference.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "switchyard/moe/config.h"
+#include "switchyard/moe/layer.h"
+#include "switchyard/parallel/driver.h"
+
+namespace switchyard::parallel::testing {
+
+// A small layer: M = 16, H = 32 (divisible by 8 shards), k = 2, gelu, biases.
+moe::LayerConfig SmallConfig(int64_t num_experts, bool dropless, float capacity_factor = 1.0f);
+
+// Parameters with a skewed gate (experts 0 and 1 popular, the last ones rarely or never chosen)
+// and tokens x [T, M] and dy [T, M].
+struct Inputs {
+  moe::LayerParams params;
+  Tensor x, dy;
+};
+Inputs MakeInputs(const moe::LayerConfig& config, int64_t num_tokens, uint64_t seed);
+
+// What the reference computes for the whole batch (or per shard, assembled like the driver).
+struct Reference {
+  moe::LayerOutput output;
+  std::vector<float> l_aux_per_shard;
+  Tensor grad_x;
+  moe::LayerParams grads;
+};
+
+// moe::MoeLayer on all tokens at once.
+Reference WholeBatchReference(const moe::LayerConfig& config, const Inputs& in);
+
+// One moe::MoeLayer per data shard (per-rank batch scope): outputs concatenated, l_aux the mean,
+// parameter gradients summed. global_max_load: for capacity_factor <= 0, the largest expert load
+// over the expert group (as the parallel layer computes it), per shard.
+Reference PerShardReference(const moe::LayerConfig& config, const Inputs& in,
+                            const std::vector<int64_t>& split,
+                            const std::vector<int64_t>& global_max_load = {});
+
+// Outputs, losses, routing and every gradient within tolerance; routing exactly.
+::testing::AssertionResult MatchesReference(const LayerRunResult& run, const Reference& ref,
+                                            double rtol = 2e-4, double atol = 2e-5);
+
+// A named layout for parameterized suites.
+struct Layout {
+  std::string name;
+  ParallelOptions options;  // options.mesh.world_size set
+};
+
+// The layouts of the issue for W ranks and E experts (those valid for that W and E): DeepSpeed
+// all-to-all / all-to-all-v / allgather, 2DH, tp 2 with and without de-duplication, EP groups
+// replicated (ep < W), Tutel's sharded experts with every r, Megatron's folding.
+std::vector<Layout> LayoutsFor(int world_size, int64_t num_experts);
+
+}  // namespace switchyard::parallel::testing
