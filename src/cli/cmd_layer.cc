@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "cli/command.h"
 #include "switchyard/core/error.h"
@@ -37,8 +38,10 @@ int RunLayer(const LayerOptions& o) {
   try {
     config = moe::LayerConfigFromJson(ReadTextFile(o.config_path));
   } catch (const InvalidArgument& e) {
-    // LayerConfigFromJson names the key; say which file it came from.
-    throw InvalidArgument(fmt::format("{}: {}", o.config_path, e.what()));
+    // LayerConfigFromJson says "layer.json: ..."; name the actual file instead.
+    std::string_view msg = e.what();
+    if (msg.starts_with("layer.json: ")) msg.remove_prefix(12);
+    throw InvalidArgument(fmt::format("{}: {}", o.config_path, msg));
   }
   TensorMap in = ReadSafetensors(o.tensors_path);
   auto x_it = in.find("x");

@@ -1,11 +1,13 @@
 #include "switchyard/moe/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <utility>
+#include <vector>
 
 #include "switchyard/core/error.h"
 
@@ -86,7 +88,7 @@ int64_t GetInt(std::string_view key, const Json& v, int64_t lo, int64_t hi) {
   if (!v.is_number_integer()) BadValue(key, expected, v);
   if (v.is_number_unsigned()) {
     auto u = v.get<uint64_t>();
-    if (u > static_cast<uint64_t>(hi)) BadValue(key, expected, v);
+    if (u > static_cast<uint64_t>(hi) || static_cast<int64_t>(u) < lo) BadValue(key, expected, v);
     return static_cast<int64_t>(u);
   }
   auto i = v.get<int64_t>();
@@ -174,13 +176,39 @@ const std::map<std::string, Setter, std::less<>>& Setters() {
   return *setters;
 }
 
-std::string KnownKeys() {
-  std::string s;
-  for (const auto& [name, setter] : Setters()) {
-    if (!s.empty()) s += ", ";
-    s += name;
+// Levenshtein distance, for "did you mean" on unknown keys.
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
   }
-  return s;
+  return row[b.size()];
+}
+
+std::string UnknownKeyMessage(const std::string& key) {
+  std::string shown = key.size() > 40 ? key.substr(0, 40) + "..." : key;
+  std::string best;
+  size_t best_d = 4;  // suggest only close names
+  if (key.size() <= 64) {
+    for (const auto& [name, setter] : Setters()) {
+      size_t d = EditDistance(key, name);
+      if (d < best_d) {
+        best_d = d;
+        best = name;
+      }
+    }
+  }
+  if (!best.empty()) {
+    return fmt::format("layer.json: unknown key '{}' (did you mean '{}'?)", shown, best);
+  }
+  return fmt::format("layer.json: unknown key '{}' (docs/moe.md lists the keys)", shown);
 }
 
 }  // namespace
@@ -276,11 +304,7 @@ LayerConfig LayerConfigFromJson(std::string_view json_text) {
   const auto& setters = Setters();
   for (const auto& [key, value] : j.items()) {
     auto it = setters.find(key);
-    if (it == setters.end()) {
-      std::string shown = key.size() > 40 ? key.substr(0, 40) + "..." : key;
-      throw InvalidArgument(
-          fmt::format("layer.json: unknown key '{}' (known keys: {})", shown, KnownKeys()));
-    }
+    if (it == setters.end()) throw InvalidArgument(UnknownKeyMessage(key));
     it->second(c, key, value);
   }
   try {

@@ -1,0 +1,222 @@
+// Capacity, slot order, drop policies and combine weights on hand-made routings, with the
+// expected slots worked out by hand from SPEC §1.2.
+#include "switchyard/moe/plan.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "switchyard/core/error.h"
+
+namespace switchyard::moe {
+namespace {
+
+LayerConfig Config(int64_t e, int64_t k) {
+  LayerConfig c;
+  c.model_dim = 4;
+  c.hidden_dim = 4;
+  c.num_experts = e;
+  c.top_k = k;
+  return c;
+}
+
+// A routing: experts[t * k + j]; gates default to 1/k, scores to the gates.
+GateResult Routing(int64_t e, int64_t k, std::vector<int32_t> experts,
+                   std::vector<float> scores = {}) {
+  GateResult g;
+  g.num_experts = e;
+  g.top_k = k;
+  g.num_tokens = static_cast<int64_t>(experts.size()) / k;
+  g.experts = std::move(experts);
+  if (scores.empty()) scores.assign(g.experts.size(), 1.0f / static_cast<float>(k));
+  g.choice_scores = scores;
+  g.gates = scores;
+  g.routed.assign(g.experts.size(), 1);
+  g.priority.assign(static_cast<size_t>(g.num_tokens), 0.0f);
+  return g;
+}
+
+TEST(Capacity, TutelFormula) {
+  LayerConfig c = Config(4, 2);
+  c.capacity_factor = 1.25f;  // spe = ceil(13 / 4) = 4; floor(1.25 * 4) = 5; C = 2 * 5
+  EXPECT_EQ(ComputeCapacity(c, 13, 0), 10);
+  c.capacity_factor = 0.3f;  // floor(1.2) = 1 -> 2
+  EXPECT_EQ(ComputeCapacity(c, 13, 0), 2);
+  c.capacity_factor = 0.0f;  // the max load
+  EXPECT_EQ(ComputeCapacity(c, 13, 9), 9);
+  c.capacity_factor = -1.0f;  // min(max load, 2 * floor(4))
+  EXPECT_EQ(ComputeCapacity(c, 13, 9), 8);
+  EXPECT_EQ(ComputeCapacity(c, 13, 3), 3);
+  c.min_capacity = 5;
+  EXPECT_EQ(ComputeCapacity(c, 13, 3), 5);
+  c.alignment = 4;
+  EXPECT_EQ(ComputeCapacity(c, 13, 3), 8);
+  c.capacity = 3;  // explicit: only rounded to the alignment
+  EXPECT_EQ(ComputeCapacity(c, 13, 100), 4);
+  c.alignment = 1;
+  EXPECT_EQ(ComputeCapacity(c, 13, 100), 3);
+}
+
+TEST(Capacity, DeepSpeedFormulaInFloat32) {
+  LayerConfig c = Config(3, 2);
+  c.capacity_formula = CapacityFormula::kDeepSpeed;
+  c.capacity_factor = 1.1f;  // ceil(float(10/3) * float(2.2)) = ceil(7.333) = 8
+  EXPECT_EQ(ComputeCapacity(c, 10, 0), 8);
+  c.top_k = 1;
+  c.capacity_factor = 1.0f;  // ceil(float(4/4) * 1) = 1 exactly, then min_capacity
+  c.num_experts = 4;
+  EXPECT_EQ(ComputeCapacity(c, 4, 0), 1);
+  c.min_capacity = 4;
+  EXPECT_EQ(ComputeCapacity(c, 4, 0), 4);
+}
+
+TEST(Plan, ChoiceMajorSlots) {
+  // 4 tokens, E = 3, k = 2. 1st choices: 0, 0, 1, 0; 2nd choices: 1, 2, 0, 1.
+  LayerConfig c = Config(3, 2);
+  c.capacity_factor = 0;  // no drops
+  GateResult g = Routing(3, 2, {0, 1, 0, 2, 1, 0, 0, 1});
+  DispatchPlan p = MakeDispatchPlan(c, g, {});
+  // Expert 0: 1st choices of t0, t1, t3 -> 0, 1, 2; then t2's 2nd choice -> 3.
+  // Expert 1: t2's 1st choice -> 0; 2nd choices of t0, t3 -> 1, 2. Expert 2: t1's 2nd -> 0.
+  EXPECT_EQ(p.slots, (std::vector<int32_t>{0, 1, 1, 0, 0, 3, 2, 2}));
+  EXPECT_EQ(p.loads, (std::vector<int64_t>{4, 3, 1}));
+  EXPECT_EQ(p.capacity, 4);
+  EXPECT_EQ(p.num_rows, 12);
+  EXPECT_EQ(p.rows[3], 2 * 4 + 0);  // t1 2nd choice: expert 2, slot 0
+  EXPECT_EQ(p.row_tokens[4 + 2], 3);
+  EXPECT_EQ(p.row_pairs[4 + 2], 7);
+  EXPECT_EQ(p.row_tokens[2 * 4 + 1], -1);  // padding
+  EXPECT_EQ(p.dropped, 0);
+}
+
+TEST(Plan, TokenOrderSlots) {
+  LayerConfig c = Config(3, 2);
+  c.capacity_factor = 0;
+  c.slot_order = SlotOrder::kTokenOrder;
+  GateResult g = Routing(3, 2, {0, 1, 0, 2, 1, 0, 0, 1});
+  DispatchPlan p = MakeDispatchPlan(c, g, {});
+  // Token by token: t0 -> e0:0, e1:0; t1 -> e0:1, e2:0; t2 -> e1:1, e0:2; t3 -> e0:3, e1:2.
+  EXPECT_EQ(p.slots, (std::vector<int32_t>{0, 0, 1, 0, 1, 2, 3, 2}));
+}
+
+TEST(Plan, PositionDropsAndBothWeightConventions) {
+  LayerConfig c = Config(3, 2);
+  c.capacity = 2;
+  GateResult g =
+      Routing(3, 2, {0, 1, 0, 2, 1, 0, 0, 1}, {0.6f, 0.4f, 0.7f, 0.3f, 0.5f, 0.5f, 0.8f, 0.2f});
+  DispatchPlan p = MakeDispatchPlan(c, g, {});
+  // Expert 0 keeps t0, t1 (1st choices); t3's 1st and t2's 2nd choice overflow.
+  EXPECT_EQ(p.slots, (std::vector<int32_t>{0, 1, 1, 0, 0, -1, -1, -1}));
+  EXPECT_EQ(p.dropped, 3);
+  EXPECT_EQ(p.counts, (std::vector<int64_t>{2, 2, 1}));
+  // Tutel keeps g; dropped choices weigh 0.
+  EXPECT_FLOAT_EQ(p.weights[4], 0.5f);
+  EXPECT_FLOAT_EQ(p.weights[5], 0.0f);
+  c.renormalize_after_drop = true;  // DeepSpeed: the survivor of t2 gets weight 1
+  p = MakeDispatchPlan(c, g, {});
+  EXPECT_FLOAT_EQ(p.weights[4], 1.0f);
+  EXPECT_FLOAT_EQ(p.weights[0], 0.6f);
+  EXPECT_FLOAT_EQ(p.weights[6], 0.0f);  // both of t3's choices dropped: nothing to renormalize
+  EXPECT_FLOAT_EQ(p.weights[7], 0.0f);
+}
+
+TEST(Plan, ProbsAndRandomDropPolicies) {
+  LayerConfig c = Config(2, 1);
+  c.capacity = 2;
+  c.drop_policy = DropPolicy::kProbs;
+  // Everybody to expert 0; scores 0.1, 0.9, 0.5, 0.7: keep t1 and t3, slots in token order.
+  GateResult g = Routing(2, 1, {0, 0, 0, 0}, {0.1f, 0.9f, 0.5f, 0.7f});
+  DispatchPlan p = MakeDispatchPlan(c, g, {});
+  EXPECT_EQ(p.slots, (std::vector<int32_t>{-1, 0, -1, 1}));
+
+  c.drop_policy = DropPolicy::kRandom;
+  DispatchPlan r = MakeDispatchPlan(c, g, {});
+  int kept = 0;
+  for (int32_t s : r.slots) kept += s >= 0;
+  EXPECT_EQ(kept, 2);
+  // Keyed by the global token index: shifting the offset changes which tokens survive for
+  // some offset, and the same offset always gives the same choice.
+  EXPECT_EQ(MakeDispatchPlan(c, g, {}).slots, r.slots);
+  bool differs = false;
+  for (int64_t off = 1; off < 20 && !differs; ++off) {
+    differs = MakeDispatchPlan(c, g, {.global_token_offset = off, .step = 0, .global_max_load = {}})
+                  .slots != r.slots;
+  }
+  EXPECT_TRUE(differs);
+}
+
+TEST(Plan, BatchPrioritizedRouting) {
+  LayerConfig c = Config(2, 1);
+  c.capacity = 2;
+  c.batch_prioritized_routing = true;
+  GateResult g = Routing(2, 1, {0, 0, 0, 0});
+  g.priority = {0.2f, 0.9f, 0.5f, 0.9f};  // order t1, t3 (tie: lower first), t2, t0
+  DispatchPlan p = MakeDispatchPlan(c, g, {});
+  EXPECT_EQ(p.slots, (std::vector<int32_t>{-1, 0, -1, 1}));
+}
+
+TEST(Plan, RandomRoutingRemovedChoicesTakeNoSlot) {
+  LayerConfig c = Config(2, 2);
+  c.capacity_factor = 0;
+  GateResult g = Routing(2, 2, {0, 1, 1, 0});
+  g.routed[1] = 0;  // t0's 2nd choice removed
+  DispatchPlan p = MakeDispatchPlan(c, g, {});
+  EXPECT_EQ(p.slots, (std::vector<int32_t>{0, -1, 0, 1}));
+  EXPECT_EQ(p.loads, (std::vector<int64_t>{2, 1}));
+  EXPECT_EQ(p.dropped, 0);
+}
+
+TEST(Plan, GlobalMaxLoadSetsCapacity) {
+  LayerConfig c = Config(2, 1);
+  c.capacity_factor = 0;
+  GateResult g = Routing(2, 1, {0, 0, 1});
+  EXPECT_EQ(MakeDispatchPlan(c, g, {}).capacity, 2);
+  EXPECT_EQ(
+      MakeDispatchPlan(c, g, {.global_token_offset = 0, .step = 0, .global_max_load = 7}).capacity,
+      7);
+  c.capacity_factor = -1;  // min(global max, k * floor(1 * ceil(3 / 2)))
+  EXPECT_EQ(
+      MakeDispatchPlan(c, g, {.global_token_offset = 0, .step = 0, .global_max_load = 7}).capacity,
+      2);
+}
+
+TEST(Plan, DroplessSortsByExpert) {
+  LayerConfig c = Config(3, 2);
+  c.dropless = true;
+  GateResult g = Routing(3, 2, {0, 1, 0, 2, 1, 0, 0, 1});
+  DispatchPlan p = MakeDispatchPlan(c, g, {});
+  EXPECT_EQ(p.counts, (std::vector<int64_t>{4, 3, 1}));
+  EXPECT_EQ(p.offsets, (std::vector<int64_t>{0, 4, 7, 8}));
+  EXPECT_EQ(p.num_rows, 8);
+  EXPECT_EQ(p.capacity, 4);
+  EXPECT_EQ(p.row_tokens, (std::vector<int32_t>{0, 1, 3, 2, 2, 0, 3, 1}));
+}
+
+TEST(Plan, EveryTokenDroppedAndEmptyBatch) {
+  LayerConfig c = Config(2, 2);
+  c.capacity = 0;
+  DispatchPlan p = MakeDispatchPlan(c, Routing(2, 2, {0, 1, 1, 0}), {});
+  EXPECT_EQ(p.num_rows, 0);
+  EXPECT_EQ(p.dropped, 4);
+  for (float w : p.weights) EXPECT_EQ(w, 0.0f);
+  c.capacity.reset();
+  DispatchPlan empty = MakeDispatchPlan(c, Routing(2, 2, {}), {});
+  EXPECT_EQ(empty.num_tokens, 0);
+  EXPECT_EQ(empty.capacity, 0);
+}
+
+TEST(Plan, CombineWeightsBackwardRenormalized) {
+  LayerConfig c = Config(3, 2);
+  c.capacity_factor = 0;
+  c.renormalize_after_drop = true;
+  GateResult g = Routing(3, 2, {0, 1}, {0.6f, 0.2f});
+  DispatchPlan p = MakeDispatchPlan(c, g, {});
+  // w = g / (g0 + g1): dg_j = (dw_j - sum_i dw_i w_i) / S.
+  std::vector<float> dw = {1.0f, 0.0f};
+  std::vector<float> dg = CombineWeightsBackward(c, g, p, dw);
+  EXPECT_NEAR(dg[0], (1.0f - 0.75f) / 0.8f, 1e-6);
+  EXPECT_NEAR(dg[1], (0.0f - 0.75f) / 0.8f, 1e-6);
+}
+
+}  // namespace
+}  // namespace switchyard::moe
