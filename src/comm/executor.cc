@@ -36,11 +36,15 @@ bool Executor::TryRunInline(const std::shared_ptr<detail::WorkState>& state) {
     running_ = true;
   }
   Run(*state);
+  bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
     running_ = false;
+    // Only the worker (if more is queued) or Shutdown (waiting for !running_) care; waking an idle
+    // worker for nothing costs a context switch per collective.
+    wake = !queue_.empty() || stopping_;
   }
-  cv_.notify_all();
+  if (wake) cv_.notify_all();
   return true;
 }
 
@@ -86,6 +90,7 @@ void Executor::Shutdown() {
     std::unique_lock<std::mutex> lock(mu_);
     if (stop_ && !thread_.joinable()) return;
     // Let a collective running inline on another thread finish first.
+    stopping_ = true;
     cv_.wait(lock, [&] { return !running_; });
     stop_ = true;
     abandoned.swap(queue_);
@@ -124,7 +129,15 @@ void Work::Wait() const {
   }
   if (executor) executor->TryRunInline(state_);
   executor.reset();
+  // Running on the progress thread: yield for a little while before sleeping (a sleep + wake
+  // costs more than most collectives).
+  Deadline spin_until = Clock::now() + std::chrono::microseconds(50);
   std::unique_lock<std::mutex> lock(state_->mu);
+  while (!state_->done && Clock::now() < spin_until) {
+    lock.unlock();
+    std::this_thread::yield();
+    lock.lock();
+  }
   state_->cv.wait(lock, [&] { return state_->done; });
   if (state_->error) std::rethrow_exception(state_->error);
 }

@@ -55,6 +55,7 @@ class Executor {
   std::deque<std::shared_ptr<detail::WorkState>> queue_;
   uint64_t next_seq_ = 0;
   bool running_ = false;
+  bool stopping_ = false;  // Shutdown is waiting for the running collective
   bool stop_ = false;
   std::thread thread_;
 };

@@ -21,6 +21,9 @@ namespace {
 
 enum State : int { kPosted, kMatched, kDone, kFailed };
 
+// How long a waiter yields before it sleeps on its event.
+constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
+
 // Transfers up to this size are copied at once by the thread that matched them.
 constexpr size_t kEagerCopyBytes = 16 << 10;
 
@@ -396,6 +399,7 @@ RequestPtr InProcessTransport::Irecv(int peer, uint64_t tag, void* data, size_t 
 
 void InProcessTransport::Wait(std::span<Request* const> requests, Deadline deadline) {
   int idle_rounds = 0;
+  Clock::time_point spin_until;
   for (;;) {
     uint64_t generation = event_->generation.load(std::memory_order_acquire);
     uint64_t failure_epoch = fabric_->failure_epoch();
@@ -426,8 +430,10 @@ void InProcessTransport::Wait(std::span<Request* const> requests, Deadline deadl
     if (all_done) return;
     if (worked) continue;
     if (Clock::now() >= deadline) throw TimeoutError(DescribeTimeout(requests));
-    // Yield a few times before sleeping: partners are often about to post.
-    if (idle_rounds++ < 8) {
+    // Yield for a little while before sleeping: partners are often about to post, and a
+    // futex sleep + wake costs more than the wait itself.
+    if (idle_rounds++ == 0) spin_until = Clock::now() + kSpinBeforeSleep;
+    if (Clock::now() < spin_until) {
       std::this_thread::yield();
       continue;
     }
