@@ -1,0 +1,455 @@
+// The parallel layer beyond the layout matrix: the options of the MoE layer (noise, drop
+// policies, slot orders, score functions, losses, pre-score, gated experts, bfloat16, the DeepSpeed
+// preset) under the main layouts; switching adaptive r between steps; gradient synchronisation;
+// bytes on the wire against their formula; errors; and the moe hook that sums the gate losses of
+// a batch split over ranks.
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "parallel/parallel_cases.h"
+#include "switchyard/comm/inprocess.h"
+#include "switchyard/core/error.h"
+#include "switchyard/moe/gate.h"
+#include "switchyard/moe/losses.h"
+#include "switchyard/parallel/driver.h"
+#include "switchyard/parallel/moe_parallel.h"
+
+namespace switchyard::parallel {
+namespace {
+
+using testing::Inputs;
+using testing::Layout;
+using testing::MakeInputs;
+using testing::MatchesReference;
+using testing::SmallConfig;
+
+struct ConfigCase {
+  std::string name;
+  std::function<void(moe::LayerConfig&)> edit;
+};
+
+std::vector<ConfigCase> ConfigCases() {
+  using moe::LayerConfig;
+  return {
+      {"prescore", [](LayerConfig& c) { c.prescore = true; }},
+      {"gated_silu",
+       [](LayerConfig& c) {
+         c.gated = true;
+         c.activation = kernels::Activation::kSilu;
+       }},
+      {"no_bias", [](LayerConfig& c) { c.fc_bias = false; }},
+      {"deepspeed_preset",
+       [](LayerConfig& c) {
+         LayerConfig p = moe::PresetConfig("deepspeed", 2);
+         c.capacity_formula = p.capacity_formula;
+         c.min_capacity = p.min_capacity;
+         c.renormalize_after_drop = p.renormalize_after_drop;
+         c.preset = "deepspeed";
+       }},
+      {"drop_probs", [](LayerConfig& c) { c.drop_policy = moe::DropPolicy::kProbs; }},
+      {"drop_random_top1",
+       [](LayerConfig& c) {
+         c.top_k = 1;
+         c.drop_policy = moe::DropPolicy::kRandom;
+       }},
+      {"bpr", [](LayerConfig& c) { c.batch_prioritized_routing = true; }},
+      {"token_order_top3",
+       [](LayerConfig& c) {
+         c.top_k = 3;
+         c.slot_order = moe::SlotOrder::kTokenOrder;
+         c.aux_loss = moe::AuxLoss::kGShardAllChoices;
+       }},
+      {"tutel_noise_importance_load",
+       [](LayerConfig& c) {
+         c.noise = moe::NoiseKind::kTutelNormal;
+         c.aux_loss = moe::AuxLoss::kImportanceLoad;
+       }},
+      {"jitter", [](LayerConfig& c) { c.noise = moe::NoiseKind::kJitter; }},
+      {"gumbel_random_routing",
+       [](LayerConfig& c) {
+         c.noise = moe::NoiseKind::kGumbelSecond;
+         c.random_routing = true;
+       }},
+      {"sigmoid", [](LayerConfig& c) { c.score_function = moe::ScoreFunction::kSigmoid; }},
+      {"softmax_after_topk",
+       [](LayerConfig& c) { c.score_function = moe::ScoreFunction::kSoftmaxAfterTopK; }},
+      {"capacity_factor_0", [](LayerConfig& c) { c.capacity_factor = 0.0f; }},
+      {"capacity_factor_negative", [](LayerConfig& c) { c.capacity_factor = -0.75f; }},
+      {"explicit_capacity_aligned",
+       [](LayerConfig& c) {
+         c.capacity = 5;
+         c.alignment = 2;
+       }},
+      {"expert_bias",
+       [](LayerConfig& c) {
+         c.expert_bias = true;
+         c.normalize_gate = false;
+       }},
+  };
+}
+
+std::vector<Layout> MainLayouts(int w, int64_t e) {
+  std::vector<Layout> out;
+  for (Layout& l : testing::LayoutsFor(w, e)) {
+    for (const char* name : {"ds_alltoall", "ds_alltoallv", "ds_allgather", "ds_tp2_dedup",
+                             "ds_sharded_r2", "ds_sharded_r1", "mg_etp2", "ds_r0"}) {
+      if (l.name == name) out.push_back(l);
+    }
+  }
+  return out;
+}
+
+class ConfigTest : public ::testing::TestWithParam<ConfigCase> {};
+
+TEST_P(ConfigTest, GlobalScopeEqualsWholeBatch) {
+  for (int64_t experts : {int64_t{4}, int64_t{2}}) {
+    moe::LayerConfig config = SmallConfig(experts, false, 0.75f);
+    GetParam().edit(config);
+    Inputs in = MakeInputs(config, 29, 21);
+    if (config.expert_bias) {
+      in.params.expert_bias = Tensor::FromVector(std::vector<float>(experts, 0.0f), {experts});
+      in.params.expert_bias.data<float>()[experts - 1] = 0.3f;
+    }
+    // The reference at the same step (noise is keyed by it).
+    moe::MoeLayer single(config);
+    moe::ForwardOptions fo;
+    fo.step = 3;
+    testing::Reference ref;
+    ref.output = single.Forward(in.params, in.x, fo);
+    moe::LayerGradients g = single.Backward(in.params, ref.output, in.dy);
+    ref.grad_x = g.x;
+    ref.grads = g.params;
+    for (const Layout& layout : MainLayouts(4, experts)) {
+      DriverOptions o;
+      o.parallel = layout.options;
+      Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
+      o.token_split = EvenSplit(in.x.size(0), mesh.data_shards());
+      o.token_split.back() += o.token_split.front();
+      o.token_split.front() = 0;
+      o.step = 3;
+      LayerRunResult run;
+      ASSERT_NO_THROW(run = RunLayerOnRanks(config, in.params, in.x, in.dy, o)) << layout.name;
+      EXPECT_TRUE(MatchesReference(run, ref))
+          << GetParam().name << " E=" << experts << " " << layout.name;
+    }
+  }
+}
+
+TEST_P(ConfigTest, PerRankScopeEqualsOneLayerPerShard) {
+  moe::LayerConfig config = SmallConfig(4, false, 0.75f);
+  GetParam().edit(config);
+  Inputs in = MakeInputs(config, 29, 22);
+  if (config.expert_bias) {
+    in.params.expert_bias = Tensor::Zeros({4});
+  }
+  for (const Layout& layout : MainLayouts(4, 4)) {
+    DriverOptions o;
+    o.parallel = layout.options;
+    o.parallel.batch_scope = BatchScope::kPerRank;
+    Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
+    o.token_split = EvenSplit(in.x.size(0), mesh.data_shards());
+    // capacity_factor <= 0 takes the largest load over the expert group, which covers every
+    // shard in these layouts: give the reference that.
+    std::vector<int64_t> max_load;
+    if (config.capacity_factor <= 0 && !config.capacity) {
+      moe::MoeLayer single(config);
+      int64_t start = 0, m = 0;
+      for (int64_t t : o.token_split) {
+        moe::LayerOutput out = single.Forward(in.params, in.x.Slice(start, start + t),
+                                              {start, 0, std::nullopt, 1, false});
+        m = std::max(m, *std::max_element(out.expert_loads.begin(), out.expert_loads.end()));
+        start += t;
+      }
+      max_load.assign(o.token_split.size(), m);
+    }
+    const testing::Reference ref = testing::PerShardReference(config, in, o.token_split, max_load);
+    LayerRunResult run;
+    ASSERT_NO_THROW(run = RunLayerOnRanks(config, in.params, in.x, in.dy, o)) << layout.name;
+    EXPECT_TRUE(MatchesReference(run, ref)) << GetParam().name << " " << layout.name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Options, ConfigTest, ::testing::ValuesIn(ConfigCases()),
+                         [](const ::testing::TestParamInfo<ConfigCase>& param_info) {
+                           return param_info.param.name;
+                         });
+
+TEST(ParallelLayer, BFloat16ActivationsMatchTheSingleRankLayer) {
+  moe::LayerConfig config = SmallConfig(4, true);
+  Inputs in = MakeInputs(config, 24, 31);
+  in.x = in.x.To(DType::kBFloat16);
+  in.dy = in.dy.To(DType::kBFloat16);
+  const testing::Reference ref = testing::WholeBatchReference(config, in);
+  for (const Layout& layout : MainLayouts(4, 4)) {
+    DriverOptions o;
+    o.parallel = layout.options;
+    LayerRunResult run = RunLayerOnRanks(config, in.params, in.x, in.dy, o);
+    EXPECT_EQ(run.output.y.dtype(), DType::kBFloat16);
+    EXPECT_TRUE(MatchesReference(run, ref, 1e-2, 1e-2)) << layout.name;
+  }
+}
+
+// Runs `fn(layer, shard params, x slice, dy slice)` on W in-process ranks.
+void OnRanks(int w, const moe::LayerConfig& config, const ParallelOptions& options,
+             const Inputs& in,
+             const std::function<void(ParallelMoeLayer&, const moe::LayerParams&, const Tensor&,
+                                      const Tensor&)>& fn) {
+  comm::RunInProcess(w, [&](comm::Communicator& world) {
+    ParallelMoeLayer layer(config, options, world);
+    Mesh mesh = layer.mesh();
+    std::vector<int64_t> split = EvenSplit(in.x.size(0), mesh.data_shards());
+    int64_t start = 0;
+    for (int d = 0; d < layer.coords().token_shard; ++d) start += split[static_cast<size_t>(d)];
+    const int64_t t = split[static_cast<size_t>(layer.coords().token_shard)];
+    fn(layer, layer.ShardParams(in.params), in.x.Slice(start, start + t),
+       in.dy.Slice(start, start + t));
+  });
+}
+
+bool SameBits(const Tensor& a, const Tensor& b) {
+  if (a.defined() != b.defined()) return false;
+  if (!a.defined()) return true;
+  return a.shape() == b.shape() && a.nbytes() == b.nbytes() &&
+         std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+}
+
+TEST(ParallelLayer, SwitchingAdaptiveRBetweenStepsEqualsFreshRuns) {
+  // 4 ranks, 2 experts: each expert split into n = 2 shards; r in {0, 1, 2}.
+  const moe::LayerConfig config = SmallConfig(2, false, 0.75f);
+  const Inputs in = MakeInputs(config, 26, 41);
+  ParallelOptions options;
+  options.mesh.world_size = 4;
+  const std::vector<int> schedule{1, 2, 0, 2, 1};
+  struct StepResult {
+    Tensor y, dx, dgate, dfc1, dfc2, dfc2_bias;
+    int r = 0;
+  };
+  std::vector<std::vector<StepResult>> switched(4), fresh(4);
+  auto record = [&](ParallelMoeLayer& layer, const moe::LayerParams& p, const Tensor& x,
+                    const Tensor& dy, int r) {
+    ParallelForwardOptions fo;
+    fo.adaptive_r = r;
+    ParallelOutput out = layer.Forward(p, x, fo);
+    ParallelGradients g = layer.Backward(p, out, dy);
+    layer.SyncGradients(&g.params);
+    return StepResult{out.layer.y,
+                      g.x,
+                      g.params.gate_weight,
+                      g.params.experts.fc1_weight,
+                      g.params.experts.fc2_weight,
+                      g.params.experts.fc2_bias,
+                      out.adaptive_r};
+  };
+  OnRanks(
+      4, config, options, in,
+      [&](ParallelMoeLayer& layer, const moe::LayerParams& p, const Tensor& x, const Tensor& dy) {
+        for (int r : schedule) {
+          switched[static_cast<size_t>(layer.coords().rank)].push_back(record(layer, p, x, dy, r));
+        }
+      });
+  for (int r : schedule) {
+    OnRanks(
+        4, config, options, in,
+        [&](ParallelMoeLayer& layer, const moe::LayerParams& p, const Tensor& x, const Tensor& dy) {
+          fresh[static_cast<size_t>(layer.coords().rank)].push_back(record(layer, p, x, dy, r));
+        });
+  }
+  for (size_t rank = 0; rank < 4; ++rank) {
+    for (size_t s = 0; s < schedule.size(); ++s) {
+      const StepResult &a = switched[rank][s], &b = fresh[rank][s];
+      EXPECT_EQ(a.r, schedule[s]);
+      EXPECT_TRUE(SameBits(a.y, b.y)) << "rank " << rank << " step " << s;
+      EXPECT_TRUE(SameBits(a.dx, b.dx)) << "rank " << rank << " step " << s;
+      EXPECT_TRUE(SameBits(a.dgate, b.dgate)) << "rank " << rank << " step " << s;
+      EXPECT_TRUE(SameBits(a.dfc1, b.dfc1)) << "rank " << rank << " step " << s;
+      EXPECT_TRUE(SameBits(a.dfc2, b.dfc2)) << "rank " << rank << " step " << s;
+      EXPECT_TRUE(SameBits(a.dfc2_bias, b.dfc2_bias)) << "rank " << rank << " step " << s;
+    }
+  }
+  // And every r gives the single-rank result.
+  const testing::Reference ref = testing::WholeBatchReference(config, in);
+  for (int r : {0, 1, 2}) {
+    DriverOptions o;
+    o.parallel = options;
+    o.parallel.adaptive_r = r;
+    EXPECT_TRUE(MatchesReference(RunLayerOnRanks(config, in.params, in.x, in.dy, o), ref))
+        << "r = " << r;
+  }
+}
+
+TEST(ParallelLayer, SyncedGradientsAreEqualOnEveryHolder) {
+  const moe::LayerConfig config = SmallConfig(4, true);
+  const Inputs in = MakeInputs(config, 30, 51);
+  for (const char* name :
+       {"ds_tp2_dedup", "ds_tp2_nodedup", "ds_ep_replicas", "mg_etp2_ep2_edp2"}) {
+    for (const Layout& layout : testing::LayoutsFor(8, 4)) {
+      if (layout.name != name) continue;
+      std::vector<moe::LayerParams> grads(8);
+      std::vector<Tensor> ys(8);
+      std::vector<RankCoords> coords(8);
+      OnRanks(8, config, layout.options, in,
+              [&](ParallelMoeLayer& layer, const moe::LayerParams& p, const Tensor& x,
+                  const Tensor& dy) {
+                ParallelOutput out = layer.Forward(p, x);
+                ParallelGradients g = layer.Backward(p, out, dy);
+                layer.SyncGradients(&g.params);
+                const auto r = static_cast<size_t>(layer.coords().rank);
+                grads[r] = g.params;
+                ys[r] = out.layer.y;
+                coords[r] = layer.coords();
+              });
+      Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
+      for (int r = 0; r < 8; ++r) {
+        EXPECT_TRUE(SameBits(grads[r].gate_weight, grads[0].gate_weight)) << name << " rank " << r;
+        for (int peer : mesh.GroupOf(GroupKind::kExpertHolders, r)) {
+          EXPECT_TRUE(SameBits(grads[r].experts.fc1_weight, grads[peer].experts.fc1_weight))
+              << name << " ranks " << r << " and " << peer;
+          EXPECT_TRUE(SameBits(grads[r].experts.fc2_bias, grads[peer].experts.fc2_bias))
+              << name << " ranks " << r << " and " << peer;
+        }
+        // Tensor-parallel duplicates hold the same tokens and get the same outputs.
+        for (int peer : mesh.GroupOf(GroupKind::kTensor, r)) {
+          if (coords[peer].token_shard == coords[r].token_shard) {
+            EXPECT_TRUE(SameBits(ys[r], ys[peer])) << name << " ranks " << r << " and " << peer;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(ParallelLayer, TokenBytesMatchTheirFormula) {
+  // Fixed capacity, 4 ranks, 4 experts: each all-to-all sends 3 of its 4 blocks of [1, C, M].
+  const moe::LayerConfig config = SmallConfig(4, false, 1.0f);
+  const Inputs in = MakeInputs(config, 40, 61);
+  for (DispatchKind kind :
+       {DispatchKind::kAllToAll, DispatchKind::kAllToAllV, DispatchKind::kAllGather}) {
+    ParallelOptions options;
+    options.mesh.world_size = 4;
+    options.dispatch = kind;
+    options.batch_scope = BatchScope::kPerRank;
+    std::vector<double> fwd(4), bwd(4), expected(4), sent(4);
+    OnRanks(
+        4, config, options, in,
+        [&](ParallelMoeLayer& layer, const moe::LayerParams& p, const Tensor& x, const Tensor& dy) {
+          ParallelOutput out = layer.Forward(p, x);
+          ParallelGradients g = layer.Backward(p, out, dy);
+          const auto r = static_cast<size_t>(layer.coords().rank);
+          fwd[r] = out.stats.Bytes(Traffic::kTokens);
+          bwd[r] = g.stats.Bytes(Traffic::kTokens);
+          const double row_bytes = 16.0 * 4;
+          if (kind == DispatchKind::kAllToAll) {
+            // C = k * floor(cf * ceil(T / E)) = 2 * 3 with T = 10 per rank; two all-to-alls.
+            EXPECT_EQ(out.buffer_capacity, 6);
+            expected[r] = 2 * 3 * 6 * row_bytes;
+          } else if (kind == DispatchKind::kAllGather) {
+            // All-gather 3 x T_max rows, reduce-scatter 3/4 of [4 T_max] rows.
+            expected[r] = 2 * 3 * 10 * row_bytes;
+          }
+          // Kept rows for experts on other ranks (expert e lives on rank e).
+          for (int64_t e = 0; e < 4; ++e) {
+            if (e != static_cast<int64_t>(r)) {
+              sent[r] +=
+                  static_cast<double>(out.layer.expert_counts[static_cast<size_t>(e)]) * row_bytes;
+            }
+          }
+        });
+    double total_fwd = 0, total_sent = 0;
+    for (size_t r = 0; r < 4; ++r) {
+      if (kind != DispatchKind::kAllToAllV) {
+        EXPECT_EQ(fwd[r], expected[r]) << DispatchKindName(kind) << " rank " << r;
+      }
+      EXPECT_EQ(bwd[r], fwd[r]) << DispatchKindName(kind) << " rank " << r;
+      total_fwd += fwd[r];
+      total_sent += sent[r];
+    }
+    // All-to-all-v: exactly the kept rows, there and back.
+    if (kind == DispatchKind::kAllToAllV) {
+      EXPECT_EQ(total_fwd, 2 * total_sent);
+    }
+  }
+}
+
+TEST(ParallelLayer, ClearErrors) {
+  const Inputs in = MakeInputs(SmallConfig(4, true), 8, 71);
+  auto error = [&](const moe::LayerConfig& config, const ParallelOptions& p) -> std::string {
+    DriverOptions o;
+    o.parallel = p;
+    try {
+      Inputs local = MakeInputs(config, 8, 71);
+      RunLayerOnRanks(config, local.params, local.x, local.dy, o);
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "";
+  };
+  ParallelOptions p;
+  p.mesh.world_size = 4;
+  EXPECT_NE(error(SmallConfig(6, true), p).find("num_experts 6 is not divisible by ep 4"),
+            std::string::npos);
+  ParallelOptions r3 = p;
+  r3.adaptive_r = 3;
+  EXPECT_NE(error(SmallConfig(2, true), r3).find("adaptive r 3"), std::string::npos);
+  ParallelOptions hier = p;
+  hier.hierarchical_ranks_per_node = 2;
+  hier.dispatch = DispatchKind::kAllToAllV;
+  EXPECT_NE(error(SmallConfig(4, true), hier).find("2DH"), std::string::npos);
+  moe::LayerConfig shared = SmallConfig(4, true);
+  shared.shared_expert_hidden = 8;
+  EXPECT_NE(error(shared, p).find("shared experts"), std::string::npos);
+  DriverOptions bad_split;
+  bad_split.parallel = p;
+  bad_split.token_split = {1, 2, 3};
+  EXPECT_THROW(RunLayerOnRanks(SmallConfig(4, true), in.params, in.x, in.dy, bad_split),
+               InvalidArgument);
+  EXPECT_EQ(AdaptiveRFromString("auto"), kAdaptiveRAuto);
+  EXPECT_EQ(AdaptiveRFromString("2"), 2);
+  EXPECT_THROW(AdaptiveRFromString("two"), InvalidArgument);
+}
+
+TEST(AdaptiveR, AutoPicksTheCheapestBySpecFormula) {
+  // SPEC §2.3: DP 2P; EP+DP+MP 4 C_g r + 2 P / (E r).
+  EXPECT_DOUBLE_EQ(PredictedVolume(0, 1, 1000, 2), 2000);
+  EXPECT_DOUBLE_EQ(PredictedVolume(2, 1, 1000, 2), 8 + 500);
+  EXPECT_EQ(ChooseAdaptiveR(4, 1, 1000, 2), 4);     // tiny batches: model parallel
+  EXPECT_EQ(ChooseAdaptiveR(4, 1000, 1000, 2), 0);  // huge batches: gather the weights
+  EXPECT_EQ(ChooseAdaptiveR(4, 60, 1000, 2), 2);    // 4*60*2 + 250 = 730 < 740, 1000, 2000
+  EXPECT_EQ(ChooseAdaptiveR(1, 1, 1000, 2), 1);
+}
+
+TEST(GateLossSums, SumsOfTwoHalvesGiveTheWholeBatchsLossesAndGradients) {
+  for (moe::AuxLoss aux :
+       {moe::AuxLoss::kGShard, moe::AuxLoss::kGShardAllChoices, moe::AuxLoss::kImportanceLoad}) {
+    moe::LayerConfig c = SmallConfig(4, true);
+    c.aux_loss = aux;
+    c.noise =
+        aux == moe::AuxLoss::kImportanceLoad ? moe::NoiseKind::kTutelNormal : moe::NoiseKind::kNone;
+    const Inputs in = MakeInputs(c, 20, 81);
+    const moe::GateResult whole = moe::GateForward(c, in.x, in.params.gate_weight, Tensor(), {});
+    const moe::GateResult a =
+        moe::GateForward(c, in.x.Slice(0, 7), in.params.gate_weight, Tensor(), {0, 0});
+    const moe::GateResult b =
+        moe::GateForward(c, in.x.Slice(7, 20), in.params.gate_weight, Tensor(), {7, 0});
+    std::vector<double> sa = moe::ComputeGateLossSums(c, a).ToVector();
+    std::vector<double> sb = moe::ComputeGateLossSums(c, b).ToVector();
+    for (size_t i = 0; i < sa.size(); ++i) sa[i] += sb[i];
+    const moe::GateLossSums batch = moe::GateLossSums::FromVector(c, sa);
+    const moe::GateLosses expected = moe::ComputeGateLosses(c, whole);
+    const moe::GateLosses got = moe::GateLossesFromSums(c, batch);
+    EXPECT_NEAR(got.l_aux, expected.l_aux, 1e-6 * std::abs(expected.l_aux) + 1e-7);
+    EXPECT_NEAR(got.z_loss, expected.z_loss, 1e-6 * std::abs(expected.z_loss));
+    Tensor dw = Tensor::Zeros({20, 4}), da = Tensor::Zeros({7, 4}), db = Tensor::Zeros({13, 4});
+    moe::GateLossesBackward(c, whole, 0.5f, 0.25f, dw);
+    moe::GateLossesBackward(c, a, 0.5f, 0.25f, da, batch);
+    moe::GateLossesBackward(c, b, 0.5f, 0.25f, db, batch);
+    for (int64_t i = 0; i < 20 * 4; ++i) {
+      float got_i = i < 28 ? da.data<float>()[i] : db.data<float>()[i - 28];
+      EXPECT_NEAR(got_i, dw.data<float>()[i], 1e-6 + 1e-5 * std::abs(dw.data<float>()[i]))
+          << moe::AuxLossName(aux) << " element " << i;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace switchyard::parallel
