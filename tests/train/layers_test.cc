@@ -105,10 +105,14 @@ TEST_P(NormTest, ForwardNormalizes) {
     double mean = 0, sq = 0;
     for (int j = 0; j < 8; ++j) mean += yr[j];
     mean /= 8;
-    for (int j = 0; j < 8; ++j)
-      sq += (GetParam() == NormKind::kLayerNorm ? (yr[j] - mean) : yr[j]) *
-            (GetParam() == NormKind::kLayerNorm ? (yr[j] - mean) : yr[j]);
-    if (GetParam() == NormKind::kLayerNorm) EXPECT_NEAR(mean, 0.0, 1e-5);
+    bool layer_norm = GetParam() == NormKind::kLayerNorm;
+    for (int j = 0; j < 8; ++j) {
+      double centered = layer_norm ? yr[j] - mean : yr[j];
+      sq += centered * centered;
+    }
+    if (layer_norm) {
+      EXPECT_NEAR(mean, 0.0, 1e-5);
+    }
     EXPECT_NEAR(sq / 8, 1.0, 1e-3);  // unit variance (LayerNorm) / unit mean square (RMSNorm)
   }
 }
@@ -131,7 +135,7 @@ TEST_P(NormTest, GradientsMatchFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(Kinds, NormTest,
                          ::testing::Values(NormKind::kLayerNorm, NormKind::kRmsNorm),
-                         [](const auto& info) { return std::string(NormKindName(info.param)); });
+                         [](const auto& p) { return std::string(NormKindName(p.param)); });
 
 // Plain reference: per (sequence, head), causal softmax attention in double.
 std::vector<double> ReferenceAttention(const Tensor& qkv, int64_t batch, int64_t seq, int64_t m,

@@ -171,7 +171,7 @@ INSTANTIATE_TEST_SUITE_P(
                       GradCase{"untied_rmsnorm", false, NormKind::kRmsNorm, 0},
                       GradCase{"moe_every_2", true, NormKind::kLayerNorm, 2},
                       GradCase{"moe_every_1_untied", false, NormKind::kRmsNorm, 1}),
-    [](const auto& info) { return info.param.name; });
+    [](const auto& p) { return p.param.name; });
 
 TEST(ModelTest, LossScaleScalesEveryGradient) {
   ModelConfig c = TinyConfig();

@@ -321,7 +321,7 @@ TEST(GenerateTest, DeterministicForASeed) {
 class SharedMemoryDataParallel : public TrainHooks {
  public:
   struct Shared {
-    explicit Shared(int world) : world(world), barrier(world), slots(world) {}
+    explicit Shared(int world_size) : world(world_size), barrier(world_size), slots(world_size) {}
     int world;
     std::barrier<> barrier;
     std::vector<std::vector<double>> slots;
