@@ -17,6 +17,7 @@
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/moe/dispatch.h"
 #include "switchyard/moe/gate.h"
+#include "switchyard/moe/grouped_gemm.h"
 #include "switchyard/moe/layer.h"
 #include "switchyard/moe/losses.h"
 #include "switchyard/moe/plan.h"
@@ -75,7 +76,8 @@ class ExpertGemms {
 
   // Every GEMM step as one grouped GEMM (what the layer does).
   void RunGrouped(int threads) const {
-    for (const Step& s : Steps()) kernels::GroupedGemm(s.ta, s.tb, 1.0f, 0.0f, s.problems, threads);
+    for (const Step& s : Steps())
+      moe::ExpertGroupedGemm(s.ta, s.tb, 1.0f, 0.0f, s.problems, threads);
   }
   // The same products as a loop of plain GEMMs.
   void RunLoop() const {

@@ -8,6 +8,7 @@
 #include "moe/parallel_for.h"
 #include "switchyard/core/error.h"
 #include "switchyard/kernels/gemm.h"
+#include "switchyard/moe/grouped_gemm.h"
 
 namespace switchyard::moe {
 namespace {
@@ -223,11 +224,11 @@ Tensor ExpertsForward(const ExpertOptions& options, const ExpertWeights& w, cons
   // fc1 bias is added by the activation pass (one pass over [rows, H] instead of two).
   auto p1 = RowProblems(groups, x, m_dim, w.fc1_weight.data<float>(), h_dim * m_dim, m_dim,
                         pre1.data<float>(), h_dim, h_dim, m_dim);
-  kernels::GroupedGemm(Trans::kNo, Trans::kYes, 1.0f, 0.0f, p1, threads);
+  ExpertGroupedGemm(Trans::kNo, Trans::kYes, 1.0f, 0.0f, p1, threads);
   if (options.gated) {
     auto p3 = RowProblems(groups, x, m_dim, w.fc3_weight.data<float>(), h_dim * m_dim, m_dim,
                           pre3.data<float>(), h_dim, h_dim, m_dim);
-    kernels::GroupedGemm(Trans::kNo, Trans::kYes, 1.0f, 0.0f, p3, threads);
+    ExpertGroupedGemm(Trans::kNo, Trans::kYes, 1.0f, 0.0f, p3, threads);
   }
   const float* b1 = w.fc1_bias.defined() ? w.fc1_bias.data<float>() : nullptr;
   ForEachChunk(chunks, threads, [&](int64_t, const RowChunk& c) {
@@ -240,7 +241,7 @@ Tensor ExpertsForward(const ExpertOptions& options, const ExpertWeights& w, cons
   float beta2 = FillBias(w.fc2_bias, out, chunks, threads);
   auto p2 = RowProblems(groups, hidden.data<float>(), h_dim, w.fc2_weight.data<float>(),
                         m_dim * h_dim, h_dim, out.data<float>(), m_dim, m_dim, h_dim);
-  kernels::GroupedGemm(Trans::kNo, Trans::kYes, 1.0f, beta2, p2, threads);
+  ExpertGroupedGemm(Trans::kNo, Trans::kYes, 1.0f, beta2, p2, threads);
   ZeroPadding(out, groups);
 
   if (saved) {
@@ -272,12 +273,12 @@ ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeight
   g.weights.fc2_weight = Tensor::Empty(w.fc2_weight.shape());
   auto pw2 = WeightGradProblems(groups, dy, m_dim, s.hidden.data<float>(), h_dim,
                                 g.weights.fc2_weight.data<float>(), m_dim, h_dim);
-  kernels::GroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw2, threads);
+  ExpertGroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw2, threads);
   if (w.fc2_bias.defined()) g.weights.fc2_bias = BiasGrad(d_output, chunks, n_groups, threads);
   Tensor d_pre1 = Tensor::Empty({rows, h_dim});
   auto ph = RowProblems(groups, dy, m_dim, w.fc2_weight.data<float>(), m_dim * h_dim, h_dim,
                         d_pre1.data<float>(), h_dim, h_dim, m_dim);
-  kernels::GroupedGemm(Trans::kNo, Trans::kNo, 1.0f, 0.0f, ph, threads);
+  ExpertGroupedGemm(Trans::kNo, Trans::kNo, 1.0f, 0.0f, ph, threads);
 
   // Activation: d_pre1 = act'(pre1) * dh (* pre3); gated: d_pre3 = dh * act(pre1); the fc1
   // bias gradient is summed in the same pass.
@@ -298,19 +299,19 @@ ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeight
   g.weights.fc1_weight = Tensor::Empty(w.fc1_weight.shape());
   auto pw1 = WeightGradProblems(groups, d_pre1.data<float>(), h_dim, x, m_dim,
                                 g.weights.fc1_weight.data<float>(), h_dim, m_dim);
-  kernels::GroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw1, threads);
+  ExpertGroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw1, threads);
   g.input = Tensor::Empty({rows, m_dim});
   auto px1 = RowProblems(groups, d_pre1.data<float>(), h_dim, w.fc1_weight.data<float>(),
                          h_dim * m_dim, m_dim, g.input.data<float>(), m_dim, m_dim, h_dim);
-  kernels::GroupedGemm(Trans::kNo, Trans::kNo, 1.0f, 0.0f, px1, threads);
+  ExpertGroupedGemm(Trans::kNo, Trans::kNo, 1.0f, 0.0f, px1, threads);
   if (options.gated) {
     g.weights.fc3_weight = Tensor::Empty(w.fc3_weight.shape());
     auto pw3 = WeightGradProblems(groups, d_pre3.data<float>(), h_dim, x, m_dim,
                                   g.weights.fc3_weight.data<float>(), h_dim, m_dim);
-    kernels::GroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw3, threads);
+    ExpertGroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw3, threads);
     auto px3 = RowProblems(groups, d_pre3.data<float>(), h_dim, w.fc3_weight.data<float>(),
                            h_dim * m_dim, m_dim, g.input.data<float>(), m_dim, m_dim, h_dim);
-    kernels::GroupedGemm(Trans::kNo, Trans::kNo, 1.0f, 1.0f, px3, threads);
+    ExpertGroupedGemm(Trans::kNo, Trans::kNo, 1.0f, 1.0f, px3, threads);
   }
   ZeroPadding(g.input, groups);
   return g;

@@ -1,0 +1,295 @@
+#include "switchyard/moe/grouped_gemm.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "switchyard/core/error.h"
+
+// Functions compiled for AVX2 + FMA whatever the build's -march; called only after the run-time
+// check.
+#define SY_AVX2 __attribute__((target("avx2,fma")))
+
+namespace switchyard::moe {
+namespace {
+
+using kernels::GemmProblem;
+using kernels::Trans;
+
+// Lanes [0, n) set, n in [0, 8].
+SY_AVX2 inline __m256i TailMask(int64_t n) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)), lanes);
+}
+
+SY_AVX2 inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+
+// ---- NT: C[i, j] = dot(A[i, 0:k], B[j, 0:k]) on an MR x NR tile (MR * NR + NR + 1 <= 16 ymm).
+template <int MR, int NR>
+SY_AVX2 void DotTile(int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                     int64_t ldc, float alpha, float beta) {
+  __m256 acc[MR][NR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 3
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  }
+  int64_t kk = 0;
+  for (; kk + 8 <= k; kk += 8) {
+    __m256 bv[NR];
+#pragma GCC unroll 3
+    for (int j = 0; j < NR; ++j) bv[j] = _mm256_loadu_ps(b + j * ldb + kk);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      __m256 av = _mm256_loadu_ps(a + i * lda + kk);
+#pragma GCC unroll 3
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(av, bv[j], acc[i][j]);
+    }
+  }
+  if (kk < k) {
+    const __m256i mask = TailMask(k - kk);
+    __m256 bv[NR];
+#pragma GCC unroll 3
+    for (int j = 0; j < NR; ++j) bv[j] = _mm256_maskload_ps(b + j * ldb + kk, mask);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      __m256 av = _mm256_maskload_ps(a + i * lda + kk, mask);
+#pragma GCC unroll 3
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(av, bv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 3
+    for (int j = 0; j < NR; ++j) {
+      float v = alpha * HorizontalSum(acc[i][j]);
+      float* cp = c + i * ldc + j;
+      *cp = beta == 0.0f ? v : v + beta * *cp;
+    }
+  }
+}
+
+constexpr int kDotMr = 4, kDotNr = 3;
+using DotFn = void (*)(int64_t, const float*, int64_t, const float*, int64_t, float*, int64_t,
+                       float, float);
+constexpr DotFn kDotTiles[kDotMr][kDotNr] = {
+    {DotTile<1, 1>, DotTile<1, 2>, DotTile<1, 3>},
+    {DotTile<2, 1>, DotTile<2, 2>, DotTile<2, 3>},
+    {DotTile<3, 1>, DotTile<3, 2>, DotTile<3, 3>},
+    {DotTile<4, 1>, DotTile<4, 2>, DotTile<4, 3>},
+};
+
+SY_AVX2 void GemmNT(const GemmProblem& p, float alpha, float beta) {
+  // B rows (3 at a time) stay in L1 while every A row block passes over them.
+  for (int64_t j0 = 0; j0 < p.n; j0 += kDotNr) {
+    int64_t nr = std::min<int64_t>(kDotNr, p.n - j0);
+    for (int64_t i0 = 0; i0 < p.m; i0 += kDotMr) {
+      int64_t mr = std::min<int64_t>(kDotMr, p.m - i0);
+      kDotTiles[mr - 1][nr - 1](p.k, p.a + i0 * p.lda, p.lda, p.b + j0 * p.ldb, p.ldb,
+                                p.c + i0 * p.ldc + j0, p.ldc, alpha, beta);
+    }
+  }
+}
+
+// ---- NN / TN: C[i, 0:16] += A(i, kk) * B[kk, 0:16] on an MR x 16 tile; A(i, kk) is at
+// a[i * a_rs + kk * a_cs]. kFull: all 16 columns exist; otherwise the first `nr`.
+template <int MR, bool kFull>
+SY_AVX2 void BroadcastTile(int64_t k, const float* a, int64_t a_rs, int64_t a_cs, const float* b,
+                           int64_t ldb, float* c, int64_t ldc, int64_t nr, float alpha,
+                           float beta) {
+  __m256 acc0[MR], acc1[MR];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+  __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
+  if (!kFull) {
+    m0 = TailMask(std::min<int64_t>(nr, 8));
+    m1 = TailMask(std::max<int64_t>(nr - 8, 0));
+  }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* br = b + kk * ldb;
+    __m256 b0 = kFull ? _mm256_loadu_ps(br) : _mm256_maskload_ps(br, m0);
+    __m256 b1 = kFull ? _mm256_loadu_ps(br + 8) : _mm256_maskload_ps(br + 8, m1);
+    const float* ak = a + kk * a_cs;
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      __m256 av = _mm256_broadcast_ss(ak + i * a_rs);
+      acc0[i] = _mm256_fmadd_ps(av, b0, acc0[i]);
+      acc1[i] = _mm256_fmadd_ps(av, b1, acc1[i]);
+    }
+  }
+  const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
+  // Every loop over the tile is unrolled so the accumulators stay in registers (a rolled loop
+  // here makes GCC keep them in memory and store them on every k step).
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) {
+    float* cr = c + i * ldc;
+    __m256 r0 = _mm256_mul_ps(va, acc0[i]), r1 = _mm256_mul_ps(va, acc1[i]);
+    if (kFull) {
+      if (beta != 0.0f) {
+        r0 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(cr), r0);
+        r1 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(cr + 8), r1);
+      }
+      _mm256_storeu_ps(cr, r0);
+      _mm256_storeu_ps(cr + 8, r1);
+    } else {
+      if (beta != 0.0f) {
+        r0 = _mm256_fmadd_ps(vb, _mm256_maskload_ps(cr, m0), r0);
+        r1 = _mm256_fmadd_ps(vb, _mm256_maskload_ps(cr + 8, m1), r1);
+      }
+      _mm256_maskstore_ps(cr, m0, r0);
+      _mm256_maskstore_ps(cr + 8, m1, r1);
+    }
+  }
+}
+
+constexpr int kBcastMr = 6, kBcastNr = 16;
+using BcastFn = void (*)(int64_t, const float*, int64_t, int64_t, const float*, int64_t, float*,
+                         int64_t, int64_t, float, float);
+constexpr BcastFn kBcastTiles[2][kBcastMr] = {
+    {BroadcastTile<1, false>, BroadcastTile<2, false>, BroadcastTile<3, false>,
+     BroadcastTile<4, false>, BroadcastTile<5, false>, BroadcastTile<6, false>},
+    {BroadcastTile<1, true>, BroadcastTile<2, true>, BroadcastTile<3, true>, BroadcastTile<4, true>,
+     BroadcastTile<5, true>, BroadcastTile<6, true>},
+};
+
+// NN: reading a 16-column panel of B steps through memory by ldb per k, which defeats the
+// hardware prefetchers. So B is first repacked in one sequential pass into panels [n / 16][k][16]
+// (each panel contiguous), which the row blocks of A then read from cache.
+SY_AVX2 void GemmNN(const GemmProblem& p, float alpha, float beta) {
+  thread_local std::vector<float> packed;
+  const int64_t panels = (p.n + kBcastNr - 1) / kBcastNr;
+  const int64_t panel_size = p.k * kBcastNr;
+  packed.resize(static_cast<size_t>(panels * panel_size));
+  const int64_t full_panels = p.n / kBcastNr;
+  const int64_t rest = p.n - full_panels * kBcastNr;
+  const __m256i m0 = TailMask(std::min<int64_t>(rest, 8)),
+                m1 = TailMask(std::max<int64_t>(rest - 8, 0));
+  for (int64_t kk = 0; kk < p.k; ++kk) {
+    const float* src = p.b + kk * p.ldb;
+    float* dst = packed.data() + kk * kBcastNr;
+    for (int64_t q = 0; q < full_panels; ++q) {
+      _mm256_storeu_ps(dst + q * panel_size, _mm256_loadu_ps(src + q * kBcastNr));
+      _mm256_storeu_ps(dst + q * panel_size + 8, _mm256_loadu_ps(src + q * kBcastNr + 8));
+    }
+    if (rest > 0) {
+      const float* s = src + full_panels * kBcastNr;
+      float* d = dst + full_panels * panel_size;
+      _mm256_storeu_ps(d, _mm256_maskload_ps(s, m0));
+      _mm256_storeu_ps(d + 8, _mm256_maskload_ps(s + 8, m1));
+    }
+  }
+  for (int64_t q = 0; q < panels; ++q) {
+    const int64_t j0 = q * kBcastNr;
+    const int64_t nr = std::min<int64_t>(kBcastNr, p.n - j0);
+    const float* panel = packed.data() + q * panel_size;
+    for (int64_t i0 = 0; i0 < p.m; i0 += kBcastMr) {
+      int64_t mr = std::min<int64_t>(kBcastMr, p.m - i0);
+      kBcastTiles[nr == kBcastNr][mr - 1](p.k, p.a + i0 * p.lda, p.lda, 1, panel, kBcastNr,
+                                          p.c + i0 * p.ldc + j0, p.ldc, nr, alpha, beta);
+    }
+  }
+}
+
+// TN (weight gradients, k = the expert's rows is small): row blocks outside, so C [m, n] is
+// written row after row and the small B (k x n) stays in cache.
+SY_AVX2 void GemmTN(const GemmProblem& p, float alpha, float beta) {
+  for (int64_t i0 = 0; i0 < p.m; i0 += kBcastMr) {
+    int64_t mr = std::min<int64_t>(kBcastMr, p.m - i0);
+    for (int64_t j0 = 0; j0 < p.n; j0 += kBcastNr) {
+      int64_t nr = std::min<int64_t>(kBcastNr, p.n - j0);
+      kBcastTiles[nr == kBcastNr][mr - 1](p.k, p.a + i0, 1, p.lda, p.b + j0, p.ldb,
+                                          p.c + i0 * p.ldc + j0, p.ldc, nr, alpha, beta);
+    }
+  }
+}
+
+bool IsSmall(Trans trans_a, Trans trans_b, const GemmProblem& p) {
+  if (trans_b == Trans::kYes) return trans_a == Trans::kNo && p.m <= kSmallGemmMaxRows;
+  return trans_a == Trans::kNo ? p.m <= kSmallGemmMaxRows : p.k <= kSmallGemmMaxInner;
+}
+
+}  // namespace
+
+bool SmallGemmAvailable() {
+  static const bool available = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return available;
+}
+
+void SmallGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta) {
+  SY_CHECK(SmallGemmAvailable(), "SmallGemm needs AVX2 and FMA");
+  SY_REQUIRE(p.m >= 0 && p.n >= 0 && p.k >= 0, InvalidArgument,
+             "SmallGemm: negative size m={} n={} k={}", p.m, p.n, p.k);
+  if (p.m == 0 || p.n == 0) return;
+  if (p.k == 0) {
+    // C = beta * C (as kernels::Gemm does).
+    kernels::Gemm(trans_a, trans_b, p.m, p.n, 0, alpha, p.a, p.lda, p.b, p.ldb, beta, p.c, p.ldc);
+    return;
+  }
+  if (trans_a == Trans::kNo && trans_b == Trans::kYes) {
+    GemmNT(p, alpha, beta);
+  } else if (trans_a == Trans::kNo && trans_b == Trans::kNo) {
+    GemmNN(p, alpha, beta);
+  } else if (trans_a == Trans::kYes && trans_b == Trans::kNo) {
+    GemmTN(p, alpha, beta);
+  } else {
+    throw InvalidArgument("SmallGemm: A^T B^T is not supported");
+  }
+}
+
+void ExpertGroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,
+                       std::span<const GemmProblem> problems, int threads) {
+  const bool kernels_ok = SmallGemmAvailable();
+  auto run = [&](const GemmProblem& p) {
+    if (kernels_ok && IsSmall(trans_a, trans_b, p)) {
+      SmallGemm(trans_a, trans_b, p, alpha, beta);
+    } else {
+      kernels::Gemm(trans_a, trans_b, p.m, p.n, p.k, alpha, p.a, p.lda, p.b, p.ldb, beta, p.c,
+                    p.ldc);
+    }
+  };
+  // As kernels::GroupedGemm: spread problems over threads only when BLAS is single-threaded.
+  int workers = std::min<int>(threads, static_cast<int>(problems.size()));
+  if (workers <= 1 || kernels::BlasThreads() > 1) {
+    for (const auto& p : problems) run(p);
+    return;
+  }
+  std::vector<size_t> order(problems.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+    const auto& p = problems[x];
+    const auto& q = problems[y];
+    return p.m * p.n * p.k > q.m * q.n * q.k;
+  });
+  std::atomic<size_t> next{0};
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(workers));
+  auto worker = [&](int w) {
+    try {
+      for (size_t i; (i = next.fetch_add(1)) < order.size();) run(problems[order[i]]);
+    } catch (...) {
+      errors[static_cast<size_t>(w)] = std::current_exception();
+    }
+  };
+  {
+    std::vector<std::jthread> pool;
+    for (int t = 1; t < workers; ++t) pool.emplace_back(worker, t);
+    worker(0);
+  }
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+}  // namespace switchyard::moe
