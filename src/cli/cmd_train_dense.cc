@@ -1,5 +1,6 @@
 // `switchyard train-dense`: the single-rank trainer of src/train on the default corpus, for
 // trying it out until `switchyard train` (ranks, expert parallelism) is wired on top of it.
+// Dense by default; --moe_every N puts single-rank MoE layers in every N-th block.
 // Every TrainConfig key is a flag (--model_dim 128, --steps 500, ...) and a key of the JSON
 // file given with --config; flags override the file.
 #include <fmt/format.h>
@@ -29,10 +30,6 @@ int RunTrainDense(const TrainDenseOptions& o) {
     config = train::TrainConfigFromJson(ReadTextFile(o.config_file), config);
   }
   for (const auto& [key, text] : o.values) train::SetTrainConfigValue(config, key, text);
-  SY_REQUIRE(config.model.moe_every == 0, InvalidArgument,
-             "train-dense trains dense models only (moe_every must be 0, got {}); MoE blocks "
-             "come with `switchyard train`",
-             config.model.moe_every);
   train::Trainer trainer(config);
   train::RunOptions run;
   run.resume = o.resume;
@@ -43,7 +40,8 @@ int RunTrainDense(const TrainDenseOptions& o) {
 
 SY_REGISTER_COMMAND(Command{
     "", "train-dense",
-    "Train the dense transformer on one rank (temporary; `switchyard train` will replace it)",
+    "Train the transformer on one rank (dense; MoE with --moe_every; temporary until `switchyard "
+    "train`)",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<TrainDenseOptions>();
       app.add_option("--config", o->config_file, "JSON file whose keys are the flags below");

@@ -215,6 +215,16 @@ LmOutput TransformerLm::Forward(const Tensor& tokens, const Tensor& targets,
   return out;
 }
 
+void TransformerLm::EndStep(const std::vector<std::vector<int64_t>>& global_expert_loads) {
+  SY_REQUIRE(static_cast<int64_t>(global_expert_loads.size()) == num_moe_blocks(), InvalidArgument,
+             "EndStep: expected loads of {} MoE blocks, got {}", num_moe_blocks(),
+             global_expert_loads.size());
+  size_t i = 0;
+  for (const auto& b : blocks_) {
+    if (b->ffn().is_moe()) b->ffn().EndStep(global_expert_loads[i++]);
+  }
+}
+
 void TransformerLm::Backward(const LmOutput& forward, float loss_scale, int threads) {
   SY_REQUIRE(forward.state != nullptr, InvalidArgument,
              "Backward: the forward pass was run without save_for_backward");

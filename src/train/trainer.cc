@@ -14,6 +14,7 @@
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/train/generate.h"
+#include "switchyard/train/moe_feed_forward.h"
 #include "switchyard/train/progress.h"
 
 namespace switchyard::train {
@@ -46,6 +47,7 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("expert_hidden_dim", c.expert_hidden_dim);
   fn("aux_loss_coef", c.aux_loss_coef);
   fn("z_loss_coef", c.z_loss_coef);
+  fn("moe_layer_config", c.moe_layer_config);
   fn("data", c.data);
   fn("val_fraction", c.val_fraction);
   fn("steps", c.steps);
@@ -172,6 +174,7 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"expert_hidden_dim", "hidden size of an expert (0: hidden_dim)"},
       {"aux_loss_coef", "load-balancing loss coefficient"},
       {"z_loss_coef", "router z-loss coefficient"},
+      {"moe_layer_config", "layer.json with the other MoE options (preset, drop policy, ...)"},
       {"data", "training text file (default: the fortunes corpus)"},
       {"val_fraction", "fraction of records held out for the validation loss"},
       {"steps", "training steps"},
@@ -215,6 +218,28 @@ void SetTrainConfigValue(TrainConfig& config, std::string_view key, std::string_
   json j = json::object();
   j[std::string(key)] = value;
   config = TrainConfigFromJson(j.dump(), config);
+}
+
+moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
+  json j = json::object();
+  if (!c.moe_layer_config.empty()) {
+    try {
+      j = json::parse(ReadTextFile(c.moe_layer_config));
+    } catch (const json::exception& e) {
+      throw InvalidArgument(fmt::format("{}: not valid JSON: {}", c.moe_layer_config, e.what()));
+    }
+    SY_REQUIRE(j.is_object(), InvalidArgument, "{}: expected a JSON object", c.moe_layer_config);
+  }
+  j["model_dim"] = c.model.model_dim;
+  j["hidden_dim"] = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : c.model.hidden_dim;
+  j["num_experts"] = c.num_experts;
+  j["top_k"] = c.top_k;
+  j["capacity_factor"] = c.capacity_factor;
+  j["aux_loss_coef"] = c.aux_loss_coef;
+  j["z_loss_coef"] = c.z_loss_coef;
+  j["activation"] = std::string(kernels::ActivationName(c.model.activation));
+  j["seed"] = c.seed;
+  return moe::LayerConfigFromJson(j.dump());
 }
 
 void ValidateTrainConfig(const TrainConfig& c) {
@@ -268,6 +293,9 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
   sampler_ = std::make_unique<BatchSampler>(corpus_.train, c.model.seq_len, c.seed);
   eval_batches_ = EvaluationBatches(corpus_.val, c.model.seq_len, c.batch_size, c.eval_tokens);
 
+  if (moe_factory == nullptr && c.model.moe_every > 0) {
+    moe_factory = MoeFeedForwardFactory(MoeLayerConfig(c));
+  }
   model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory));
   optimizer_ = AdamW(AdamWOptions{.beta1 = static_cast<float>(c.beta1),
                                   .beta2 = static_cast<float>(c.beta2),
@@ -336,6 +364,7 @@ StepMetrics Trainer::Step() {
     }
     m.expert_load.push_back(std::move(load));
   }
+  if (!m.expert_load.empty()) model_->EndStep(m.expert_load);
   m.lr = lr;
   m.grad_norm = grad_norm;
   m.step_time_s = Now() - t0;

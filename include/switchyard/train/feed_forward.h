@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -66,6 +67,9 @@ class FeedForward {
   // multiplies the gradient of the auxiliary loss term (the objective's weight on it).
   virtual Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
                           int threads) = 0;
+  // After the optimizer step, with the step's expert loads summed over all ranks ([num_experts]
+  // routed pairs): state updates that are not gradient steps (aux-loss-free expert bias).
+  virtual void EndStep(std::span<const int64_t> global_expert_loads) {}
 };
 
 // Builds the FFN of block `block_index`. `prefix` is where its parameters go (e.g.

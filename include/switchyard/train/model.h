@@ -123,6 +123,9 @@ class TransformerLm {
                    bool keep_logits = false);
   // Accumulates loss_scale * d(loss)/d(parameters) into the gradients.
   void Backward(const LmOutput& forward, float loss_scale = 1.0f, int threads = 1);
+  // After the optimizer step: hands each MoE block its step's expert loads summed over all
+  // ranks (one vector per MoE block, in block order; see FeedForward::EndStep).
+  void EndStep(const std::vector<std::vector<int64_t>>& global_expert_loads);
 
  private:
   ModelConfig config_;

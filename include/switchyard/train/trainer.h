@@ -23,6 +23,7 @@
 #include <string_view>
 #include <vector>
 
+#include "switchyard/moe/config.h"
 #include "switchyard/train/checkpoint.h"
 #include "switchyard/train/data.h"
 #include "switchyard/train/feed_forward.h"
@@ -44,6 +45,9 @@ struct TrainConfig {
   int64_t expert_hidden_dim = 0;  // 0: model.hidden_dim
   double aux_loss_coef = 0.01;
   double z_loss_coef = 0.0;
+  // A layer.json (moe/config.h) with every other MoE option (preset, drop policy, noise, ...);
+  // the keys above override its sizes and coefficients. "": the moe::LayerConfig defaults.
+  std::string moe_layer_config;
 
   // Data.
   std::string data;  // a text file; "" = the fortunes corpus (kFortunesDir)
@@ -81,6 +85,11 @@ std::string TrainConfigToJson(const TrainConfig& config);
 TrainConfig TrainConfigFromJson(std::string_view json_text, const TrainConfig& base = {});
 // Checks values (InvalidArgument naming the key).
 void ValidateTrainConfig(const TrainConfig& config);
+
+// The MoE layer options of the config's MoE blocks (model_dim, hidden_dim = expert_hidden_dim or
+// hidden_dim, num_experts, top_k, capacity_factor, coefficients, activation, seed), on top of
+// moe_layer_config's file when given. Throws InvalidArgument / IoError.
+moe::LayerConfig MoeLayerConfig(const TrainConfig& config);
 
 // Every key with a one-line description, in TrainConfigToJson's order (for command-line flags).
 struct ConfigKey {
@@ -147,9 +156,9 @@ struct RunSummary {
 
 class Trainer {
  public:
-  // Loads the corpus and builds the model and optimizer. `moe_factory` builds MoE FFNs (needed
-  // iff config.model.moe_every > 0); `hooks` may be null (one rank) and must outlive the
-  // trainer. Sets the BLAS thread count to this rank's budget.
+  // Loads the corpus and builds the model and optimizer. `moe_factory` builds the MoE FFNs
+  // (null: single-rank MoeFeedForward layers of MoeLayerConfig(config)); `hooks` may be null
+  // (one rank) and must outlive the trainer. Sets the BLAS thread count to this rank's budget.
   Trainer(TrainConfig config, FeedForwardFactory moe_factory = nullptr,
           TrainHooks* hooks = nullptr);
   ~Trainer();

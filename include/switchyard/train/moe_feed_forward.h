@@ -1,0 +1,50 @@
+// The MoE layer (moe::MoeLayer, SPEC §1) as the FFN of a transformer block.
+//
+// Parameters are moe::ParamShapes' tensors under the block's prefix ("blocks.3.moe." +
+// "gate.weight", "experts.fc1.weight" [E, H, M], ...), sharing storage with the layer's
+// LayerParams: expert tensors ("experts.*") are ParamGroup::kExpert, everything else dense;
+// matrices get weight decay, biases do not; "gate.expert_bias" (aux-loss-free balancing) is a
+// buffer, updated by EndStep from the step's global expert loads.
+//
+// The objective term is aux_loss_coef * l_aux + z_loss_coef * z_loss (the layer's config).
+// Evaluation passes (context.training = false) run without gate noise or random routing.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "switchyard/moe/config.h"
+#include "switchyard/moe/layer.h"
+#include "switchyard/train/feed_forward.h"
+
+namespace switchyard::train {
+
+class MoeFeedForward : public FeedForward {
+ public:
+  // Validates the config (InvalidArgument). Parameters are initialized by moe::InitParams with
+  // a seed derived from `seed` and `prefix`.
+  MoeFeedForward(ParameterSet& params, const std::string& prefix, moe::LayerConfig config,
+                 uint64_t seed);
+
+  bool is_moe() const override { return true; }
+  int64_t num_experts() const override { return train_layer_.config().num_experts; }
+  const moe::LayerConfig& config() const { return train_layer_.config(); }
+
+  FeedForwardOutput Forward(const Tensor& x, const FeedForwardContext& context) override;
+  Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
+                  int threads) override;
+  void EndStep(std::span<const int64_t> global_expert_loads) override;
+
+ private:
+  moe::MoeLayer train_layer_;
+  moe::MoeLayer eval_layer_;  // config.training = false
+  moe::LayerParams layer_params_;
+  std::string prefix_;
+  ParameterSet* params_;
+};
+
+// Builds MoeFeedForward FFNs from `config` (model_dim etc. as given; seed keys routing draws).
+FeedForwardFactory MoeFeedForwardFactory(const moe::LayerConfig& config);
+
+}  // namespace switchyard::train

@@ -1,0 +1,104 @@
+#include "switchyard/train/moe_feed_forward.h"
+
+#include "switchyard/core/rng.h"
+#include "switchyard/moe/gate.h"
+
+namespace switchyard::train {
+namespace {
+
+moe::LayerConfig EvalConfig(moe::LayerConfig c) {
+  c.training = false;
+  return c;
+}
+
+// What the backward needs besides the layer's own state.
+struct MoeState {
+  moe::LayerOutput out;
+  bool training = true;
+};
+
+}  // namespace
+
+MoeFeedForward::MoeFeedForward(ParameterSet& params, const std::string& prefix,
+                               moe::LayerConfig config, uint64_t seed)
+    : train_layer_(config), eval_layer_(EvalConfig(config)), prefix_(prefix), params_(&params) {
+  layer_params_ = moe::InitParams(config, seed ^ (InitStream(prefix) - kStreamInit));
+  for (const auto& [name, tensor] : moe::ParamsToMap(config, layer_params_)) {
+    ParamOptions o;
+    o.group = name.starts_with("experts.") ? ParamGroup::kExpert : ParamGroup::kDense;
+    o.weight_decay = tensor.dim() >= 2 && name.ends_with(".weight");
+    o.trainable = name != "gate.expert_bias";
+    params.Add(prefix + name, tensor, o);
+  }
+}
+
+FeedForwardOutput MoeFeedForward::Forward(const Tensor& x, const FeedForwardContext& context) {
+  moe::ForwardOptions o;
+  o.global_token_offset = context.global_token_offset;
+  o.step = context.step;
+  o.threads = context.threads;
+  o.save_for_backward = context.save_for_backward;
+  const moe::MoeLayer& layer = context.training ? train_layer_ : eval_layer_;
+  auto state = std::make_shared<MoeState>();
+  state->out = layer.Forward(layer_params_, x, o);
+  state->training = context.training;
+  const moe::LayerOutput& out = state->out;
+  const moe::LayerConfig& c = layer.config();
+  FeedForwardOutput r;
+  r.y = out.y;
+  r.aux_loss = out.l_aux;
+  r.z_loss = out.z_loss;
+  r.loss = static_cast<double>(c.aux_loss_coef) * out.l_aux +
+           static_cast<double>(c.z_loss_coef) * out.z_loss;
+  r.routing.expert_loads = out.expert_loads;
+  r.routing.expert_counts = out.expert_counts;
+  for (int64_t l : out.expert_loads) r.routing.routed += l;
+  r.routing.dropped = out.dropped;
+  if (context.save_for_backward) r.state = state;
+  return r;
+}
+
+Tensor MoeFeedForward::Backward(const FeedForwardOutput& forward, const Tensor& dy,
+                                float loss_scale, int threads) {
+  SY_CHECK(forward.state != nullptr, "MoeFeedForward::Backward needs save_for_backward");
+  const auto& s = *static_cast<const MoeState*>(forward.state.get());
+  const moe::MoeLayer& layer = s.training ? train_layer_ : eval_layer_;
+  // The layer differentiates sum(y * dy) + loss. For sum(y * dy) + loss_scale * loss, pass
+  // dy / loss_scale and scale every gradient by loss_scale.
+  Tensor d = dy;
+  if (loss_scale != 1.0f) {
+    SY_REQUIRE(loss_scale != 0.0f, InvalidArgument, "MoeFeedForward: loss_scale must not be 0");
+    d = dy.Clone();
+    float* p = d.data<float>();
+    for (int64_t i = 0; i < d.numel(); ++i) p[i] /= loss_scale;
+  }
+  moe::LayerGradients g = layer.Backward(layer_params_, s.out, d, threads);
+  for (const auto& [name, grad] : moe::ParamsToMap(layer.config(), g.params)) {
+    Parameter& p = params_->Get(prefix_ + name);
+    if (!p.options.trainable) continue;
+    ExpectShape(p.name, grad, p.value.shape());
+    float* dst = p.grad.data<float>();
+    const float* src = grad.data<float>();
+    for (int64_t i = 0; i < grad.numel(); ++i) dst[i] += loss_scale * src[i];
+  }
+  Tensor dx = g.x;
+  if (loss_scale != 1.0f) {
+    float* p = dx.data<float>();
+    for (int64_t i = 0; i < dx.numel(); ++i) p[i] *= loss_scale;
+  }
+  return dx;
+}
+
+void MoeFeedForward::EndStep(std::span<const int64_t> global_expert_loads) {
+  const moe::LayerConfig& c = train_layer_.config();
+  if (!c.expert_bias) return;
+  moe::UpdateExpertBias(global_expert_loads, c.expert_bias_update_rate, layer_params_.expert_bias);
+}
+
+FeedForwardFactory MoeFeedForwardFactory(const moe::LayerConfig& config) {
+  return [config](int64_t, const std::string& prefix, ParameterSet& params, uint64_t seed) {
+    return std::make_unique<MoeFeedForward>(params, prefix, config, seed);
+  };
+}
+
+}  // namespace switchyard::train
