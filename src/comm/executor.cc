@@ -15,8 +15,8 @@ void Executor::Submit(const std::shared_ptr<detail::WorkState>& state,
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) {
       std::lock_guard<std::mutex> state_lock(state->mu);
-      state->error = std::make_exception_ptr(
-          PeerError("collective submitted to a communicator that is being destroyed"));
+      state->error = detail::WorkState::ErrorKind::kPeer;
+      state->error_message = "collective submitted to a communicator that is being destroyed";
       state->done = true;
       state->body = nullptr;
       return;
@@ -49,17 +49,39 @@ bool Executor::TryRunInline(const std::shared_ptr<detail::WorkState>& state) {
 }
 
 void Executor::Run(detail::WorkState& state) {
-  std::exception_ptr error;
+  using Kind = detail::WorkState::ErrorKind;
+  Kind kind = Kind::kNone;
+  std::string message;
   try {
     state.body(state.seq);
+  } catch (const TimeoutError& e) {
+    kind = Kind::kTimeout;
+    message = e.what();
+  } catch (const PeerError& e) {
+    kind = Kind::kPeer;
+    message = e.what();
+  } catch (const InvalidArgument& e) {
+    kind = Kind::kInvalidArgument;
+    message = e.what();
+  } catch (const IoError& e) {
+    kind = Kind::kIo;
+    message = e.what();
+  } catch (const InternalError& e) {
+    kind = Kind::kInternal;
+    message = e.what();
+  } catch (const std::exception& e) {
+    kind = Kind::kOther;
+    message = e.what();
   } catch (...) {
-    error = std::current_exception();
+    kind = Kind::kOther;
+    message = "non-standard exception";
   }
   std::shared_ptr<Executor> keep;  // released outside the lock
   std::function<void(uint64_t)> body;
   {
     std::lock_guard<std::mutex> lock(state.mu);
-    state.error = error;
+    state.error = kind;
+    state.error_message = std::move(message);
     state.done = true;
     keep = std::move(state.executor);
     body = std::move(state.body);
@@ -100,8 +122,8 @@ void Executor::Shutdown() {
     std::shared_ptr<Executor> keep;
     {
       std::lock_guard<std::mutex> lock(state->mu);
-      state->error = std::make_exception_ptr(
-          PeerError("communicator destroyed before this collective started"));
+      state->error = detail::WorkState::ErrorKind::kPeer;
+      state->error_message = "communicator destroyed before this collective started";
       state->done = true;
       state->body = nullptr;
       keep = std::move(state->executor);
@@ -110,6 +132,18 @@ void Executor::Shutdown() {
     keep.reset();
   }
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+void detail::WorkState::Rethrow() const {
+  switch (error) {
+    case ErrorKind::kNone: return;
+    case ErrorKind::kTimeout: throw TimeoutError(error_message);
+    case ErrorKind::kPeer: throw PeerError(error_message);
+    case ErrorKind::kInvalidArgument: throw InvalidArgument(error_message);
+    case ErrorKind::kIo: throw IoError(error_message);
+    case ErrorKind::kInternal: throw InternalError(error_message);
+    case ErrorKind::kOther: throw Error(error_message);
+  }
 }
 
 // ---- Work ----
@@ -139,7 +173,7 @@ void Work::Wait() const {
     lock.lock();
   }
   state_->cv.wait(lock, [&] { return state_->done; });
-  if (state_->error) std::rethrow_exception(state_->error);
+  state_->Rethrow();
 }
 
 void Work::Wait(Milliseconds timeout) const {
@@ -151,7 +185,7 @@ void Work::Wait(Milliseconds timeout) const {
     throw TimeoutError(fmt::format("Work::Wait: collective #{} still running after {} ms",
                                    state_->seq, timeout.count()));
   }
-  if (state_->error) std::rethrow_exception(state_->error);
+  state_->Rethrow();
 }
 
 }  // namespace switchyard::comm

@@ -5,7 +5,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
-#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -22,10 +21,25 @@ struct WorkState {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;                       // guarded by mu
-  std::exception_ptr error;                // guarded by mu, set before done
   uint64_t seq = 0;                        // position in the communicator's order, set by Submit
   std::function<void(uint64_t seq)> body;  // released once run
   std::shared_ptr<Executor> executor;      // while queued: lets Wait() run it inline
+  // The error as its type and message (guarded by mu, set before done). Each Wait() throws a
+  // fresh exception, so an exception object is never shared between threads.
+  enum class ErrorKind : uint8_t {
+    kNone,
+    kTimeout,
+    kPeer,
+    kInvalidArgument,
+    kIo,
+    kInternal,
+    kOther
+  };
+  ErrorKind error = ErrorKind::kNone;
+  std::string error_message;
+
+  // Throws the stored error, if any.
+  void Rethrow() const;
 };
 }  // namespace detail
 
