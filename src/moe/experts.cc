@@ -20,19 +20,33 @@ using kernels::Trans;
 // count) so that reductions over chunks give the same bits for any thread count.
 constexpr int64_t kChunkRows = 128;
 
-// A contiguous range of buffer rows inside one group.
+// The [*, H] intermediates hold only the groups' rows, back to back (compact), so capacity
+// padding costs no memory there: group g starts at compact row CompactBegin(groups)[g].
+std::vector<int64_t> CompactBegin(const ExpertGroups& groups) {
+  std::vector<int64_t> begin(groups.rows.size());
+  int64_t next = 0;
+  for (size_t g = 0; g < groups.rows.size(); ++g) {
+    begin[g] = next;
+    next += groups.rows[g];
+  }
+  return begin;
+}
+
+// A contiguous range of rows inside one group.
 struct RowChunk {
   int64_t group;
-  int64_t begin;  // buffer row
+  int64_t begin;    // row of the [rows, M] buffers
+  int64_t compact;  // row of the compact [*, H] intermediates
   int64_t rows;
 };
 
 std::vector<RowChunk> Chunks(const ExpertGroups& groups) {
   std::vector<RowChunk> chunks;
+  const std::vector<int64_t> compact = CompactBegin(groups);
   for (size_t g = 0; g < groups.begin.size(); ++g) {
     for (int64_t r = 0; r < groups.rows[g]; r += kChunkRows) {
-      chunks.push_back(
-          {static_cast<int64_t>(g), groups.begin[g] + r, std::min(kChunkRows, groups.rows[g] - r)});
+      chunks.push_back({static_cast<int64_t>(g), groups.begin[g] + r, compact[g] + r,
+                        std::min(kChunkRows, groups.rows[g] - r)});
     }
   }
   return chunks;
@@ -81,28 +95,32 @@ float FillBias(const Tensor& bias, const Tensor& out, const std::vector<RowChunk
   return 1.0f;
 }
 
-// Forward-style problems: C[rows_g, n] (+)= A[rows_g, k] · op(W_g), one per non-empty group.
-std::vector<GemmProblem> RowProblems(const ExpertGroups& groups, const float* a, int64_t lda,
+// Forward-style problems: C[rows_g, n] (+)= A[rows_g, k] · op(W_g), one per non-empty group;
+// group g's rows start at a_begin[g] in A and c_begin[g] in C.
+std::vector<GemmProblem> RowProblems(const ExpertGroups& groups, const float* a,
+                                     const std::vector<int64_t>& a_begin, int64_t lda,
                                      const float* w, int64_t w_stride, int64_t ldw, float* c,
-                                     int64_t ldc, int64_t n, int64_t k) {
+                                     const std::vector<int64_t>& c_begin, int64_t ldc, int64_t n,
+                                     int64_t k) {
   std::vector<GemmProblem> ps;
   for (size_t g = 0; g < groups.begin.size(); ++g) {
     if (groups.rows[g] == 0) continue;
-    ps.push_back({groups.rows[g], n, k, a + groups.begin[g] * lda, lda,
-                  w + static_cast<int64_t>(g) * w_stride, ldw, c + groups.begin[g] * ldc, ldc});
+    ps.push_back({groups.rows[g], n, k, a + a_begin[g] * lda, lda,
+                  w + static_cast<int64_t>(g) * w_stride, ldw, c + c_begin[g] * ldc, ldc});
   }
   return ps;
 }
 
 // Weight-gradient problems: dW_g[m, n] = A_g^T [m, rows_g] · B_g [rows_g, n], every group
 // (an empty group gets dW_g = 0).
-std::vector<GemmProblem> WeightGradProblems(const ExpertGroups& groups, const float* a, int64_t lda,
-                                            const float* b, int64_t ldb, float* dw, int64_t m,
-                                            int64_t n) {
+std::vector<GemmProblem> WeightGradProblems(const ExpertGroups& groups, const float* a,
+                                            const std::vector<int64_t>& a_begin, int64_t lda,
+                                            const float* b, const std::vector<int64_t>& b_begin,
+                                            int64_t ldb, float* dw, int64_t m, int64_t n) {
   std::vector<GemmProblem> ps;
   for (size_t g = 0; g < groups.begin.size(); ++g) {
-    ps.push_back({m, n, groups.rows[g], a + groups.begin[g] * lda, lda, b + groups.begin[g] * ldb,
-                  ldb, dw + static_cast<int64_t>(g) * m * n, n});
+    ps.push_back({m, n, groups.rows[g], a + a_begin[g] * lda, lda, b + b_begin[g] * ldb, ldb,
+                  dw + static_cast<int64_t>(g) * m * n, n});
   }
   return ps;
 }
@@ -214,33 +232,35 @@ Tensor ExpertsForward(const ExpertOptions& options, const ExpertWeights& w, cons
         groups.begin[g], groups.begin[g] + groups.rows[g], rows);
   }
   const auto chunks = Chunks(groups);
+  const std::vector<int64_t> compact = CompactBegin(groups);
+  const int64_t used = groups.total_rows();
 
-  Tensor pre1 = Tensor::Empty({rows, h_dim});
-  Tensor pre3 = options.gated ? Tensor::Empty({rows, h_dim}) : Tensor();
-  Tensor hidden = Tensor::Empty({rows, h_dim});
+  Tensor pre1 = Tensor::Empty({used, h_dim});
+  Tensor pre3 = options.gated ? Tensor::Empty({used, h_dim}) : Tensor();
+  Tensor hidden = Tensor::Empty({used, h_dim});
   Tensor out = Tensor::Empty({rows, m_dim});
   const float* x = input.data<float>();
 
   // fc1 bias is added by the activation pass (one pass over [rows, H] instead of two).
-  auto p1 = RowProblems(groups, x, m_dim, w.fc1_weight.data<float>(), h_dim * m_dim, m_dim,
-                        pre1.data<float>(), h_dim, h_dim, m_dim);
+  auto p1 = RowProblems(groups, x, groups.begin, m_dim, w.fc1_weight.data<float>(), h_dim * m_dim,
+                        m_dim, pre1.data<float>(), compact, h_dim, h_dim, m_dim);
   ExpertGroupedGemm(Trans::kNo, Trans::kYes, 1.0f, 0.0f, p1, threads);
   if (options.gated) {
-    auto p3 = RowProblems(groups, x, m_dim, w.fc3_weight.data<float>(), h_dim * m_dim, m_dim,
-                          pre3.data<float>(), h_dim, h_dim, m_dim);
+    auto p3 = RowProblems(groups, x, groups.begin, m_dim, w.fc3_weight.data<float>(), h_dim * m_dim,
+                          m_dim, pre3.data<float>(), compact, h_dim, h_dim, m_dim);
     ExpertGroupedGemm(Trans::kNo, Trans::kYes, 1.0f, 0.0f, p3, threads);
   }
   const float* b1 = w.fc1_bias.defined() ? w.fc1_bias.data<float>() : nullptr;
   ForEachChunk(chunks, threads, [&](int64_t, const RowChunk& c) {
-    int64_t off = c.begin * h_dim;
+    int64_t off = c.compact * h_dim;
     ActivationForwardRows(options.activation, c.rows, h_dim, b1 ? b1 + c.group * h_dim : nullptr,
                           pre1.data<float>() + off,
                           options.gated ? pre3.data<float>() + off : nullptr,
                           hidden.data<float>() + off);
   });
   float beta2 = FillBias(w.fc2_bias, out, chunks, threads);
-  auto p2 = RowProblems(groups, hidden.data<float>(), h_dim, w.fc2_weight.data<float>(),
-                        m_dim * h_dim, h_dim, out.data<float>(), m_dim, m_dim, h_dim);
+  auto p2 = RowProblems(groups, hidden.data<float>(), compact, h_dim, w.fc2_weight.data<float>(),
+                        m_dim * h_dim, h_dim, out.data<float>(), groups.begin, m_dim, m_dim, h_dim);
   ExpertGroupedGemm(Trans::kNo, Trans::kYes, 1.0f, beta2, p2, threads);
   ZeroPadding(out, groups);
 
@@ -265,28 +285,30 @@ ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeight
   ExpectShape("d expert output", d_output, {rows, m_dim});
   const ExpertGroups& groups = s.groups;
   const auto chunks = Chunks(groups);
+  const std::vector<int64_t> compact = CompactBegin(groups);
+  const int64_t used = groups.total_rows();
   const float* dy = d_output.data<float>();
   const float* x = s.input.data<float>();
   ExpertGradients g;
 
   // fc2: dW2_g = dY_g^T · h_g; db2 = column sums of dY_g; dh = dY · W2.
   g.weights.fc2_weight = Tensor::Empty(w.fc2_weight.shape());
-  auto pw2 = WeightGradProblems(groups, dy, m_dim, s.hidden.data<float>(), h_dim,
-                                g.weights.fc2_weight.data<float>(), m_dim, h_dim);
+  auto pw2 = WeightGradProblems(groups, dy, groups.begin, m_dim, s.hidden.data<float>(), compact,
+                                h_dim, g.weights.fc2_weight.data<float>(), m_dim, h_dim);
   ExpertGroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw2, threads);
   if (w.fc2_bias.defined()) g.weights.fc2_bias = BiasGrad(d_output, chunks, n_groups, threads);
-  Tensor d_pre1 = Tensor::Empty({rows, h_dim});
-  auto ph = RowProblems(groups, dy, m_dim, w.fc2_weight.data<float>(), m_dim * h_dim, h_dim,
-                        d_pre1.data<float>(), h_dim, h_dim, m_dim);
+  Tensor d_pre1 = Tensor::Empty({used, h_dim});
+  auto ph = RowProblems(groups, dy, groups.begin, m_dim, w.fc2_weight.data<float>(), m_dim * h_dim,
+                        h_dim, d_pre1.data<float>(), compact, h_dim, h_dim, m_dim);
   ExpertGroupedGemm(Trans::kNo, Trans::kNo, 1.0f, 0.0f, ph, threads);
 
   // Activation: d_pre1 = act'(pre1) * dh (* pre3); gated: d_pre3 = dh * act(pre1); the fc1
   // bias gradient is summed in the same pass.
-  Tensor d_pre3 = options.gated ? Tensor::Empty({rows, h_dim}) : Tensor();
+  Tensor d_pre3 = options.gated ? Tensor::Empty({used, h_dim}) : Tensor();
   const bool bias1 = w.fc1_bias.defined();
   std::vector<float> b1_partial(bias1 ? chunks.size() * static_cast<size_t>(h_dim) : 0, 0.0f);
   ForEachChunk(chunks, threads, [&](int64_t i, const RowChunk& c) {
-    int64_t off = c.begin * h_dim;
+    int64_t off = c.compact * h_dim;
     ActivationBackwardRows(options.activation, c.rows, h_dim, s.pre1.data<float>() + off,
                            options.gated ? s.pre3.data<float>() + off : nullptr,
                            d_pre1.data<float>() + off,
@@ -297,20 +319,22 @@ ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeight
 
   // fc1 (and fc3): dW_g = d_pre_g^T · X_g; db1 = column sums; dX = d_pre1 · W1 (+ d_pre3 · W3).
   g.weights.fc1_weight = Tensor::Empty(w.fc1_weight.shape());
-  auto pw1 = WeightGradProblems(groups, d_pre1.data<float>(), h_dim, x, m_dim,
-                                g.weights.fc1_weight.data<float>(), h_dim, m_dim);
+  auto pw1 = WeightGradProblems(groups, d_pre1.data<float>(), compact, h_dim, x, groups.begin,
+                                m_dim, g.weights.fc1_weight.data<float>(), h_dim, m_dim);
   ExpertGroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw1, threads);
   g.input = Tensor::Empty({rows, m_dim});
-  auto px1 = RowProblems(groups, d_pre1.data<float>(), h_dim, w.fc1_weight.data<float>(),
-                         h_dim * m_dim, m_dim, g.input.data<float>(), m_dim, m_dim, h_dim);
+  auto px1 =
+      RowProblems(groups, d_pre1.data<float>(), compact, h_dim, w.fc1_weight.data<float>(),
+                  h_dim * m_dim, m_dim, g.input.data<float>(), groups.begin, m_dim, m_dim, h_dim);
   ExpertGroupedGemm(Trans::kNo, Trans::kNo, 1.0f, 0.0f, px1, threads);
   if (options.gated) {
     g.weights.fc3_weight = Tensor::Empty(w.fc3_weight.shape());
-    auto pw3 = WeightGradProblems(groups, d_pre3.data<float>(), h_dim, x, m_dim,
-                                  g.weights.fc3_weight.data<float>(), h_dim, m_dim);
+    auto pw3 = WeightGradProblems(groups, d_pre3.data<float>(), compact, h_dim, x, groups.begin,
+                                  m_dim, g.weights.fc3_weight.data<float>(), h_dim, m_dim);
     ExpertGroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw3, threads);
-    auto px3 = RowProblems(groups, d_pre3.data<float>(), h_dim, w.fc3_weight.data<float>(),
-                           h_dim * m_dim, m_dim, g.input.data<float>(), m_dim, m_dim, h_dim);
+    auto px3 =
+        RowProblems(groups, d_pre3.data<float>(), compact, h_dim, w.fc3_weight.data<float>(),
+                    h_dim * m_dim, m_dim, g.input.data<float>(), groups.begin, m_dim, m_dim, h_dim);
     ExpertGroupedGemm(Trans::kNo, Trans::kNo, 1.0f, 1.0f, px3, threads);
   }
   ZeroPadding(g.input, groups);

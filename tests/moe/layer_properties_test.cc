@@ -11,8 +11,11 @@
 #include "moe/activation.h"
 #include "switchyard/core/error.h"
 #include "switchyard/kernels/reference.h"
+#include "switchyard/moe/dispatch.h"
+#include "switchyard/moe/experts.h"
 #include "switchyard/moe/gate.h"
 #include "switchyard/moe/layer.h"
+#include "switchyard/moe/plan.h"
 #include "testing/random.h"
 
 namespace switchyard::moe {
@@ -154,6 +157,48 @@ TEST(LayerProperties, EmptyBatch) {
   LayerGradients g = layer.Backward(params, out, x);
   EXPECT_EQ(g.x.shape(), (Shape{0, c.model_dim}));
   for (float v : Floats(g.params.experts.fc1_weight)) EXPECT_EQ(v, 0.0f);
+}
+
+// Capacity mode: computing every slot (what a receiver without counts does) gives the same
+// outputs on the filled slots and the same gradients as computing the filled slots only.
+TEST(LayerProperties, ExpertsOverFullCapacityEqualFilledSlots) {
+  LayerConfig c = MediumConfig();
+  c.capacity_factor = 2.0f;  // plenty of padding
+  c.gated = true;
+  LayerParams params = InitParams(c, 5);
+  Tensor x = RandomX(40, c.model_dim, 14);
+  GateResult gate = GateForward(c, x, params.gate_weight, Tensor(), {});
+  DispatchPlan plan = MakeDispatchPlan(c, gate, {});
+  ASSERT_GT(plan.num_rows, 40 * 2);
+  Tensor in = Dispatch(plan, x, false);
+  ExpertOptions eo{c.activation, c.gated};
+  ExpertActivations filled, full;
+  Tensor y_filled = ExpertsForward(eo, params.experts, in, GroupsOf(plan), &filled, 2);
+  Tensor y_full = ExpertsForward(eo, params.experts, in,
+                                 FullCapacityGroups(c.num_experts, plan.capacity), &full, 2);
+  Tensor dy = RandomX(plan.num_rows, c.model_dim, 15);
+  for (int64_t r = 0; r < plan.num_rows; ++r) {
+    bool pad = plan.row_tokens[static_cast<size_t>(r)] < 0;
+    for (int64_t j = 0; j < c.model_dim; ++j) {
+      int64_t i = r * c.model_dim + j;
+      if (pad) {
+        EXPECT_EQ(y_filled.data<float>()[i], 0.0f);
+        dy.data<float>()[i] = 0.0f;  // padding receives no gradient
+      } else {
+        EXPECT_NEAR(y_full.data<float>()[i], y_filled.data<float>()[i], 1e-6);
+      }
+    }
+  }
+  ExpertGradients g_filled = ExpertsBackward(eo, params.experts, filled, dy, 2);
+  ExpertGradients g_full = ExpertsBackward(eo, params.experts, full, dy, 2);
+  EXPECT_TRUE(AllClose(Floats(g_full.input), Floats(g_filled.input), 1e-5, 1e-6));
+  for (auto [a, b] : {std::pair{g_full.weights.fc1_weight, g_filled.weights.fc1_weight},
+                      {g_full.weights.fc1_bias, g_filled.weights.fc1_bias},
+                      {g_full.weights.fc2_weight, g_filled.weights.fc2_weight},
+                      {g_full.weights.fc2_bias, g_filled.weights.fc2_bias},
+                      {g_full.weights.fc3_weight, g_filled.weights.fc3_weight}}) {
+    EXPECT_TRUE(AllClose(Floats(a), Floats(b), 1e-5, 1e-6));
+  }
 }
 
 TEST(LayerProperties, ExpertBiasUpdate) {

@@ -45,12 +45,14 @@ ExpertGroups GroupsOf(const DispatchPlan& plan);
 // G groups of `capacity` rows each, padding included (what a receiver without counts computes).
 ExpertGroups FullCapacityGroups(int64_t num_groups, int64_t capacity);
 
-// What the backward needs; filled by ExpertsForward.
+// What the backward needs; filled by ExpertsForward. The [*, H] intermediates hold the groups'
+// rows only, back to back in group order (groups.total_rows() rows), so capacity padding costs
+// no memory there.
 struct ExpertActivations {
   Tensor input;   // [rows, M] the forward input (shared, not copied)
-  Tensor pre1;    // [rows, H] X W1^T + b1
-  Tensor pre3;    // [rows, H] X W3^T (gated) or undefined
-  Tensor hidden;  // [rows, H] h
+  Tensor pre1;    // [used, H] X W1^T + b1
+  Tensor pre3;    // [used, H] X W3^T (gated) or undefined
+  Tensor hidden;  // [used, H] h
   ExpertGroups groups;
 };
 
