@@ -32,7 +32,7 @@ Tensor CausalSelfAttention::Forward(const Tensor& x, int64_t batch_size, int thr
              batch_size, x.defined() ? ShapeToString(x.shape()) : "undefined");
   const int64_t m = model_dim_, heads = num_heads_, hd = m / heads;
   const int64_t seq = x.size(0) / batch_size;
-  Tensor qkv = qkv_.Forward(x);
+  Tensor qkv = qkv_.Forward(x, threads);
   Tensor probs = Tensor::Empty({batch_size, heads, seq, seq});
   Tensor att = Tensor::Empty({x.size(0), m});
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -57,7 +57,7 @@ Tensor CausalSelfAttention::Forward(const Tensor& x, int64_t batch_size, int thr
                     ap + b * seq * m + h * hd, m);
     }
   });
-  Tensor y = proj_.Forward(att);
+  Tensor y = proj_.Forward(att, threads);
   if (cache != nullptr) *cache = AttentionCache{x, qkv, probs, att, batch_size};
   return y;
 }
@@ -68,7 +68,7 @@ Tensor CausalSelfAttention::Backward(const AttentionCache& cache, const Tensor& 
   const int64_t num_tokens = cache.x.size(0), batch_size = cache.batch_size;
   const int64_t seq = num_tokens / batch_size;
   ExpectShape("attention dy", dy, {num_tokens, m});
-  Tensor datt = proj_.Backward(cache.att, dy);
+  Tensor datt = proj_.Backward(cache.att, dy, threads);
   Tensor dqkv = Tensor::Empty({num_tokens, 3 * m});
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float* qkvp = cache.qkv.data<float>();
@@ -105,7 +105,7 @@ Tensor CausalSelfAttention::Backward(const AttentionCache& cache, const Tensor& 
                     dk, 3 * m);
     }
   });
-  return qkv_.Backward(cache.x, dqkv);
+  return qkv_.Backward(cache.x, dqkv, threads);
 }
 
 }  // namespace switchyard::train

@@ -20,11 +20,11 @@ DenseFeedForward::DenseFeedForward(ParameterSet& params, const std::string& pref
       fc2_(params, prefix + "fc2.", hidden_dim, model_dim, true, out_init_std, seed) {}
 
 FeedForwardOutput DenseFeedForward::Forward(const Tensor& x, const FeedForwardContext& context) {
-  Tensor h = fc1_.Forward(x);
+  Tensor h = fc1_.Forward(x, context.threads);
   Tensor a = Tensor::Empty(h.shape());
   kernels::ActivationForward(activation_, h.data<float>(), a.data<float>(), h.numel());
   FeedForwardOutput out;
-  out.y = fc2_.Forward(a);
+  out.y = fc2_.Forward(a, context.threads);
   if (context.save_for_backward)
     out.state = std::make_shared<const DenseState>(DenseState{x, h, a});
   return out;
@@ -34,10 +34,10 @@ Tensor DenseFeedForward::Backward(const FeedForwardOutput& forward, const Tensor
                                   float loss_scale, int threads) {
   SY_CHECK(forward.state != nullptr, "DenseFeedForward::Backward needs save_for_backward");
   const auto& s = *static_cast<const DenseState*>(forward.state.get());
-  Tensor da = fc2_.Backward(s.a, dy);
+  Tensor da = fc2_.Backward(s.a, dy, threads);
   kernels::ActivationBackward(activation_, s.h.data<float>(), da.data<float>(), da.data<float>(),
                               da.numel());
-  return fc1_.Backward(s.x, da);
+  return fc1_.Backward(s.x, da, threads);
 }
 
 }  // namespace switchyard::train

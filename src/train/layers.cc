@@ -7,6 +7,7 @@
 
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/ops.h"
+#include "train/parallel_for.h"
 
 namespace switchyard::train {
 
@@ -39,7 +40,7 @@ Linear::Linear(ParameterSet& params, const std::string& prefix, int64_t in_dim, 
   if (bias) bias_ = &params.Add(prefix + "bias", Tensor::Zeros({out_dim}));
 }
 
-Tensor Linear::Forward(const Tensor& x) const {
+Tensor Linear::Forward(const Tensor& x, int threads) const {
   int64_t n = Rows("Linear x", x, in_dim_);
   Tensor y = Tensor::Empty({n, out_dim_});
   float* yp = y.data<float>();
@@ -49,21 +50,22 @@ Tensor Linear::Forward(const Tensor& x) const {
     for (int64_t i = 0; i < n; ++i) std::copy_n(b, out_dim_, yp + i * out_dim_);
     beta = 1.0f;
   }
-  kernels::Gemm(Trans::kNo, Trans::kYes, n, out_dim_, in_dim_, 1.0f, x.data<float>(), in_dim_,
-                weight_->value.data<float>(), in_dim_, beta, yp, out_dim_);
+  ParallelGemm(Trans::kNo, Trans::kYes, n, out_dim_, in_dim_, 1.0f, x.data<float>(), in_dim_,
+               weight_->value.data<float>(), in_dim_, beta, yp, out_dim_, threads);
   return y;
 }
 
-Tensor Linear::Backward(const Tensor& x, const Tensor& dy) const {
+Tensor Linear::Backward(const Tensor& x, const Tensor& dy, int threads) const {
   int64_t n = Rows("Linear x", x, in_dim_);
   ExpectShape("Linear dy", dy, {n, out_dim_});
   ExpectDType("Linear dy", dy, DType::kFloat32);
   const float* dyp = dy.data<float>();
   Tensor dx = Tensor::Empty({n, in_dim_});
-  kernels::Gemm(Trans::kNo, Trans::kNo, n, in_dim_, out_dim_, 1.0f, dyp, out_dim_,
-                weight_->value.data<float>(), in_dim_, 0.0f, dx.data<float>(), in_dim_);
-  kernels::Gemm(Trans::kYes, Trans::kNo, out_dim_, in_dim_, n, 1.0f, dyp, out_dim_, x.data<float>(),
-                in_dim_, 1.0f, weight_->grad.data<float>(), in_dim_);
+  ParallelGemm(Trans::kNo, Trans::kNo, n, in_dim_, out_dim_, 1.0f, dyp, out_dim_,
+               weight_->value.data<float>(), in_dim_, 0.0f, dx.data<float>(), in_dim_, threads);
+  // dW += dy^T x: split over the rows of dW (out_dim), each a sum over all tokens.
+  ParallelGemm(Trans::kYes, Trans::kNo, out_dim_, in_dim_, n, 1.0f, dyp, out_dim_, x.data<float>(),
+               in_dim_, 1.0f, weight_->grad.data<float>(), in_dim_, threads);
   if (bias_ != nullptr) {
     float* db = bias_->grad.data<float>();
     for (int64_t i = 0; i < n; ++i) {

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "switchyard/kernels/gemm.h"
+#include "train/parallel_for.h"
 
 namespace switchyard::train {
 
@@ -197,9 +198,9 @@ LmOutput TransformerLm::Forward(const Tensor& tokens, const Tensor& targets,
   }
   Tensor h = final_norm_->Forward(x, options.save_for_backward ? &state->final_norm : nullptr);
   Tensor logits = Tensor::Empty({n, c.vocab_size});
-  kernels::Gemm(Trans::kNo, Trans::kYes, n, c.vocab_size, c.model_dim, 1.0f, h.data<float>(),
-                c.model_dim, head_->value.data<float>(), c.model_dim, 0.0f, logits.data<float>(),
-                c.vocab_size);
+  ParallelGemm(Trans::kNo, Trans::kYes, n, c.vocab_size, c.model_dim, 1.0f, h.data<float>(),
+               c.model_dim, head_->value.data<float>(), c.model_dim, 0.0f, logits.data<float>(),
+               c.vocab_size, options.threads);
   if (has_targets) {
     CrossEntropyResult ce = SoftmaxCrossEntropy(
         logits, targets.Reshape({n}), options.save_for_backward ? &state->dlogits : nullptr);
@@ -238,12 +239,12 @@ void TransformerLm::Backward(const LmOutput& forward, float loss_scale, int thre
     for (int64_t i = 0; i < dlogits.numel(); ++i) d[i] *= loss_scale;
   }
   Tensor dh = Tensor::Empty({n, c.model_dim});
-  kernels::Gemm(Trans::kNo, Trans::kNo, n, c.model_dim, c.vocab_size, 1.0f, dlogits.data<float>(),
-                c.vocab_size, head_->value.data<float>(), c.model_dim, 0.0f, dh.data<float>(),
-                c.model_dim);
-  kernels::Gemm(Trans::kYes, Trans::kNo, c.vocab_size, c.model_dim, n, 1.0f, dlogits.data<float>(),
-                c.vocab_size, s.h.data<float>(), c.model_dim, 1.0f, head_->grad.data<float>(),
-                c.model_dim);
+  ParallelGemm(Trans::kNo, Trans::kNo, n, c.model_dim, c.vocab_size, 1.0f, dlogits.data<float>(),
+               c.vocab_size, head_->value.data<float>(), c.model_dim, 0.0f, dh.data<float>(),
+               c.model_dim, threads);
+  ParallelGemm(Trans::kYes, Trans::kNo, c.vocab_size, c.model_dim, n, 1.0f, dlogits.data<float>(),
+               c.vocab_size, s.h.data<float>(), c.model_dim, 1.0f, head_->grad.data<float>(),
+               c.model_dim, threads);
   Tensor dx = final_norm_->Backward(s.final_norm, dh);
   for (size_t i = blocks_.size(); i-- > 0;) {
     dx = blocks_[i]->Backward(s.blocks[i], dx, loss_scale, threads);

@@ -283,7 +283,10 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
              hooks_->world_size());
   threads_ =
       c.threads > 0 ? c.threads : ComputeThreadsPerRank(hooks_->ranks_in_process(), UsableCores());
-  if (hooks_->ranks_in_process() == 1) kernels::SetBlasThreads(threads_);
+  // The train layer runs its GEMMs split over its own blocking worker pool with single-threaded
+  // BLAS calls (src/train/parallel_for.h says why); with ranks as threads the runtime has set
+  // one BLAS thread already.
+  if (hooks_->ranks_in_process() == 1) kernels::SetBlasThreads(1);
 
   corpus_ = c.data.empty() ? LoadCorpus(DefaultCorpusFiles(), c.val_fraction)
                            : LoadCorpus({c.data}, c.val_fraction);

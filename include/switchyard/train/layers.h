@@ -35,10 +35,10 @@ class Linear {
   Parameter& weight() const { return *weight_; }
   Parameter* bias() const { return bias_; }
 
-  Tensor Forward(const Tensor& x) const;
+  Tensor Forward(const Tensor& x, int threads = 1) const;
   // dy [num_tokens, out_dim], x the forward's input. Accumulates weight/bias gradients and
   // returns dx [num_tokens, in_dim].
-  Tensor Backward(const Tensor& x, const Tensor& dy) const;
+  Tensor Backward(const Tensor& x, const Tensor& dy, int threads = 1) const;
 
  private:
   int64_t in_dim_;

@@ -158,7 +158,8 @@ class Trainer {
  public:
   // Loads the corpus and builds the model and optimizer. `moe_factory` builds the MoE FFNs
   // (null: single-rank MoeFeedForward layers of MoeLayerConfig(config)); `hooks` may be null
-  // (one rank) and must outlive the trainer. Sets the BLAS thread count to this rank's budget.
+  // (one rank) and must outlive the trainer. Runs BLAS single-threaded (one rank per process:
+  // sets it) and splits its work over `threads()` compute threads itself.
   Trainer(TrainConfig config, FeedForwardFactory moe_factory = nullptr,
           TrainHooks* hooks = nullptr);
   ~Trainer();

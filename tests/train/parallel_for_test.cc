@@ -1,0 +1,79 @@
+#include "train/parallel_for.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <thread>
+
+#include "switchyard/kernels/reference.h"
+#include "train/grad_check.h"
+
+namespace switchyard::train {
+namespace {
+
+using kernels::Trans;
+
+TEST(ParallelGemmTest, EqualsOneGemmForEveryTransposeAndSplit) {
+  kernels::SetBlasThreads(1);
+  for (Trans ta : {Trans::kNo, Trans::kYes}) {
+    for (Trans tb : {Trans::kNo, Trans::kYes}) {
+      for (int64_t m : {1, 17, 100, 333}) {
+        const int64_t n = 70, k = 90;
+        Tensor a = testing::RandomTensor({m * k}, 1), b = testing::RandomTensor({k * n}, 2);
+        Tensor c0 = testing::RandomTensor({m * n}, 3);
+        int64_t lda = ta == Trans::kNo ? k : m, ldb = tb == Trans::kNo ? n : k;
+        Tensor ref = c0.Clone();
+        kernels::Gemm(ta, tb, m, n, k, 0.5f, a.data<float>(), lda, b.data<float>(), ldb, 1.0f,
+                      ref.data<float>(), n);
+        for (int threads : {1, 2, 3}) {
+          Tensor c = c0.Clone();
+          ParallelGemm(ta, tb, m, n, k, 0.5f, a.data<float>(), lda, b.data<float>(), ldb, 1.0f,
+                       c.data<float>(), n, threads);
+          for (int64_t i = 0; i < m * n; ++i) {
+            // Each row is computed by one single-threaded BLAS call either way.
+            ASSERT_NEAR(c.data<float>()[i], ref.data<float>()[i], 1e-5)
+                << "m " << m << " threads " << threads << " element " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(ParallelForTest, CoversTheRangeOnceAndPropagatesErrors) {
+  for (int threads : {1, 2, 4}) {
+    for (int64_t n : {0, 1, 3, 1000}) {
+      std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
+      for (int rep = 0; rep < 3; ++rep) {  // the pool is reused
+        ParallelFor(n, threads, [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) hits[static_cast<size_t>(i)]++;
+        });
+      }
+      for (auto& h : hits) ASSERT_EQ(h.load(), 3);
+    }
+    EXPECT_THROW(ParallelFor(10, threads,
+                             [](int64_t b, int64_t) {
+                               if (b == 0) throw std::runtime_error("boom");
+                             }),
+                 std::runtime_error);
+    ParallelFor(4, threads, [](int64_t, int64_t) {});  // usable after an error
+  }
+}
+
+TEST(ParallelForTest, EachCallingThreadHasItsOwnPool) {
+  std::vector<std::jthread> ranks;
+  std::atomic<int64_t> total{0};
+  for (int r = 0; r < 3; ++r) {
+    ranks.emplace_back([&] {
+      for (int rep = 0; rep < 50; ++rep) {
+        ParallelFor(64, 2, [&](int64_t b, int64_t e) { total += e - b; });
+      }
+    });
+  }
+  ranks.clear();
+  EXPECT_EQ(total.load(), 3 * 50 * 64);
+}
+
+}  // namespace
+}  // namespace switchyard::train
