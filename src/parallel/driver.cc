@@ -69,7 +69,9 @@ RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
   RankResult r;
   r.report.coords = c;
   r.report.tokens = t_num;
-  for (int rep = 0; rep < std::max(1, o.repeat); ++rep) {
+  const int reps = std::max(0, o.warmup) + std::max(1, o.repeat);
+  for (int rep = 0; rep < reps; ++rep) {
+    const double t0 = internal::Now();
     ParallelOutput out = layer.Forward(p, xs, fo);
     r.report.forward = out.stats;
     const moe::LayerOutput& lo = out.layer;
@@ -96,6 +98,7 @@ RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
       r.grad_gate = g.params.gate_weight;
       r.grad_experts = g.params.experts;
     }
+    if (rep >= o.warmup) r.report.step_seconds.push_back(internal::Now() - t0);
   }
   return r;
 }
@@ -174,6 +177,8 @@ std::vector<int64_t> Serialize(const RankResult& r) {
   w.Stats(r.report.forward);
   w.Stats(r.report.backward);
   w.Stats(r.report.sync);
+  w.Int(static_cast<int64_t>(r.report.step_seconds.size()));
+  for (double t : r.report.step_seconds) w.Double(t);
   w.Int(r.dropped);
   w.Int(r.capacity);
   w.Int(r.buffer_capacity);
@@ -202,6 +207,8 @@ RankResult Deserialize(std::span<const int64_t> words) {
   r.report.forward = rd.Stats();
   r.report.backward = rd.Stats();
   r.report.sync = rd.Stats();
+  r.report.step_seconds.resize(static_cast<size_t>(rd.Int()));
+  for (double& t : r.report.step_seconds) t = rd.Double();
   r.dropped = rd.Int();
   r.capacity = rd.Int();
   r.buffer_capacity = rd.Int();

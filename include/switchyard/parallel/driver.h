@@ -38,7 +38,9 @@ struct DriverOptions {
   uint64_t step = 0;
   // Compute threads per rank; 0: ComputeThreadsPerRank(ranks in this process, usable cores).
   int threads = 0;
-  // Forward+backward repetitions (the last one is reported; for timing).
+  // Forward+backward(+sync) repetitions: `warmup` untimed, then `repeat` timed (the last one is
+  // reported).
+  int warmup = 0;
   int repeat = 1;
   comm::InProcessOptions inprocess;
 };
@@ -48,6 +50,7 @@ struct RankReport {
   RankCoords coords;
   int64_t tokens = 0;
   CommStats forward, backward, sync;  // of the last repetition
+  std::vector<double> step_seconds;   // wall time of each timed repetition on this rank
 };
 
 struct LayerRunResult {
