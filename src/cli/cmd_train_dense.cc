@@ -10,6 +10,7 @@
 #include <string>
 
 #include "cli/command.h"
+#include "cli/peak_flops.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/train/trainer.h"
 
@@ -34,7 +35,15 @@ int RunTrainDense(const TrainDenseOptions& o) {
   train::RunOptions run;
   run.resume = o.resume;
   if (o.plain) run.interactive = 0;
-  trainer.Run(run);
+  train::RunSummary summary = trainer.Run(run);
+  // The limit, measured in the same run: the FMA peak of the compute threads used.
+  PeakFlops peak = MeasurePeakFlops();
+  double limit = peak.gflops * trainer.threads();
+  double achieved = summary.tokens_per_s * summary.flops_per_token / 1e9;
+  fmt::print(
+      "  FMA peak ({}, measured now) x {} thread(s): {:.1f} GFLOP/s -> model FLOPs at "
+      "{:.0f}% of it\n",
+      peak.isa, trainer.threads(), limit, 100 * achieved / limit);
   return 0;
 }
 

@@ -29,6 +29,23 @@ void ValidateModelConfig(const ModelConfig& c) {
              "model config: 'init_std' must be a positive number, got {}", c.init_std);
 }
 
+double TrainingFlopsPerToken(const ModelConfig& c, int64_t num_experts, int64_t top_k,
+                             int64_t expert_hidden_dim) {
+  const double m = static_cast<double>(c.model_dim);
+  double matrix = static_cast<double>(c.vocab_size) * m;  // output head
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    matrix += 4 * m * m;  // qkv + proj
+    if (IsMoeBlock(c, i) && num_experts > 0) {
+      double h = static_cast<double>(expert_hidden_dim > 0 ? expert_hidden_dim : c.hidden_dim);
+      matrix += static_cast<double>(num_experts) * m + static_cast<double>(top_k) * 2 * m * h;
+    } else {
+      matrix += 2 * m * static_cast<double>(c.hidden_dim);
+    }
+  }
+  double attention = 12.0 * static_cast<double>(c.num_layers) * static_cast<double>(c.seq_len) * m;
+  return 6 * matrix + attention;
+}
+
 bool IsMoeBlock(const ModelConfig& c, int64_t i) {
   return c.moe_every > 0 && i % c.moe_every == c.moe_every - 1;
 }

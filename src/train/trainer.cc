@@ -490,6 +490,8 @@ RunSummary Trainer::Run(const RunOptions& options) {
   summary.run_dir = run_dir;
   summary.unigram_entropy = unigram_entropy_;
   summary.parameters = params;
+  summary.flops_per_token =
+      TrainingFlopsPerToken(c.model, moe ? c.num_experts : 0, c.top_k, c.expert_hidden_dim);
   const double run_start = Now();
   const int64_t first_step = step_;
   // Interval accumulators (reset at every metrics line).
@@ -593,6 +595,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
               {"seconds", summary.seconds},
               {"parameters", summary.parameters},
               {"unigram_entropy", summary.unigram_entropy},
+              {"flops_per_token", summary.flops_per_token},
               {"tokens_per_s_median",
                std::isfinite(summary.tokens_per_s) ? json(summary.tokens_per_s) : json()},
               {"final_train_loss",
@@ -601,11 +604,12 @@ RunSummary Trainer::Run(const RunOptions& options) {
                std::isfinite(summary.final_val_loss) ? json(summary.final_val_loss) : json()}};
     WriteTextFileAtomic(run_dir + "/summary.json", s.dump(2) + "\n");
     fmt::print(out,
-               "done: {} steps in {}, {} tok/s (median)\n"
+               "done: {} steps in {}, {} tok/s (median), {:.1f} GFLOP/s of model FLOPs\n"
                "  train loss {:.4f}, val loss {:.4f} nats/byte; unigram entropy {:.3f} "
                "({:.0f}% of it)\n",
                summary.steps, FormatDuration(summary.seconds), FormatRate(summary.tokens_per_s),
-               summary.final_train_loss, summary.final_val_loss, summary.unigram_entropy,
+               summary.tokens_per_s * summary.flops_per_token / 1e9, summary.final_train_loss,
+               summary.final_val_loss, summary.unigram_entropy,
                100 * summary.final_val_loss / summary.unigram_entropy);
     fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/, sample.txt)\n",
                run_dir, moe ? ", expert_load.svg" : "");

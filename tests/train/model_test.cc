@@ -270,6 +270,15 @@ TEST(ModelTest, LogitsAreCausalAndDeterministic) {
   EXPECT_THROW(model.Forward(Tensor::Zeros({1, 7}, DType::kInt32), Tensor(), fo), InvalidArgument);
 }
 
+TEST(ModelTest, TrainingFlopsPerToken) {
+  ModelConfig c;  // the defaults: V 256, M 128, L 4, H 512, S 64
+  double matrix = 256.0 * 128 + 4 * (4 * 128.0 * 128 + 2 * 128.0 * 512);
+  EXPECT_DOUBLE_EQ(TrainingFlopsPerToken(c), 6 * matrix + 12.0 * 4 * 64 * 128);
+  c.moe_every = 2;  // blocks 1 and 3: gate (8 experts) + 2 experts of 256 instead of the MLP
+  double moe = matrix + 2 * (8 * 128.0 + 2 * 2 * 128.0 * 256 - 2 * 128.0 * 512);
+  EXPECT_DOUBLE_EQ(TrainingFlopsPerToken(c, 8, 2, 256), 6 * moe + 12.0 * 4 * 64 * 128);
+}
+
 TEST(ModelTest, ConfigIsValidated) {
   ModelConfig c = TinyConfig();
   c.num_heads = 3;

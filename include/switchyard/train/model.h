@@ -48,6 +48,14 @@ struct ModelConfig {
 
 // Throws InvalidArgument naming the field and what was expected.
 void ValidateModelConfig(const ModelConfig& config);
+
+// Floating-point operations of one training step (forward + backward) per token, as computed:
+// 6 x (the matrix parameters every token multiplies: attention, FFN, output head) plus the
+// attention products over the full seq_len x seq_len score matrix (12 x seq_len x model_dim per
+// layer). An MoE block counts its gate and top_k experts of expert_hidden_dim (num_experts 0:
+// treated as dense). Embedding lookups, norms and element-wise work are not counted.
+double TrainingFlopsPerToken(const ModelConfig& config, int64_t num_experts = 0, int64_t top_k = 0,
+                             int64_t expert_hidden_dim = 0);
 bool IsMoeBlock(const ModelConfig& config, int64_t block_index);
 
 struct BlockCache {

@@ -148,7 +148,8 @@ struct RunSummary {
   double final_train_loss = NAN;  // mean over the last log interval
   double final_val_loss = NAN;
   double unigram_entropy = NAN;
-  double tokens_per_s = NAN;  // median over logged intervals
+  double tokens_per_s = NAN;   // median over logged intervals
+  double flops_per_token = 0;  // TrainingFlopsPerToken of the model
   int64_t parameters = 0;
   std::string sample;
   std::string run_dir;
