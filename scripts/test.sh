@@ -36,7 +36,7 @@ fi
 if ! skip tsan && [ -d tests/comm ]; then
   stage "tsan build + in-process transport tests"
   cmake --preset tsan >/dev/null
-  cmake --build --preset tsan -j "$JOBS"
+  cmake --build --preset tsan -j "$JOBS" --target tsan_tests
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --preset tsan -j "$JOBS" --timeout 600
 fi
 
