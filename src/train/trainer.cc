@@ -451,6 +451,10 @@ RunSummary Trainer::Run(const RunOptions& options) {
   std::vector<StepMetrics> history;
   if (writer) {
     std::error_code ec;
+    SY_REQUIRE(resumed || !fs::exists(run_dir + "/checkpoints/latest", ec), InvalidArgument,
+               "run directory '{}' already holds a run with checkpoints: pass --resume {} to "
+               "continue it, or another --out",
+               run_dir, run_dir);
     fs::create_directories(run_dir, ec);
     SY_REQUIRE(!ec, IoError, "{}: cannot create run directory: {}", run_dir, ec.message());
     WriteTextFileAtomic(run_dir + "/config.json", TrainConfigToJson(c) + "\n");

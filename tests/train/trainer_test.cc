@@ -277,6 +277,13 @@ TEST(RunTest, WritesTheRunDirectoryAndResumesBitForBit) {
   std::vector<StepMetrics> straight = ReadMetrics(c.out + "/metrics.jsonl");
   ASSERT_EQ(straight.size(), 6u);
   EXPECT_TRUE(std::isfinite(straight[2].val_loss));
+  // A fresh run does not overwrite a run that has checkpoints.
+  {
+    Trainer t(c);
+    RunOptions o;
+    o.out = DevNull();
+    EXPECT_THROW(t.Run(o), InvalidArgument);
+  }
   // Resume from the step-3 checkpoint of the same run directory: steps 4..6 repeat exactly.
   {
     Trainer t(c);

@@ -190,6 +190,7 @@ class Trainer {
 
   // The whole run: trains from the current step (or from options.resume) to config.steps,
   // writing the run directory, and prints the progress and a final summary to options.out.
+  // A fresh run refuses a run directory that already has checkpoints (InvalidArgument).
   RunSummary Run(const RunOptions& options = {});
 
  private:
