@@ -1,5 +1,7 @@
 #include "switchyard/train/feed_forward.h"
 
+#include "train/parallel_for.h"
+
 namespace switchyard::train {
 namespace {
 
@@ -22,7 +24,10 @@ DenseFeedForward::DenseFeedForward(ParameterSet& params, const std::string& pref
 FeedForwardOutput DenseFeedForward::Forward(const Tensor& x, const FeedForwardContext& context) {
   Tensor h = fc1_.Forward(x, context.threads);
   Tensor a = Tensor::Empty(h.shape());
-  kernels::ActivationForward(activation_, h.data<float>(), a.data<float>(), h.numel());
+  ParallelFor(h.numel(), context.threads, [&](int64_t begin, int64_t end) {
+    kernels::ActivationForward(activation_, h.data<float>() + begin, a.data<float>() + begin,
+                               end - begin);
+  });
   FeedForwardOutput out;
   out.y = fc2_.Forward(a, context.threads);
   if (context.save_for_backward)
@@ -35,8 +40,10 @@ Tensor DenseFeedForward::Backward(const FeedForwardOutput& forward, const Tensor
   SY_CHECK(forward.state != nullptr, "DenseFeedForward::Backward needs save_for_backward");
   const auto& s = *static_cast<const DenseState*>(forward.state.get());
   Tensor da = fc2_.Backward(s.a, dy, threads);
-  kernels::ActivationBackward(activation_, s.h.data<float>(), da.data<float>(), da.data<float>(),
-                              da.numel());
+  ParallelFor(da.numel(), threads, [&](int64_t begin, int64_t end) {
+    float* d = da.data<float>() + begin;
+    kernels::ActivationBackward(activation_, s.h.data<float>() + begin, d, d, end - begin);
+  });
   return fc1_.Backward(s.x, da, threads);
 }
 

@@ -129,7 +129,7 @@ Norm::Norm(ParameterSet& params, const std::string& prefix, int64_t dim, NormKin
   if (kind == NormKind::kLayerNorm) bias_ = &params.Add(prefix + "bias", Tensor::Zeros({dim}));
 }
 
-Tensor Norm::Forward(const Tensor& x, NormCache* cache) const {
+Tensor Norm::Forward(const Tensor& x, NormCache* cache, int threads) const {
   int64_t n = Rows("Norm x", x, dim_);
   Tensor y = Tensor::Empty({n, dim_});
   Tensor mean = kind_ == NormKind::kLayerNorm ? Tensor::Empty({n}) : Tensor();
@@ -138,56 +138,83 @@ Tensor Norm::Forward(const Tensor& x, NormCache* cache) const {
   const float* w = weight_->value.data<float>();
   const float* b = bias_ ? bias_->value.data<float>() : nullptr;
   float* yp = y.data<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    const float* xr = xp + i * dim_;
-    float* yr = yp + i * dim_;
-    float mu = 0.0f;
-    if (kind_ == NormKind::kLayerNorm) {
-      for (int64_t j = 0; j < dim_; ++j) mu += xr[j];
-      mu /= static_cast<float>(dim_);
-      mean.data<float>()[i] = mu;
+  float* mp = mean.defined() ? mean.data<float>() : nullptr;
+  float* rp = rstd.data<float>();
+  ParallelFor(n, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xr = xp + i * dim_;
+      float* yr = yp + i * dim_;
+      float mu = 0.0f;
+      if (mp != nullptr) {
+        for (int64_t j = 0; j < dim_; ++j) mu += xr[j];
+        mu /= static_cast<float>(dim_);
+        mp[i] = mu;
+      }
+      float ss = 0.0f;
+      for (int64_t j = 0; j < dim_; ++j) ss += (xr[j] - mu) * (xr[j] - mu);
+      float rs = 1.0f / std::sqrt(ss / static_cast<float>(dim_) + kEps);
+      rp[i] = rs;
+      if (b != nullptr) {
+        for (int64_t j = 0; j < dim_; ++j) yr[j] = (xr[j] - mu) * rs * w[j] + b[j];
+      } else {
+        for (int64_t j = 0; j < dim_; ++j) yr[j] = xr[j] * rs * w[j];
+      }
     }
-    float ss = 0.0f;
-    for (int64_t j = 0; j < dim_; ++j) ss += (xr[j] - mu) * (xr[j] - mu);
-    float rs = 1.0f / std::sqrt(ss / static_cast<float>(dim_) + kEps);
-    rstd.data<float>()[i] = rs;
-    for (int64_t j = 0; j < dim_; ++j) yr[j] = (xr[j] - mu) * rs * w[j] + (b ? b[j] : 0.0f);
-  }
+  });
   if (cache != nullptr) *cache = NormCache{x, mean, rstd};
   return y;
 }
 
-Tensor Norm::Backward(const NormCache& cache, const Tensor& dy) const {
+Tensor Norm::Backward(const NormCache& cache, const Tensor& dy, int threads) const {
   int64_t n = Rows("Norm x", cache.x, dim_);
   ExpectShape("Norm dy", dy, {n, dim_});
   const float* xp = cache.x.data<float>();
   const float* dyp = dy.data<float>();
   const float* w = weight_->value.data<float>();
-  float* dw = weight_->grad.data<float>();
-  float* db = bias_ ? bias_->grad.data<float>() : nullptr;
+  const float* mp = kind_ == NormKind::kLayerNorm ? cache.mean.data<float>() : nullptr;
+  const float* rp = cache.rstd.data<float>();
   Tensor dx = Tensor::Empty({n, dim_});
   float* dxp = dx.data<float>();
-  std::vector<float> xhat(static_cast<size_t>(dim_)), g(static_cast<size_t>(dim_));
-  float inv_dim = 1.0f / static_cast<float>(dim_);
-  for (int64_t i = 0; i < n; ++i) {
-    const float* xr = xp + i * dim_;
-    const float* dyr = dyp + i * dim_;
-    float mu = kind_ == NormKind::kLayerNorm ? cache.mean.data<float>()[i] : 0.0f;
-    float rs = cache.rstd.data<float>()[i];
-    float sum_g = 0.0f, sum_gx = 0.0f;
-    for (int64_t j = 0; j < dim_; ++j) {
-      xhat[j] = (xr[j] - mu) * rs;
-      g[j] = dyr[j] * w[j];
-      sum_g += g[j];
-      sum_gx += g[j] * xhat[j];
-      dw[j] += dyr[j] * xhat[j];
-      if (db) db[j] += dyr[j];
+  const float inv_dim = 1.0f / static_cast<float>(dim_);
+  // The weight/bias gradients are sums over rows: one partial sum per chunk, added in chunk
+  // order afterwards (deterministic for a thread count).
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, n));
+  std::vector<float> partial(static_cast<size_t>(chunks * 2 * dim_), 0.0f);
+  ParallelFor(chunks, chunks, [&](int64_t c0, int64_t c1) {
+    std::vector<float> xhat(static_cast<size_t>(dim_)), g(static_cast<size_t>(dim_));
+    for (int64_t c = c0; c < c1; ++c) {
+      float* pdw = partial.data() + c * 2 * dim_;
+      float* pdb = pdw + dim_;
+      for (int64_t i = n * c / chunks; i < n * (c + 1) / chunks; ++i) {
+        const float* xr = xp + i * dim_;
+        const float* dyr = dyp + i * dim_;
+        float mu = mp != nullptr ? mp[i] : 0.0f;
+        float rs = rp[i];
+        float sum_g = 0.0f, sum_gx = 0.0f;
+        for (int64_t j = 0; j < dim_; ++j) {
+          xhat[j] = (xr[j] - mu) * rs;
+          g[j] = dyr[j] * w[j];
+          sum_g += g[j];
+          sum_gx += g[j] * xhat[j];
+          pdw[j] += dyr[j] * xhat[j];
+          pdb[j] += dyr[j];
+        }
+        // LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); RMSNorm: no mean(g).
+        float mean_g = mp != nullptr ? sum_g * inv_dim : 0.0f;
+        float mean_gx = sum_gx * inv_dim;
+        float* dxr = dxp + i * dim_;
+        for (int64_t j = 0; j < dim_; ++j) dxr[j] = rs * (g[j] - mean_g - xhat[j] * mean_gx);
+      }
     }
-    // LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); RMSNorm has no mean term.
-    float mean_g = kind_ == NormKind::kLayerNorm ? sum_g * inv_dim : 0.0f;
-    float mean_gx = sum_gx * inv_dim;
-    float* dxr = dxp + i * dim_;
-    for (int64_t j = 0; j < dim_; ++j) dxr[j] = rs * (g[j] - mean_g - xhat[j] * mean_gx);
+  });
+  float* dw = weight_->grad.data<float>();
+  float* db = bias_ ? bias_->grad.data<float>() : nullptr;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* pdw = partial.data() + c * 2 * dim_;
+    for (int64_t j = 0; j < dim_; ++j) dw[j] += pdw[j];
+    if (db != nullptr) {
+      for (int64_t j = 0; j < dim_; ++j) db[j] += pdw[dim_ + j];
+    }
   }
   return dx;
 }
@@ -195,7 +222,7 @@ Tensor Norm::Backward(const NormCache& cache, const Tensor& dy) const {
 // ---- Cross-entropy ----
 
 CrossEntropyResult SoftmaxCrossEntropy(const Tensor& logits, const Tensor& targets, Tensor* dlogits,
-                                       float scale) {
+                                       float scale, int threads) {
   SY_REQUIRE(logits.defined() && logits.dim() == 2, InvalidArgument,
              "cross-entropy logits: expected [num_tokens, vocab_size], got {}",
              logits.defined() ? ShapeToString(logits.shape()) : "undefined");
@@ -205,34 +232,43 @@ CrossEntropyResult SoftmaxCrossEntropy(const Tensor& logits, const Tensor& targe
   ExpectDType("cross-entropy targets", targets, DType::kInt32);
   const float* lp = logits.data<float>();
   const int32_t* tp = targets.data<int32_t>();
-  CrossEntropyResult r;
-  std::vector<float> lse(static_cast<size_t>(n));
-  kernels::LogSumExpRows(lp, lse.data(), n, vocab);
-  double total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    int32_t t = tp[i];
-    if (t < 0) continue;
-    SY_REQUIRE(t < vocab, InvalidArgument, "cross-entropy targets[{}] = {}: expected < {}", i, t,
-               vocab);
-    total += static_cast<double>(lse[i]) - lp[i * vocab + t];
-    ++r.count;
+    SY_REQUIRE(tp[i] < vocab, InvalidArgument, "cross-entropy targets[{}] = {}: expected < {}", i,
+               tp[i], vocab);
   }
-  r.loss = r.count > 0 ? total / static_cast<double>(r.count) : 0.0;
-  if (dlogits != nullptr) {
-    *dlogits = Tensor::Empty({n, vocab});
-    float* d = dlogits->data<float>();
-    float coef = r.count > 0 ? scale / static_cast<float>(r.count) : 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      float* dr = d + i * vocab;
-      const float* lr = lp + i * vocab;
-      if (tp[i] < 0) {
-        std::fill_n(dr, vocab, 0.0f);
-        continue;
+  CrossEntropyResult r;
+  for (int64_t i = 0; i < n; ++i) r.count += tp[i] >= 0 ? 1 : 0;
+  // Per-chunk sums of -log p(target), added in chunk order (deterministic for a thread count).
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, n));
+  std::vector<double> totals(static_cast<size_t>(chunks), 0.0);
+  float coef = r.count > 0 ? scale / static_cast<float>(r.count) : 0.0f;
+  if (dlogits != nullptr) *dlogits = Tensor::Empty({n, vocab});
+  float* d = dlogits != nullptr ? dlogits->data<float>() : nullptr;
+  ParallelFor(chunks, chunks, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t begin = n * c / chunks, end = n * (c + 1) / chunks;
+      std::vector<float> lse(static_cast<size_t>(end - begin));
+      kernels::LogSumExpRows(lp + begin * vocab, lse.data(), end - begin, vocab);
+      for (int64_t i = begin; i < end; ++i) {
+        if (tp[i] >= 0) totals[c] += static_cast<double>(lse[i - begin]) - lp[i * vocab + tp[i]];
       }
-      for (int64_t j = 0; j < vocab; ++j) dr[j] = coef * std::exp(lr[j] - lse[i]);
-      dr[tp[i]] -= coef;
+      if (d == nullptr) continue;
+      // d(loss)/d(logits) = coef * (softmax - onehot).
+      kernels::SoftmaxRows(lp + begin * vocab, d + begin * vocab, end - begin, vocab);
+      for (int64_t i = begin; i < end; ++i) {
+        float* dr = d + i * vocab;
+        if (tp[i] < 0) {
+          std::fill_n(dr, vocab, 0.0f);
+          continue;
+        }
+        for (int64_t j = 0; j < vocab; ++j) dr[j] *= coef;
+        dr[tp[i]] -= coef;
+      }
     }
-  }
+  });
+  double total = 0;
+  for (double t : totals) total += t;
+  r.loss = r.count > 0 ? total / static_cast<double>(r.count) : 0.0;
   return r;
 }
 

@@ -64,10 +64,12 @@ Block::Block(ParameterSet& params, const std::string& prefix, const ModelConfig&
 
 namespace {
 
-void AddInPlace(const Tensor& acc, const Tensor& x) {
+void AddInPlace(const Tensor& acc, const Tensor& x, int threads) {
   float* a = acc.data<float>();
   const float* b = x.data<float>();
-  for (int64_t i = 0; i < acc.numel(); ++i) a[i] += b[i];
+  ParallelFor(acc.numel(), threads, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) a[i] += b[i];
+  });
 }
 
 }  // namespace
@@ -76,22 +78,24 @@ Tensor Block::Forward(const Tensor& x, int64_t batch_size, const FeedForwardCont
                       BlockCache* cache) const {
   SY_CHECK(cache != nullptr, "Block::Forward needs a cache");
   bool save = context.save_for_backward;
-  Tensor h = attn_.Forward(norm1_.Forward(x, save ? &cache->norm1 : nullptr), batch_size,
+  const int threads = context.threads;
+  Tensor h = attn_.Forward(norm1_.Forward(x, save ? &cache->norm1 : nullptr, threads), batch_size,
                            context.threads, save ? &cache->attn : nullptr);
-  AddInPlace(h, x);  // h = x + attn(norm1(x))
-  cache->ffn = ffn_->Forward(norm2_.Forward(h, save ? &cache->norm2 : nullptr), context);
+  AddInPlace(h, x, threads);  // h = x + attn(norm1(x))
+  cache->ffn = ffn_->Forward(norm2_.Forward(h, save ? &cache->norm2 : nullptr, threads), context);
   Tensor y = cache->ffn.y;
-  cache->ffn.y = Tensor();  // the caller owns y; backward does not need it
-  AddInPlace(y, h);         // y = h + ffn(norm2(h))
+  cache->ffn.y = Tensor();    // the caller owns y; backward does not need it
+  AddInPlace(y, h, threads);  // y = h + ffn(norm2(h))
   return y;
 }
 
 Tensor Block::Backward(const BlockCache& cache, const Tensor& dy, float loss_scale,
                        int threads) const {
-  Tensor dh = norm2_.Backward(cache.norm2, ffn_->Backward(cache.ffn, dy, loss_scale, threads));
-  AddInPlace(dh, dy);
-  Tensor dx = norm1_.Backward(cache.norm1, attn_.Backward(cache.attn, dh, threads));
-  AddInPlace(dx, dh);
+  Tensor dh =
+      norm2_.Backward(cache.norm2, ffn_->Backward(cache.ffn, dy, loss_scale, threads), threads);
+  AddInPlace(dh, dy, threads);
+  Tensor dx = norm1_.Backward(cache.norm1, attn_.Backward(cache.attn, dh, threads), threads);
+  AddInPlace(dx, dh, threads);
   return dx;
 }
 
@@ -185,7 +189,7 @@ LmOutput TransformerLm::Forward(const Tensor& tokens, const Tensor& targets,
   state->batch_size = batch;
 
   Tensor x = embed_->Forward(state->tokens);
-  AddInPlace(x, pos_embed_->Forward(state->positions));
+  AddInPlace(x, pos_embed_->Forward(state->positions), options.threads);
 
   FeedForwardContext ctx;
   ctx.global_token_offset = options.global_token_offset;
@@ -213,14 +217,16 @@ LmOutput TransformerLm::Forward(const Tensor& tokens, const Tensor& targets,
     out.aux_loss /= static_cast<double>(moe_blocks);
     out.z_loss /= static_cast<double>(moe_blocks);
   }
-  Tensor h = final_norm_->Forward(x, options.save_for_backward ? &state->final_norm : nullptr);
+  Tensor h = final_norm_->Forward(x, options.save_for_backward ? &state->final_norm : nullptr,
+                                  options.threads);
   Tensor logits = Tensor::Empty({n, c.vocab_size});
   ParallelGemm(Trans::kNo, Trans::kYes, n, c.vocab_size, c.model_dim, 1.0f, h.data<float>(),
                c.model_dim, head_->value.data<float>(), c.model_dim, 0.0f, logits.data<float>(),
                c.vocab_size, options.threads);
   if (has_targets) {
     CrossEntropyResult ce = SoftmaxCrossEntropy(
-        logits, targets.Reshape({n}), options.save_for_backward ? &state->dlogits : nullptr);
+        logits, targets.Reshape({n}), options.save_for_backward ? &state->dlogits : nullptr, 1.0f,
+        options.threads);
     out.ce_loss = ce.loss;
     out.count = ce.count;
   }
@@ -262,7 +268,7 @@ void TransformerLm::Backward(const LmOutput& forward, float loss_scale, int thre
   ParallelGemm(Trans::kYes, Trans::kNo, c.vocab_size, c.model_dim, n, 1.0f, dlogits.data<float>(),
                c.vocab_size, s.h.data<float>(), c.model_dim, 1.0f, head_->grad.data<float>(),
                c.model_dim, threads);
-  Tensor dx = final_norm_->Backward(s.final_norm, dh);
+  Tensor dx = final_norm_->Backward(s.final_norm, dh, threads);
   for (size_t i = blocks_.size(); i-- > 0;) {
     dx = blocks_[i]->Backward(s.blocks[i], dx, loss_scale, threads);
   }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "switchyard/train/feed_forward.h"
+#include "testing/random.h"
 #include "train/grad_check.h"
 
 namespace switchyard::train {
@@ -133,6 +134,24 @@ TEST_P(NormTest, GradientsMatchFiniteDifferences) {
   EXPECT_EQ(params.Find("ln.bias") != nullptr, GetParam() == NormKind::kLayerNorm);
 }
 
+TEST_P(NormTest, ThreadsSplitRowsAndSumPartialGradients) {
+  ParameterSet p1, p3;
+  Norm n1(p1, "ln.", 16, GetParam()), n3(p3, "ln.", 16, GetParam());
+  Tensor x = RandomTensor({37, 16}, 4, -2.0f, 2.0f);
+  Tensor r = RandomTensor({37, 16}, 5);
+  NormCache c1, c3;
+  Tensor y1 = n1.Forward(x, &c1, 1), y3 = n3.Forward(x, &c3, 3);
+  Tensor dx1 = n1.Backward(c1, r, 1), dx3 = n3.Backward(c3, r, 3);
+  for (int64_t i = 0; i < y1.numel(); ++i) {
+    ASSERT_EQ(y1.data<float>()[i], y3.data<float>()[i]);  // rows are independent
+    ASSERT_EQ(dx1.data<float>()[i], dx3.data<float>()[i]);
+  }
+  for (size_t k = 0; k < p1.size(); ++k) {  // sums over rows in another order
+    EXPECT_TRUE(::switchyard::testing::AllClose(p3.all()[k].grad.data<float>(),
+                                                p1.all()[k].grad.data<float>(), 16, 1e-5, 1e-5));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Kinds, NormTest,
                          ::testing::Values(NormKind::kLayerNorm, NormKind::kRmsNorm),
                          [](const auto& p) { return std::string(NormKindName(p.param)); });
@@ -256,6 +275,19 @@ TEST(CrossEntropyTest, MatchesReferenceAndIgnoresNegativeTargets) {
   for (int j = 0; j < 5; ++j) EXPECT_EQ(dlogits.data<float>()[5 + j], 0.0f);  // ignored row
   EXPECT_THROW(SoftmaxCrossEntropy(logits, Tensor::FromVector<int32_t>({5, 0, 0, 0}, {4}), nullptr),
                InvalidArgument);
+}
+
+TEST(CrossEntropyTest, ThreadsGiveTheSameResult) {
+  Tensor logits = RandomTensor({53, 7}, 6, -3.0f, 3.0f);
+  std::vector<int32_t> t(53);
+  for (int i = 0; i < 53; ++i) t[i] = i % 9 == 4 ? -1 : i % 7;
+  Tensor targets = Tensor::FromVector(t, {53});
+  Tensor d1, d3;
+  CrossEntropyResult r1 = SoftmaxCrossEntropy(logits, targets, &d1, 0.5f, 1);
+  CrossEntropyResult r3 = SoftmaxCrossEntropy(logits, targets, &d3, 0.5f, 3);
+  EXPECT_EQ(r1.count, r3.count);
+  EXPECT_NEAR(r1.loss, r3.loss, 1e-12);
+  for (int64_t i = 0; i < d1.numel(); ++i) ASSERT_EQ(d1.data<float>()[i], d3.data<float>()[i]);
 }
 
 TEST(DenseFeedForwardTest, GradientsMatchFiniteDifferences) {

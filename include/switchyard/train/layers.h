@@ -93,8 +93,8 @@ class Norm {
   Norm(ParameterSet& params, const std::string& prefix, int64_t dim, NormKind kind);
 
   NormKind kind() const { return kind_; }
-  Tensor Forward(const Tensor& x, NormCache* cache) const;
-  Tensor Backward(const NormCache& cache, const Tensor& dy) const;
+  Tensor Forward(const Tensor& x, NormCache* cache, int threads = 1) const;
+  Tensor Backward(const NormCache& cache, const Tensor& dy, int threads = 1) const;
 
  private:
   int64_t dim_;
@@ -145,6 +145,6 @@ struct CrossEntropyResult {
 // non-null it is set to scale * d(loss)/d(logits) = scale * (softmax - onehot) / count
 // ([num_tokens, vocab_size], zero rows for ignored tokens).
 CrossEntropyResult SoftmaxCrossEntropy(const Tensor& logits, const Tensor& targets, Tensor* dlogits,
-                                       float scale = 1.0f);
+                                       float scale = 1.0f, int threads = 1);
 
 }  // namespace switchyard::train
