@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 #include <thread>
 
 #include "switchyard/comm/reduce.h"
@@ -23,6 +24,9 @@ enum State : int { kPosted, kMatched, kDone, kFailed };
 
 // How long a waiter yields before it sleeps on its event.
 constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
+
+// How long a timed-out rank looks at what its peers' timeouts recorded (TimeoutConsensus).
+constexpr auto kTimeoutGrace = std::chrono::milliseconds(100);
 
 // Transfers up to this size are copied at once by the thread that matched them.
 constexpr size_t kEagerCopyBytes = 16 << 10;
@@ -289,6 +293,16 @@ bool Fabric::FailureOf(int world_rank, uint64_t context, std::string* reason) {
   return false;
 }
 
+void Fabric::RecordTimeout(uint64_t context, int world_rank, int waited_for_world) {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  timeouts_[context][world_rank] = waited_for_world;
+}
+
+std::map<int, int> Fabric::TimeoutsOf(uint64_t context) {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  return timeouts_[context];
+}
+
 void Fabric::Register(const std::shared_ptr<Event>& event) {
   std::lock_guard<std::mutex> lock(failure_mu_);
   std::erase_if(events_, [](const std::weak_ptr<Event>& e) { return e.expired(); });
@@ -429,7 +443,17 @@ void InProcessTransport::Wait(std::span<Request* const> requests, Deadline deadl
     }
     if (all_done) return;
     if (worked) continue;
-    if (Clock::now() >= deadline) throw TimeoutError(DescribeTimeout(requests));
+    if (Clock::now() >= deadline) {
+      int waited_for = -1;
+      for (Request* q : requests) {
+        auto* r = static_cast<InProcRequest*>(q);
+        if (r && r->state.load(std::memory_order_acquire) == kPosted) {
+          waited_for = r->peer_world;
+          break;
+        }
+      }
+      throw TimeoutError(DescribeTimeout(requests) + TimeoutConsensus(waited_for));
+    }
     // Yield for a little while before sleeping: partners are often about to post, and a
     // futex sleep + wake costs more than the wait itself.
     if (idle_rounds++ == 0) spin_until = Clock::now() + kSpinBeforeSleep;
@@ -442,6 +466,27 @@ void InProcessTransport::Wait(std::span<Request* const> requests, Deadline deadl
       return event_->generation.load(std::memory_order_acquire) != generation;
     });
   }
+}
+
+// Peers usually reach their deadlines together, each knowing only the neighbour it waited for.
+// Every timed-out rank records whom it waited for and looks for a moment at what the others
+// recorded: a rank somebody waited for that recorded nothing never arrived.
+std::string InProcessTransport::TimeoutConsensus(int waited_for_world) {
+  fabric_->RecordTimeout(context_, world_rank_, waited_for_world);
+  std::this_thread::sleep_for(kTimeoutGrace);
+  std::map<int, int> timed_out = fabric_->TimeoutsOf(context_);
+  std::string names;
+  std::set<int> missing;
+  for (const auto& [from, waited] : timed_out) {
+    if (waited >= 0 && !timed_out.count(waited)) missing.insert(waited);
+  }
+  for (int world : missing) {
+    auto it = std::find(members_.begin(), members_.end(), world);
+    int group_rank = it == members_.end() ? -1 : static_cast<int>(it - members_.begin());
+    names += fmt::format("{}rank {} (world rank {})", names.empty() ? "" : ", ", group_rank, world);
+  }
+  if (names.empty()) return "";
+  return "; ranks that never arrived (recorded no timeout of their own): " + names;
 }
 
 bool InProcessTransport::Test(Request& request) {

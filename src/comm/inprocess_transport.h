@@ -68,6 +68,11 @@ class Fabric {
 
   void Register(const std::shared_ptr<Event>& event);
 
+  // Timeout consensus (see InProcessTransport::Wait): world_rank timed out in `context` waiting
+  // for waited_for_world (-1: not known); the records of a context, world rank -> waited for.
+  void RecordTimeout(uint64_t context, int world_rank, int waited_for_world);
+  std::map<int, int> TimeoutsOf(uint64_t context);
+
  private:
   int world_size_;
   int ranks_per_node_;
@@ -81,6 +86,7 @@ class Fabric {
   std::mutex failure_mu_;
   std::map<std::pair<int, uint64_t>, std::string> failures_;
   std::atomic<uint64_t> failure_epoch_{0};
+  std::map<uint64_t, std::map<int, int>> timeouts_;  // guarded by failure_mu_
   std::vector<std::weak_ptr<Event>> events_;
 };
 
@@ -110,6 +116,7 @@ class InProcessTransport final : public Transport {
 
  private:
   void CheckPeer(int peer) const;
+  std::string TimeoutConsensus(int waited_for_world);
 
   std::shared_ptr<Fabric> fabric_;
   uint64_t context_;

@@ -14,7 +14,11 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <map>
 #include <mutex>
+#include <set>
+#include <thread>
 #include <vector>
 
 #include "comm/group_communicator.h"
@@ -311,8 +315,15 @@ class MpiTransport final : public Transport, public NativeCollectives {
         if (all_done) return;
         if (spins % 64 == 63) CheckAborts();
         if (Clock::now() >= deadline) {
-          CheckAborts();
-          throw TimeoutError(DescribeTimeout(requests));
+          int waited_for = -1;
+          for (Request* q : requests) {
+            auto* r = static_cast<MpiRequest*>(q);
+            if (r && !r->done && r->header_req != MPI_REQUEST_NULL) {
+              waited_for = r->peer();
+              break;
+            }
+          }
+          throw TimeoutError(DescribeTimeout(requests) + TimeoutConsensus(waited_for));
         }
         sched_yield();
       }
@@ -325,17 +336,12 @@ class MpiTransport final : public Transport, public NativeCollectives {
   // Tells every other member that this rank failed in this group (fire and forget).
   void Abort(const std::string& reason) override {
     tainted_ = true;
-    std::lock_guard<std::mutex> lock(abort_mu_);
-    if (!abort_notice_.empty()) return;
-    abort_notice_ = reason.substr(0, kMaxAbortNotice);
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
-      MPI_Request r;
-      if (MPI_Isend(abort_notice_.data(), static_cast<int>(abort_notice_.size()), MPI_CHAR, p,
-                    abort_tag_, comm_, &r) == MPI_SUCCESS) {
-        MPI_Request_free(&r);  // abort_notice_ lives as long as the communicator
-      }
+    {
+      std::lock_guard<std::mutex> lock(abort_mu_);
+      if (aborted_) return;
+      aborted_ = true;
     }
+    SendNotice("A" + reason.substr(0, kMaxAbortNotice));
   }
 
   bool Test(Request& request) override {
@@ -459,17 +465,33 @@ class MpiTransport final : public Transport, public NativeCollectives {
       if (spins % 64 == 63) CheckAborts();
       if (Clock::now() >= deadline) {
         tainted_ = true;
-        CheckAborts();
-        throw TimeoutError(fmt::format("timed out in MPI's own {} (some rank did not join)", what));
+        throw TimeoutError(fmt::format("timed out in MPI's own {} (some rank did not join){}", what,
+                                       TimeoutConsensus(-1)));
       }
       sched_yield();
     }
   }
 
-  // Throws PeerError if a member sent an abort notice (now or earlier).
-  void CheckAborts() {
+  // Notices travel on abort_tag_ between the members of this group, fire and forget:
+  //   "A<reason>"  the sender's collective failed (it will not take part any more);
+  //   "T<rank>"    the sender timed out waiting for group rank <rank> (-1: not known).
+  void SendNotice(std::string text) {
     std::lock_guard<std::mutex> lock(abort_mu_);
-    if (abort_received_.empty()) {
+    sent_notices_.push_back(std::move(text));  // alive as long as the communicator (MPI reads it)
+    const std::string& notice = sent_notices_.back();
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      MPI_Request r;
+      if (MPI_Isend(notice.data(), static_cast<int>(notice.size()), MPI_CHAR, p, abort_tag_, comm_,
+                    &r) == MPI_SUCCESS) {
+        MPI_Request_free(&r);
+      }
+    }
+  }
+
+  // Receives every notice that has arrived (abort_mu_ held).
+  void DrainNoticesLocked() {
+    for (;;) {
       int flag = 0;
       MPI_Status status;
       MPI_Iprobe(MPI_ANY_SOURCE, abort_tag_, comm_, &flag, &status);
@@ -479,11 +501,62 @@ class MpiTransport final : public Transport, public NativeCollectives {
       std::string notice(static_cast<size_t>(std::max(len, 0)), '\0');
       MPI_Recv(notice.data(), len, MPI_CHAR, status.MPI_SOURCE, abort_tag_, comm_,
                MPI_STATUS_IGNORE);
-      abort_received_ = fmt::format("rank {} (world rank {}) failed: {}", status.MPI_SOURCE,
-                                    WorldRank(status.MPI_SOURCE), notice);
+      const int from = status.MPI_SOURCE;
+      if (!notice.empty() && notice[0] == 'T') {
+        timed_out_[from] = std::atoi(notice.c_str() + 1);
+      } else if (failure_.empty()) {
+        failure_ = fmt::format("rank {} (world rank {}) failed: {}", from, WorldRank(from),
+                               notice.empty() ? notice : notice.substr(1));
+      }
     }
+  }
+
+  std::string Name(int group_rank) const {
+    return fmt::format("rank {} (world rank {})", group_rank, WorldRank(group_rank));
+  }
+
+  // Throws PeerError if a member announced that it failed or gave up (now or earlier).
+  void CheckAborts() {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    DrainNoticesLocked();
+    if (failure_.empty() && !timed_out_.empty()) {
+      auto [from, waited] = *timed_out_.begin();
+      failure_ = fmt::format("{} timed out waiting for {}", Name(from),
+                             waited >= 0 ? Name(waited) : std::string("MPI"));
+    }
+    if (failure_.empty()) return;
     tainted_ = true;
-    throw PeerError(abort_received_);
+    throw PeerError(failure_);
+  }
+
+  // At this rank's deadline. Peers usually reach theirs at about the same moment, and each of
+  // them only knows the neighbour it waited for. Every timed-out rank announces whom it waited
+  // for ("T" notice) and listens for a moment: a rank that somebody waited for but that announced
+  // nothing never arrived. Returns "; ranks that never arrived: ..." (or "" if none is known);
+  // throws PeerError instead if a peer reported a failure of its own meanwhile.
+  std::string TimeoutConsensus(int waited_for) {
+    SendNotice("T" + std::to_string(waited_for));
+    Deadline until = Clock::now() + kTimeoutGrace;
+    std::map<int, int> timed_out;
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(abort_mu_);
+        DrainNoticesLocked();
+        if (!failure_.empty()) throw PeerError(failure_);
+        timed_out = timed_out_;
+      }
+      if (Clock::now() >= until) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    timed_out[rank_] = waited_for;
+    std::set<int> missing;
+    for (const auto& [from, waited] : timed_out) {
+      if (waited >= 0 && !timed_out.count(waited)) missing.insert(waited);
+    }
+    if (missing.empty()) return "";
+    std::string names;
+    for (int m : missing) names += (names.empty() ? "" : ", ") + Name(m);
+    return fmt::format("; ranks that never arrived (announced no timeout of their own): {}", names);
   }
 
   std::string DescribeTimeout(std::span<Request* const> requests) const {
@@ -510,14 +583,17 @@ class MpiTransport final : public Transport, public NativeCollectives {
   }
 
   static constexpr size_t kMaxAbortNotice = 2048;
+  static constexpr auto kTimeoutGrace = std::chrono::milliseconds(300);
 
   MPI_Comm comm_;
   NodeMap nodes_;
   int abort_tag_ = 32767;
   std::mutex abort_mu_;
-  std::string abort_notice_;          // sent by Abort; kept alive for the MPI sends
-  std::string abort_received_;        // first notice received from a peer
-  std::atomic<bool> tainted_{false};  // saw a failure: never freed
+  bool aborted_ = false;                  // guarded by abort_mu_
+  std::deque<std::string> sent_notices_;  // guarded by abort_mu_; kept alive for the MPI sends
+  std::string failure_;                   // guarded by abort_mu_: first failure announced by a peer
+  std::map<int, int> timed_out_;          // guarded by abort_mu_: peer -> rank it waited for
+  std::atomic<bool> tainted_{false};      // saw a failure: never freed
   int rank_ = 0;
   int size_ = 1;
   uint64_t tag_space_ = 16384;

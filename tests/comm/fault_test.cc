@@ -111,6 +111,28 @@ TEST(Faults, RankThatThrowsIsNamedWithItsError) {
   }
 }
 
+// In a ring every rank waits for its left neighbour; only one of them waits for the missing
+// rank. The timeout consensus still lets every rank name it.
+TEST(Faults, EveryRankNamesTheRankThatNeverArrivedInARing) {
+  auto errors = RunCollectingErrors(
+      4,
+      [](Communicator& comm) {
+        if (comm.rank() == 3) {
+          std::this_thread::sleep_for(Milliseconds(1500));  // alive, but too late
+          return;
+        }
+        std::vector<float> x(1000, 1.0f);
+        comm.AllReduce(x.data(), x.data(), x.size(), DType::kFloat32,
+                       {.algorithm = Algorithm::kRing, .timeout = Milliseconds(300)})
+            .Wait();
+      },
+      Milliseconds(60000), Milliseconds(10000));
+  for (int r = 0; r < 3; ++r) {
+    const std::string& e = errors[static_cast<size_t>(r)];
+    EXPECT_TRUE(Contains(e, "never arrived") && Contains(e, "rank 3 (world rank 3)")) << e;
+  }
+}
+
 TEST(Faults, DifferentCollectiveIsNamed) {
   auto errors = RunCollectingErrors(
       4,
