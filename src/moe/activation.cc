@@ -1,7 +1,10 @@
 #include "moe/activation.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
+#include <limits>
+#include <vector>
 
 namespace switchyard::moe {
 namespace {
@@ -154,6 +157,34 @@ void ActivationBackwardRows(Activation act, int64_t rows, int64_t cols, const fl
     case Activation::kIdentity:
       BackwardRows<Activation::kIdentity>(rows, cols, pre1, pre3, d, d_pre3, bias_grad);
       break;
+  }
+}
+
+void SoftmaxLseRows(const float* x, float* y, float* lse, int64_t rows, int64_t cols) {
+  std::vector<float> tmp(y ? 0 : static_cast<size_t>(cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * cols;
+    float* e = y ? y + r * cols : tmp.data();
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < cols; ++j) mx = xr[j] > mx ? xr[j] : mx;
+    if (!(mx > -INFINITY && mx < INFINITY)) {  // all -inf, +inf or NaN: undefined
+      lse[r] = mx;
+      if (y) std::fill_n(e, cols, std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
+    for (int64_t j = 0; j < cols; ++j) e[j] = ExpF(xr[j] - mx);
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= cols; j += 8) {
+      for (int l = 0; l < 8; ++l) acc[l] += e[j + l];
+    }
+    float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; j < cols; ++j) sum += e[j];
+    lse[r] = mx + std::log(sum);
+    if (y) {
+      float inv = 1.0f / sum;
+      for (int64_t k = 0; k < cols; ++k) e[k] *= inv;
+    }
   }
 }
 

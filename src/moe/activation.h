@@ -21,6 +21,10 @@ void ActivationForwardRows(kernels::Activation act, int64_t rows, int64_t cols, 
 void ActivationBackwardRows(kernels::Activation act, int64_t rows, int64_t cols, const float* pre1,
                             const float* pre3, float* d, float* d_pre3, float* bias_grad);
 
+// Row-wise over [rows, cols]: y = softmax(x) (skipped when y is null) and lse[r] =
+// log(sum_j exp(x[r, j])), with the vectorized exp. y may alias x.
+void SoftmaxLseRows(const float* x, float* y, float* lse, int64_t rows, int64_t cols);
+
 // Plain float32 dot product with 8 independent partial sums (vectorizes without fast-math).
 float DotF(const float* a, const float* b, int64_t n);
 

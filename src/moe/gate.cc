@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "moe/activation.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/kernels/gemm.h"
@@ -107,10 +108,19 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
   const float* nl = r.noisy_logits.data<float>();
   r.scores = Tensor::Empty({t_num, e_num});
   float* sc = r.scores.data<float>();
+  // Scores, and the log-sum-exp of the noise-free logits for the z-loss (a by-product of the
+  // softmax when there is no additive noise).
+  r.lse.resize(static_cast<size_t>(t_num));
+  const bool noisy = !r.noisy_logits.SharesStorageWith(r.logits);
   if (c.score_function == ScoreFunction::kSigmoid) {
     for (int64_t i = 0; i < t_num * e_num; ++i) sc[i] = 1.0f / (1.0f + std::exp(-nl[i]));
+    SoftmaxLseRows(r.logits.data<float>(), nullptr, r.lse.data(), t_num, e_num);
+  } else if (!noisy) {
+    SoftmaxLseRows(nl, sc, r.lse.data(), t_num, e_num);
   } else {
-    kernels::SoftmaxRows(nl, sc, t_num, e_num);
+    std::vector<float> noisy_lse(static_cast<size_t>(t_num));
+    SoftmaxLseRows(nl, sc, noisy_lse.data(), t_num, e_num);
+    SoftmaxLseRows(r.logits.data<float>(), nullptr, r.lse.data(), t_num, e_num);
   }
 
   // Selection: top-k of scores (softmax, sigmoid) or of logits (softmax_after_topk), plus the

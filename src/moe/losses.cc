@@ -38,9 +38,11 @@ std::vector<double> AuxProbabilities(const LayerConfig& c, const float* logits, 
 }
 
 // dP [T, E] -> adds into d_logits through AuxProbabilities.
+// `sigmoid` may hold sigmoid(logits) (the gate's scores) to save recomputing it.
 void AuxProbabilitiesBackward(const LayerConfig& c, const float* logits,
                               const std::vector<double>& p, const std::vector<double>& dp,
-                              int64_t t_num, int64_t e_num, float* d_logits) {
+                              int64_t t_num, int64_t e_num, float* d_logits,
+                              const float* sigmoid = nullptr) {
   for (int64_t t = 0; t < t_num; ++t) {
     const double* pr = p.data() + t * e_num;
     const double* dpr = dp.data() + t * e_num;
@@ -52,7 +54,9 @@ void AuxProbabilitiesBackward(const LayerConfig& c, const float* logits,
       std::vector<double> s(static_cast<size_t>(e_num));
       double sum = 0;
       for (int64_t e = 0; e < e_num; ++e) {
-        s[static_cast<size_t>(e)] = 1.0 / (1.0 + std::exp(-static_cast<double>(l[e])));
+        s[static_cast<size_t>(e)] = sigmoid != nullptr
+                                        ? static_cast<double>(sigmoid[t * e_num + e])
+                                        : 1.0 / (1.0 + std::exp(-static_cast<double>(l[e])));
         sum += s[static_cast<size_t>(e)];
       }
       for (int64_t e = 0; e < e_num; ++e) {
@@ -65,6 +69,30 @@ void AuxProbabilitiesBackward(const LayerConfig& c, const float* logits,
       }
     }
   }
+}
+
+// The aux probabilities of the noisy logits from the gate's scores, which already hold their
+// softmax (softmax, softmax_after_topk) or sigmoid: no exponential recomputed.
+std::vector<double> AuxProbabilitiesOfScores(const LayerConfig& c, const GateResult& g) {
+  const int64_t t_num = g.num_tokens, e_num = g.num_experts;
+  const float* sc = g.scores.data<float>();
+  std::vector<double> p(static_cast<size_t>(t_num * e_num));
+  for (int64_t t = 0; t < t_num; ++t) {
+    double sum = 1.0;
+    if (c.score_function == ScoreFunction::kSigmoid) {
+      sum = 0;
+      for (int64_t e = 0; e < e_num; ++e) sum += sc[t * e_num + e];
+    }
+    for (int64_t e = 0; e < e_num; ++e) {
+      p[static_cast<size_t>(t * e_num + e)] = static_cast<double>(sc[t * e_num + e]) / sum;
+    }
+  }
+  return p;
+}
+
+// True when the gate added no noise to its logits (noisy_logits is logits).
+bool NoiseFree(const GateResult& g) {
+  return g.num_tokens == 0 || g.noisy_logits.SharesStorageWith(g.logits);
 }
 
 // Counted choices per expert (1st choice, or all k) and the loss scale:
@@ -117,7 +145,9 @@ double ImportanceThreshold(const GateResult& g, int64_t t) {
 void ImportanceLoadSums(const LayerConfig& config, const GateResult& g, std::vector<double>* imp,
                         std::vector<double>* load) {
   const int64_t t_num = g.num_tokens, e_num = g.num_experts;
-  std::vector<double> p = AuxProbabilities(config, g.logits.data<float>(), t_num, e_num);
+  std::vector<double> p = NoiseFree(g)
+                              ? AuxProbabilitiesOfScores(config, g)
+                              : AuxProbabilities(config, g.logits.data<float>(), t_num, e_num);
   const double sigma = static_cast<double>(config.noise_std) / static_cast<double>(e_num);
   imp->assign(static_cast<size_t>(e_num), 0.0);
   load->assign(static_cast<size_t>(e_num), 0.0);
@@ -137,7 +167,9 @@ void ImportanceLoadBackward(const LayerConfig& config, const GateResult& g,
                             float coef, float* d_logits) {
   const int64_t t_num = g.num_tokens, e_num = g.num_experts, k = g.top_k;
   const float* clean = g.logits.data<float>();
-  std::vector<double> p = AuxProbabilities(config, clean, t_num, e_num);
+  const bool noise_free = NoiseFree(g);
+  std::vector<double> p = noise_free ? AuxProbabilitiesOfScores(config, g)
+                                     : AuxProbabilities(config, clean, t_num, e_num);
   const double sigma = static_cast<double>(config.noise_std) / static_cast<double>(e_num);
   std::vector<double> d_imp, d_load;
   Cv2(imp, &d_imp);
@@ -156,7 +188,8 @@ void ImportanceLoadBackward(const LayerConfig& config, const GateResult& g,
     d_logits[t * e_num + g.experts[static_cast<size_t>(t * k + k - 1)]] +=
         static_cast<float>(d_thr);
   }
-  AuxProbabilitiesBackward(config, clean, p, dp, t_num, e_num, d_logits);
+  AuxProbabilitiesBackward(config, clean, p, dp, t_num, e_num, d_logits,
+                           noise_free ? g.scores.data<float>() : nullptr);
 }
 
 // lse_t of the noise-free logits.
@@ -215,14 +248,16 @@ GateLossSums ComputeGateLossSums(const LayerConfig& config, const GateResult& g)
   GateLossSums s;
   s.num_tokens = static_cast<double>(t_num);
   const float* l = g.logits.defined() ? g.logits.data<float>() : nullptr;
+  const bool have_lse = static_cast<int64_t>(g.lse.size()) == t_num;
   for (int64_t t = 0; t < t_num; ++t) {
-    double lse = LogSumExp(l + t * e_num, e_num);
+    double lse = have_lse ? static_cast<double>(g.lse[static_cast<size_t>(t)])
+                          : LogSumExp(l + t * e_num, e_num);
     s.z += lse * lse;
   }
   if (IsGShard(config)) {
     s.probs.assign(static_cast<size_t>(e_num), 0.0);
     if (t_num > 0) {
-      std::vector<double> p = AuxProbabilities(config, g.noisy_logits.data<float>(), t_num, e_num);
+      std::vector<double> p = AuxProbabilitiesOfScores(config, g);
       for (int64_t e = 0; e < e_num; ++e) {
         double m = 0;
         for (int64_t t = 0; t < t_num; ++t) m += p[static_cast<size_t>(t * e_num + e)];
@@ -283,12 +318,20 @@ void GateLossesBackward(const LayerConfig& config, const GateResult& g, float au
   float* dl = d_logits.data<float>();
   if (z_coef != 0) {
     // dz/dl[t, e] = 2 lse_t softmax(l_t)_e / T.
+    // softmax(logits) is the gate's scores when they are the softmax of noise-free logits.
     const float* l = g.logits.data<float>();
+    const bool have_lse = static_cast<int64_t>(g.lse.size()) == t_num;
+    const float* softmax = NoiseFree(g) && config.score_function != ScoreFunction::kSigmoid
+                               ? g.scores.data<float>()
+                               : nullptr;
     for (int64_t t = 0; t < t_num; ++t) {
-      double lse = LogSumExp(l + t * e_num, e_num);
+      double lse = have_lse ? static_cast<double>(g.lse[static_cast<size_t>(t)])
+                            : LogSumExp(l + t * e_num, e_num);
       double f = z_coef * 2.0 * lse / batch.num_tokens;
       for (int64_t e = 0; e < e_num; ++e) {
-        dl[t * e_num + e] += static_cast<float>(f * std::exp(l[t * e_num + e] - lse));
+        double pe = softmax ? static_cast<double>(softmax[t * e_num + e])
+                            : std::exp(l[t * e_num + e] - lse);
+        dl[t * e_num + e] += static_cast<float>(f * pe);
       }
     }
   }
@@ -298,7 +341,7 @@ void GateLossesBackward(const LayerConfig& config, const GateResult& g, float au
                "GateLossesBackward: the batch sums hold {} expert counts, expected {}",
                batch.choices.size(), e_num);
     const float* nl = g.noisy_logits.data<float>();
-    std::vector<double> p = AuxProbabilities(config, nl, t_num, e_num);
+    std::vector<double> p = AuxProbabilitiesOfScores(config, g);
     const double scale = GShardScale(config, g), inv_t = 1.0 / batch.num_tokens;
     std::vector<double> dp(p.size());
     for (int64_t t = 0; t < t_num; ++t) {
@@ -307,7 +350,7 @@ void GateLossesBackward(const LayerConfig& config, const GateResult& g, float au
             aux_coef * scale * (batch.choices[static_cast<size_t>(e)] * inv_t) / batch.num_tokens;
       }
     }
-    AuxProbabilitiesBackward(config, nl, p, dp, t_num, e_num, dl);
+    AuxProbabilitiesBackward(config, nl, p, dp, t_num, e_num, dl, g.scores.data<float>());
   } else if (config.aux_loss == AuxLoss::kImportanceLoad) {
     SY_REQUIRE(batch.importance.size() == static_cast<size_t>(e_num) &&
                    batch.load.size() == static_cast<size_t>(e_num),

@@ -46,6 +46,7 @@ struct GateResult {
   std::vector<float> gates;          // [T, k] g_j: s_j after normalize_gate
   std::vector<uint8_t> routed;       // [T, k] 0 where GShard random routing removed the choice
   std::vector<float> priority;       // [T] max_e scores[t, e]: batch-prioritized routing order
+  std::vector<float> lse;            // [T] logsumexp_e logits[t, e] (noise-free): the z-loss
 };
 
 // Runs the gate.
