@@ -31,6 +31,7 @@ int RunTrainDense(const TrainDenseOptions& o) {
     config = train::TrainConfigFromJson(ReadTextFile(o.config_file), config);
   }
   for (const auto& [key, text] : o.values) train::SetTrainConfigValue(config, key, text);
+  train::KeepFreedMemoryForTraining();
   train::Trainer trainer(config);
   train::RunOptions run;
   run.resume = o.resume;

@@ -1,6 +1,7 @@
 #include "switchyard/train/trainer.h"
 
 #include <fmt/format.h>
+#include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
@@ -270,6 +271,12 @@ void ValidateTrainConfig(const TrainConfig& c) {
   SY_REQUIRE(c.temperature > 0, InvalidArgument, "config: 'temperature' must be > 0, got {}",
              c.temperature);
   SY_REQUIRE(c.out.empty() == false, InvalidArgument, "config: 'out' must not be empty");
+}
+
+bool KeepFreedMemoryForTraining() {
+  bool ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;
+  ok = mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1 && ok;
+  return ok;
 }
 
 // ---- Trainer ----
