@@ -163,7 +163,7 @@ std::string LinePlotSvg(const std::vector<PlotSeries>& series, const LinePlotOpt
   for (const auto& r : o.reference_lines) {
     if (!std::isfinite(r.y)) continue;
     svg.Line(f.left, py(r.y), f.left + pw, py(r.y), r.color, 1.2, "6,4");
-    svg.Text(f.left + pw - 4, py(r.y) - 5, r.label, 11, "end", r.color);
+    svg.Text(f.left + 6, py(r.y) - 5, r.label, 11, "start", r.color);
   }
   for (const auto& s : series) {
     std::vector<double> pts;

@@ -489,12 +489,18 @@ RunSummary Trainer::Run(const RunOptions& options) {
       options.interactive < 0 ? ProgressBar::IsTerminal(out) : options.interactive > 0;
   ProgressBar bar(out, interactive && writer, c.log_every);
   std::string title =
-      fmt::format("switchyard train: {} layers, d={}, {}", c.model.num_layers, c.model.model_dim,
-                  c.data.empty() ? std::string("fortunes") : c.data);
+      fmt::format("switchyard train: {} layers{}, d={}, {}", c.model.num_layers,
+                  moe ? fmt::format(" (MoE every {}, {} experts, top-{})", c.model.moe_every,
+                                    c.num_experts, c.top_k)
+                      : "",
+                  c.model.model_dim, c.data.empty() ? std::string("fortunes") : c.data);
   auto write_figures = [&] {
     if (!writer) return;
     WriteLossSvg(run_dir + "/loss.svg", history, unigram_entropy_, title);
-    if (moe) WriteExpertLoadSvg(run_dir + "/expert_load.svg", history, title);
+    if (moe) {
+      WriteExpertLoadSvg(run_dir + "/expert_load.svg", history,
+                         fmt::format("tokens routed to each expert per {} steps", c.log_every));
+    }
   };
 
   RunSummary summary;
