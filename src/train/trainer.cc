@@ -476,7 +476,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
   const int64_t params = model_->parameters().NumTrainableElements();
   if (writer) {
     fmt::print(out,
-               "model: {} parameters, {} layers, model_dim {}, {} heads, seq_len {}{}\n"
+               "model: {} parameters, {} layer(s), model_dim {}, {} heads, seq_len {}{}\n"
                "data: {} ({} train / {} held-out bytes), unigram entropy {:.3f} nats/byte\n"
                "run: {} steps x {} sequences ({} tokens/step), {} compute thread(s), out {}\n",
                params, c.model.num_layers, c.model.model_dim, c.model.num_heads, c.model.seq_len,
@@ -631,7 +631,13 @@ RunSummary Trainer::Run(const RunOptions& options) {
     fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/, sample.txt)\n",
                run_dir, moe ? ", expert_load.svg" : "");
     if (c.sample_tokens > 0) {
-      fmt::print(out, "sample (temperature {}):\n{}\n", c.temperature, summary.sample);
+      // Control bytes (an untrained model emits any byte) would drive the terminal: escape them.
+      std::string shown;
+      for (unsigned char ch : summary.sample) {
+        bool control = (ch < 0x20 && ch != '\n' && ch != '\t') || ch == 0x7f;
+        shown += control ? fmt::format("\\x{:02x}", ch) : std::string(1, static_cast<char>(ch));
+      }
+      fmt::print(out, "sample (temperature {}):\n{}\n", c.temperature, shown);
     }
   }
   return summary;
