@@ -217,13 +217,6 @@ double MaxOverRanks(Communicator& comm, double seconds) {
   return static_cast<double>(ns) * 1e-9;
 }
 
-// Single-thread memcpy bandwidth at `bytes` (bytes copied per second), median of `iters`.
-double MemcpyGBps(size_t bytes, int iters) {
-  std::vector<std::byte> a(std::max<size_t>(bytes, 1), std::byte{1}), b(a.size());
-  TimingStats t = TimeRepeated([&] { std::memcpy(b.data(), a.data(), bytes); }, iters, 2);
-  return static_cast<double>(bytes) / t.median_s / 1e9;
-}
-
 struct Row {
   size_t bytes = 0;
   std::string algorithm;
@@ -253,7 +246,9 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
             : "",
         o.dtype, o.emulate ? ", EMULATED links" : "", o.iters);
     fmt::print("# busbw = algbw x {:.3f}{}\n", factor,
-               inprocess ? "; memcpy = one thread copying the same size, this run" : "");
+               inprocess
+                   ? "; memcpy = one thread copying the same size, interleaved with the collectives"
+                   : "");
     std::string header = fmt::format("{:>12} {:>11} {:>22} {:>11} {:>10} {:>10}", "size(B)",
                                      "count", "algorithm", "time(us)", "algbw", "busbw");
     if (inprocess) header += fmt::format(" {:>10} {:>10}", "memcpy", "bus/memcpy");
@@ -265,7 +260,32 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
     Job job(comm, kind, bytes, dtype, reduce_op);
     const size_t actual = job.actual_bytes();
     std::vector<std::vector<double>> times(algos.size());
+    std::vector<double> memcpy_times;
+    // In-process, the limit: one thread copying `actual` bytes (between two buffers of this
+    // rank) while the other ranks wait, timed in the same iterations as the collectives.
+    // Page-aligned buffers, the destination 64 bytes into its page: glibc's memcpy slows down
+    // badly when source and destination are a few bytes apart modulo 4 KiB (as two consecutive
+    // heap blocks can be), and the limit should be the best a copy can do.
+    std::vector<std::byte> copy_src, copy_dst;
+    std::byte *src = nullptr, *dst = nullptr;
+    if (inprocess && comm.rank() == 0) {
+      copy_src.assign(actual + 8192, std::byte{1});
+      copy_dst.assign(actual + 8192, std::byte{0});
+      auto page = [](std::byte* p) {
+        return p + (4096 - reinterpret_cast<uintptr_t>(p) % 4096) % 4096;
+      };
+      src = page(copy_src.data());
+      dst = page(copy_dst.data()) + 64;
+    }
     for (int it = 0; it < o.warmup + o.iters; ++it) {
+      if (inprocess) {
+        comm.Barrier().Wait();
+        if (comm.rank() == 0) {
+          double t0 = NowSeconds();
+          std::memcpy(dst, src, actual);
+          if (it >= o.warmup) memcpy_times.push_back(NowSeconds() - t0);
+        }
+      }
       for (size_t a = 0; a < algos.size(); ++a) {  // interleaved: same conditions for all
         comm.Barrier().Wait();
         double t0 = NowSeconds();
@@ -291,10 +311,8 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
     for (const Row& row : rows) bad += row.check.empty() ? 0 : 1;
     comm.AllReduce(&bad, &bad, 1, DType::kInt32).Wait();
     double memcpy_gbps = 0;
-    if (inprocess) {
-      comm.Barrier().Wait();
-      if (comm.rank() == 0) memcpy_gbps = MemcpyGBps(actual, std::max(o.iters, 5));
-      comm.Barrier().Wait();
+    if (!memcpy_times.empty()) {
+      memcpy_gbps = static_cast<double>(actual) / SummarizeTimes(memcpy_times).median_s / 1e9;
     }
     if (!print) continue;
     const double mpi_busbw = compare ? rows.back().busbw : 0;

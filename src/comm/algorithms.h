@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string_view>
 #include <vector>
 
 #include "comm/op_context.h"
@@ -63,9 +64,10 @@ void GatherLinear(OpContext& ctx, const void* send, void* recv, size_t count, in
 
 // The one place where algorithms are chosen. Checks that `requested` is one the collective
 // offers (InvalidArgument listing them otherwise) and resolves kAuto from the message size in
-// bytes (equal on every rank), the group size and the topology. has_native: the transport has
-// MPI's own collectives.
+// bytes (equal on every rank), the group size, the topology and the transport ("inprocess",
+// "mpi"). has_native: the transport has MPI's own collectives.
 Algorithm SelectAlgorithm(CollectiveKind kind, Algorithm requested, size_t bytes, int group_size,
-                          const Topology& topology, bool has_native);
+                          const Topology& topology, bool has_native,
+                          std::string_view transport_kind);
 
 }  // namespace switchyard::comm

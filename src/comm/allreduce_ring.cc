@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "comm/algorithms.h"
+#include "comm/copy.h"
 
 namespace switchyard::comm {
 
@@ -17,7 +18,7 @@ void AllReduceRing(OpContext& ctx, const void* send, void* recv, size_t count) {
   const int w = ctx.size(), r = ctx.rank();
   const size_t es = ctx.elem_size();
   if (w == 1) {
-    if (count > 0 && send != recv) std::memcpy(recv, send, count * es);
+    if (count > 0 && send != recv) CopyBytes(recv, send, count * es);
     return;
   }
   RingReduceScatterChunks(ctx, send, recv, count, /*phase=*/0);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "comm/algorithms.h"
+#include "comm/copy.h"
 #include "switchyard/core/error.h"
 
 namespace switchyard::comm {
@@ -32,12 +33,12 @@ void AllToAllHierarchical(OpContext& ctx, const void* send, void* recv, size_t c
   if (block > 0) {
     for (int j = 0; j < per; ++j) {
       for (int m = 0; m < nodes; ++m)
-        std::memcpy(blk(a.data(), j * nodes + m), blk(in, m * per + j), block);
+        CopyBytes(blk(a.data(), j * nodes + m), blk(in, m * per + j), block);
     }
   }
   // 2. Intra-node exchange with local rank j: a[j] (N blocks) out, b[j] in.
   const size_t row = block * static_cast<size_t>(nodes);
-  if (row > 0) std::memcpy(blk(b.data(), l * nodes), blk(a.data(), l * nodes), row);
+  if (row > 0) CopyBytes(blk(b.data(), l * nodes), blk(a.data(), l * nodes), row);
   for (int s = 1; s < per; ++s) {
     int to = (l + s) % per, from = (l - s + per) % per;
     ctx.SendRecv(n * per + to, blk(a.data(), to * nodes), row, n * per + from,
@@ -47,12 +48,12 @@ void AllToAllHierarchical(OpContext& ctx, const void* send, void* recv, size_t c
   if (block > 0) {
     for (int j = 0; j < per; ++j) {
       for (int m = 0; m < nodes; ++m)
-        std::memcpy(blk(a.data(), m * per + j), blk(b.data(), j * nodes + m), block);
+        CopyBytes(blk(a.data(), m * per + j), blk(b.data(), j * nodes + m), block);
     }
   }
   // 4. Inter-node exchange with (m, l): c[m] (L blocks) out, recv[m L ..) in.
   const size_t col = block * static_cast<size_t>(per);
-  if (col > 0) std::memcpy(blk(out, n * per), blk(a.data(), n * per), col);
+  if (col > 0) CopyBytes(blk(out, n * per), blk(a.data(), n * per), col);
   for (int s = 1; s < nodes; ++s) {
     int to = (n + s) % nodes, from = (n - s + nodes) % nodes;
     ctx.SendRecv(to * per + l, blk(a.data(), to * per), col, from * per + l, blk(out, from * per),

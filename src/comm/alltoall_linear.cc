@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "comm/algorithms.h"
+#include "comm/copy.h"
 
 namespace switchyard::comm {
 
@@ -27,7 +28,7 @@ void AllToAllLinear(OpContext& ctx, const void* send, void* recv, const AllToAll
   }
   const auto ur = static_cast<size_t>(r);
   if (layout.send_bytes[ur] > 0) {
-    std::memcpy(out + layout.recv_offsets[ur], in + layout.send_offsets[ur], layout.send_bytes[ur]);
+    CopyBytes(out + layout.recv_offsets[ur], in + layout.send_offsets[ur], layout.send_bytes[ur]);
   }
   ctx.WaitAll(requests);
 }

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "comm/algorithms.h"
+#include "comm/copy.h"
 
 namespace switchyard::comm {
 
@@ -17,8 +18,7 @@ void AllToAllPairwise(OpContext& ctx, const void* send, void* recv, const AllToA
   const auto ur = static_cast<size_t>(r);
   auto self_copy = [&] {
     if (layout.send_bytes[ur] > 0) {
-      std::memcpy(out + layout.recv_offsets[ur], in + layout.send_offsets[ur],
-                  layout.send_bytes[ur]);
+      CopyBytes(out + layout.recv_offsets[ur], in + layout.send_offsets[ur], layout.send_bytes[ur]);
     }
   };
   if (w == 1) return self_copy();

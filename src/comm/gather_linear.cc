@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "comm/algorithms.h"
+#include "comm/copy.h"
 
 namespace switchyard::comm {
 
@@ -22,7 +23,7 @@ void GatherLinear(OpContext& ctx, const void* send, void* recv, size_t count, in
     recvs.push_back(ctx.Recv(p, out + static_cast<size_t>(p) * block, block));
   }
   if (block > 0 && send != out + static_cast<size_t>(r) * block) {
-    std::memcpy(out + static_cast<size_t>(r) * block, send, block);
+    CopyBytes(out + static_cast<size_t>(r) * block, send, block);
   }
   ctx.WaitAll(recvs);
 }

@@ -106,7 +106,7 @@ void GroupCommunicator::Execute(const OpInfo& info, Milliseconds timeout, uint64
 
 Algorithm GroupCommunicator::Select(CollectiveKind kind, Algorithm requested, size_t bytes) const {
   return SelectAlgorithm(kind, requested, bytes, size(), transport_->topology(),
-                         transport_->native() != nullptr);
+                         transport_->native() != nullptr, transport_->kind());
 }
 
 void GroupCommunicator::CheckRoot(CollectiveKind kind, int root) const {

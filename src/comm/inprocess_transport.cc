@@ -5,6 +5,7 @@
 #include <set>
 #include <thread>
 
+#include "comm/copy.h"
 #include "switchyard/comm/reduce.h"
 #include "switchyard/core/error.h"
 
@@ -121,7 +122,7 @@ bool Progress(const std::shared_ptr<Transfer>& keep) {
         ReduceInto(t.dst + begin, static_cast<const std::byte*>(t.reduction.local) + begin,
                    t.src + begin, (end - begin) / elem, t.reduction.dtype, t.reduction.op);
       } else {
-        std::memcpy(t.dst + begin, t.src + begin, end - begin);
+        CopyBytes(t.dst + begin, t.src + begin, end - begin);
       }
     }
     did = true;

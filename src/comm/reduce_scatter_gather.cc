@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "comm/algorithms.h"
+#include "comm/copy.h"
 
 namespace switchyard::comm {
 
@@ -41,7 +42,7 @@ void ReduceScatterGather(OpContext& ctx, const void* send, void* recv, size_t co
     work = scratch.data();
   }
   if (w == 1) {
-    if (count > 0 && work != send) std::memcpy(work, send, count * es);
+    if (count > 0 && work != send) CopyBytes(work, send, count * es);
     return;
   }
   RingReduceScatterChunks(ctx, send, work, count, /*phase=*/0);

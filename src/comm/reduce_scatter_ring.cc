@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "comm/algorithms.h"
+#include "comm/copy.h"
 
 namespace switchyard::comm {
 
@@ -16,7 +17,7 @@ void ReduceScatterRing(OpContext& ctx, const void* send, void* recv, size_t coun
   const auto* in = static_cast<const std::byte*>(send);
   auto own = [&](int b) { return in + static_cast<size_t>(b) * block; };
   if (w == 1) {
-    if (block > 0 && recv != send) std::memcpy(recv, send, block);
+    if (block > 0 && recv != send) CopyBytes(recv, send, block);
     return;
   }
   std::vector<std::byte> scratch(w > 2 ? 2 * block : 0);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "comm/algorithms.h"
+#include "comm/copy.h"
 
 namespace switchyard::comm {
 
@@ -29,7 +30,7 @@ void ReduceTreeInto(OpContext& ctx, const void* send, void* acc, size_t count, i
       current = acc;
     }
   }
-  if (current != acc && count > 0) std::memcpy(acc, current, bytes);  // root without children
+  if (current != acc && count > 0) CopyBytes(acc, current, bytes);  // root without children
 }
 
 void ReduceTree(OpContext& ctx, const void* send, void* recv, size_t count, int root) {

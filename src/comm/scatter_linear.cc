@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "comm/algorithms.h"
+#include "comm/copy.h"
 
 namespace switchyard::comm {
 
@@ -22,7 +23,7 @@ void ScatterLinear(OpContext& ctx, const void* send, void* recv, size_t count, i
     sends.push_back(ctx.Send(p, in + static_cast<size_t>(p) * block, block));
   }
   if (block > 0 && recv != in + static_cast<size_t>(r) * block) {
-    std::memcpy(recv, in + static_cast<size_t>(r) * block, block);
+    CopyBytes(recv, in + static_cast<size_t>(r) * block, block);
   }
   ctx.WaitAll(sends);
 }
