@@ -18,7 +18,7 @@ std::vector<Algorithm> Offered(CollectiveKind kind) {
     case CollectiveKind::kBroadcast: return {A::kTree, A::kScatterAllGather, A::kNative};
     case CollectiveKind::kReduce: return {A::kTree, A::kReduceScatterGather, A::kNative};
     case CollectiveKind::kAllReduce: return {A::kRing, A::kTree, A::kNative};
-    case CollectiveKind::kAllGather: return {A::kRing, A::kNative};
+    case CollectiveKind::kAllGather: return {A::kRing, A::kLinear, A::kNative};
     case CollectiveKind::kReduceScatter: return {A::kRing, A::kNative};
     case CollectiveKind::kAllToAll: return {A::kPairwise, A::kLinear, A::kHierarchical, A::kNative};
     case CollectiveKind::kAllToAllV: return {A::kPairwise, A::kLinear, A::kNative};
@@ -64,6 +64,9 @@ Algorithm SelectAlgorithm(CollectiveKind kind, Algorithm requested, size_t bytes
       // Tree: 2 log2 W latency steps; ring: bandwidth-optimal, 2(W-1) steps.
       return bytes < 32 * kKiB ? A::kTree : A::kRing;
     case CollectiveKind::kAllGather:
+      // Same bytes per rank; linear has one step instead of W - 1 dependent ones, which wins
+      // where ranks share cores (bench comm, np 4: ring 0.8x MPI's own).
+      return A::kLinear;
     case CollectiveKind::kReduceScatter: return A::kRing;
     case CollectiveKind::kAllToAll: {
       size_t per_peer = bytes / static_cast<size_t>(std::max(w, 1));

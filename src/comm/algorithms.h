@@ -40,6 +40,7 @@ void AllReduceRing(OpContext& ctx, const void* send, void* recv, size_t count);
 void AllReduceTree(OpContext& ctx, const void* send, void* recv, size_t count);
 
 void AllGatherRing(OpContext& ctx, const void* send, void* recv, size_t count);
+void AllGatherLinear(OpContext& ctx, const void* send, void* recv, size_t count);
 void ReduceScatterRing(OpContext& ctx, const void* send, void* recv, size_t count);
 
 // All-to-all(-v) on bytes; messages use `phase`.

@@ -231,6 +231,10 @@ Work GroupCommunicator::AllGather(const void* send, void* recv, size_t count, DT
       transport_->native()->AllGather(send, recv, count, dtype, ctx.deadline());
     });
   }
+  if (info.algorithm == Algorithm::kLinear) {
+    return Submit(info, options.timeout,
+                  [=](OpContext& ctx) { AllGatherLinear(ctx, send, recv, count); });
+  }
   return Submit(info, options.timeout,
                 [=](OpContext& ctx) { AllGatherRing(ctx, send, recv, count); });
 }

@@ -101,7 +101,7 @@ std::vector<Algorithm> AlgorithmsOf(CollectiveKind kind, bool native) {
     case CollectiveKind::kBroadcast: a = {A::kAuto, A::kTree, A::kScatterAllGather}; break;
     case CollectiveKind::kReduce: a = {A::kAuto, A::kTree, A::kReduceScatterGather}; break;
     case CollectiveKind::kAllReduce: a = {A::kAuto, A::kRing, A::kTree}; break;
-    case CollectiveKind::kAllGather: a = {A::kAuto, A::kRing}; break;
+    case CollectiveKind::kAllGather: a = {A::kAuto, A::kRing, A::kLinear}; break;
     case CollectiveKind::kReduceScatter: a = {A::kAuto, A::kRing}; break;
     case CollectiveKind::kAllToAll:
       a = {A::kAuto, A::kPairwise, A::kLinear, A::kHierarchical};
