@@ -23,8 +23,8 @@
 #include <string_view>
 #include <vector>
 
-#include "switchyard/moe/config.h"
 #include "switchyard/train/checkpoint.h"
+#include "switchyard/train/config.h"
 #include "switchyard/train/data.h"
 #include "switchyard/train/feed_forward.h"
 #include "switchyard/train/metrics.h"
@@ -32,74 +32,6 @@
 #include "switchyard/train/optimizer.h"
 
 namespace switchyard::train {
-
-// Every option of a run. The JSON keys (TrainConfigToJson) are the field names, which are also
-// the command-line flags (--model_dim, --steps, ...).
-struct TrainConfig {
-  ModelConfig model;
-
-  // MoE blocks (model.moe_every > 0), built by the MoE FFN factory.
-  int64_t num_experts = 4;
-  int64_t top_k = 2;
-  double capacity_factor = 1.25;
-  int64_t expert_hidden_dim = 0;  // 0: model.hidden_dim
-  double aux_loss_coef = 0.01;
-  double z_loss_coef = 0.0;
-  // A layer.json (moe/config.h) with every other MoE option (preset, drop policy, noise, ...);
-  // the keys above override its sizes and coefficients. "": the moe::LayerConfig defaults.
-  std::string moe_layer_config;
-
-  // Data.
-  std::string data;  // a text file; "" = the fortunes corpus (kFortunesDir)
-  double val_fraction = 0.1;
-
-  // Optimization.
-  int64_t steps = 1000;
-  int64_t batch_size = 32;  // sequences per step (global, over all ranks)
-  double lr = 3e-3;
-  double min_lr = 3e-4;
-  int64_t warmup_steps = 50;
-  double weight_decay = 0.1;
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double adam_eps = 1e-8;
-  double grad_clip = 1.0;  // max global gradient norm; 0 disables
-  uint64_t seed = 1;
-
-  // Run directory.
-  std::string out = "runs/train";
-  int64_t log_every = 10;          // metrics line every N steps
-  int64_t eval_every = 100;        // validation loss every N steps (and at the end); 0: end only
-  int64_t eval_tokens = 0;         // held-out tokens per evaluation; 0: all
-  int64_t checkpoint_every = 500;  // 0: at the end only
-  int64_t keep_checkpoints = 2;    // 0: keep all
-  int64_t sample_tokens = 400;     // generated at the end; 0: none
-  double temperature = 0.8;
-  int threads = 0;  // compute threads of this rank; 0: the policy of core/threading.h
-};
-
-// Flat JSON object with every key.
-std::string TrainConfigToJson(const TrainConfig& config);
-// Overrides `base` with the keys of a JSON object; an unknown key or a value of the wrong type
-// throws InvalidArgument naming the key ("config: key 'steps': expected an integer, got ...").
-TrainConfig TrainConfigFromJson(std::string_view json_text, const TrainConfig& base = {});
-// Checks values (InvalidArgument naming the key).
-void ValidateTrainConfig(const TrainConfig& config);
-
-// The MoE layer options of the config's MoE blocks (model_dim, hidden_dim = expert_hidden_dim or
-// hidden_dim, num_experts, top_k, capacity_factor, coefficients, activation, seed), on top of
-// moe_layer_config's file when given. Throws InvalidArgument / IoError.
-moe::LayerConfig MoeLayerConfig(const TrainConfig& config);
-
-// Every key with a one-line description, in TrainConfigToJson's order (for command-line flags).
-struct ConfigKey {
-  std::string name;
-  std::string help;
-};
-std::vector<ConfigKey> TrainConfigKeys();
-// Sets one key from command-line text: a JSON value (4, 0.5, true) or, when that does not
-// parse, a bare string (--data corpus.txt). Errors as TrainConfigFromJson.
-void SetTrainConfigValue(TrainConfig& config, std::string_view key, std::string_view text);
 
 // Where data parallelism, ZeRO and expert parallelism plug in. The defaults are one rank.
 class TrainHooks {

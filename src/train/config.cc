@@ -1,0 +1,264 @@
+#include "switchyard/train/config.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "switchyard/core/error.h"
+#include "switchyard/core/file_util.h"
+
+namespace switchyard::train {
+
+using nlohmann::json;
+
+namespace {
+
+// Calls fn(key, field) for every option, in a fixed order (the JSON key order).
+template <typename Config, typename Fn>
+void VisitFields(Config& c, Fn&& fn) {
+  fn("vocab_size", c.model.vocab_size);
+  fn("seq_len", c.model.seq_len);
+  fn("model_dim", c.model.model_dim);
+  fn("num_layers", c.model.num_layers);
+  fn("num_heads", c.model.num_heads);
+  fn("hidden_dim", c.model.hidden_dim);
+  fn("norm", c.model.norm);
+  fn("activation", c.model.activation);
+  fn("tied_head", c.model.tied_head);
+  fn("moe_every", c.model.moe_every);
+  fn("init_std", c.model.init_std);
+  fn("num_experts", c.num_experts);
+  fn("top_k", c.top_k);
+  fn("capacity_factor", c.capacity_factor);
+  fn("expert_hidden_dim", c.expert_hidden_dim);
+  fn("aux_loss_coef", c.aux_loss_coef);
+  fn("z_loss_coef", c.z_loss_coef);
+  fn("moe_layer_config", c.moe_layer_config);
+  fn("data", c.data);
+  fn("val_fraction", c.val_fraction);
+  fn("steps", c.steps);
+  fn("batch_size", c.batch_size);
+  fn("lr", c.lr);
+  fn("min_lr", c.min_lr);
+  fn("warmup_steps", c.warmup_steps);
+  fn("weight_decay", c.weight_decay);
+  fn("beta1", c.beta1);
+  fn("beta2", c.beta2);
+  fn("adam_eps", c.adam_eps);
+  fn("grad_clip", c.grad_clip);
+  fn("seed", c.seed);
+  fn("out", c.out);
+  fn("log_every", c.log_every);
+  fn("eval_every", c.eval_every);
+  fn("eval_tokens", c.eval_tokens);
+  fn("checkpoint_every", c.checkpoint_every);
+  fn("keep_checkpoints", c.keep_checkpoints);
+  fn("sample_tokens", c.sample_tokens);
+  fn("temperature", c.temperature);
+  fn("threads", c.threads);
+}
+
+struct ToJsonVisitor {
+  json& j;
+  template <typename T>
+  void operator()(const char* key, const T& v) {
+    if constexpr (std::is_same_v<T, NormKind>) {
+      j[key] = std::string(NormKindName(v));
+    } else if constexpr (std::is_same_v<T, kernels::Activation>) {
+      j[key] = std::string(kernels::ActivationName(v));
+    } else {
+      j[key] = v;
+    }
+  }
+};
+
+struct FromJsonVisitor {
+  const json& j;
+  std::set<std::string>& used;
+  template <typename T>
+  void operator()(const char* key, T& dst) {
+    if (!j.contains(key)) return;
+    used.insert(key);
+    const json& v = j.at(key);
+    auto bad = [&](const char* expected) {
+      return InvalidArgument(
+          fmt::format("config: key '{}': expected {}, got {}", key, expected, v.dump()));
+    };
+    if constexpr (std::is_same_v<T, bool>) {
+      if (!v.is_boolean()) throw bad("true or false");
+      dst = v.get<bool>();
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      if (!v.is_string()) throw bad("a string");
+      dst = v.get<std::string>();
+    } else if constexpr (std::is_same_v<T, NormKind>) {
+      if (!v.is_string()) throw bad("\"layernorm\" or \"rmsnorm\"");
+      dst = NormKindFromName(v.get<std::string>());
+    } else if constexpr (std::is_same_v<T, kernels::Activation>) {
+      if (!v.is_string()) throw bad("\"relu\", \"gelu\" or \"silu\"");
+      dst = kernels::ActivationFromName(v.get<std::string>());
+    } else if constexpr (std::is_integral_v<T>) {
+      if (!v.is_number_integer()) throw bad("an integer");
+      if constexpr (std::is_unsigned_v<T>) {
+        if (v.is_number_unsigned() || v.get<int64_t>() >= 0) {
+          dst = v.get<T>();
+        } else {
+          throw bad("a non-negative integer");
+        }
+      } else {
+        dst = v.get<T>();
+      }
+    } else {
+      if (!v.is_number()) throw bad("a number");
+      dst = v.get<T>();
+    }
+  }
+};
+
+}  // namespace
+
+std::string TrainConfigToJson(const TrainConfig& config) {
+  json j = json::object();
+  TrainConfig c = config;
+  VisitFields(c, ToJsonVisitor{j});
+  return j.dump(2);
+}
+
+TrainConfig TrainConfigFromJson(std::string_view json_text, const TrainConfig& base) {
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::exception& e) {
+    throw InvalidArgument(fmt::format("config: not valid JSON: {}", e.what()));
+  }
+  SY_REQUIRE(j.is_object(), InvalidArgument, "config: expected a JSON object, got {}",
+             j.type_name());
+  TrainConfig c = base;
+  std::set<std::string> used;
+  VisitFields(c, FromJsonVisitor{j, used});
+  for (const auto& [key, value] : j.items()) {
+    SY_REQUIRE(used.count(key) != 0, InvalidArgument, "config: unknown key '{}'", key);
+  }
+  return c;
+}
+
+std::vector<ConfigKey> TrainConfigKeys() {
+  static const std::map<std::string, std::string> kHelp = {
+      {"vocab_size", "vocabulary size (256: bytes)"},
+      {"seq_len", "context length in tokens"},
+      {"model_dim", "model (hidden) dimension"},
+      {"num_layers", "transformer blocks"},
+      {"num_heads", "attention heads (divide model_dim)"},
+      {"hidden_dim", "hidden size of the dense FFN"},
+      {"norm", "layernorm | rmsnorm"},
+      {"activation", "FFN activation: gelu | relu | silu"},
+      {"tied_head", "output head shares the embedding (true | false)"},
+      {"moe_every", "MoE FFN in blocks i with i % N == N - 1 (0: dense model)"},
+      {"init_std", "std of the normal initialization"},
+      {"num_experts", "experts per MoE layer"},
+      {"top_k", "experts chosen per token"},
+      {"capacity_factor", "expert capacity factor (0: no drops)"},
+      {"expert_hidden_dim", "hidden size of an expert (0: hidden_dim)"},
+      {"aux_loss_coef", "load-balancing loss coefficient"},
+      {"z_loss_coef", "router z-loss coefficient"},
+      {"moe_layer_config", "layer.json with the other MoE options (preset, drop policy, ...)"},
+      {"data", "training text file (default: the fortunes corpus)"},
+      {"val_fraction", "fraction of records held out for the validation loss"},
+      {"steps", "training steps"},
+      {"batch_size", "sequences per step (global)"},
+      {"lr", "peak learning rate"},
+      {"min_lr", "final learning rate of the cosine decay"},
+      {"warmup_steps", "linear warm-up steps"},
+      {"weight_decay", "AdamW decoupled weight decay"},
+      {"beta1", "AdamW beta1"},
+      {"beta2", "AdamW beta2"},
+      {"adam_eps", "AdamW epsilon"},
+      {"grad_clip", "max global gradient norm (0: off)"},
+      {"seed", "seed of initialization, data and sampling"},
+      {"out", "run directory"},
+      {"log_every", "metrics line every N steps"},
+      {"eval_every", "validation loss every N steps (0: at the end)"},
+      {"eval_tokens", "held-out tokens per evaluation (0: all)"},
+      {"checkpoint_every", "checkpoint every N steps (0: at the end)"},
+      {"keep_checkpoints", "checkpoints kept (0: all)"},
+      {"sample_tokens", "bytes of text generated at the end"},
+      {"temperature", "sampling temperature"},
+      {"threads", "compute threads (0: the threading policy)"},
+  };
+  std::vector<ConfigKey> keys;
+  TrainConfig c;
+  VisitFields(c, [&](const char* key, auto&) {
+    auto it = kHelp.find(key);
+    SY_CHECK(it != kHelp.end(), "no help for config key '{}'", key);
+    keys.push_back({key, it->second});
+  });
+  return keys;
+}
+
+void SetTrainConfigValue(TrainConfig& config, std::string_view key, std::string_view text) {
+  json value;
+  try {
+    value = json::parse(text);
+  } catch (const json::exception&) {
+    value = std::string(text);
+  }
+  json j = json::object();
+  j[std::string(key)] = value;
+  config = TrainConfigFromJson(j.dump(), config);
+}
+
+moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
+  json j = json::object();
+  if (!c.moe_layer_config.empty()) {
+    try {
+      j = json::parse(ReadTextFile(c.moe_layer_config));
+    } catch (const json::exception& e) {
+      throw InvalidArgument(fmt::format("{}: not valid JSON: {}", c.moe_layer_config, e.what()));
+    }
+    SY_REQUIRE(j.is_object(), InvalidArgument, "{}: expected a JSON object", c.moe_layer_config);
+  }
+  j["model_dim"] = c.model.model_dim;
+  j["hidden_dim"] = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : c.model.hidden_dim;
+  j["num_experts"] = c.num_experts;
+  j["top_k"] = c.top_k;
+  j["capacity_factor"] = c.capacity_factor;
+  j["aux_loss_coef"] = c.aux_loss_coef;
+  j["z_loss_coef"] = c.z_loss_coef;
+  j["activation"] = std::string(kernels::ActivationName(c.model.activation));
+  j["seed"] = c.seed;
+  return moe::LayerConfigFromJson(j.dump());
+}
+
+void ValidateTrainConfig(const TrainConfig& c) {
+  ValidateModelConfig(c.model);
+  auto at_least = [](const char* key, double v, double lo) {
+    SY_REQUIRE(v >= lo && std::isfinite(v), InvalidArgument, "config: '{}' must be >= {}, got {}",
+               key, lo, v);
+  };
+  at_least("steps", static_cast<double>(c.steps), 0);
+  at_least("batch_size", static_cast<double>(c.batch_size), 1);
+  at_least("lr", c.lr, 0);
+  at_least("min_lr", c.min_lr, 0);
+  at_least("warmup_steps", static_cast<double>(c.warmup_steps), 0);
+  at_least("weight_decay", c.weight_decay, 0);
+  at_least("grad_clip", c.grad_clip, 0);
+  at_least("log_every", static_cast<double>(c.log_every), 1);
+  at_least("eval_every", static_cast<double>(c.eval_every), 0);
+  at_least("eval_tokens", static_cast<double>(c.eval_tokens), 0);
+  at_least("checkpoint_every", static_cast<double>(c.checkpoint_every), 0);
+  at_least("keep_checkpoints", static_cast<double>(c.keep_checkpoints), 0);
+  at_least("sample_tokens", static_cast<double>(c.sample_tokens), 0);
+  at_least("threads", c.threads, 0);
+  at_least("num_experts", static_cast<double>(c.num_experts), 1);
+  at_least("top_k", static_cast<double>(c.top_k), 1);
+  at_least("expert_hidden_dim", static_cast<double>(c.expert_hidden_dim), 0);
+  at_least("aux_loss_coef", c.aux_loss_coef, 0);
+  at_least("z_loss_coef", c.z_loss_coef, 0);
+  SY_REQUIRE(c.temperature > 0, InvalidArgument, "config: 'temperature' must be > 0, got {}",
+             c.temperature);
+  SY_REQUIRE(c.out.empty() == false, InvalidArgument, "config: 'out' must not be empty");
+}
+
+}  // namespace switchyard::train
