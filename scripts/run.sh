@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 cmake --preset release >/dev/null
 cmake --build --preset release -j "$(nproc)" --target switchyard
-exec build/release/src/cli/switchyard bench gemm --m 256 --k 512 --n 2048 "$@"
+# Until `switchyard train` (EP over in-process ranks, issue 7) exists, the main job is the most complete
+# real workload: the single-rank trainer with an MoE FFN in every other block on the fortunes corpus.
+exec build/release/src/cli/switchyard train-dense --moe_every 2 --steps 300 --out runs/main "$@"
