@@ -35,11 +35,9 @@ void RingReduceScatterChunks(OpContext& ctx, const void* send, void* work, size_
 void ReduceScatterGather(OpContext& ctx, const void* send, void* recv, size_t count, int root) {
   const int w = ctx.size(), r = ctx.rank();
   const size_t es = ctx.elem_size();
-  std::vector<std::byte> scratch;
   void* work = recv;
   if (r != root) {
-    scratch.resize(count * es);
-    work = scratch.data();
+    work = Scratch(0, count * es);
   }
   if (w == 1) {
     if (count > 0 && work != send) CopyBytes(work, send, count * es);

@@ -20,13 +20,13 @@ void ReduceScatterRing(OpContext& ctx, const void* send, void* recv, size_t coun
     if (block > 0 && recv != send) CopyBytes(recv, send, block);
     return;
   }
-  std::vector<std::byte> scratch(w > 2 ? 2 * block : 0);
+  std::byte* scratch = Scratch(0, w > 2 ? 2 * block : 0);
   const int right = (r + 1) % w, left = (r - 1 + w) % w;
   const std::byte* outgoing = own((r - 1 + w) % w);  // step 0: own data for block r - 1
   for (int s = 0; s < w - 1; ++s) {
     int recv_b = (r - s - 2 + 2 * w) % w;
-    std::byte* dst = s == w - 2 ? static_cast<std::byte*>(recv)
-                                : scratch.data() + static_cast<size_t>(s % 2) * block;
+    std::byte* dst =
+        s == w - 2 ? static_cast<std::byte*>(recv) : scratch + static_cast<size_t>(s % 2) * block;
     RequestPtr rq = ctx.RecvReduce(left, dst, own(recv_b), block);
     RequestPtr sq = ctx.Send(right, outgoing, block);
     ctx.Wait({rq.get(), sq.get()});

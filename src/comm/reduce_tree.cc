@@ -34,11 +34,9 @@ void ReduceTreeInto(OpContext& ctx, const void* send, void* acc, size_t count, i
 }
 
 void ReduceTree(OpContext& ctx, const void* send, void* recv, size_t count, int root) {
-  std::vector<std::byte> scratch;
   void* acc = recv;
   if (ctx.rank() != root) {
-    scratch.resize(count * ctx.elem_size());
-    acc = scratch.data();
+    acc = Scratch(0, count * ctx.elem_size());
   }
   ReduceTreeInto(ctx, send, acc, count, root);
 }
