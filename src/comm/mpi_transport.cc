@@ -538,11 +538,14 @@ class MpiTransport final : public Transport, public NativeCollectives {
     SendNotice("T" + std::to_string(waited_for));
     Deadline until = Clock::now() + kTimeoutGrace;
     std::map<int, int> timed_out;
+    std::string failure;
+    // Listen for the whole window even if a peer's failure notice arrives first: that peer may
+    // itself have given up without knowing who was missing.
     for (;;) {
       {
         std::lock_guard<std::mutex> lock(abort_mu_);
         DrainNoticesLocked();
-        if (!failure_.empty()) throw PeerError(failure_);
+        failure = failure_;
         timed_out = timed_out_;
       }
       if (Clock::now() >= until) break;
@@ -553,10 +556,14 @@ class MpiTransport final : public Transport, public NativeCollectives {
     for (const auto& [from, waited] : timed_out) {
       if (waited >= 0 && !timed_out.count(waited)) missing.insert(waited);
     }
-    if (missing.empty()) return "";
     std::string names;
     for (int m : missing) names += (names.empty() ? "" : ", ") + Name(m);
-    return fmt::format("; ranks that never arrived (announced no timeout of their own): {}", names);
+    if (!names.empty()) {
+      return fmt::format("; ranks that never arrived (announced no timeout of their own): {}",
+                         names);
+    }
+    if (!failure.empty()) throw PeerError(failure);
+    return "";
   }
 
   std::string DescribeTimeout(std::span<Request* const> requests) const {
