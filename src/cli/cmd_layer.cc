@@ -14,6 +14,7 @@
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/moe/config.h"
 #include "switchyard/moe/layer.h"
+#include "switchyard/parallel/driver.h"
 
 namespace switchyard::cli {
 namespace {
@@ -26,7 +27,51 @@ struct LayerOptions {
   int64_t global_token_offset = 0;
   uint64_t step = 0;
   bool quiet = false;
+  // Expert parallelism (docs/parallel.md): W ranks as threads, or this process's MPI world.
+  int ranks = 1;
+  int ep = 0, tp = 1, etp = 1;
+  std::string arrangement = "deepspeed";
+  std::string dispatch = "alltoall";
+  std::string adaptive_r = "default";
+  int hierarchical = 0;
+  std::string transport = "inproc";
+  std::string scope = "global";
+  bool no_tp_dedup = false;
 };
+
+// The layer on o.ranks ranks (parallel/driver.h); the same outputs as the single-rank layer.
+// Returns false on MPI ranks other than 0, which write nothing.
+bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config,
+                 const moe::LayerParams& params, const Tensor& x, const Tensor& dy,
+                 moe::LayerOutput* out, moe::LayerGradients* grads) {
+  parallel::DriverOptions d;
+  d.parallel.mesh.world_size = o.ranks;
+  d.parallel.mesh.tp = o.tp;
+  d.parallel.mesh.ep = o.ep;
+  d.parallel.mesh.etp = o.etp;
+  d.parallel.mesh.arrangement = parallel::ArrangementFromName(o.arrangement);
+  d.parallel.dispatch = parallel::DispatchKindFromName(o.dispatch);
+  d.parallel.adaptive_r = parallel::AdaptiveRFromString(o.adaptive_r);
+  d.parallel.hierarchical_ranks_per_node = o.hierarchical;
+  d.parallel.tp_dedup = !o.no_tp_dedup;
+  d.parallel.batch_scope = parallel::BatchScopeFromName(o.scope);
+  d.transport = parallel::TransportFromName(o.transport);
+  d.threads = o.threads;
+  d.global_token_offset = o.global_token_offset;
+  d.step = o.step;
+  parallel::LayerRunResult run = parallel::RunLayerOnRanks(config, params, x, dy, d);
+  if (!run.is_root) return false;
+  *out = run.output;
+  grads->x = run.grad_x;
+  grads->params = run.grads;
+  if (!o.quiet) {
+    fmt::print("layer: {} ranks ({}), {} arrangement, dispatch {}, adaptive r {}{}, scope {}\n",
+               o.ranks, o.transport, o.arrangement, o.dispatch, run.adaptive_r,
+               o.hierarchical > 0 ? fmt::format(", 2DH {} ranks/node", o.hierarchical) : "",
+               o.scope);
+  }
+  return true;
+}
 
 Tensor ScalarF32(float v) { return Tensor::Full({}, v, DType::kFloat32); }
 Tensor VectorI64(const std::vector<int64_t>& v) {
@@ -66,8 +111,17 @@ int RunLayer(const LayerOptions& o) {
   auto dy_it = in.find("dy");
   fo.save_for_backward = dy_it != in.end();
   moe::LayerOutput out;
+  moe::LayerGradients parallel_grads;
+  const bool parallel = o.ranks > 1 || o.transport != "inproc";
   try {
-    out = layer.Forward(params, x, fo);
+    if (parallel) {
+      if (!RunParallel(o, config, params, x, dy_it != in.end() ? dy_it->second : Tensor(), &out,
+                       &parallel_grads)) {
+        return 0;
+      }
+    } else {
+      out = layer.Forward(params, x, fo);
+    }
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(fmt::format("{}: {}", o.tensors_path, e.what()));
   }
@@ -84,9 +138,9 @@ int RunLayer(const LayerOptions& o) {
   result["routing.expert_loads"] = VectorI64(out.expert_loads);
   result["routing.expert_counts"] = VectorI64(out.expert_counts);
   if (dy_it != in.end()) {
-    moe::LayerGradients g;
+    moe::LayerGradients g = parallel_grads;
     try {
-      g = layer.Backward(params, out, dy_it->second, threads);
+      if (!parallel) g = layer.Backward(params, out, dy_it->second, threads);
     } catch (const InvalidArgument& e) {
       throw InvalidArgument(fmt::format("{}: {}", o.tensors_path, e.what()));
     }
@@ -125,6 +179,27 @@ SY_REGISTER_COMMAND(Command{
           ->check(CLI::Range(int64_t{0}, int64_t{1} << 50));
       app.add_option("--step", o->step, "training step (keys the random draws)");
       app.add_flag("--quiet", o->quiet, "print nothing on success");
+      // Expert parallelism: the same outputs for every layout (docs/parallel.md).
+      app.add_option("--ranks", o->ranks, "run on W ranks (threads, or the MPI world)")
+          ->check(CLI::Range(1, 4096));
+      app.add_option("--ep", o->ep, "expert-parallel size (default: as large as possible)")
+          ->check(CLI::Range(0, 4096));
+      app.add_option("--tp", o->tp, "dense tensor-parallel degree")->check(CLI::Range(1, 4096));
+      app.add_option("--etp", o->etp, "expert tensor parallel (Megatron arrangement)")
+          ->check(CLI::Range(1, 4096));
+      app.add_option("--arrangement", o->arrangement, "deepspeed | megatron")
+          ->check(CLI::IsMember({"deepspeed", "megatron"}));
+      app.add_option("--dispatch", o->dispatch, "alltoall | alltoallv | allgather")
+          ->check(CLI::IsMember({"alltoall", "alltoallv", "allgather"}));
+      app.add_option("--adaptive-r", o->adaptive_r, "R (0 or a divisor of the H shards) or auto");
+      app.add_option("--2dh", o->hierarchical, "hierarchical all-to-all, RANKS_PER_NODE")
+          ->check(CLI::Range(0, 4096));
+      app.add_option("--transport", o->transport, "inproc | mpi")
+          ->check(CLI::IsMember({"inproc", "mpi"}));
+      app.add_option("--scope", o->scope,
+                     "global (equals the single-rank run) | per_rank (Tutel/DeepSpeed default)")
+          ->check(CLI::IsMember({"global", "per_rank"}));
+      app.add_flag("--no-tp-dedup", o->no_tp_dedup, "DeepSpeed arrangement: no TP de-duplication");
       return [o] { return RunLayer(*o); };
     }});
 

@@ -8,9 +8,8 @@
 namespace switchyard::parallel::internal {
 namespace {
 
-// All-gathers `part` over `c` and moves the rank dimension inward:
-// gathered [a][b = ranks][c][d] -> [a][c][b][d] where the part is [c * d] per (a) block... The
-// caller passes the block structure of the gathered tensor.
+// All-gathers `part` over `c` into [a][b][cc][d] (a * b = ranks, each part [cc][d] floats) and
+// moves the rank dimension b inward: the result [a][cc][b][d] has shape `out_shape`.
 Tensor GatherSwap(comm::Communicator& c, const Tensor& part, Shape out_shape, int64_t a, int64_t b,
                   int64_t cc, int64_t d, CommStats* stats) {
   Tensor gathered = AllGather(c, part, Traffic::kWeights, stats);
@@ -19,8 +18,8 @@ Tensor GatherSwap(comm::Communicator& c, const Tensor& part, Shape out_shape, in
   return out;
 }
 
-// The inverse: full [a][c][b][d] -> [a][b][c][d], reduce-scattered over `c` (b = ranks when
-// a = 1; with a > 1 the rank dimension is a * b in the order [a][b]).
+// The inverse: full [a][cc][b][d] -> [a][b][cc][d] (a * b = ranks), reduce-scattered over `c`:
+// this rank gets the sum of its [cc][d] block, shaped `part_shape`.
 Tensor SwapReduceScatter(comm::Communicator& c, const Tensor& full, Shape part_shape, int64_t a,
                          int64_t b, int64_t cc, int64_t d, CommStats* stats) {
   Tensor swapped = Tensor::Empty({full.numel()});

@@ -140,7 +140,6 @@ RankCoords Mesh::Coords(int r) const {
   c.tp_rank = r % config_.tp;
   int color = 0;
   ColorKey(GroupKind::kTokens, r, &color, &c.token_shard);
-  if (config_.arrangement == Arrangement::kMegatron) c.token_shard = r;
   ColorKey(GroupKind::kExpert, r, &color, &c.expert_member);
   ColorKey(GroupKind::kExpertData, r, &color, &c.expert_replica);
   c.expert_position = c.expert_member / shards_;

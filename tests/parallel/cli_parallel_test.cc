@@ -1,0 +1,63 @@
+// `switchyard layer --ranks W ...` end to end: the same in.safetensors gives the same
+// out.safetensors as the single-rank run for every layout; `switchyard groups` prints the groups;
+// bad layouts exit with code 2 and one line naming what does not divide.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "parallel/cli_helpers.h"
+
+namespace switchyard::parallel {
+namespace {
+
+using testing::RunCommand;
+using testing::SameOutputs;
+
+const char* kConfig = R"({"model_dim": 8, "hidden_dim": 16, "num_experts": 4, "top_k": 2,
+  "capacity_factor": 0.75, "z_loss_coef": 0.01, "aux_loss_coef": 0.1})";
+
+std::string Layer(const std::string& dir, const std::string& out, const std::string& flags) {
+  return std::string(SY_SWITCHYARD_BIN) + " layer --quiet --config " + dir + "/layer.json" +
+         " --tensors " + dir + "/in.safetensors --out " + dir + "/" + out + " " + flags;
+}
+
+TEST(CliLayerParallel, EveryLayoutWritesTheSingleRankOutputs) {
+  const std::string dir = testing::TestDir("sy_cli_parallel");
+  testing::WriteLayerInputs(dir, kConfig, 30);
+  ASSERT_EQ(RunCommand(Layer(dir, "single.safetensors", ""), dir).exit_code, 0);
+  for (const char* flags :
+       {"--ranks 4", "--ranks 4 --dispatch alltoallv --tp 2", "--ranks 4 --dispatch allgather",
+        "--ranks 4 --2dh 2", "--ranks 2 --adaptive-r 0",
+        "--ranks 4 --arrangement megatron --etp 2 --dispatch alltoallv",
+        "--ranks 8 --adaptive-r auto", "--ranks 8 --adaptive-r 2", "--ranks 3 --ep 1"}) {
+    testing::CommandResult r = RunCommand(Layer(dir, "parallel.safetensors", flags), dir);
+    ASSERT_EQ(r.exit_code, 0) << flags << ": " << r.err;
+    EXPECT_TRUE(SameOutputs(dir + "/parallel.safetensors", dir + "/single.safetensors")) << flags;
+  }
+}
+
+TEST(CliLayerParallel, NonDividingLayoutIsOneClearLine) {
+  const std::string dir = testing::TestDir("sy_cli_parallel");
+  testing::WriteLayerInputs(dir, kConfig, 10);
+  testing::CommandResult r = RunCommand(Layer(dir, "out.safetensors", "--ranks 3"), dir);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("num_experts 4 is not divisible by ep 3"), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+TEST(CliGroups, PrintsDeepSpeedGroupsAsJson) {
+  const std::string dir = testing::TestDir("sy_cli_groups");
+  testing::CommandResult r =
+      RunCommand(std::string(SY_SWITCHYARD_BIN) + " groups --world 16 --ep 4 --tp 2 --json", dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["groups"]["expert"][0], (std::vector<int>{0, 2, 4, 6}));
+  EXPECT_EQ(j["groups"]["ep_dp"][0], (std::vector<int>{0, 8}));
+  EXPECT_EQ(j["data_shards"], 8);
+  r = RunCommand(std::string(SY_SWITCHYARD_BIN) + " groups --world 16 --ep 4 --tp 2", dir);
+  EXPECT_NE(r.out.find("[0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]"), std::string::npos)
+      << r.out;
+}
+
+}  // namespace
+}  // namespace switchyard::parallel
