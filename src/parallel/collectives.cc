@@ -107,14 +107,17 @@ void AllToAll(comm::Communicator& c, const Tensor& input, const Tensor& output,
 }
 
 std::vector<int64_t> AllToAll(comm::Communicator& c, std::span<const int64_t> input,
-                              Traffic traffic, CommStats* stats) {
+                              Traffic traffic, CommStats* stats,
+                              const comm::AllToAllOptions& options) {
   const size_t p = static_cast<size_t>(c.size());
   SY_CHECK(input.size() % p == 0);
   std::vector<int64_t> out(input.size());
   Timed(
       stats, traffic,
       static_cast<double>(p - 1) / static_cast<double>(p) * static_cast<double>(input.size_bytes()),
-      [&] { return c.AllToAll(input.data(), out.data(), input.size() / p, DType::kInt64); });
+      [&] {
+        return c.AllToAll(input.data(), out.data(), input.size() / p, DType::kInt64, options);
+      });
   return out;
 }
 

@@ -48,7 +48,8 @@ Tensor ReduceScatter(comm::Communicator& c, const Tensor& input, Traffic traffic
 void AllToAll(comm::Communicator& c, const Tensor& input, const Tensor& output,
               const comm::AllToAllOptions& options, Traffic traffic, CommStats* stats);
 std::vector<int64_t> AllToAll(comm::Communicator& c, std::span<const int64_t> input,
-                              Traffic traffic, CommStats* stats);
+                              Traffic traffic, CommStats* stats,
+                              const comm::AllToAllOptions& options = {});
 // Rows packed by peer: input [sum(send_rows), ...], output [sum(recv_rows), ...].
 void AllToAllV(comm::Communicator& c, const Tensor& input, std::span<const int64_t> send_rows,
                const Tensor& output, std::span<const int64_t> recv_rows, Traffic traffic,

@@ -62,7 +62,7 @@ TokenExchange::TokenExchange(comm::Communicator& group, const ExchangeSpec& spec
       send_rows_[static_cast<size_t>(p)] += piece.rows;
     }
   }
-  recv_counts_ = AllToAll(group, send_counts, Traffic::kRouting, stats);
+  recv_counts_ = AllToAll(group, send_counts, Traffic::kRouting, stats, spec.options);
   recv_rows_.assign(static_cast<size_t>(p_num), 0);
   groups_.begin.assign(static_cast<size_t>(el), 0);
   groups_.rows.assign(static_cast<size_t>(el), 0);
