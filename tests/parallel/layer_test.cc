@@ -214,6 +214,22 @@ bool SameBits(const Tensor& a, const Tensor& b) {
          std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
 }
 
+TEST(ParallelLayer, EmptyBatchOnEveryRank) {
+  for (bool dropless : {true, false}) {
+    const moe::LayerConfig config = SmallConfig(4, dropless, 0.75f);
+    const Inputs in = MakeInputs(config, 0, 35);
+    const testing::Reference ref = testing::WholeBatchReference(config, in);
+    for (const Layout& layout : MainLayouts(4, 4)) {
+      DriverOptions o;
+      o.parallel = layout.options;
+      LayerRunResult run;
+      ASSERT_NO_THROW(run = RunLayerOnRanks(config, in.params, in.x, in.dy, o)) << layout.name;
+      EXPECT_EQ(run.output.y.size(0), 0) << layout.name;
+      EXPECT_TRUE(MatchesReference(run, ref)) << layout.name;
+    }
+  }
+}
+
 TEST(ParallelLayer, SwitchingAdaptiveRBetweenStepsEqualsFreshRuns) {
   // 4 ranks, 2 experts: each expert split into n = 2 shards; r in {0, 1, 2}.
   const moe::LayerConfig config = SmallConfig(2, false, 0.75f);
