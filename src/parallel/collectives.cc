@@ -64,6 +64,13 @@ void AllReduceSum(comm::Communicator& c, const Tensor& tensor, Traffic traffic, 
         [&] { return c.AllReduce(tensor); });
 }
 
+void AllReduceSum(comm::Communicator& c, std::span<int64_t> values, Traffic traffic,
+                  CommStats* stats) {
+  const double p = c.size();
+  Timed(stats, traffic, 2.0 * (p - 1) / p * static_cast<double>(values.size_bytes()),
+        [&] { return c.AllReduce(values.data(), values.data(), values.size(), DType::kInt64); });
+}
+
 void AllReduceMax(comm::Communicator& c, std::span<int64_t> values, Traffic traffic,
                   CommStats* stats) {
   const double p = c.size();

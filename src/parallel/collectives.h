@@ -35,6 +35,8 @@ void AllReduceSum(comm::Communicator& c, std::span<double> values, Traffic traff
                   CommStats* stats);
 // Float tensor summed in place (the communicator's all-reduce: equal on every rank).
 void AllReduceSum(comm::Communicator& c, const Tensor& tensor, Traffic traffic, CommStats* stats);
+void AllReduceSum(comm::Communicator& c, std::span<int64_t> values, Traffic traffic,
+                  CommStats* stats);
 void AllReduceMax(comm::Communicator& c, std::span<int64_t> values, Traffic traffic,
                   CommStats* stats);
 // part [n, ...] -> [P * n, ...], block p = rank p's part.

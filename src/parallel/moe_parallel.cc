@@ -370,6 +370,13 @@ ParallelGradients ParallelMoeLayer::Backward(const moe::LayerParams& params,
   return g;
 }
 
+std::vector<int64_t> ParallelMoeLayer::BatchExpertLoads(const ParallelOutput& forward,
+                                                        CommStats* stats) {
+  std::vector<int64_t> loads = forward.layer.expert_loads;
+  internal::AllReduceSum(groups_->Get(GroupKind::kTokens), loads, Traffic::kRouting, stats);
+  return loads;
+}
+
 void ParallelMoeLayer::SyncGradients(moe::LayerParams* grads, bool mean, CommStats* stats) {
   internal::ScopedTotal total(stats);
   comm::Communicator& tokens = groups_->Get(GroupKind::kTokens);

@@ -335,6 +335,22 @@ TEST(ParallelLayer, SyncedGradientsAreEqualOnEveryHolder) {
   }
 }
 
+TEST(ParallelLayer, BatchExpertLoadsAreTheWholeBatchs) {
+  const moe::LayerConfig config = SmallConfig(4, false, 0.75f);
+  const Inputs in = MakeInputs(config, 30, 55);
+  const testing::Reference ref = testing::WholeBatchReference(config, in);
+  for (const Layout& layout : MainLayouts(4, 4)) {
+    std::vector<std::vector<int64_t>> loads(4);
+    OnRanks(
+        4, config, layout.options, in,
+        [&](ParallelMoeLayer& layer, const moe::LayerParams& p, const Tensor& x, const Tensor&) {
+          ParallelOutput out = layer.Forward(p, x);
+          loads[static_cast<size_t>(layer.coords().rank)] = layer.BatchExpertLoads(out);
+        });
+    for (const auto& l : loads) EXPECT_EQ(l, ref.output.expert_loads) << layout.name;
+  }
+}
+
 TEST(ParallelLayer, TokenBytesMatchTheirFormula) {
   // Fixed capacity, 4 ranks, 4 experts: each all-to-all sends 3 of its 4 blocks of [1, C, M].
   const moe::LayerConfig config = SmallConfig(4, false, 1.0f);

@@ -147,6 +147,11 @@ class ParallelMoeLayer {
   // by the number of token shards (data-parallel averaging). Collective.
   void SyncGradients(moe::LayerParams* grads, bool mean = false, CommStats* stats = nullptr);
 
+  // Routed (token, choice) pairs per expert over the whole batch (summed over the token shards),
+  // for the aux-loss-free expert-bias update (moe::UpdateExpertBias). Collective over the token
+  // group.
+  std::vector<int64_t> BatchExpertLoads(const ParallelOutput& forward, CommStats* stats = nullptr);
+
   // The adaptive r a forward would use (resolves kAdaptiveRDefault; kAdaptiveRAuto needs the
   // capacity volume, see PredictedVolume).
   int ResolveAdaptiveR(int requested, double capacity_volume) const;
