@@ -1,41 +1,19 @@
-// A minimal parallel loop for the moe layer's row kernels (private).
+// The moe layer's parallel loop for its row kernels (private): the shared pool of
+// core/thread_pool.h (a persistent pool per rank thread instead of threads started per call).
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
-#include <exception>
-#include <thread>
-#include <vector>
+#include <utility>
+
+#include "switchyard/core/thread_pool.h"
 
 namespace switchyard::moe {
 
-// Calls fn(begin, end) on contiguous chunks of [0, n) from up to `threads` threads (the caller's
-// thread included). Ranges shorter than `grain` per thread run on the caller alone. Exceptions
-// are rethrown on the caller after every chunk has finished.
+// Calls fn(begin, end) on min(threads, n / grain) contiguous chunks of [0, n) (the caller's
+// thread included); see switchyard::ParallelFor.
 template <typename Fn>
 void ParallelFor(int64_t n, int threads, int64_t grain, Fn&& fn) {
-  int64_t workers = std::min<int64_t>(std::max(1, threads), n / std::max<int64_t>(1, grain));
-  if (workers <= 1) {
-    if (n > 0) fn(int64_t{0}, n);
-    return;
-  }
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(workers));
-  auto run = [&](int64_t w) {
-    try {
-      fn(n * w / workers, n * (w + 1) / workers);
-    } catch (...) {
-      errors[static_cast<size_t>(w)] = std::current_exception();
-    }
-  };
-  {
-    std::vector<std::jthread> pool;
-    pool.reserve(static_cast<size_t>(workers - 1));
-    for (int64_t w = 1; w < workers; ++w) pool.emplace_back(run, w);
-    run(0);
-  }
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+  ::switchyard::ParallelFor(n, threads, grain, std::forward<Fn>(fn));
 }
 
 }  // namespace switchyard::moe

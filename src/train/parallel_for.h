@@ -1,61 +1,27 @@
-// Compute threads of the train layer (private): a persistent pool per calling thread (so that
-// ranks running as threads each have their own), a parallel loop, and GEMMs split by rows over
-// the pool with single-threaded BLAS calls.
+// Compute threads of the train layer (private): the shared pool of core/thread_pool.h, a
+// parallel loop, and GEMMs split by rows over the pool with single-threaded BLAS calls.
 //
 // Why not OpenBLAS's own threads: between calls its idle workers spin in sched_yield, which
 // took ~35% of the CPU time of a training step (perf, 2 cores) and competes with the
 // attention and element-wise work running on the same cores. The pool's workers block.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
-#include <exception>
 #include <functional>
-#include <mutex>
-#include <thread>
-#include <vector>
 
+#include "switchyard/core/thread_pool.h"
 #include "switchyard/kernels/gemm.h"
 
 namespace switchyard::train {
 
-// Workers that run fn(i) for i in [0, tasks) together with the caller. Blocking (no spinning).
-// Not reentrant: Run must not be called from inside a task.
-class WorkerPool {
- public:
-  explicit WorkerPool(int threads);  // threads - 1 workers plus the caller
-  ~WorkerPool();
-  WorkerPool(const WorkerPool&) = delete;
-  WorkerPool& operator=(const WorkerPool&) = delete;
+// The pool and the parallel loop live in core/thread_pool.h (shared with the MoE layer).
+using ::switchyard::LocalPool;
+using ::switchyard::WorkerPool;
 
-  int threads() const { return static_cast<int>(workers_.size()) + 1; }
-  // Tasks are handed out dynamically; the first exception is rethrown after all finished.
-  void Run(int64_t tasks, const std::function<void(int64_t)>& fn);
-
- private:
-  void WorkerLoop();
-  void RunTasks();
-
-  std::mutex mu_;
-  std::condition_variable work_cv_;
-  std::condition_variable done_cv_;
-  std::vector<std::thread> workers_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t tasks_ = 0;
-  int64_t next_ = 0;
-  int64_t generation_ = 0;
-  int busy_ = 0;
-  bool stop_ = false;
-  std::exception_ptr error_;
-};
-
-// The calling thread's pool with `threads` threads (created or resized on demand).
-WorkerPool& LocalPool(int threads);
-
-// Calls fn(begin, end) on `threads` contiguous chunks of [0, n) (fewer when n is small), on the
-// calling thread's pool. The chunks depend only on n and threads, so results do not depend on
-// which thread runs which chunk.
-void ParallelFor(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& fn);
+// ParallelFor of core/thread_pool.h with grain 1: min(threads, n) chunks.
+inline void ParallelFor(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& fn) {
+  ::switchyard::ParallelFor(n, threads, /*grain=*/1, fn);
+}
 
 // kernels::Gemm with the m rows of op(A) and C split over `threads` threads (each BLAS call
 // single-threaded); small products run on the caller.
