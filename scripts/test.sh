@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${SY_JOBS:-$(nproc)}
 skip() { [[ " ${SY_TEST_SKIP:-} " == *" $1 "* ]]; }
-stage() { echo; echo "=== $* ==="; }
+stage() { echo; echo "=== $* (at ${SECONDS}s) ==="; }
 
 bash scripts/setup.sh
 
@@ -46,4 +46,4 @@ if ! skip fuzz && [ -f fuzz/CMakeLists.txt ]; then
 fi
 
 echo
-echo "=== all tests passed ==="
+echo "=== all tests passed (${SECONDS}s) ==="
