@@ -59,6 +59,10 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("sample_tokens", c.sample_tokens);
   fn("temperature", c.temperature);
   fn("threads", c.threads);
+  fn("ranks", c.ranks);
+  fn("ep", c.ep);
+  fn("zero_stage", c.zero_stage);
+  fn("dispatch", c.dispatch);
 }
 
 struct ToJsonVisitor {
@@ -186,6 +190,10 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"sample_tokens", "bytes of text generated at the end"},
       {"temperature", "sampling temperature"},
       {"threads", "compute threads (0: the threading policy)"},
+      {"ranks", "ranks (threads of this process; under mpirun: the MPI world)"},
+      {"ep", "expert-parallel size (0: all ranks)"},
+      {"zero_stage", "ZeRO stage of the optimizer: 0, 1, 2 or 3"},
+      {"dispatch", "MoE dispatcher: alltoall | alltoallv | allgather"},
   };
   std::vector<ConfigKey> keys;
   TrainConfig c;
@@ -259,6 +267,14 @@ void ValidateTrainConfig(const TrainConfig& c) {
   SY_REQUIRE(c.temperature > 0, InvalidArgument, "config: 'temperature' must be > 0, got {}",
              c.temperature);
   SY_REQUIRE(c.out.empty() == false, InvalidArgument, "config: 'out' must not be empty");
+  at_least("ranks", static_cast<double>(c.ranks), 1);
+  at_least("ep", static_cast<double>(c.ep), 0);
+  SY_REQUIRE(c.zero_stage >= 0 && c.zero_stage <= 3, InvalidArgument,
+             "config: 'zero_stage' must be 0, 1, 2 or 3, got {}", c.zero_stage);
+  SY_REQUIRE(c.dispatch == "alltoall" || c.dispatch == "alltoallv" || c.dispatch == "allgather",
+             InvalidArgument,
+             "config: 'dispatch' must be \"alltoall\", \"alltoallv\" or \"allgather\", got \"{}\"",
+             c.dispatch);
 }
 
 }  // namespace switchyard::train

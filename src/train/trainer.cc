@@ -85,6 +85,7 @@ StepMetrics Trainer::Step() {
   Batch batch = sampler_->Sample(step_, c.batch_size, row_begin, row_end);
 
   ParameterSet& params = model_->parameters();
+  hooks_->GatherParameters(params);
   params.ZeroGrad();
   ForwardOptions fo;
   fo.training = true;
@@ -101,6 +102,7 @@ StepMetrics Trainer::Step() {
   hooks_->ScaleGradients(params, factor);
   float lr = schedule_.At(step_);
   hooks_->OptimizerStep(optimizer_, params, lr);
+  hooks_->ReleaseParameters(params);
   ++step_;
 
   // Global metrics: token-weighted losses and summed routing statistics.
@@ -140,17 +142,23 @@ StepMetrics Trainer::Step() {
 }
 
 double Trainer::Evaluate() {
+  // Every rank takes its rows of every held-out batch (as in training), so that all ranks make
+  // the same sequence of (collective) MoE forwards.
   const int64_t world = hooks_->world_size(), rank = hooks_->rank();
+  hooks_->GatherParameters(model_->parameters());
   ForwardOptions fo;
   fo.training = false;
   fo.save_for_backward = false;
   fo.step = static_cast<uint64_t>(step_);
   fo.threads = threads_;
   std::vector<double> sums = {0, 0};
-  for (size_t i = 0; i < eval_batches_.size(); ++i) {
-    if (static_cast<int64_t>(i) % world != rank) continue;
-    const Batch& b = eval_batches_[i];
+  for (const Batch& whole : eval_batches_) {
+    const int64_t rows = whole.tokens.size(0);
+    const int64_t begin = rows * rank / world, end = rows * (rank + 1) / world;
+    Batch b{whole.tokens.Slice(begin, end), whole.targets.Slice(begin, end)};
+    fo.global_token_offset = begin * whole.tokens.size(1);
     LmOutput out = model_->Forward(b.tokens, b.targets, fo);
+    if (out.count == 0) continue;  // a rank with no rows of a short last batch
     sums[0] += out.ce_loss * static_cast<double>(out.count);
     sums[1] += static_cast<double>(out.count);
   }
@@ -160,13 +168,15 @@ double Trainer::Evaluate() {
 
 CheckpointData Trainer::Snapshot() {
   CheckpointData d;
+  ParameterSet& params = model_->parameters();
+  hooks_->GatherParameters(params);
   d.step = step_;
-  d.optimizer_step = optimizer_.step();
+  d.optimizer_step = hooks_->OptimizerStepCount(optimizer_);
   d.seed = config_.seed;
   d.global_batch = config_.batch_size;
   d.config_json = TrainConfigToJson(config_);
-  d.model = model_->parameters().Values();
-  d.optimizer = hooks_->OptimizerStateForCheckpoint(optimizer_);
+  d.model = hooks_->ModelValuesForCheckpoint(params);
+  d.optimizer = hooks_->OptimizerStateForCheckpoint(optimizer_, params);
   return d;
 }
 
@@ -183,8 +193,8 @@ void Trainer::Restore(const CheckpointData& data) {
                "checkpoint's value to resume it)",
                key, theirs[key].dump(), mine[key].dump());
   }
-  model_->parameters().LoadValues(data.model);
-  optimizer_.LoadState(data.optimizer, data.optimizer_step, model_->parameters());
+  hooks_->LoadModelValues(model_->parameters(), data.model);
+  hooks_->LoadOptimizerState(optimizer_, data.optimizer, data.optimizer_step, model_->parameters());
   step_ = data.step;
 }
 
@@ -195,6 +205,7 @@ std::string Trainer::Sample(int64_t tokens, const std::string& prompt) {
   o.temperature = static_cast<float>(config_.temperature);
   o.seed = config_.seed;
   o.threads = threads_;
+  hooks_->GatherParameters(model_->parameters());
   return GenerateText(*model_, o);
 }
 
@@ -207,7 +218,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
     std::string dir = ResolveCheckpoint(options.resume);
     Restore(LoadCheckpoint(dir));
     resumed = true;
-    fmt::print(out, "resumed from {} at step {}\n", dir, step_);
+    if (hooks_->writes_run_directory()) fmt::print(out, "resumed from {} at step {}\n", dir, step_);
   }
   const bool writer = hooks_->writes_run_directory();
   const std::string run_dir = c.out;

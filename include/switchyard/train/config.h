@@ -55,6 +55,13 @@ struct TrainConfig {
   int64_t sample_tokens = 400;     // generated at the end; 0: none
   double temperature = 0.8;
   int threads = 0;  // compute threads of this rank; 0: the policy of core/threading.h
+
+  // Parallel layout (switchyard train; train/distributed.h). A checkpoint does not depend on it:
+  // a run may resume under another layout.
+  int64_t ranks = 4;                  // ranks as threads of this process (under mpirun: its world)
+  int64_t ep = 0;                     // expert-parallel size (0: ranks)
+  int64_t zero_stage = 0;             // ZeRO stage 0-3 of the optimizer
+  std::string dispatch = "alltoall";  // alltoall | alltoallv | allgather
 };
 
 // Flat JSON object with every key.

@@ -58,11 +58,29 @@ class TrainHooks {
   virtual void OptimizerStep(AdamW& optimizer, ParameterSet& params, float lr) {
     optimizer.Step(params, lr);
   }
+  // Optimizer steps taken (the AdamW bias-correction count).
+  virtual int64_t OptimizerStepCount(const AdamW& optimizer) { return optimizer.step(); }
+  // Before any use of the parameter values (training step, evaluation, sampling, checkpoint):
+  // ZeRO-3 all-gathers them from the shards here. Idempotent until ReleaseParameters.
+  virtual void GatherParameters(ParameterSet& params) {}
+  // After the optimizer step: ZeRO-3 gives up the parameters this rank does not own.
+  virtual void ReleaseParameters(ParameterSet& params) {}
   // Sums values over all ranks in place (loss sums, token counts, expert loads).
   virtual void AllReduceSum(std::span<double> values) {}
-  // The full optimizer state to checkpoint (ZeRO: gathered to the writer).
-  virtual TensorMap OptimizerStateForCheckpoint(const AdamW& optimizer) {
+  // Checkpoint contents in the layout-independent form: full tensors by PyTorch-style name,
+  // experts [E, ...] by global expert id. Collective in distributed runs (every rank calls it;
+  // the writer saves the result).
+  virtual TensorMap ModelValuesForCheckpoint(ParameterSet& params) { return params.Values(); }
+  virtual TensorMap OptimizerStateForCheckpoint(const AdamW& optimizer, ParameterSet& params) {
     return optimizer.StateTensors();
+  }
+  // Loads layout-independent checkpoint contents (as above), keeping this rank's part.
+  virtual void LoadModelValues(ParameterSet& params, const TensorMap& values) {
+    params.LoadValues(values);
+  }
+  virtual void LoadOptimizerState(AdamW& optimizer, const TensorMap& state, int64_t step,
+                                  ParameterSet& params) {
+    optimizer.LoadState(state, step, params);
   }
   // Only one rank writes the run directory.
   virtual bool writes_run_directory() const { return rank() == 0; }

@@ -1,0 +1,165 @@
+// Distributed training: the trainer of trainer.h on W ranks, with expert parallelism for the MoE
+// blocks (parallel::ParallelMoeLayer), data parallelism for everything else and ZeRO stage 0-3
+// (zero.h) for the optimizer.
+//
+// Layout (TrainConfig: ranks, ep, zero_stage, dispatch). The mesh is DeepSpeed's with tp = 1:
+// the global batch is split by rows over all W ranks (data parallel), each MoE block's experts
+// over expert groups of `ep` ranks (E_l = E / ep experts per rank; with E < ep each expert's
+// hidden dimension is split too, expert_shard.h), replicated over the W / ep expert-data-
+// parallel groups. Capacity, slot order and the load-balancing losses are those of the global
+// batch (BatchScope::kGlobal), so a W-rank run computes the single-rank run's losses and
+// gradients up to float summation order.
+//
+// Gradients (every parameter's gradient is that of the global objective
+// mean-over-all-tokens cross-entropy + the MoE blocks' loss terms): each rank differentiates its
+// own rows' mean cross-entropy and D times its share of the MoE loss terms (D = the number of
+// token shards = W), then every gradient is summed over the ranks holding that parameter and
+// divided by D. Dense parameters are replicated over the world, expert shards over their
+// expert-data-parallel group. This equals the single-rank gradient when every rank holds the same
+// number of counted target tokens (batch_size a multiple of W), as with PyTorch DDP.
+//
+// Checkpoints are layout-independent: the writer (world rank 0) saves full tensors with experts
+// [E, ...] by global expert id and the full optimizer state, so a run saved with one (ranks, ep,
+// zero_stage) resumes under any other; that is what `switchyard reshard` relies on.
+//
+// Transports: ranks as threads of this process (comm/inprocess.h, the default) or MPI processes
+// (this process is one rank of mpirun's world; comm/mpi.h).
+//
+// Thread-safety: one RankTrainer per rank thread; its calls are collective over the world.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "switchyard/comm/communicator.h"
+#include "switchyard/comm/inprocess.h"
+#include "switchyard/parallel/mesh.h"
+#include "switchyard/parallel/moe_parallel.h"
+#include "switchyard/train/config.h"
+#include "switchyard/train/trainer.h"
+
+namespace switchyard::train {
+
+class ShardedAdamW;
+
+// The parallel options of a config's MoE blocks on a world of `world_size` ranks. Throws
+// InvalidArgument naming the key (an ep that does not divide ranks, an E that ep does not
+// divide and that does not divide ep, an unknown dispatch).
+parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int world_size);
+
+// The MoE block of a distributed run: parallel::ParallelMoeLayer as a FeedForward. Registers
+// "<prefix>gate.weight" (dense, replicated) and this rank's shard of the experts under the full
+// names ("<prefix>experts.fc1.weight" [E_l, H / n, M], ...; ParamGroup::kExpert). Initial values
+// are the single-rank MoeFeedForward's (the full tensors are drawn, then sliced).
+class ParallelMoeFeedForward : public FeedForward {
+ public:
+  // `world` must outlive the FFN; collective over it (splits the process groups).
+  ParallelMoeFeedForward(ParameterSet& params, const std::string& prefix, moe::LayerConfig config,
+                         const parallel::ParallelOptions& options, comm::Communicator& world,
+                         uint64_t seed);
+
+  bool is_moe() const override { return true; }
+  int64_t num_experts() const override { return train_layer_.config().num_experts; }
+  const parallel::ParallelMoeLayer& layer() const { return train_layer_; }
+
+  FeedForwardOutput Forward(const Tensor& x, const FeedForwardContext& context) override;
+  Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
+                  int threads) override;
+  void EndStep(std::span<const int64_t> global_expert_loads) override;
+
+ private:
+  parallel::ParallelMoeLayer train_layer_;
+  parallel::ParallelMoeLayer eval_layer_;  // config.training = false
+  moe::LayerParams shard_;                 // gate (full) and this rank's experts
+  std::string prefix_;
+  ParameterSet* params_;
+  int data_shards_ = 1;
+};
+
+// Data parallelism, ZeRO and expert-parallel checkpoints as TrainHooks (trainer.h).
+class DistributedHooks : public TrainHooks {
+ public:
+  // `world` must outlive the hooks. `mesh` is that of the MoE blocks (every block the same).
+  // Collective over `world` (splits the expert-data-parallel group).
+  DistributedHooks(comm::Communicator& world, const parallel::Mesh& mesh, int zero_stage,
+                   int ranks_in_process);
+  ~DistributedHooks() override;
+
+  // Records an MoE block built by the factory (its parameter prefix and layer config), for
+  // gathering and slicing its experts in checkpoints.
+  void AddMoeBlock(const std::string& prefix, const moe::LayerConfig& config);
+  // Builds the sharded optimizers over the model's trainable parameters (dense: over the world,
+  // experts: over their expert-data-parallel group) with `optimizer`'s options. Call once, after
+  // the model is built and before the first step (RankTrainer does). Idempotent.
+  void Prepare(ParameterSet& params, const AdamW& optimizer);
+
+  int rank() const override;
+  int world_size() const override;
+  int ranks_in_process() const override { return ranks_in_process_; }
+  int zero_stage() const { return zero_stage_; }
+  // Optimizer-state floats held by this rank (shows ZeRO's sharding); 0 before the first step.
+  int64_t optimizer_state_elements() const;
+
+  void ReduceGradients(ParameterSet& params) override;
+  double GradSquaredNorm(const ParameterSet& params) override;
+  void ScaleGradients(ParameterSet& params, float factor) override;
+  void OptimizerStep(AdamW& optimizer, ParameterSet& params, float lr) override;
+  int64_t OptimizerStepCount(const AdamW& optimizer) override;
+  void GatherParameters(ParameterSet& params) override;
+  void ReleaseParameters(ParameterSet& params) override;
+  void AllReduceSum(std::span<double> values) override;
+  TensorMap ModelValuesForCheckpoint(ParameterSet& params) override;
+  TensorMap OptimizerStateForCheckpoint(const AdamW& optimizer, ParameterSet& params) override;
+  void LoadModelValues(ParameterSet& params, const TensorMap& values) override;
+  void LoadOptimizerState(AdamW& optimizer, const TensorMap& state, int64_t step,
+                          ParameterSet& params) override;
+
+ private:
+  struct MoeBlock {
+    std::string prefix;
+    moe::LayerConfig config;
+  };
+  // Full expert tensors out of every rank's shards (collective), or this rank's shard out of
+  // full tensors, for the names "<prefix>experts.<t><suffix>" of every MoE block in `map`.
+  void GatherExperts(TensorMap& map, const std::string& suffix);
+  void SliceExperts(TensorMap& map, const std::string& suffix) const;
+
+  comm::Communicator& world_;
+  parallel::Mesh mesh_;
+  int zero_stage_;
+  int ranks_in_process_;
+  std::unique_ptr<comm::Communicator> expert_data_;  // ranks holding the same expert shard
+  std::vector<MoeBlock> moe_blocks_;
+  std::unique_ptr<ShardedAdamW> dense_opt_;   // over the world
+  std::unique_ptr<ShardedAdamW> expert_opt_;  // over expert_data_
+  bool gathered_ = true;
+};
+
+// One rank of a distributed run: hooks, the MoE factory and the Trainer. Collective over `world`.
+class RankTrainer {
+ public:
+  RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process);
+  ~RankTrainer();
+
+  Trainer& trainer() { return *trainer_; }
+  DistributedHooks& hooks() { return *hooks_; }
+
+ private:
+  std::unique_ptr<DistributedHooks> hooks_;
+  std::unique_ptr<Trainer> trainer_;
+};
+
+struct DistributedRunOptions {
+  RunOptions run;        // resume, output stream (rank 0's), progress bar mode
+  bool use_mpi = false;  // this process is one rank of mpirun's world (config.ranks is checked)
+  comm::InProcessOptions inprocess;
+};
+
+// Trains `config` on config.ranks in-process ranks (or as this process's rank of the MPI world)
+// and returns rank 0's summary (on other MPI ranks: their own). Errors on any rank are rethrown
+// (the others fail fast: their peer is gone).
+RunSummary RunDistributedTraining(const TrainConfig& config, const DistributedRunOptions& options);
+
+}  // namespace switchyard::train

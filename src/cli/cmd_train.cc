@@ -1,0 +1,103 @@
+// `switchyard train`: the main job. With no arguments it trains the embedded default: a 4-block
+// byte-level transformer with an MoE FFN in every other block, on 4 ranks as threads of this
+// process with the experts spread over them (expert parallelism) and the fortunes corpus.
+// Every TrainConfig key is a flag (--ranks 2, --ep 2, --zero_stage 3, --steps 500, ...) and a
+// key of the JSON file given with --config; flags override the file. Under mpirun each process
+// is one rank (--transport mpi, or detected).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "cli/command.h"
+#include "cli/peak_flops.h"
+#include "switchyard/comm/mpi.h"
+#include "switchyard/core/file_util.h"
+#include "switchyard/core/threading.h"
+#include "switchyard/train/distributed.h"
+
+namespace switchyard::cli {
+namespace {
+
+struct TrainOptions {
+  std::string config_file;
+  std::string resume;
+  std::string transport = "auto";
+  bool plain = false;
+  std::map<std::string, std::string> values;  // flag -> text, only for flags given
+};
+
+// The embedded default run (the README's main job): learns visibly in about 3 minutes on 2 cores.
+train::TrainConfig DefaultTrainConfig() {
+  train::TrainConfig c;
+  c.model.moe_every = 2;
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.ranks = 4;
+  c.steps = 300;
+  c.out = "runs/train";
+  return c;
+}
+
+int RunTrain(const TrainOptions& o) {
+  train::TrainConfig config = DefaultTrainConfig();
+  if (!o.config_file.empty()) {
+    config = train::TrainConfigFromJson(ReadTextFile(o.config_file), config);
+  }
+  for (const auto& [key, text] : o.values) train::SetTrainConfigValue(config, key, text);
+  if (config.out == DefaultTrainConfig().out && o.resume.empty()) {
+    // The default run directory is taken by an earlier run: keep it, use the next free name.
+    std::error_code ec;
+    for (int i = 2; std::filesystem::exists(config.out, ec); ++i) {
+      config.out = fmt::format("{}-{}", DefaultTrainConfig().out, i);
+    }
+  }
+  SY_REQUIRE(o.transport == "auto" || o.transport == "inproc" || o.transport == "mpi",
+             InvalidArgument, "--transport: expected auto, inproc or mpi, got '{}'", o.transport);
+  train::DistributedRunOptions run;
+  run.run.resume = o.resume;
+  if (o.plain) run.run.interactive = 0;
+  run.use_mpi = o.transport == "mpi" || (o.transport == "auto" && comm::RunningUnderMpi());
+  SY_REQUIRE(!run.use_mpi || comm::MpiCompiledIn(), InvalidArgument,
+             "--transport mpi: this switchyard was built without MPI");
+  train::KeepFreedMemoryForTraining();
+  train::RunSummary summary = train::RunDistributedTraining(config, run);
+  if (summary.run_dir.empty() || !std::isfinite(summary.tokens_per_s)) return 0;
+  // The limit, measured in the same run: the FMA peak of one core times the cores the ranks use.
+  if (!run.use_mpi) {
+    PeakFlops peak = MeasurePeakFlops();
+    const int cores = std::min<int>(static_cast<int>(config.ranks), UsableCores());
+    double limit = peak.gflops * cores;
+    double achieved = summary.tokens_per_s * summary.flops_per_token / 1e9;
+    fmt::print(
+        "  FMA peak ({}, measured now) x {} core(s): {:.1f} GFLOP/s -> model FLOPs at "
+        "{:.0f}% of it\n",
+        peak.isa, cores, limit, 100 * achieved / limit);
+  }
+  return 0;
+}
+
+SY_REGISTER_COMMAND(Command{
+    "", "train", "Train an MoE transformer (default: 4 ranks as threads, experts spread over them)",
+    [](CLI::App& app) -> Action {
+      auto o = std::make_shared<TrainOptions>();
+      app.add_option("--config", o->config_file, "JSON file whose keys are the flags below");
+      app.add_option("--resume", o->resume,
+                     "continue from a checkpoint, checkpoints or run directory (any layout)");
+      app.add_option("--transport", o->transport,
+                     "inproc (ranks as threads) | mpi (ranks as mpirun's processes) | auto");
+      app.add_flag("--plain", o->plain, "print progress as plain lines even on a terminal");
+      for (const auto& key : train::TrainConfigKeys()) {
+        app.add_option_function<std::string>(
+            "--" + key.name, [o, name = key.name](const std::string& v) { o->values[name] = v; },
+            key.help);
+      }
+      return [o] { return RunTrain(*o); };
+    }});
+
+}  // namespace
+}  // namespace switchyard::cli

@@ -1,0 +1,396 @@
+#include "switchyard/train/distributed.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <mutex>
+#include <optional>
+
+#include "switchyard/comm/mpi.h"
+#include "switchyard/core/error.h"
+#include "switchyard/core/rng.h"
+#include "switchyard/kernels/gemm.h"
+#include "switchyard/moe/gate.h"
+#include "switchyard/parallel/expert_shard.h"
+#include "switchyard/train/zero.h"
+
+namespace switchyard::train {
+namespace {
+
+// The expert tensors of an MoE block by their name after "experts." and their ExpertWeights slot.
+struct ExpertField {
+  const char* name;
+  Tensor moe::ExpertWeights::*member;
+};
+constexpr ExpertField kExpertFields[] = {
+    {"fc1.weight", &moe::ExpertWeights::fc1_weight}, {"fc1.bias", &moe::ExpertWeights::fc1_bias},
+    {"fc2.weight", &moe::ExpertWeights::fc2_weight}, {"fc2.bias", &moe::ExpertWeights::fc2_bias},
+    {"fc3.weight", &moe::ExpertWeights::fc3_weight},
+};
+
+Shape FullShape(const moe::LayerConfig& config, const std::string& name) {
+  for (const auto& [n, shape] : moe::ParamShapes(config)) {
+    if (n == name) return shape;
+  }
+  SY_CHECK(false, "no parameter '{}' in the MoE layer", name);
+  return {};
+}
+
+moe::LayerConfig EvalConfig(moe::LayerConfig c) {
+  c.training = false;
+  return c;
+}
+
+void Scale(const Tensor& t, float factor) {
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] *= factor;
+}
+
+struct ParallelMoeState {
+  parallel::ParallelOutput out;
+  bool training = true;
+};
+
+}  // namespace
+
+parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int world_size) {
+  SY_REQUIRE(world_size >= 1, InvalidArgument, "ranks: expected >= 1, got {}", world_size);
+  const int ep = config.ep > 0 ? static_cast<int>(config.ep) : world_size;
+  SY_REQUIRE(world_size % ep == 0, InvalidArgument,
+             "config: 'ep' {} must divide the number of ranks {}", ep, world_size);
+  const int64_t e = config.num_experts;
+  SY_REQUIRE(e % ep == 0 || ep % e == 0, InvalidArgument,
+             "config: 'num_experts' {} and 'ep' {}: one must divide the other (E / ep experts per "
+             "rank, or each expert split over ep / E ranks)",
+             e, ep);
+  parallel::ParallelOptions o;
+  o.mesh.world_size = world_size;
+  o.mesh.tp = 1;
+  o.mesh.ep = ep;
+  o.mesh.arrangement = parallel::Arrangement::kDeepSpeed;
+  o.dispatch = parallel::DispatchKindFromName(config.dispatch);
+  o.batch_scope = parallel::BatchScope::kGlobal;
+  return o;
+}
+
+// ---- ParallelMoeFeedForward ----
+
+ParallelMoeFeedForward::ParallelMoeFeedForward(ParameterSet& params, const std::string& prefix,
+                                               moe::LayerConfig config,
+                                               const parallel::ParallelOptions& options,
+                                               comm::Communicator& world, uint64_t seed)
+    : train_layer_(config, options, world),
+      eval_layer_(EvalConfig(config), options, world),
+      prefix_(prefix),
+      params_(&params),
+      data_shards_(train_layer_.mesh().data_shards()) {
+  // The single-rank MoeFeedForward's initial values (same seed derivation), then this rank's part.
+  moe::LayerParams full = moe::InitParams(config, seed ^ (InitStream(prefix) - kStreamInit));
+  shard_ = train_layer_.ShardParams(full);
+  for (const auto& [name, tensor] : moe::ParamsToMap(config, shard_)) {
+    ParamOptions o;
+    o.group = name.starts_with("experts.") ? ParamGroup::kExpert : ParamGroup::kDense;
+    o.weight_decay = tensor.dim() >= 2 && name.ends_with(".weight");
+    o.trainable = name != "gate.expert_bias";
+    params.Add(prefix + name, tensor, o);
+  }
+}
+
+FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
+                                                  const FeedForwardContext& context) {
+  parallel::ParallelForwardOptions o;
+  o.global_token_offset = context.global_token_offset;
+  o.step = context.step;
+  o.threads = context.threads;
+  o.save_for_backward = context.save_for_backward;
+  parallel::ParallelMoeLayer& layer = context.training ? train_layer_ : eval_layer_;
+  auto state = std::make_shared<ParallelMoeState>();
+  state->out = layer.Forward(shard_, x, o);
+  state->training = context.training;
+  const moe::LayerOutput& out = state->out.layer;
+  const moe::LayerConfig& c = layer.config();
+  FeedForwardOutput r;
+  r.y = out.y;
+  r.aux_loss = out.l_aux;
+  r.z_loss = out.z_loss;
+  r.loss = static_cast<double>(c.aux_loss_coef) * out.l_aux +
+           static_cast<double>(c.z_loss_coef) * out.z_loss;
+  r.routing.expert_loads = out.expert_loads;
+  r.routing.expert_counts = out.expert_counts;
+  for (int64_t l : out.expert_loads) r.routing.routed += l;
+  r.routing.dropped = out.dropped;
+  if (context.save_for_backward) r.state = state;
+  return r;
+}
+
+Tensor ParallelMoeFeedForward::Backward(const FeedForwardOutput& forward, const Tensor& dy,
+                                        float loss_scale, int threads) {
+  SY_CHECK(forward.state != nullptr, "ParallelMoeFeedForward::Backward needs save_for_backward");
+  SY_REQUIRE(loss_scale != 0.0f, InvalidArgument,
+             "ParallelMoeFeedForward: loss_scale must not be 0");
+  const auto& s = *static_cast<const ParallelMoeState*>(forward.state.get());
+  parallel::ParallelMoeLayer& layer = s.training ? train_layer_ : eval_layer_;
+  // The layer differentiates sum(y * d) + (this rank's share of) the loss terms. This rank must
+  // contribute sum(y * dy) + D * loss_scale * share (distributed.h: gradients are summed over the
+  // ranks and divided by D), so pass d = dy / (D * loss_scale) and scale the results back.
+  const float scale = static_cast<float>(data_shards_) * loss_scale;
+  Tensor d = dy;
+  if (scale != 1.0f) {
+    d = dy.Clone();
+    Scale(d, 1.0f / scale);
+  }
+  parallel::ParallelGradients g = layer.Backward(shard_, s.out, d, threads);
+  for (const auto& [name, grad] : moe::ParamsToMap(layer.config(), g.params)) {
+    Parameter& p = params_->Get(prefix_ + name);
+    if (!p.options.trainable) continue;
+    ExpectShape(p.name, grad, p.value.shape());
+    float* dst = p.grad.data<float>();
+    const float* src = grad.data<float>();
+    for (int64_t i = 0; i < grad.numel(); ++i) dst[i] += scale * src[i];
+  }
+  Tensor dx = g.x;
+  if (scale != 1.0f) Scale(dx, scale);
+  return dx;
+}
+
+void ParallelMoeFeedForward::EndStep(std::span<const int64_t> global_expert_loads) {
+  const moe::LayerConfig& c = train_layer_.config();
+  if (!c.expert_bias) return;
+  moe::UpdateExpertBias(global_expert_loads, c.expert_bias_update_rate, shard_.expert_bias);
+}
+
+// ---- DistributedHooks ----
+
+DistributedHooks::DistributedHooks(comm::Communicator& world, const parallel::Mesh& mesh,
+                                   int zero_stage, int ranks_in_process)
+    : world_(world), mesh_(mesh), zero_stage_(zero_stage), ranks_in_process_(ranks_in_process) {
+  SY_REQUIRE(zero_stage >= 0 && zero_stage <= 3, InvalidArgument,
+             "config: 'zero_stage' must be 0, 1, 2 or 3, got {}", zero_stage);
+  SY_REQUIRE(mesh.world_size() == world.size(), InvalidArgument,
+             "DistributedHooks: the mesh is for {} ranks, the world has {}", mesh.world_size(),
+             world.size());
+  // Color: the group's smallest rank; key: the position in it.
+  const std::vector<int> group = mesh_.GroupOf(parallel::GroupKind::kExpertData, world.rank());
+  const int key =
+      static_cast<int>(std::find(group.begin(), group.end(), world.rank()) - group.begin());
+  expert_data_ = world.Split(*std::min_element(group.begin(), group.end()), key,
+                             world.name() + ".expert_data");
+}
+
+DistributedHooks::~DistributedHooks() = default;
+
+void DistributedHooks::AddMoeBlock(const std::string& prefix, const moe::LayerConfig& config) {
+  moe_blocks_.push_back({prefix, config});
+}
+
+int DistributedHooks::rank() const { return world_.rank(); }
+int DistributedHooks::world_size() const { return world_.size(); }
+
+int64_t DistributedHooks::optimizer_state_elements() const {
+  return (dense_opt_ ? dense_opt_->state_elements() : 0) +
+         (expert_opt_ ? expert_opt_->state_elements() : 0);
+}
+
+void DistributedHooks::Prepare(ParameterSet& params, const AdamW& optimizer) {
+  if (dense_opt_) return;
+  std::vector<Parameter*> dense, experts;
+  for (Parameter& p : params.all()) {
+    if (!p.options.trainable) continue;
+    (p.options.group == ParamGroup::kExpert ? experts : dense).push_back(&p);
+  }
+  dense_opt_ = std::make_unique<ShardedAdamW>(dense, world_, zero_stage_, optimizer.options());
+  expert_opt_ =
+      std::make_unique<ShardedAdamW>(experts, *expert_data_, zero_stage_, optimizer.options());
+}
+
+void DistributedHooks::ReduceGradients(ParameterSet& params) {
+  SY_CHECK(dense_opt_ != nullptr, "DistributedHooks: Prepare() was not called");
+  const float inv = 1.0f / static_cast<float>(mesh_.data_shards());
+  dense_opt_->ReduceGradients(inv);
+  expert_opt_->ReduceGradients(inv);
+}
+
+double DistributedHooks::GradSquaredNorm(const ParameterSet& params) {
+  // Each rank's own ranges: over the world every element of every parameter is counted once
+  // (dense: the world shares it out; experts: each expert-data group shares out its shard).
+  double own[1] = {dense_opt_->OwnGradSquaredNorm() + expert_opt_->OwnGradSquaredNorm()};
+  AllReduceSum(own);
+  return own[0];
+}
+
+void DistributedHooks::ScaleGradients(ParameterSet& params, float factor) {
+  if (factor == 1.0f) return;
+  dense_opt_->ScaleGradients(factor);
+  expert_opt_->ScaleGradients(factor);
+}
+
+void DistributedHooks::OptimizerStep(AdamW& optimizer, ParameterSet& params, float lr) {
+  dense_opt_->Step(lr);
+  expert_opt_->Step(lr);
+  gathered_ = zero_stage_ < 3;
+}
+
+int64_t DistributedHooks::OptimizerStepCount(const AdamW& optimizer) {
+  return dense_opt_ ? dense_opt_->step() : optimizer.step();
+}
+
+void DistributedHooks::GatherParameters(ParameterSet& params) {
+  if (gathered_) return;
+  dense_opt_->GatherParameters();
+  expert_opt_->GatherParameters();
+  gathered_ = true;
+}
+
+void DistributedHooks::ReleaseParameters(ParameterSet& params) {
+  if (zero_stage_ < 3) return;
+  dense_opt_->ReleaseParameters();
+  expert_opt_->ReleaseParameters();
+  gathered_ = false;
+}
+
+void DistributedHooks::AllReduceSum(std::span<double> values) {
+  // The transports reduce float32/bfloat16/int32/int64, not float64: all-gather the doubles'
+  // bits and add them up in rank order, which also gives every rank the same bits.
+  const size_t n = values.size();
+  if (n == 0) return;
+  std::vector<double> all(n * static_cast<size_t>(world_.size()));
+  world_.AllGather(values.data(), all.data(), n, DType::kInt64).Wait();
+  for (size_t i = 0; i < n; ++i) {
+    double s = 0;
+    for (int r = 0; r < world_.size(); ++r) s += all[static_cast<size_t>(r) * n + i];
+    values[i] = s;
+  }
+}
+
+void DistributedHooks::GatherExperts(TensorMap& map, const std::string& suffix) {
+  const int w = world_.size();
+  for (const MoeBlock& block : moe_blocks_) {
+    for (const ExpertField& f : kExpertFields) {
+      const std::string key = block.prefix + "experts." + f.name + suffix;
+      auto it = map.find(key);
+      if (it == map.end()) continue;
+      const Tensor local = it->second;
+      const int64_t n = local.numel();
+      Tensor all = Tensor::Empty({w * n}, DType::kFloat32);
+      world_
+          .AllGather(local.data<float>(), all.data<float>(), static_cast<size_t>(n),
+                     DType::kFloat32)
+          .Wait();
+      moe::ExpertWeights full;
+      full.*f.member = Tensor::Zeros(FullShape(block.config, std::string("experts.") + f.name));
+      for (int r = 0; r < w; ++r) {
+        moe::ExpertWeights shard;
+        shard.*f.member = all.Slice(r * n, (r + 1) * n).Reshape(local.shape());
+        parallel::PlaceShard(shard, parallel::ShardOf(mesh_, r, block.config.model_dim), &full);
+      }
+      it->second = full.*f.member;
+    }
+  }
+}
+
+void DistributedHooks::SliceExperts(TensorMap& map, const std::string& suffix) const {
+  for (const MoeBlock& block : moe_blocks_) {
+    const parallel::ShardSpec spec =
+        parallel::ShardOf(mesh_, world_.rank(), block.config.model_dim);
+    for (const ExpertField& f : kExpertFields) {
+      const std::string key = block.prefix + "experts." + f.name + suffix;
+      auto it = map.find(key);
+      if (it == map.end()) continue;
+      ExpectShape(key, it->second, FullShape(block.config, std::string("experts.") + f.name));
+      moe::ExpertWeights full;
+      full.*f.member =
+          it->second.dtype() == DType::kFloat32 ? it->second : it->second.To(DType::kFloat32);
+      it->second = parallel::ShardExperts(full, spec).*f.member;
+    }
+  }
+}
+
+TensorMap DistributedHooks::ModelValuesForCheckpoint(ParameterSet& params) {
+  TensorMap values = params.Values();
+  GatherExperts(values, "");
+  return values;
+}
+
+TensorMap DistributedHooks::OptimizerStateForCheckpoint(const AdamW& optimizer,
+                                                        ParameterSet& params) {
+  if (!dense_opt_ || dense_opt_->step() == 0) return {};
+  TensorMap state = dense_opt_->FullState();
+  for (auto& [name, t] : expert_opt_->FullState()) state[name] = t;
+  GatherExperts(state, ".exp_avg");
+  GatherExperts(state, ".exp_avg_sq");
+  return state;
+}
+
+void DistributedHooks::LoadModelValues(ParameterSet& params, const TensorMap& values) {
+  TensorMap mine = values;
+  SliceExperts(mine, "");
+  params.LoadValues(mine);
+}
+
+void DistributedHooks::LoadOptimizerState(AdamW& optimizer, const TensorMap& state, int64_t step,
+                                          ParameterSet& params) {
+  Prepare(params, optimizer);
+  if (step == 0 && state.empty()) return;
+  TensorMap mine = state;
+  SliceExperts(mine, ".exp_avg");
+  SliceExperts(mine, ".exp_avg_sq");
+  dense_opt_->LoadFullState(mine, step);
+  expert_opt_->LoadFullState(mine, step);
+}
+
+// ---- RankTrainer ----
+
+RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world,
+                         int ranks_in_process) {
+  const parallel::ParallelOptions options = TrainParallelOptions(config, world.size());
+  const moe::LayerConfig layer = MoeLayerConfig(config);
+  const parallel::Mesh mesh(options.mesh, layer.num_experts, layer.hidden_dim);
+  hooks_ = std::make_unique<DistributedHooks>(world, mesh, static_cast<int>(config.zero_stage),
+                                              ranks_in_process);
+  DistributedHooks* hooks = hooks_.get();
+  FeedForwardFactory factory;
+  if (config.model.moe_every > 0) {
+    factory = [hooks, layer, options, &world](int64_t, const std::string& prefix,
+                                              ParameterSet& params, uint64_t seed) {
+      hooks->AddMoeBlock(prefix, layer);
+      return std::make_unique<ParallelMoeFeedForward>(params, prefix, layer, options, world, seed);
+    };
+  }
+  trainer_ = std::make_unique<Trainer>(config, std::move(factory), hooks);
+  hooks_->Prepare(trainer_->model().parameters(), trainer_->optimizer());
+}
+
+RankTrainer::~RankTrainer() = default;
+
+// ---- RunDistributedTraining ----
+
+RunSummary RunDistributedTraining(const TrainConfig& config, const DistributedRunOptions& options) {
+  // Ranks share the process's cores: each runs single-threaded BLAS on its own compute threads.
+  kernels::SetBlasThreads(1);
+  if (options.use_mpi) {
+    std::unique_ptr<comm::Communicator> world = comm::CreateMpiWorld();
+    TrainConfig c = config;
+    c.ranks = world->size();
+    // Ranks on this node share its cores (the threading policy divides them).
+    RankTrainer rank(c, *world, std::max(1, world->topology().ranks_per_node));
+    RunOptions run = options.run;
+    return rank.trainer().Run(run);
+  }
+  ValidateTrainConfig(config);
+  std::mutex mu;
+  RunSummary summary;
+  comm::RunInProcess(
+      static_cast<int>(config.ranks),
+      [&](comm::Communicator& world) {
+        RankTrainer rank(config, world, world.size());
+        RunSummary s = rank.trainer().Run(options.run);
+        if (world.rank() == 0) {
+          std::lock_guard<std::mutex> lock(mu);
+          summary = std::move(s);
+        }
+      },
+      options.inprocess);
+  return summary;
+}
+
+}  // namespace switchyard::train

@@ -1,0 +1,314 @@
+// Distributed training against the single-rank trainer: every layout (ranks, ep, ZeRO stage,
+// dispatcher) computes the same losses and parameters up to float summation order; checkpoints
+// are layout-independent (a run saved on 4 ranks continues on 2 or 1 with the same next loss);
+// resume in the same layout is bit for bit.
+#include "switchyard/train/distributed.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <mutex>
+
+#include "switchyard/comm/inprocess.h"
+#include "switchyard/core/file_util.h"
+#include "switchyard/kernels/gemm.h"
+#include "switchyard/train/checkpoint.h"
+#include "train/temp_dir.h"
+
+namespace switchyard::train {
+namespace {
+
+using testing::TempDir;
+
+std::string WriteCorpus(const TempDir& dir) {
+  std::string text;
+  const char* words[] = {"the cat sat on the mat", "a dog ran in the park", "the sun is warm today",
+                         "we like to read books"};
+  for (int i = 0; i < 200; ++i) text += std::string(words[i % 4]) + ".\n%\n";
+  std::string path = dir / "corpus.txt";
+  WriteTextFileAtomic(path, text);
+  return path;
+}
+
+// Two blocks, the second an MoE block with 4 experts and drops (capacity factor 1.0), gate noise
+// off (the default) and the aux and z losses on, so that routing, drops and both loss terms take
+// part in the comparison.
+TrainConfig TinyMoeConfig(const TempDir& dir) {
+  TrainConfig c;
+  c.model.seq_len = 16;
+  c.model.model_dim = 32;
+  c.model.num_layers = 2;
+  c.model.num_heads = 2;
+  c.model.hidden_dim = 48;
+  c.model.moe_every = 2;
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.capacity_factor = 1.0;
+  c.aux_loss_coef = 0.05;
+  c.z_loss_coef = 0.01;
+  c.batch_size = 8;
+  c.steps = 10;
+  c.warmup_steps = 1;
+  c.lr = 1e-2;
+  c.grad_clip = 0.5;  // clipping active: the global norm must count each gradient once
+  // The attention key bias has an exactly zero gradient (softmax ignores a per-query constant),
+  // so what it gets is rounding noise (~1e-9) that depends on summation order, and Adam's
+  // m / sqrt(v) would turn that noise into full-size steps. An epsilon well above the noise keeps
+  // the comparison about the computation, not about amplified rounding.
+  c.adam_eps = 1e-5;
+  c.data = WriteCorpus(dir);
+  c.out = dir / "run";
+  c.threads = 1;
+  c.ranks = 1;
+  return c;
+}
+
+struct StepLosses {
+  std::vector<double> loss, grad_norm;
+  std::vector<std::vector<int64_t>> expert_load;
+  TensorMap model;  // full values after the last step (layout-independent form)
+};
+
+StepLosses SingleRank(const TrainConfig& c, int steps) {
+  Trainer t(c);
+  StepLosses r;
+  for (int s = 0; s < steps; ++s) {
+    StepMetrics m = t.Step();
+    r.loss.push_back(m.loss);
+    r.grad_norm.push_back(m.grad_norm);
+    r.expert_load.push_back(m.expert_load.at(0));
+  }
+  r.model = t.model().parameters().Values();
+  return r;
+}
+
+StepLosses OnRanks(const TrainConfig& c, int steps) {
+  StepLosses result;
+  std::mutex mu;
+  comm::RunInProcess(static_cast<int>(c.ranks), [&](comm::Communicator& world) {
+    RankTrainer rt(c, world, world.size());
+    StepLosses r;
+    for (int s = 0; s < steps; ++s) {
+      StepMetrics m = rt.trainer().Step();
+      r.loss.push_back(m.loss);
+      r.grad_norm.push_back(m.grad_norm);
+      r.expert_load.push_back(m.expert_load.at(0));
+    }
+    CheckpointData d = rt.trainer().Snapshot();
+    if (world.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      result = r;
+      result.model = d.model;
+    }
+  });
+  return result;
+}
+
+void ExpectSameRun(const StepLosses& want, const StepLosses& got, const std::string& what) {
+  ASSERT_EQ(want.loss.size(), got.loss.size()) << what;
+  for (size_t s = 0; s < want.loss.size(); ++s) {
+    EXPECT_NEAR(got.loss[s], want.loss[s], 2e-5 * std::abs(want.loss[s])) << what << " step " << s;
+    EXPECT_NEAR(got.grad_norm[s], want.grad_norm[s], 1e-4 * want.grad_norm[s])
+        << what << " step " << s;
+    EXPECT_EQ(got.expert_load[s], want.expert_load[s]) << what << " step " << s;
+  }
+  ASSERT_EQ(want.model.size(), got.model.size()) << what;
+  for (const auto& [name, w] : want.model) {
+    auto it = got.model.find(name);
+    ASSERT_NE(it, got.model.end()) << what << ": " << name;
+    ASSERT_EQ(it->second.shape(), w.shape()) << what << ": " << name;
+    const float* a = w.data<float>();
+    const float* b = it->second.data<float>();
+    double worst = 0;
+    for (int64_t i = 0; i < w.numel(); ++i) {
+      worst = std::max(worst, static_cast<double>(std::abs(a[i] - b[i])) /
+                                  (1e-3 + std::abs(static_cast<double>(a[i]))));
+    }
+    EXPECT_LT(worst, 2e-3) << what << ": " << name;
+  }
+}
+
+class DistributedTest : public ::testing::Test {
+ protected:
+  void SetUp() override { kernels::SetBlasThreads(1); }
+  TempDir dir_;
+};
+
+TEST_F(DistributedTest, EveryLayoutMatchesOneRank) {
+  TrainConfig base = TinyMoeConfig(dir_);
+  const int kSteps = 3;
+  StepLosses want = SingleRank(base, kSteps);
+  // The reference must exercise what is compared: drops happen and both experts are used.
+  struct Layout {
+    int ranks, ep, zero;
+    const char* dispatch;
+  };
+  const Layout layouts[] = {
+      {1, 0, 0, "alltoall"},  {2, 0, 0, "alltoall"},  {4, 0, 0, "alltoall"}, {4, 2, 0, "alltoall"},
+      {4, 4, 1, "alltoall"},  {4, 4, 2, "alltoall"},  {4, 4, 3, "alltoall"}, {4, 2, 3, "alltoallv"},
+      {4, 0, 2, "allgather"}, {2, 0, 1, "alltoallv"},
+  };
+  for (const Layout& l : layouts) {
+    TrainConfig c = base;
+    c.ranks = l.ranks;
+    c.ep = l.ep;
+    c.zero_stage = l.zero;
+    c.dispatch = l.dispatch;
+    std::string what = fmt::format("ranks {} ep {} zero {} {}", l.ranks, l.ep, l.zero, l.dispatch);
+    ExpectSameRun(want, OnRanks(c, kSteps), what);
+  }
+}
+
+TEST_F(DistributedTest, ZeroShardsTheOptimizerState) {
+  TrainConfig c = TinyMoeConfig(dir_);
+  c.ranks = 4;
+  std::vector<int64_t> elements(4);
+  for (int stage = 0; stage <= 3; ++stage) {
+    c.zero_stage = stage;
+    std::mutex mu;
+    comm::RunInProcess(4, [&](comm::Communicator& world) {
+      RankTrainer rt(c, world, world.size());
+      rt.trainer().Step();
+      if (world.rank() == 1) {
+        std::lock_guard<std::mutex> lock(mu);
+        elements[stage] = rt.hooks().optimizer_state_elements();
+      }
+    });
+  }
+  EXPECT_GT(elements[0], 0);
+  for (int stage = 1; stage <= 3; ++stage) {
+    // Dense state / 4; the experts' (one expert per rank, no replicas) is not divided.
+    EXPECT_LT(elements[stage], elements[0] * 6 / 10) << "stage " << stage;
+  }
+}
+
+// Saves a checkpoint after `steps` steps of layout `c` and returns the loss of the next step.
+double SaveAfterAndStep(const TrainConfig& c, int steps, const std::string& ckpt_dir) {
+  double next = NAN;
+  std::mutex mu;
+  comm::RunInProcess(static_cast<int>(c.ranks), [&](comm::Communicator& world) {
+    RankTrainer rt(c, world, world.size());
+    for (int s = 0; s < steps; ++s) rt.trainer().Step();
+    CheckpointData d = rt.trainer().Snapshot();
+    if (world.rank() == 0) SaveCheckpoint(ckpt_dir, d);
+    double l = rt.trainer().Step().loss;
+    if (world.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      next = l;
+    }
+  });
+  return next;
+}
+
+// Loads `path` into layout `c` and returns the loss of the next step.
+double ResumeAndStep(const TrainConfig& c, const std::string& path) {
+  double next = NAN;
+  std::mutex mu;
+  CheckpointData d = LoadCheckpoint(path);
+  comm::RunInProcess(static_cast<int>(c.ranks), [&](comm::Communicator& world) {
+    RankTrainer rt(c, world, world.size());
+    rt.trainer().Restore(d);
+    double l = rt.trainer().Step().loss;
+    if (world.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      next = l;
+    }
+  });
+  return next;
+}
+
+TEST_F(DistributedTest, CheckpointsMoveBetweenLayouts) {
+  TrainConfig c = TinyMoeConfig(dir_);
+  c.ranks = 4;
+  c.ep = 4;
+  const std::string ck = dir_ / "ck";
+  const double continued = SaveAfterAndStep(c, 2, ck);
+  ASSERT_TRUE(std::isfinite(continued));
+
+  // Experts are saved by global id with the full [E, ...] shapes.
+  CheckpointData d = LoadCheckpoint(ck);
+  EXPECT_EQ(d.model.at("blocks.1.moe.experts.fc1.weight").shape(), (Shape{4, 48, 32}));
+  EXPECT_EQ(d.optimizer.at("blocks.1.moe.experts.fc2.weight.exp_avg").shape(), (Shape{4, 32, 48}));
+
+  // Same layout: bit for bit.
+  EXPECT_EQ(ResumeAndStep(c, ck), continued);
+  // Other layouts: the same next loss up to summation order.
+  struct Layout {
+    int ranks, ep, zero;
+  };
+  for (Layout l : {Layout{2, 2, 0}, Layout{2, 2, 3}, Layout{4, 2, 1}, Layout{1, 1, 0}}) {
+    TrainConfig o = c;
+    o.ranks = l.ranks;
+    o.ep = l.ep;
+    o.zero_stage = l.zero;
+    EXPECT_NEAR(ResumeAndStep(o, ck), continued, 2e-5 * std::abs(continued))
+        << "ranks " << l.ranks << " ep " << l.ep << " zero " << l.zero;
+  }
+  // And the single-rank trainer loads it too.
+  TrainConfig one = c;
+  one.ranks = 1;
+  Trainer t(one);
+  t.Restore(d);
+  EXPECT_NEAR(t.Step().loss, continued, 2e-5 * std::abs(continued));
+}
+
+TEST_F(DistributedTest, ZeroCheckpointResumesBitForBit) {
+  TrainConfig c = TinyMoeConfig(dir_);
+  c.ranks = 4;
+  c.ep = 2;
+  c.zero_stage = 3;
+  const std::string ck = dir_ / "ck3";
+  const double continued = SaveAfterAndStep(c, 2, ck);
+  EXPECT_EQ(ResumeAndStep(c, ck), continued);
+}
+
+TEST_F(DistributedTest, BadLayoutsAreClearErrors) {
+  TrainConfig c = TinyMoeConfig(dir_);
+  c.ranks = 4;
+  c.ep = 3;
+  EXPECT_THROW(
+      {
+        try {
+          TrainParallelOptions(c, 4);
+        } catch (const InvalidArgument& e) {
+          EXPECT_NE(std::string(e.what()).find("'ep' 3 must divide the number of ranks 4"),
+                    std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      InvalidArgument);
+  c.ep = 2;
+  c.num_experts = 3;
+  EXPECT_THROW(TrainParallelOptions(c, 4), InvalidArgument);
+  c.num_experts = 4;
+  c.dispatch = "broadcast";
+  EXPECT_THROW(ValidateTrainConfig(c), InvalidArgument);
+  c.dispatch = "alltoall";
+  c.zero_stage = 4;
+  EXPECT_THROW(ValidateTrainConfig(c), InvalidArgument);
+}
+
+TEST_F(DistributedTest, RunWritesTheRunDirectoryFromRankZero) {
+  TrainConfig c = TinyMoeConfig(dir_);
+  c.ranks = 4;
+  c.steps = 4;
+  c.log_every = 2;
+  c.eval_every = 2;
+  c.checkpoint_every = 2;
+  c.sample_tokens = 10;
+  DistributedRunOptions o;
+  o.run.out = std::fopen("/dev/null", "w");
+  RunSummary s = RunDistributedTraining(c, o);
+  std::fclose(o.run.out);
+  EXPECT_EQ(s.steps, 4);
+  EXPECT_TRUE(std::isfinite(s.final_val_loss));
+  EXPECT_EQ(s.sample.size(), 10u);
+  for (const char* f : {"config.json", "metrics.jsonl", "loss.svg", "expert_load.svg",
+                        "summary.json", "sample.txt", "checkpoints/latest"}) {
+    EXPECT_TRUE(std::filesystem::exists(c.out + "/" + f)) << f;
+  }
+}
+
+}  // namespace
+}  // namespace switchyard::train

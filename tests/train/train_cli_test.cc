@@ -1,0 +1,142 @@
+// `switchyard train` from the command line: the run directory of a small distributed run, a
+// resume under another layout, clear errors for bad flags, and (with MPI) the same losses as
+// processes under mpirun as with ranks as threads.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "switchyard/core/file_util.h"
+
+namespace switchyard::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+CommandResult RunShell(const std::string& command, const std::string& dir) {
+  const std::string out = dir + "/stdout.txt", err = dir + "/stderr.txt";
+  int status = std::system((command + " > " + out + " 2> " + err).c_str());
+  CommandResult r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = ReadAll(out);
+  r.err = ReadAll(err);
+  return r;
+}
+
+class TrainCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/train_cli_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::string text;
+    const char* lines[] = {"the cat sat on the mat", "a dog ran in the park",
+                           "the sun is warm today", "we like to read books"};
+    for (int i = 0; i < 300; ++i) text += std::string(lines[i % 4]) + ".\n%\n";
+    WriteTextFileAtomic(dir_ + "/corpus.txt", text);
+  }
+
+  // A small model; `extra` adds flags.
+  std::string Command(const std::string& out, const std::string& extra) const {
+    return std::string(SY_SWITCHYARD_BIN) + " train --plain --data " + dir_ +
+           "/corpus.txt --seq_len 16 --model_dim 32 --num_layers 2 --num_heads 2 --hidden_dim 48 "
+           "--batch_size 8 --warmup_steps 1 --lr 0.01 --adam_eps 1e-5 --log_every 1 "
+           "--eval_every 0 --sample_tokens 16 --threads 1 --out " +
+           dir_ + "/" + out + " " + extra;
+  }
+
+  // The per-step training losses of metrics.jsonl.
+  std::vector<double> Losses(const std::string& out) const {
+    std::vector<double> losses;
+    std::ifstream in(dir_ + "/" + out + "/metrics.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      auto j = nlohmann::json::parse(line);
+      losses.push_back(j.at("loss").get<double>());
+    }
+    return losses;
+  }
+
+  std::string dir_;
+};
+
+TEST_F(TrainCliTest, RunDirectoryAndResumeUnderAnotherLayout) {
+  CommandResult a = RunShell(Command("a", "--ranks 4 --steps 4 --checkpoint_every 2"), dir_);
+  ASSERT_EQ(a.exit_code, 0) << a.out << a.err;
+  for (const char* f : {"config.json", "metrics.jsonl", "loss.svg", "expert_load.svg",
+                        "summary.json", "sample.txt", "checkpoints/latest"}) {
+    EXPECT_TRUE(fs::exists(dir_ + "/a/" + f)) << f;
+  }
+  EXPECT_NE(a.out.find("done: 4 steps"), std::string::npos) << a.out;
+  auto config = nlohmann::json::parse(ReadAll(dir_ + "/a/config.json"));
+  EXPECT_EQ(config.at("ranks"), 4);
+  EXPECT_EQ(config.at("moe_every"), 2);  // the embedded default puts MoE in every other block
+  const std::vector<double> full = Losses("a");
+  ASSERT_EQ(full.size(), 4u);
+
+  // The checkpoint of step 2 continued on 2 ranks with ZeRO-2 repeats steps 3 and 4.
+  fs::create_directories(dir_ + "/b/checkpoints");
+  fs::copy(dir_ + "/a/checkpoints", dir_ + "/b/checkpoints", fs::copy_options::recursive);
+  std::string step2 = dir_ + "/b/checkpoints/step_00000002";
+  ASSERT_TRUE(fs::exists(step2));
+  CommandResult b =
+      RunShell(Command("c", "--ranks 2 --ep 2 --zero_stage 2 --steps 4 --resume " + step2), dir_);
+  ASSERT_EQ(b.exit_code, 0) << b.out << b.err;
+  const std::vector<double> resumed = Losses("c");
+  ASSERT_EQ(resumed.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_NEAR(resumed[i], full[2 + i], 2e-5 * full[2 + i]) << "step " << 3 + i;
+  }
+}
+
+TEST_F(TrainCliTest, BadFlagsAreOneLineErrors) {
+  CommandResult r = RunShell(Command("x", "--ranks 4 --ep 3"), dir_);
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("'ep' 3 must divide the number of ranks 4"), std::string::npos) << r.err;
+  r = RunShell(Command("y", "--zero_stage 5"), dir_);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("zero_stage"), std::string::npos) << r.err;
+  r = RunShell(Command("z", "--steps ten"), dir_);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("'steps'"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(dir_ + "/x/checkpoints"));
+}
+
+#ifdef SY_MPIRUN_SCRIPT
+TEST_F(TrainCliTest, MpiProcessesGiveTheThreadRanksLosses) {
+  CommandResult t = RunShell(Command("threads", "--ranks 2 --steps 3"), dir_);
+  ASSERT_EQ(t.exit_code, 0) << t.out << t.err;
+  CommandResult m = RunShell(
+      std::string("bash ") + SY_MPIRUN_SCRIPT + " -np 2 " + Command("mpi", "--steps 3"), dir_);
+  ASSERT_EQ(m.exit_code, 0) << m.out << m.err;
+  auto config = nlohmann::json::parse(ReadAll(dir_ + "/mpi/config.json"));
+  EXPECT_EQ(config.at("ranks"), 2);  // the MPI world decides
+  const std::vector<double> a = Losses("threads"), b = Losses("mpi");
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 2e-5 * a[i]) << "step " << i + 1;
+}
+#endif
+
+}  // namespace
+}  // namespace switchyard::train
