@@ -162,8 +162,12 @@ void ParallelMoeFeedForward::EndStep(std::span<const int64_t> global_expert_load
 // ---- DistributedHooks ----
 
 DistributedHooks::DistributedHooks(comm::Communicator& world, const parallel::Mesh& mesh,
-                                   int zero_stage, int ranks_in_process)
-    : world_(world), mesh_(mesh), zero_stage_(zero_stage), ranks_in_process_(ranks_in_process) {
+                                   int zero_stage, int ranks_in_process, const ZeroOptions& zero)
+    : world_(world),
+      mesh_(mesh),
+      zero_stage_(zero_stage),
+      ranks_in_process_(ranks_in_process),
+      poison_non_owned_(zero.poison_non_owned) {
   SY_REQUIRE(zero_stage >= 0 && zero_stage <= 3, InvalidArgument,
              "config: 'zero_stage' must be 0, 1, 2 or 3, got {}", zero_stage);
   SY_REQUIRE(mesh.world_size() == world.size(), InvalidArgument,
@@ -198,9 +202,11 @@ void DistributedHooks::Prepare(ParameterSet& params, const AdamW& optimizer) {
     if (!p.options.trainable) continue;
     (p.options.group == ParamGroup::kExpert ? experts : dense).push_back(&p);
   }
-  dense_opt_ = std::make_unique<ShardedAdamW>(dense, world_, zero_stage_, optimizer.options());
-  expert_opt_ =
-      std::make_unique<ShardedAdamW>(experts, *expert_data_, zero_stage_, optimizer.options());
+  const ZeroOptions zero{.poison_non_owned = poison_non_owned_};
+  dense_opt_ =
+      std::make_unique<ShardedAdamW>(dense, world_, zero_stage_, optimizer.options(), zero);
+  expert_opt_ = std::make_unique<ShardedAdamW>(experts, *expert_data_, zero_stage_,
+                                               optimizer.options(), zero);
 }
 
 void DistributedHooks::ReduceGradients(ParameterSet& params) {
@@ -340,13 +346,16 @@ void DistributedHooks::LoadOptimizerState(AdamW& optimizer, const TensorMap& sta
 
 // ---- RankTrainer ----
 
-RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world,
-                         int ranks_in_process) {
+RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process)
+    : RankTrainer(config, world, ranks_in_process, ZeroOptions{}) {}
+
+RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process,
+                         const ZeroOptions& zero) {
   const parallel::ParallelOptions options = TrainParallelOptions(config, world.size());
   const moe::LayerConfig layer = MoeLayerConfig(config);
   const parallel::Mesh mesh(options.mesh, layer.num_experts, layer.hidden_dim);
   hooks_ = std::make_unique<DistributedHooks>(world, mesh, static_cast<int>(config.zero_stage),
-                                              ranks_in_process);
+                                              ranks_in_process, zero);
   DistributedHooks* hooks = hooks_.get();
   FeedForwardFactory factory;
   if (config.model.moe_every > 0) {

@@ -13,6 +13,7 @@
 #include "switchyard/core/file_util.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/train/checkpoint.h"
+#include "switchyard/train/zero.h"
 #include "train/temp_dir.h"
 
 namespace switchyard::train {
@@ -86,7 +87,8 @@ StepLosses OnRanks(const TrainConfig& c, int steps) {
   StepLosses result;
   std::mutex mu;
   comm::RunInProcess(static_cast<int>(c.ranks), [&](comm::Communicator& world) {
-    RankTrainer rt(c, world, world.size());
+    // Values and gradients that stop being valid on a rank become NaN: a stale read would show.
+    RankTrainer rt(c, world, world.size(), ZeroOptions{.poison_non_owned = true});
     StepLosses r;
     for (int s = 0; s < steps; ++s) {
       StepMetrics m = rt.trainer().Step();

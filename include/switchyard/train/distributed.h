@@ -43,6 +43,7 @@
 namespace switchyard::train {
 
 class ShardedAdamW;
+struct ZeroOptions;
 
 // The parallel options of a config's MoE blocks on a world of `world_size` ranks. Throws
 // InvalidArgument naming the key (an ep that does not divide ranks, an E that ep does not
@@ -83,8 +84,9 @@ class DistributedHooks : public TrainHooks {
  public:
   // `world` must outlive the hooks. `mesh` is that of the MoE blocks (every block the same).
   // Collective over `world` (splits the expert-data-parallel group).
+  // `zero` holds ShardedAdamW's checking options (poison_non_owned).
   DistributedHooks(comm::Communicator& world, const parallel::Mesh& mesh, int zero_stage,
-                   int ranks_in_process);
+                   int ranks_in_process, const ZeroOptions& zero);
   ~DistributedHooks() override;
 
   // Records an MoE block built by the factory (its parameter prefix and layer config), for
@@ -130,6 +132,7 @@ class DistributedHooks : public TrainHooks {
   parallel::Mesh mesh_;
   int zero_stage_;
   int ranks_in_process_;
+  bool poison_non_owned_ = false;
   std::unique_ptr<comm::Communicator> expert_data_;  // ranks holding the same expert shard
   std::vector<MoeBlock> moe_blocks_;
   std::unique_ptr<ShardedAdamW> dense_opt_;   // over the world
@@ -140,6 +143,9 @@ class DistributedHooks : public TrainHooks {
 // One rank of a distributed run: hooks, the MoE factory and the Trainer. Collective over `world`.
 class RankTrainer {
  public:
+  // `zero`: ShardedAdamW's checking options (tests poison non-owned values with NaN).
+  RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process,
+              const ZeroOptions& zero);
   RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process);
   ~RankTrainer();
 
