@@ -3,8 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <mutex>
 #include <optional>
+#include <utility>
 
 #include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
@@ -27,6 +29,10 @@ constexpr ExpertField kExpertFields[] = {
     {"fc2.weight", &moe::ExpertWeights::fc2_weight}, {"fc2.bias", &moe::ExpertWeights::fc2_bias},
     {"fc3.weight", &moe::ExpertWeights::fc3_weight},
 };
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 Shape FullShape(const moe::LayerConfig& config, const std::string& name) {
   for (const auto& [n, shape] : moe::ParamShapes(config)) {
@@ -98,6 +104,7 @@ ParallelMoeFeedForward::ParallelMoeFeedForward(ParameterSet& params, const std::
 
 FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
                                                   const FeedForwardContext& context) {
+  const double t0 = Now();
   parallel::ParallelForwardOptions o;
   o.global_token_offset = context.global_token_offset;
   o.step = context.step;
@@ -120,6 +127,8 @@ FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
   for (int64_t l : out.expert_loads) r.routing.routed += l;
   r.routing.dropped = out.dropped;
   if (context.save_for_backward) r.state = state;
+  times_.seconds += Now() - t0;
+  times_.comm_seconds += state->out.stats.comm_seconds;
   return r;
 }
 
@@ -128,6 +137,7 @@ Tensor ParallelMoeFeedForward::Backward(const FeedForwardOutput& forward, const 
   SY_CHECK(forward.state != nullptr, "ParallelMoeFeedForward::Backward needs save_for_backward");
   SY_REQUIRE(loss_scale != 0.0f, InvalidArgument,
              "ParallelMoeFeedForward: loss_scale must not be 0");
+  const double t0 = Now();
   const auto& s = *static_cast<const ParallelMoeState*>(forward.state.get());
   parallel::ParallelMoeLayer& layer = s.training ? train_layer_ : eval_layer_;
   // The layer differentiates sum(y * d) + (this rank's share of) the loss terms. This rank must
@@ -150,7 +160,13 @@ Tensor ParallelMoeFeedForward::Backward(const FeedForwardOutput& forward, const 
   }
   Tensor dx = g.x;
   if (scale != 1.0f) Scale(dx, scale);
+  times_.seconds += Now() - t0;
+  times_.comm_seconds += g.stats.comm_seconds;
   return dx;
+}
+
+FeedForwardTimes ParallelMoeFeedForward::TakeTimes() {
+  return std::exchange(times_, FeedForwardTimes{});
 }
 
 void ParallelMoeFeedForward::EndStep(std::span<const int64_t> global_expert_loads) {

@@ -30,6 +30,8 @@ std::string MetricsToJson(const StepMetrics& m) {
   put("grad_norm", m.grad_norm);
   put("tokens_per_s", m.tokens_per_s);
   put("step_time_s", m.step_time_s);
+  put("moe_time_s", m.moe_time_s);
+  put("moe_comm_s", m.moe_comm_s);
   put("val_loss", m.val_loss);
   if (!m.expert_load.empty()) j["expert_load"] = m.expert_load;
   if (!m.drop_rate.empty()) j["drop_rate"] = m.drop_rate;
@@ -54,6 +56,8 @@ StepMetrics MetricsFromJson(const std::string& line, const std::string& what) {
     get("grad_norm", m.grad_norm);
     get("tokens_per_s", m.tokens_per_s);
     get("step_time_s", m.step_time_s);
+    get("moe_time_s", m.moe_time_s);
+    get("moe_comm_s", m.moe_comm_s);
     get("val_loss", m.val_loss);
     if (j.contains("expert_load")) {
       m.expert_load = j.at("expert_load").get<std::vector<std::vector<int64_t>>>();

@@ -239,6 +239,14 @@ LmOutput TransformerLm::Forward(const Tensor& tokens, const Tensor& targets,
   return out;
 }
 
+FeedForwardTimes TransformerLm::TakeMoeTimes() {
+  FeedForwardTimes t;
+  for (auto& b : blocks_) {
+    if (b->ffn().is_moe()) t += b->ffn().TakeTimes();
+  }
+  return t;
+}
+
 void TransformerLm::EndStep(const std::vector<std::vector<int64_t>>& global_expert_loads) {
   SY_REQUIRE(static_cast<int64_t>(global_expert_loads.size()) == num_moe_blocks(), InvalidArgument,
              "EndStep: expected loads of {} MoE blocks, got {}", num_moe_blocks(),

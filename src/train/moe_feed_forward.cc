@@ -1,10 +1,17 @@
 #include "switchyard/train/moe_feed_forward.h"
 
+#include <chrono>
+#include <utility>
+
 #include "switchyard/core/rng.h"
 #include "switchyard/moe/gate.h"
 
 namespace switchyard::train {
 namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 moe::LayerConfig EvalConfig(moe::LayerConfig c) {
   c.training = false;
@@ -33,6 +40,7 @@ MoeFeedForward::MoeFeedForward(ParameterSet& params, const std::string& prefix,
 }
 
 FeedForwardOutput MoeFeedForward::Forward(const Tensor& x, const FeedForwardContext& context) {
+  const double t0 = Now();
   moe::ForwardOptions o;
   o.global_token_offset = context.global_token_offset;
   o.step = context.step;
@@ -55,12 +63,14 @@ FeedForwardOutput MoeFeedForward::Forward(const Tensor& x, const FeedForwardCont
   for (int64_t l : out.expert_loads) r.routing.routed += l;
   r.routing.dropped = out.dropped;
   if (context.save_for_backward) r.state = state;
+  times_.seconds += Now() - t0;
   return r;
 }
 
 Tensor MoeFeedForward::Backward(const FeedForwardOutput& forward, const Tensor& dy,
                                 float loss_scale, int threads) {
   SY_CHECK(forward.state != nullptr, "MoeFeedForward::Backward needs save_for_backward");
+  const double t0 = Now();
   const auto& s = *static_cast<const MoeState*>(forward.state.get());
   const moe::MoeLayer& layer = s.training ? train_layer_ : eval_layer_;
   // The layer differentiates sum(y * dy) + loss. For sum(y * dy) + loss_scale * loss, pass
@@ -86,8 +96,11 @@ Tensor MoeFeedForward::Backward(const FeedForwardOutput& forward, const Tensor& 
     float* p = dx.data<float>();
     for (int64_t i = 0; i < dx.numel(); ++i) p[i] *= loss_scale;
   }
+  times_.seconds += Now() - t0;
   return dx;
 }
+
+FeedForwardTimes MoeFeedForward::TakeTimes() { return std::exchange(times_, FeedForwardTimes{}); }
 
 void MoeFeedForward::EndStep(std::span<const int64_t> global_expert_loads) {
   const moe::LayerConfig& c = train_layer_.config();

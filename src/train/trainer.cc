@@ -86,6 +86,7 @@ StepMetrics Trainer::Step() {
 
   ParameterSet& params = model_->parameters();
   hooks_->GatherParameters(params);
+  model_->TakeMoeTimes();  // drop what evaluation or sampling spent in the MoE layers
   params.ZeroGrad();
   ForwardOptions fo;
   fo.training = true;
@@ -95,6 +96,7 @@ StepMetrics Trainer::Step() {
   fo.threads = threads_;
   LmOutput out = model_->Forward(batch.tokens, batch.targets, fo);
   model_->Backward(out, 1.0f, threads_);
+  const FeedForwardTimes moe_times = model_->TakeMoeTimes();
 
   hooks_->ReduceGradients(params);
   double grad_norm = std::sqrt(hooks_->GradSquaredNorm(params));
@@ -106,9 +108,10 @@ StepMetrics Trainer::Step() {
   ++step_;
 
   // Global metrics: token-weighted losses and summed routing statistics.
-  std::vector<double> sums = {out.loss * out.count, out.ce_loss * out.count,
-                              out.aux_loss * out.count, out.z_loss * out.count,
-                              static_cast<double>(out.count)};
+  std::vector<double> sums = {out.loss * out.count,           out.ce_loss * out.count,
+                              out.aux_loss * out.count,       out.z_loss * out.count,
+                              static_cast<double>(out.count), moe_times.seconds,
+                              moe_times.comm_seconds};
   for (const auto& r : out.routing) {
     sums.push_back(static_cast<double>(r.routed));
     sums.push_back(static_cast<double>(r.dropped));
@@ -122,7 +125,11 @@ StepMetrics Trainer::Step() {
   m.ce_loss = sums[1] / count;
   m.aux_loss = sums[2] / count;
   m.z_loss = sums[3] / count;
-  size_t k = 5;
+  if (!out.routing.empty()) {
+    m.moe_time_s = sums[5] / static_cast<double>(world);
+    m.moe_comm_s = sums[6] / static_cast<double>(world);
+  }
+  size_t k = 7;
   for (const auto& r : out.routing) {
     double routed = sums[k], dropped = sums[k + 1];
     k += 2;
@@ -282,7 +289,8 @@ RunSummary Trainer::Run(const RunOptions& options) {
   // Interval accumulators (reset at every metrics line).
   StepMetrics acc;
   int64_t acc_steps = 0;
-  double acc_time = 0;
+  double acc_time = 0, acc_moe = 0, acc_moe_comm = 0;
+  double run_step_time = 0, run_moe = 0, run_moe_comm = 0;
   double last_val = NAN;
   std::vector<double> rates;
   while (step_ < c.steps) {
@@ -290,6 +298,13 @@ RunSummary Trainer::Run(const RunOptions& options) {
     if (acc_steps == 0) acc = StepMetrics{};
     ++acc_steps;
     acc_time += m.step_time_s;
+    run_step_time += m.step_time_s;
+    if (std::isfinite(m.moe_time_s)) {
+      acc_moe += m.moe_time_s;
+      acc_moe_comm += m.moe_comm_s;
+      run_moe += m.moe_time_s;
+      run_moe_comm += m.moe_comm_s;
+    }
     acc.loss = (acc_steps == 1 ? 0 : acc.loss) + m.loss;
     acc.ce_loss = (acc_steps == 1 ? 0 : acc.ce_loss) + m.ce_loss;
     acc.aux_loss += m.aux_loss;
@@ -327,6 +342,10 @@ RunSummary Trainer::Run(const RunOptions& options) {
       line.lr = m.lr;
       line.grad_norm = m.grad_norm;
       line.step_time_s = acc_time / n;
+      if (moe) {
+        line.moe_time_s = acc_moe / n;
+        line.moe_comm_s = acc_moe_comm / n;
+      }
       line.tokens_per_s =
           static_cast<double>(c.batch_size * c.model.seq_len) * n / std::max(acc_time, 1e-12);
       line.val_loss = val;
@@ -337,7 +356,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
         history.push_back(line);
       }
       acc_steps = 0;
-      acc_time = 0;
+      acc_time = acc_moe = acc_moe_comm = 0;
       if (std::isfinite(val)) write_figures();
     }
     if (writer) {
@@ -367,6 +386,10 @@ RunSummary Trainer::Run(const RunOptions& options) {
   summary.steps = step_;
   summary.seconds = Now() - run_start;
   summary.final_val_loss = last_val;
+  if (moe && run_step_time > 0) {
+    summary.moe_time_share = run_moe / run_step_time;
+    summary.moe_comm_share = run_moe_comm / run_step_time;
+  }
   if (!rates.empty()) {
     std::vector<double> sorted = rates;
     std::sort(sorted.begin(), sorted.end());
@@ -386,7 +409,11 @@ RunSummary Trainer::Run(const RunOptions& options) {
               {"final_train_loss",
                std::isfinite(summary.final_train_loss) ? json(summary.final_train_loss) : json()},
               {"final_val_loss",
-               std::isfinite(summary.final_val_loss) ? json(summary.final_val_loss) : json()}};
+               std::isfinite(summary.final_val_loss) ? json(summary.final_val_loss) : json()},
+              {"moe_time_share",
+               std::isfinite(summary.moe_time_share) ? json(summary.moe_time_share) : json()},
+              {"moe_comm_share",
+               std::isfinite(summary.moe_comm_share) ? json(summary.moe_comm_share) : json()}};
     WriteTextFileAtomic(run_dir + "/summary.json", s.dump(2) + "\n");
     fmt::print(out,
                "done: {} steps in {}, {} tok/s (median), {:.1f} GFLOP/s of model FLOPs\n"
@@ -396,6 +423,13 @@ RunSummary Trainer::Run(const RunOptions& options) {
                summary.tokens_per_s * summary.flops_per_token / 1e9, summary.final_train_loss,
                summary.final_val_loss, summary.unigram_entropy,
                100 * summary.final_val_loss / summary.unigram_entropy);
+    if (std::isfinite(summary.moe_time_share)) {
+      fmt::print(out,
+                 "  MoE layers: {:.0f}% of step time (blocked in their collectives {:.0f}%, "
+                 "gate + dispatch + experts + combine {:.0f}%)\n",
+                 100 * summary.moe_time_share, 100 * summary.moe_comm_share,
+                 100 * (summary.moe_time_share - summary.moe_comm_share));
+    }
     fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/, sample.txt)\n",
                run_dir, moe ? ", expert_load.svg" : "");
     if (c.sample_tokens > 0) {

@@ -69,6 +69,8 @@ class ParallelMoeFeedForward : public FeedForward {
   Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
                   int threads) override;
   void EndStep(std::span<const int64_t> global_expert_loads) override;
+  // Wall time in Forward/Backward; comm_seconds: blocked in the layer's collectives.
+  FeedForwardTimes TakeTimes() override;
 
  private:
   parallel::ParallelMoeLayer train_layer_;
@@ -77,6 +79,7 @@ class ParallelMoeFeedForward : public FeedForward {
   std::string prefix_;
   ParameterSet* params_;
   int data_shards_ = 1;
+  FeedForwardTimes times_;
 };
 
 // Data parallelism, ZeRO and expert-parallel checkpoints as TrainHooks (trainer.h).

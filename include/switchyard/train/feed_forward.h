@@ -27,6 +27,17 @@
 
 namespace switchyard::train {
 
+// Wall time an FFN spent in Forward and Backward, and the part of it blocked in communication.
+struct FeedForwardTimes {
+  double seconds = 0;
+  double comm_seconds = 0;
+  FeedForwardTimes& operator+=(const FeedForwardTimes& o) {
+    seconds += o.seconds;
+    comm_seconds += o.comm_seconds;
+    return *this;
+  }
+};
+
 // Per-call settings of a forward pass.
 struct FeedForwardContext {
   int64_t global_token_offset = 0;  // global index of local token 0 (keys random routing draws)
@@ -70,6 +81,8 @@ class FeedForward {
   // After the optimizer step, with the step's expert loads summed over all ranks ([num_experts]
   // routed pairs): state updates that are not gradient steps (aux-loss-free expert bias).
   virtual void EndStep(std::span<const int64_t> global_expert_loads) {}
+  // The time spent since the last call (zero for FFNs that do not measure it), then restarts.
+  virtual FeedForwardTimes TakeTimes() { return {}; }
 };
 
 // Builds the FFN of block `block_index`. `prefix` is where its parameters go (e.g.

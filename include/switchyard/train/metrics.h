@@ -27,7 +27,9 @@ struct StepMetrics {
   double grad_norm = NAN;  // before clipping
   double tokens_per_s = NAN;
   double step_time_s = NAN;
-  double val_loss = NAN;                          // NaN: not evaluated at this step
+  double moe_time_s = NAN;  // of step_time_s: in the MoE layers (forward + backward), rank mean
+  double moe_comm_s = NAN;  // of moe_time_s: blocked in their collectives (dispatch, combine, ...)
+  double val_loss = NAN;    // NaN: not evaluated at this step
   std::vector<std::vector<int64_t>> expert_load;  // [moe layer][expert] routed pairs
   std::vector<double> drop_rate;                  // [moe layer] dropped / routed
 };

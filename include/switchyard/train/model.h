@@ -134,6 +134,8 @@ class TransformerLm {
   // After the optimizer step: hands each MoE block its step's expert loads summed over all
   // ranks (one vector per MoE block, in block order; see FeedForward::EndStep).
   void EndStep(const std::vector<std::vector<int64_t>>& global_expert_loads);
+  // The MoE FFNs' time since the last call, summed over blocks (FeedForward::TakeTimes).
+  FeedForwardTimes TakeMoeTimes();
 
  private:
   ModelConfig config_;

@@ -35,6 +35,7 @@ class MoeFeedForward : public FeedForward {
   Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
                   int threads) override;
   void EndStep(std::span<const int64_t> global_expert_loads) override;
+  FeedForwardTimes TakeTimes() override;
 
  private:
   moe::MoeLayer train_layer_;
@@ -42,6 +43,7 @@ class MoeFeedForward : public FeedForward {
   moe::LayerParams layer_params_;
   std::string prefix_;
   ParameterSet* params_;
+  FeedForwardTimes times_;
 };
 
 // Builds MoeFeedForward FFNs from `config` (model_dim etc. as given; seed keys routing draws).

@@ -108,6 +108,10 @@ struct RunSummary {
   double tokens_per_s = NAN;   // median over logged intervals
   double flops_per_token = 0;  // TrainingFlopsPerToken of the model
   int64_t parameters = 0;
+  // Of the training steps' wall time (rank mean): in the MoE layers, and blocked in their
+  // collectives (NaN for a dense model).
+  double moe_time_share = NAN;
+  double moe_comm_share = NAN;
   std::string sample;
   std::string run_dir;
 };
