@@ -52,6 +52,7 @@ void Executor::Run(detail::WorkState& state) {
   using Kind = detail::WorkState::ErrorKind;
   Kind kind = Kind::kNone;
   std::string message;
+  const auto started = std::chrono::steady_clock::now();
   try {
     state.body(state.seq);
   } catch (const TimeoutError& e) {
@@ -80,6 +81,8 @@ void Executor::Run(detail::WorkState& state) {
   std::function<void(uint64_t)> body;
   {
     std::lock_guard<std::mutex> lock(state.mu);
+    state.started = started;
+    state.finished = std::chrono::steady_clock::now();
     state.error = kind;
     state.error_message = std::move(message);
     state.done = true;
@@ -152,6 +155,15 @@ bool Work::IsCompleted() const {
   if (!state_) return true;
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->done;
+}
+
+bool Work::Times(Clock::time_point* started, Clock::time_point* finished) const {
+  if (!state_) return false;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (!state_->done || state_->started == Clock::time_point{}) return false;
+  *started = state_->started;
+  *finished = state_->finished;
+  return true;
 }
 
 void Work::Wait() const {

@@ -2,6 +2,7 @@
 // they were submitted, while the submitting thread goes on computing.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -24,6 +25,8 @@ struct WorkState {
   uint64_t seq = 0;                        // position in the communicator's order, set by Submit
   std::function<void(uint64_t seq)> body;  // released once run
   std::shared_ptr<Executor> executor;      // while queued: lets Wait() run it inline
+  // When the body started and finished running (set by Run; read after done, under mu).
+  std::chrono::steady_clock::time_point started{}, finished{};
   // The error as its type and message (guarded by mu, set before done). Each Wait() throws a
   // fresh exception, so an exception object is never shared between threads.
   enum class ErrorKind : uint8_t {

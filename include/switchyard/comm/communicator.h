@@ -57,6 +57,10 @@ class Work {
   // As Wait(), but throws TimeoutError if the collective is still running after `timeout` (it
   // then goes on until it finishes or reaches its own deadline). Never runs it inline.
   void Wait(Milliseconds timeout) const;
+  // Once completed: when the collective started and finished running (on the progress thread or
+  // inline in Wait), for timelines. False while it runs, for a default Work, and for a
+  // collective that failed before it started.
+  bool Times(Clock::time_point* started, Clock::time_point* finished) const;
 
  private:
   std::shared_ptr<detail::WorkState> state_;
