@@ -1,10 +1,13 @@
 #include "parallel/collectives.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <vector>
 
+#include "parallel/trace_context.h"
 #include "switchyard/core/error.h"
 
 namespace switchyard::parallel::internal {
@@ -15,19 +18,14 @@ double Now() {
 
 namespace {
 
-void Account(CommStats* stats, Traffic traffic, double bytes, double seconds) {
-  if (!stats) return;
-  stats->bytes[static_cast<int>(traffic)] += bytes;
-  stats->collectives += 1;
-  stats->comm_seconds += seconds;
-}
-
 template <typename Fn>
-void Timed(CommStats* stats, Traffic traffic, double bytes, Fn&& start) {
+void Timed(const char* name, CommStats* stats, Traffic traffic, double bytes, Fn&& start) {
   double t0 = Now();
   comm::Work work = start();
   work.Wait();
-  Account(stats, traffic, bytes, Now() - t0);
+  const double t1 = Now();
+  AccountWork(Tracing() ? fmt::format("{} {}", name, TrafficName(traffic)) : std::string(), work,
+              stats, traffic, bytes, t0, t0, t1);
 }
 
 Shape WithRows(const Tensor& t, int64_t rows) {
@@ -37,6 +35,38 @@ Shape WithRows(const Tensor& t, int64_t rows) {
 }
 
 }  // namespace
+
+std::string_view TrafficName(Traffic traffic) {
+  switch (traffic) {
+    case Traffic::kTokens: return "tokens";
+    case Traffic::kRouting: return "routing";
+    case Traffic::kWeights: return "weights";
+    case Traffic::kTensor: return "tensor";
+    case Traffic::kCount: break;
+  }
+  return "?";
+}
+
+void AccountWork(std::string_view name, const comm::Work& work, CommStats* stats, Traffic traffic,
+                 double bytes, double issued_s, double wait_begin_s, double wait_end_s) {
+  double busy = wait_end_s - issued_s;
+  comm::Clock::time_point started, finished;
+  const bool timed = work.Times(&started, &finished);
+  if (timed) busy = Seconds(finished) - Seconds(started);
+  if (stats) {
+    stats->bytes[static_cast<int>(traffic)] += bytes;
+    stats->collectives += 1;
+    stats->comm_seconds += wait_end_s - wait_begin_s;
+    stats->busy_seconds += busy;
+    stats->traffic_comm_seconds[static_cast<int>(traffic)] += wait_end_s - wait_begin_s;
+    stats->traffic_busy_seconds[static_cast<int>(traffic)] += busy;
+  }
+  if (Tracing()) {
+    RecordEvent(std::string(name), TraceStream::kComm, timed ? Seconds(started) : issued_s,
+                timed ? Seconds(finished) : wait_end_s,
+                {{"bytes", bytes}, {"traffic", static_cast<double>(traffic)}});
+  }
+}
 
 void AllReduceSum(comm::Communicator& c, std::span<double> values, Traffic traffic,
                   CommStats* stats) {
@@ -60,14 +90,14 @@ void AllReduceSum(comm::Communicator& c, std::span<double> values, Traffic traff
 
 void AllReduceSum(comm::Communicator& c, const Tensor& tensor, Traffic traffic, CommStats* stats) {
   const double p = c.size();
-  Timed(stats, traffic, 2.0 * (p - 1) / p * static_cast<double>(tensor.nbytes()),
+  Timed("allreduce", stats, traffic, 2.0 * (p - 1) / p * static_cast<double>(tensor.nbytes()),
         [&] { return c.AllReduce(tensor); });
 }
 
 void AllReduceSum(comm::Communicator& c, std::span<int64_t> values, Traffic traffic,
                   CommStats* stats) {
   const double p = c.size();
-  Timed(stats, traffic, 2.0 * (p - 1) / p * static_cast<double>(values.size_bytes()),
+  Timed("allreduce", stats, traffic, 2.0 * (p - 1) / p * static_cast<double>(values.size_bytes()),
         [&] { return c.AllReduce(values.data(), values.data(), values.size(), DType::kInt64); });
 }
 
@@ -76,13 +106,15 @@ void AllReduceMax(comm::Communicator& c, std::span<int64_t> values, Traffic traf
   const double p = c.size();
   comm::AllReduceOptions o;
   o.reduce_op = comm::ReduceOp::kMax;
-  Timed(stats, traffic, 2.0 * (p - 1) / p * static_cast<double>(values.size_bytes()),
+  Timed("allreduce max", stats, traffic,
+        2.0 * (p - 1) / p * static_cast<double>(values.size_bytes()),
         [&] { return c.AllReduce(values.data(), values.data(), values.size(), DType::kInt64, o); });
 }
 
 Tensor AllGather(comm::Communicator& c, const Tensor& part, Traffic traffic, CommStats* stats) {
   Tensor out = Tensor::Empty(WithRows(part, part.size(0) * c.size()), part.dtype());
-  Timed(stats, traffic, static_cast<double>(c.size() - 1) * static_cast<double>(part.nbytes()),
+  Timed("allgather", stats, traffic,
+        static_cast<double>(c.size() - 1) * static_cast<double>(part.nbytes()),
         [&] { return c.AllGather(part, out); });
   return out;
 }
@@ -90,7 +122,8 @@ Tensor AllGather(comm::Communicator& c, const Tensor& part, Traffic traffic, Com
 std::vector<int64_t> AllGather(comm::Communicator& c, std::span<const int64_t> part,
                                Traffic traffic, CommStats* stats) {
   std::vector<int64_t> out(part.size() * static_cast<size_t>(c.size()));
-  Timed(stats, traffic, static_cast<double>(c.size() - 1) * static_cast<double>(part.size_bytes()),
+  Timed("allgather", stats, traffic,
+        static_cast<double>(c.size() - 1) * static_cast<double>(part.size_bytes()),
         [&] { return c.AllGather(part.data(), out.data(), part.size(), DType::kInt64); });
   return out;
 }
@@ -100,7 +133,7 @@ Tensor ReduceScatter(comm::Communicator& c, const Tensor& input, Traffic traffic
   const int64_t p = c.size();
   SY_CHECK(input.size(0) % p == 0, "reduce-scatter of {} rows over {} ranks", input.size(0), p);
   Tensor out = Tensor::Empty(WithRows(input, input.size(0) / p), input.dtype());
-  Timed(stats, traffic,
+  Timed("reduce_scatter", stats, traffic,
         static_cast<double>(p - 1) / static_cast<double>(p) * static_cast<double>(input.nbytes()),
         [&] { return c.ReduceScatter(input, out); });
   return out;
@@ -109,7 +142,7 @@ Tensor ReduceScatter(comm::Communicator& c, const Tensor& input, Traffic traffic
 void AllToAll(comm::Communicator& c, const Tensor& input, const Tensor& output,
               const comm::AllToAllOptions& options, Traffic traffic, CommStats* stats) {
   const double p = c.size();
-  Timed(stats, traffic, (p - 1) / p * static_cast<double>(input.nbytes()),
+  Timed("alltoall", stats, traffic, (p - 1) / p * static_cast<double>(input.nbytes()),
         [&] { return c.AllToAll(input, output, options); });
 }
 
@@ -120,7 +153,7 @@ std::vector<int64_t> AllToAll(comm::Communicator& c, std::span<const int64_t> in
   SY_CHECK(input.size() % p == 0);
   std::vector<int64_t> out(input.size());
   Timed(
-      stats, traffic,
+      "alltoall", stats, traffic,
       static_cast<double>(p - 1) / static_cast<double>(p) * static_cast<double>(input.size_bytes()),
       [&] {
         return c.AllToAll(input.data(), out.data(), input.size() / p, DType::kInt64, options);
@@ -137,7 +170,7 @@ void AllToAllV(comm::Communicator& c, const Tensor& input, std::span<const int64
   for (int p = 0; p < c.size(); ++p) {
     if (p != c.rank()) sent += send_rows[static_cast<size_t>(p)];
   }
-  Timed(stats, traffic, static_cast<double>(sent * row_bytes),
+  Timed("alltoallv", stats, traffic, static_cast<double>(sent * row_bytes),
         [&] { return c.AllToAllV(input, send_rows, output, recv_rows); });
 }
 

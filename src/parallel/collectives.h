@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "switchyard/comm/communicator.h"
@@ -29,6 +30,15 @@ class ScopedTotal {
   CommStats* stats_;
   double start_;
 };
+
+// "tokens", "routing", "weights", "tensor".
+std::string_view TrafficName(Traffic traffic);
+
+// Counts a completed collective in `stats` (bytes, blocked time [wait_begin_s, wait_end_s], busy
+// time from the Work's own start and finish, else from issued_s) and records it on the comm track
+// of the current trace context as `name`.
+void AccountWork(std::string_view name, const comm::Work& work, CommStats* stats, Traffic traffic,
+                 double bytes, double issued_s, double wait_begin_s, double wait_end_s);
 
 // In place over the group.
 void AllReduceSum(comm::Communicator& c, std::span<double> values, Traffic traffic,

@@ -39,6 +39,10 @@ struct RankResult {
   int adaptive_r = 1;
   float l_aux = 0, z_loss = 0;
   double predicted_volume = 0;
+  int overlap_degree = 1, smart_group = 0;
+  std::vector<int64_t> shadowed;
+  CostModel cost;
+  std::string trace;  // MPI: this rank's serialized trace events
   Tensor y, grad_x, topk, locations, gates, combine, loads, counts;
   Tensor grad_gate;
   moe::ExpertWeights grad_experts;
@@ -50,8 +54,20 @@ Tensor VectorTensor(const std::vector<int64_t>& v) {
 
 RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
                    const moe::LayerParams& params, const Tensor& x, const Tensor& dy,
-                   const DriverOptions& o, const std::vector<int64_t>& split, int threads) {
-  ParallelMoeLayer layer(config, o.parallel, world);
+                   const DriverOptions& o, const std::vector<int64_t>& split, int threads,
+                   Tracer* tracer) {
+  ParallelOptions po = o.parallel;
+  if (o.inprocess.emulation && po.cost_model.link_gbps <= 0 &&
+      world.transport_kind() == "inprocess") {
+    const bool nodes = o.inprocess.ranks_per_node > 0 && o.inprocess.ranks_per_node < world.size();
+    const comm::LinkModel& link =
+        nodes ? o.inprocess.emulation->inter_node : o.inprocess.emulation->intra_node;
+    if (link.bandwidth_gbps > 0) {
+      po.cost_model.link_gbps = link.bandwidth_gbps;
+      po.cost_model.link_latency_us = link.latency_us;
+    }
+  }
+  ParallelMoeLayer layer(config, po, world);
   const RankCoords& c = layer.coords();
   SY_REQUIRE(static_cast<int>(split.size()) == layer.mesh().data_shards(), InvalidArgument,
              "token split: expected {} parts (the data shards of the layout), got {}",
@@ -71,6 +87,7 @@ RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
   r.report.tokens = t_num;
   const int reps = std::max(0, o.warmup) + std::max(1, o.repeat);
   for (int rep = 0; rep < reps; ++rep) {
+    if (rep == reps - 1) layer.set_tracer(tracer);
     const double t0 = internal::Now();
     ParallelOutput out = layer.Forward(p, xs, fo);
     r.report.forward = out.stats;
@@ -89,6 +106,9 @@ RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
     r.adaptive_r = out.adaptive_r;
     r.predicted_volume = out.predicted_volume;
     r.buffer_capacity = out.buffer_capacity;
+    r.overlap_degree = out.overlap_degree;
+    r.smart_group = out.smart_group;
+    r.shadowed = out.shadowed;
     if (dy.defined()) {
       ParallelGradients g = layer.Backward(p, out, dy.Slice(start, start + t_num), threads);
       r.report.backward = g.stats;
@@ -100,6 +120,8 @@ RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
     }
     if (rep >= o.warmup) r.report.step_seconds.push_back(internal::Now() - t0);
   }
+  layer.set_tracer(nullptr);
+  r.cost = layer.cost_model();
   return r;
 }
 
@@ -114,6 +136,15 @@ class Writer {
     Int(s.collectives);
     Double(s.comm_seconds);
     Double(s.total_seconds);
+    Double(s.busy_seconds);
+    for (double t : s.traffic_comm_seconds) Double(t);
+    for (double t : s.traffic_busy_seconds) Double(t);
+  }
+  void String(const std::string& text) {
+    Int(static_cast<int64_t>(text.size()));
+    const size_t at = words_.size();
+    words_.resize(at + (text.size() + 7) / 8, 0);
+    if (!text.empty()) std::memcpy(words_.data() + at, text.data(), text.size());
   }
   void Put(const Tensor& t) {
     Int(t.defined() ? 1 : 0);
@@ -146,7 +177,19 @@ class Reader {
     s.collectives = static_cast<int>(Int());
     s.comm_seconds = Double();
     s.total_seconds = Double();
+    s.busy_seconds = Double();
+    for (double& t : s.traffic_comm_seconds) t = Double();
+    for (double& t : s.traffic_busy_seconds) t = Double();
     return s;
+  }
+  std::string String() {
+    const auto size = static_cast<size_t>(Int());
+    const size_t words = (size + 7) / 8;
+    SY_CHECK(at_ + words <= w_.size(), "truncated rank result");
+    std::string text(size, '\0');
+    if (size > 0) std::memcpy(text.data(), w_.data() + at_, size);
+    at_ += words;
+    return text;
   }
   Tensor Get() {
     if (Int() == 0) return Tensor();
@@ -186,6 +229,14 @@ std::vector<int64_t> Serialize(const RankResult& r) {
   w.Double(r.l_aux);
   w.Double(r.z_loss);
   w.Double(r.predicted_volume);
+  w.Int(r.overlap_degree);
+  w.Int(r.smart_group);
+  w.Int(static_cast<int64_t>(r.shadowed.size()));
+  for (int64_t e : r.shadowed) w.Int(e);
+  w.Double(r.cost.link_gbps);
+  w.Double(r.cost.link_latency_us);
+  w.Double(r.cost.gemm_gflops);
+  w.String(r.trace);
   for (const Tensor* t :
        {&r.y, &r.grad_x, &r.topk, &r.locations, &r.gates, &r.combine, &r.loads, &r.counts,
         &r.grad_gate, &r.grad_experts.fc1_weight, &r.grad_experts.fc1_bias,
@@ -216,6 +267,14 @@ RankResult Deserialize(std::span<const int64_t> words) {
   r.l_aux = static_cast<float>(rd.Double());
   r.z_loss = static_cast<float>(rd.Double());
   r.predicted_volume = rd.Double();
+  r.overlap_degree = static_cast<int>(rd.Int());
+  r.smart_group = static_cast<int>(rd.Int());
+  r.shadowed.resize(static_cast<size_t>(rd.Int()));
+  for (int64_t& e : r.shadowed) e = rd.Int();
+  r.cost.link_gbps = rd.Double();
+  r.cost.link_latency_us = rd.Double();
+  r.cost.gemm_gflops = rd.Double();
+  r.trace = rd.String();
   for (Tensor* t :
        {&r.y, &r.grad_x, &r.topk, &r.locations, &r.gates, &r.combine, &r.loads, &r.counts,
         &r.grad_gate, &r.grad_experts.fc1_weight, &r.grad_experts.fc1_bias,
@@ -303,6 +362,10 @@ LayerRunResult Assemble(const moe::LayerConfig& config, const Mesh& mesh,
   res.adaptive_r = first.adaptive_r;
   res.predicted_volume = first.predicted_volume;
   res.buffer_capacity = first.buffer_capacity;
+  res.overlap_degree = first.overlap_degree;
+  res.smart_group = first.smart_group;
+  res.shadowed = first.shadowed;
+  res.cost_model = ranks[0].cost;
   // The global scope's losses are the whole batch's (equal on every rank); per rank: the mean.
   o.l_aux = scope == BatchScope::kGlobal ? first.l_aux : static_cast<float>(l_aux / shards);
   o.z_loss = scope == BatchScope::kGlobal ? first.z_loss : static_cast<float>(z / shards);
@@ -353,8 +416,16 @@ LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerP
                world->size());
     const int threads = o.threads > 0 ? o.threads : ComputeThreadsPerRank(1, UsableCores());
     kernels::SetBlasThreads(threads);
-    RankResult mine = RunRank(*world, config, params, x, dy, o, split, threads);
+    // Each process records into its own tracer; rank 0 merges the others' events.
+    Tracer local;
+    RankResult mine = RunRank(*world, config, params, x, dy, o, split, threads,
+                              o.tracer != nullptr ? &local : nullptr);
+    if (o.tracer != nullptr && world->rank() != 0) mine.trace = local.Serialize();
     std::vector<RankResult> all = GatherResults(*world, mine);
+    if (o.tracer != nullptr && world->rank() == 0) {
+      o.tracer->Merge(local.Serialize());
+      for (const RankResult& r : all) o.tracer->Merge(r.trace);
+    }
     if (world->rank() != 0) {
       LayerRunResult res;
       res.is_root = false;
@@ -371,7 +442,7 @@ LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerP
       w,
       [&](comm::Communicator& world) {
         results[static_cast<size_t>(world.rank())] =
-            RunRank(world, config, params, x, dy, o, split, threads);
+            RunRank(world, config, params, x, dy, o, split, threads, o.tracer);
       },
       o.inprocess);
   return Assemble(config, mesh, results, o.parallel.batch_scope, dy.defined());

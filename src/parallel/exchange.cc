@@ -1,9 +1,12 @@
 #include "parallel/exchange.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 
 #include "parallel/collectives.h"
+#include "parallel/trace_context.h"
 #include "switchyard/core/error.h"
 
 namespace switchyard::parallel::internal {
@@ -28,14 +31,40 @@ void AddRows(const float* src, float* dst, int64_t rows, int64_t cols) {
 
 }  // namespace
 
+struct TokenExchange::Phase {
+  struct Copy {
+    int64_t row;       // source buffer row (source side) or phase row (expert side)
+    int64_t wire_row;  // row in the packed-by-peer wire buffer
+    int64_t rows;
+  };
+  bool local_only = false;                    // only traffic to itself: no collective
+  bool uniform = false;                       // fixed blocks to every peer: one all-to-all
+  std::vector<int64_t> send_wire, recv_wire;  // [P] wire rows per peer (source -> experts)
+  int64_t send_total = 0, recv_total = 0;
+  std::vector<Copy> out;  // source buffer -> send wire
+  std::vector<Copy> in;   // receive wire -> phase rows
+  moe::ExpertGroups groups;
+};
+
+struct TokenExchange::Flight {
+  int k = 0;
+  Tensor send, recv;
+  comm::Work work;
+  double issued = 0;
+  double bytes = 0;
+};
+
 TokenExchange::TokenExchange(comm::Communicator& group, const ExchangeSpec& spec,
                              const moe::DispatchPlan& plan, CommStats* stats)
     : group_(group), spec_(spec), num_rows_(plan.num_rows) {
-  const int p_num = group.size(), n = spec.shards, r = spec.r;
+  const int p_num = group.size(), n = spec.shards, r = spec.r, me = group.rank();
   const int64_t el = spec.local_experts;
+  const int d_num = spec.overlap_degree;
   SY_CHECK(r >= 1 && n % r == 0 && p_num % n == 0);
+  SY_CHECK(d_num >= 1);
   SY_CHECK(static_cast<int64_t>(p_num / n) * el == plan.num_experts, "{} positions x {} experts",
            p_num / n, el);
+  SY_CHECK(spec.skip.empty() || static_cast<int64_t>(spec.skip.size()) == plan.num_experts);
   const int g = n / r;
   const int64_t slices = static_cast<int64_t>(spec.tp_shares) * g;
   if (spec.fixed) {
@@ -43,12 +72,13 @@ TokenExchange::TokenExchange(comm::Communicator& group, const ExchangeSpec& spec
     for (int64_t e = 0; e < plan.num_experts; ++e) {
       SY_CHECK(Extent(plan, e) == extent, "fixed-capacity buffer with uneven extents");
     }
-    SY_CHECK(extent % slices == 0, "capacity {} not a multiple of {} slices", extent, slices);
+    SY_CHECK(extent % (slices * d_num) == 0, "capacity {} not a multiple of {} slices x {} chunks",
+             extent, slices, d_num);
     block_ = extent / slices;
   }
+  auto skipped = [&](int64_t e) { return !spec.skip.empty() && spec.skip[static_cast<size_t>(e)]; };
   send_.resize(static_cast<size_t>(p_num * el));
   std::vector<int64_t> send_counts(send_.size());
-  send_rows_.assign(static_cast<size_t>(p_num), 0);
   for (int p = 0; p < p_num; ++p) {
     const int q = p / n, i = p % n, sigma = i % g;
     const int64_t s = static_cast<int64_t>(spec.tp_share) * g + sigma;
@@ -57,117 +87,227 @@ TokenExchange::TokenExchange(comm::Communicator& group, const ExchangeSpec& spec
       const int64_t lo = SliceBegin(s, slices, extent), hi = SliceBegin(s + 1, slices, extent);
       Piece& piece = send_[static_cast<size_t>(p * el + le)];
       piece.begin = plan.offsets[static_cast<size_t>(e)] + lo;
-      piece.rows = KeptIn(plan, e, lo, hi);
+      piece.rows = skipped(e) ? 0 : KeptIn(plan, e, lo, hi);
       send_counts[static_cast<size_t>(p * el + le)] = piece.rows;
-      send_rows_[static_cast<size_t>(p)] += piece.rows;
     }
   }
   recv_counts_ = AllToAll(group, send_counts, Traffic::kRouting, stats, spec.options);
-  recv_rows_.assign(static_cast<size_t>(p_num), 0);
-  groups_.begin.assign(static_cast<size_t>(el), 0);
-  groups_.rows.assign(static_cast<size_t>(el), 0);
-  for (int d = 0; d < p_num; ++d) {
+
+  // The phases.
+  const int gs = spec.smart_group > 0 ? spec.smart_group : p_num;
+  SY_CHECK(p_num % gs == 0, "smart schedule group {} does not divide {} ranks", gs, p_num);
+  const int steps = p_num / gs, mine = me / gs;
+  const int64_t cb = block_ / d_num;  // fixed: block rows per chunk
+  // Rows [lo, lo + count) of a piece with `rows` kept rows in chunk c.
+  auto chunk = [&](int64_t rows, int c, int64_t* count) {
+    if (spec.fixed) {
+      const int64_t lo = c * cb;
+      *count = std::clamp<int64_t>(rows - lo, 0, cb);
+      return lo;
+    }
+    const int64_t lo = c * rows / d_num;
+    *count = (c + 1) * rows / d_num - lo;
+    return lo;
+  };
+  const int my_position = me / n;
+  int64_t my_kept_experts = 0;
+  for (int64_t le = 0; le < el; ++le) my_kept_experts += skipped(my_position * el + le) ? 0 : 1;
+  bool any_skip = false;
+  for (int64_t e = 0; e < plan.num_experts; ++e) any_skip |= skipped(e);
+  phases_.resize(static_cast<size_t>(steps * d_num));
+  for (int k = 0; k < steps * d_num; ++k) {
+    const int step = k / d_num, c = k % d_num;
+    Phase& ph = phases_[static_cast<size_t>(k)];
+    ph.local_only = p_num == 1 || (spec.smart_group == 1 && step == 0);
+    ph.uniform = spec.fixed && steps == 1 && !any_skip && !ph.local_only;
+    ph.send_wire.assign(static_cast<size_t>(p_num), 0);
+    ph.recv_wire.assign(static_cast<size_t>(p_num), 0);
+    const int to_group = (mine + step) % steps, from_group = (mine - step + steps) % steps;
+    int64_t wire = 0;
+    for (int p = 0; p < p_num; ++p) {
+      if (p / gs != to_group) continue;
+      const int q = p / n;
+      const int64_t begin = wire;
+      for (int64_t le = 0; le < el; ++le) {
+        if (skipped(q * el + le)) continue;
+        const Piece& piece = send_[static_cast<size_t>(p * el + le)];
+        int64_t count = 0;
+        const int64_t lo = chunk(piece.rows, c, &count);
+        if (count > 0) ph.out.push_back({piece.begin + lo, wire, count});
+        wire += spec.fixed ? cb : count;
+      }
+      ph.send_wire[static_cast<size_t>(p)] = wire - begin;
+    }
+    ph.send_total = wire;
+    // Expert side: wire packed by source (then local expert); phase rows by local expert, then
+    // source.
+    std::vector<int64_t> wire_at(static_cast<size_t>(p_num * el), -1), count_at(wire_at.size(), 0);
+    wire = 0;
+    for (int d = 0; d < p_num; ++d) {
+      if (d / gs != from_group) continue;
+      const int64_t begin = wire;
+      for (int64_t le = 0; le < el; ++le) {
+        if (skipped(my_position * el + le)) continue;
+        int64_t count = 0;
+        chunk(recv_counts_[static_cast<size_t>(d * el + le)], c, &count);
+        wire_at[static_cast<size_t>(d * el + le)] = wire;
+        count_at[static_cast<size_t>(d * el + le)] = count;
+        wire += spec.fixed ? cb : count;
+      }
+      ph.recv_wire[static_cast<size_t>(d)] = wire - begin;
+    }
+    SY_CHECK(!spec.fixed || wire == static_cast<int64_t>(gs) * my_kept_experts * cb);
+    ph.recv_total = wire;
+    ph.groups.begin.assign(static_cast<size_t>(el), 0);
+    ph.groups.rows.assign(static_cast<size_t>(el), 0);
+    int64_t row = 0;
     for (int64_t le = 0; le < el; ++le) {
-      const int64_t c = recv_counts_[static_cast<size_t>(d * el + le)];
-      recv_rows_[static_cast<size_t>(d)] += c;
-      groups_.rows[static_cast<size_t>(le)] += c;
+      ph.groups.begin[static_cast<size_t>(le)] = row;
+      for (int d = 0; d < p_num; ++d) {
+        const size_t b = static_cast<size_t>(d * el + le);
+        if (wire_at[b] < 0 || count_at[b] == 0) continue;
+        ph.in.push_back({row, wire_at[b], count_at[b]});
+        row += count_at[b];
+      }
+      ph.groups.rows[static_cast<size_t>(le)] = row - ph.groups.begin[static_cast<size_t>(le)];
     }
   }
-  for (int64_t le = 1; le < el; ++le) {
-    groups_.begin[static_cast<size_t>(le)] =
-        groups_.begin[static_cast<size_t>(le) - 1] + groups_.rows[static_cast<size_t>(le) - 1];
-  }
-  recv_total_ = groups_.total_rows();
 }
 
-Tensor TokenExchange::ToExperts(const Tensor& buffer, CommStats* stats) const {
-  const int p_num = group_.size();
-  const int64_t el = spec_.local_experts, m = buffer.size(1);
+TokenExchange::~TokenExchange() = default;
+
+int TokenExchange::phases() const { return static_cast<int>(phases_.size()); }
+
+const moe::ExpertGroups& TokenExchange::phase_groups(int k) const {
+  return phases_[static_cast<size_t>(k)].groups;
+}
+
+namespace {
+
+// Bytes this rank puts on the wire for a packed-by-peer transfer of `rows` per peer.
+double WireBytes(const std::vector<int64_t>& rows, int self, int64_t row_bytes) {
+  int64_t sent = 0;
+  for (size_t p = 0; p < rows.size(); ++p) {
+    if (static_cast<int>(p) != self) sent += rows[p];
+  }
+  return static_cast<double>(sent * row_bytes);
+}
+
+}  // namespace
+
+TokenExchange::Flight TokenExchange::Send(int k, const Tensor& buffer) const {
+  const Phase& ph = phases_[static_cast<size_t>(k)];
+  const int64_t m = buffer.size(1);
   SY_CHECK(buffer.size(0) == num_rows_);
+  Flight f;
+  f.k = k;
+  f.issued = Now();
+  f.send = spec_.fixed ? Tensor::Zeros({ph.send_total, m}) : Tensor::Empty({ph.send_total, m});
   const float* src = buffer.data<float>();
-  Tensor out = Tensor::Empty({recv_total_, m});
-  float* dst = out.data<float>();
-  // Where (source d, local expert le) lands in `out`: [le][d] order.
-  std::vector<int64_t> at(static_cast<size_t>(p_num * el));
-  for (int64_t le = 0, row = 0; le < el; ++le) {
-    for (int d = 0; d < p_num; ++d) {
-      at[static_cast<size_t>(d * el + le)] = row;
-      row += recv_counts_[static_cast<size_t>(d * el + le)];
-    }
+  float* wire = f.send.data<float>();
+  for (const Phase::Copy& cp : ph.out)
+    CopyRows(src + cp.row * m, wire + cp.wire_row * m, cp.rows, m);
+  if (ph.local_only) {
+    f.recv = f.send;
+    return f;
   }
-  if (spec_.fixed) {
-    Tensor send = Tensor::Zeros({p_num * el * block_, m});
-    for (size_t b = 0; b < send_.size(); ++b) {
-      CopyRows(src + send_[b].begin * m, send.data<float>() + static_cast<int64_t>(b) * block_ * m,
-               send_[b].rows, m);
-    }
-    Tensor recv = Tensor::Empty({p_num * el * block_, m});
-    AllToAll(group_, send, recv, spec_.options, Traffic::kTokens, stats);
-    for (size_t b = 0; b < at.size(); ++b) {
-      CopyRows(recv.data<float>() + static_cast<int64_t>(b) * block_ * m, dst + at[b] * m,
-               recv_counts_[b], m);
-    }
-    return out;
+  f.recv = Tensor::Empty({ph.recv_total, m});
+  const int64_t row_bytes = m * static_cast<int64_t>(sizeof(float));
+  f.bytes = WireBytes(ph.send_wire, group_.rank(), row_bytes);
+  if (ph.uniform) {
+    f.work = group_.AllToAll(f.send, f.recv, spec_.options);
+  } else {
+    f.work = group_.AllToAllV(f.send, ph.send_wire, f.recv, ph.recv_wire);
   }
-  int64_t total = 0;
-  for (int64_t v : send_rows_) total += v;
-  Tensor send = Tensor::Empty({total, m});
-  for (size_t b = 0, row = 0; b < send_.size(); ++b) {
-    CopyRows(src + send_[b].begin * m, send.data<float>() + static_cast<int64_t>(row) * m,
-             send_[b].rows, m);
-    row += static_cast<size_t>(send_[b].rows);
-  }
-  Tensor recv = Tensor::Empty({recv_total_, m});
-  AllToAllV(group_, send, send_rows_, recv, recv_rows_, Traffic::kTokens, stats);
-  for (size_t b = 0, row = 0; b < at.size(); ++b) {
-    CopyRows(recv.data<float>() + static_cast<int64_t>(row) * m, dst + at[b] * m, recv_counts_[b],
-             m);
-    row += static_cast<size_t>(recv_counts_[b]);
-  }
-  return out;
+  return f;
 }
 
-Tensor TokenExchange::FromExperts(const Tensor& rows, CommStats* stats) const {
-  const int p_num = group_.size();
-  const int64_t el = spec_.local_experts, m = rows.size(1);
-  SY_CHECK(rows.size(0) == recv_total_);
-  std::vector<int64_t> at(static_cast<size_t>(p_num * el));
-  for (int64_t le = 0, row = 0; le < el; ++le) {
-    for (int d = 0; d < p_num; ++d) {
-      at[static_cast<size_t>(d * el + le)] = row;
-      row += recv_counts_[static_cast<size_t>(d * el + le)];
-    }
+Tensor TokenExchange::ReceiveAtExperts(Flight& f, CommStats* stats) const {
+  const Phase& ph = phases_[static_cast<size_t>(f.k)];
+  const int64_t m = f.recv.size(1);
+  const double t0 = Now();
+  f.work.Wait();
+  if (!ph.local_only) {
+    AccountWork(fmt::format("send c{}", f.k), f.work, stats, Traffic::kTokens, f.bytes, f.issued,
+                t0, Now());
   }
+  Tensor rows = Tensor::Empty({ph.groups.total_rows(), m});
+  const float* wire = f.recv.data<float>();
+  float* dst = rows.data<float>();
+  for (const Phase::Copy& cp : ph.in)
+    CopyRows(wire + cp.wire_row * m, dst + cp.row * m, cp.rows, m);
+  f.send = Tensor();
+  f.recv = Tensor();
+  return rows;
+}
+
+TokenExchange::Flight TokenExchange::Return(int k, const Tensor& rows) const {
+  const Phase& ph = phases_[static_cast<size_t>(k)];
+  const int64_t m = rows.size(1);
+  SY_CHECK(rows.size(0) == ph.groups.total_rows());
+  Flight f;
+  f.k = k;
+  f.issued = Now();
+  f.send = spec_.fixed ? Tensor::Zeros({ph.recv_total, m}) : Tensor::Empty({ph.recv_total, m});
   const float* src = rows.data<float>();
-  Tensor back;  // what came back, in the layout of what was sent
-  if (spec_.fixed) {
-    Tensor send = Tensor::Zeros({p_num * el * block_, m});
-    for (size_t b = 0; b < at.size(); ++b) {
-      CopyRows(src + at[b] * m, send.data<float>() + static_cast<int64_t>(b) * block_ * m,
-               recv_counts_[b], m);
-    }
-    back = Tensor::Empty({p_num * el * block_, m});
-    AllToAll(group_, send, back, spec_.options, Traffic::kTokens, stats);
+  float* wire = f.send.data<float>();
+  for (const Phase::Copy& cp : ph.in)
+    CopyRows(src + cp.row * m, wire + cp.wire_row * m, cp.rows, m);
+  if (ph.local_only) {
+    f.recv = f.send;
+    return f;
+  }
+  f.recv = Tensor::Empty({ph.send_total, m});
+  const int64_t row_bytes = m * static_cast<int64_t>(sizeof(float));
+  f.bytes = WireBytes(ph.recv_wire, group_.rank(), row_bytes);
+  if (ph.uniform) {
+    f.work = group_.AllToAll(f.send, f.recv, spec_.options);
   } else {
-    Tensor send = Tensor::Empty({recv_total_, m});
-    for (size_t b = 0, row = 0; b < at.size(); ++b) {
-      CopyRows(src + at[b] * m, send.data<float>() + static_cast<int64_t>(row) * m, recv_counts_[b],
-               m);
-      row += static_cast<size_t>(recv_counts_[b]);
-    }
-    int64_t total = 0;
-    for (int64_t v : send_rows_) total += v;
-    back = Tensor::Empty({total, m});
-    AllToAllV(group_, send, recv_rows_, back, send_rows_, Traffic::kTokens, stats);
+    f.work = group_.AllToAllV(f.send, ph.recv_wire, f.recv, ph.send_wire);
   }
-  Tensor out = Tensor::Zeros({num_rows_, m});
+  return f;
+}
+
+void TokenExchange::ReceiveAtSource(Flight& f, const Tensor& out, CommStats* stats) const {
+  const Phase& ph = phases_[static_cast<size_t>(f.k)];
+  const int64_t m = out.size(1);
+  const double t0 = Now();
+  f.work.Wait();
+  if (!ph.local_only) {
+    AccountWork(fmt::format("return c{}", f.k), f.work, stats, Traffic::kTokens, f.bytes, f.issued,
+                t0, Now());
+  }
+  const float* wire = f.recv.data<float>();
   float* dst = out.data<float>();
-  const float* bp = back.data<float>();
-  for (size_t b = 0, row = 0; b < send_.size(); ++b) {
-    const int64_t from = spec_.fixed ? static_cast<int64_t>(b) * block_ : static_cast<int64_t>(row);
-    AddRows(bp + from * m, dst + send_[b].begin * m, send_[b].rows, m);
-    row += static_cast<size_t>(send_[b].rows);
+  for (const Phase::Copy& cp : ph.out)
+    AddRows(wire + cp.wire_row * m, dst + cp.row * m, cp.rows, m);
+  f.send = Tensor();
+  f.recv = Tensor();
+}
+
+Tensor TokenExchange::Pipeline(const Tensor& buffer, const PhaseFn& compute,
+                               const std::function<void()>& local_work, CommStats* stats) const {
+  const int k_num = phases();
+  const int64_t m = buffer.size(1);
+  Tensor out = Tensor::Zeros({num_rows_, m});
+  std::vector<Flight> to(static_cast<size_t>(k_num)), back(static_cast<size_t>(k_num));
+  to[0] = Send(0, buffer);
+  if (k_num > 1) to[1] = Send(1, buffer);
+  if (local_work) local_work();
+  for (int k = 0; k < k_num; ++k) {
+    if (k >= 1 && k + 1 < k_num) to[static_cast<size_t>(k) + 1] = Send(k + 1, buffer);
+    Tensor rows = ReceiveAtExperts(to[static_cast<size_t>(k)], stats);
+    Tensor result;
+    {
+      TraceSpan span(Tracing() ? fmt::format("experts c{}", k) : std::string());
+      span.Arg("chunk", k);
+      span.Arg("rows", static_cast<double>(rows.size(0)));
+      result = compute(k, rows);
+    }
+    back[static_cast<size_t>(k)] = Return(k, result);
+    if (k >= 1) ReceiveAtSource(back[static_cast<size_t>(k) - 1], out, stats);
   }
+  ReceiveAtSource(back[static_cast<size_t>(k_num) - 1], out, stats);
   return out;
 }
 

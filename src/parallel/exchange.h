@@ -1,22 +1,35 @@
 // Token exchange between the ranks of an expert group for the all-to-all dispatchers (fixed
-// capacity and variable size), with Tutel's adaptive r and DeepSpeed's TP de-duplication.
-// Private to src/parallel.
+// capacity and variable size), with Tutel's adaptive r, DeepSpeed's TP de-duplication, Tutel's
+// a2a-FFN overlap, FasterMoE's pair-wise smart schedule and shadowed experts. Private to
+// src/parallel.
 //
-// The source's expert buffer (a DispatchPlan layout: expert e owns rows [offsets[e],
+// Slices. The source's expert buffer (a DispatchPlan layout: expert e owns rows [offsets[e],
 // offsets[e + 1]), its kept rows first) is cut, per expert, into S = t * g equal slices of its
 // extent: slice s = [floor(s R / S), floor((s + 1) R / S)). TP rank u of t (t = 1 without
 // de-duplication) sends only slices u * g .. u * g + g - 1. Expert-group member (q, i) with
 // j = i / g and sigma = i % g receives slice u * g + sigma of the experts of position q, and
 // computes them with H-part j (r = n / g copies of every row travel, one per part; their partial
-// outputs are added on return).
+// outputs are added on return). The rows of one slice for one (peer, local expert) are a "piece".
 //
-// Wire format: fixed capacity (kAllToAll) sends blocks of R / S rows per (peer, expert), zero
-// padded, through one all-to-all (flat or 2DH); variable size (kAllToAllV) sends only the kept rows
-// through an all-to-all-v. Both first exchange the per-(peer, expert) row counts, so that experts
-// are computed on kept rows only.
+// Phases. The transfer is cut into K = steps x D phases, run as a pipeline (Pipeline below):
+//   D (overlap degree, Tutel)  every piece is cut into D chunks: fixed capacity cuts the block of
+//       B rows into D sub-blocks of B / D slots (chunk i = slots [i B / D, (i + 1) B / D)),
+//       variable size cuts the piece's R kept rows into [i R / D, (i + 1) R / D).
+//   steps (smart schedule, FasterMoE)  with group size g' the P members form P / g' groups of g'
+//       consecutive members; at step s a member sends only to the members of group (own + s) and
+//       receives only from group (own - s) (mod P / g'). Without it: one step with every peer.
+// Phase k = (step k / D, chunk k % D).
+//
+// Wire format per phase: fixed capacity sends zero-padded blocks of B / D rows per (peer, local
+// expert) through one all-to-all (flat or 2DH) when every peer takes part and no expert is
+// skipped, else through an all-to-all-v of those blocks; variable size sends exactly the kept
+// rows through an all-to-all-v. A phase whose only traffic is to the rank itself (smart step 0
+// with g' = 1) is a local copy. The per-(peer, expert) row counts are exchanged once, at
+// construction, so that experts are computed on kept rows only.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "switchyard/comm/communicator.h"
@@ -34,7 +47,10 @@ struct ExchangeSpec {
   int tp_shares = 1;              // t (1 without de-duplication)
   int tp_share = 0;               // u
   bool fixed = true;              // kAllToAll (padded blocks) vs kAllToAllV
-  comm::AllToAllOptions options;  // flat or hierarchical
+  comm::AllToAllOptions options;  // flat or hierarchical (fixed capacity, every peer in a phase)
+  int overlap_degree = 1;         // D; fixed capacity: must divide the block rows
+  int smart_group = 0;            // g' > 0: pair-wise steps over groups of g' members; 0: none
+  std::vector<char> skip;         // [E] or empty: experts whose rows are not sent (shadowed)
 };
 
 // Slice s of S of an expert's extent R: rows [SliceBegin(s), SliceBegin(s + 1)).
@@ -43,28 +59,42 @@ inline int64_t SliceBegin(int64_t s, int64_t slices, int64_t extent) { return s 
 class TokenExchange {
  public:
   // Exchanges the row counts (collective over `group`, the expert group). The plan's buffer must
-  // be fixed-stride (plan.offsets evenly spaced by a multiple of S) when spec.fixed.
+  // be fixed-stride (plan.offsets evenly spaced by a multiple of S * D) when spec.fixed.
   TokenExchange(comm::Communicator& group, const ExchangeSpec& spec, const moe::DispatchPlan& plan,
                 CommStats* stats);
+  ~TokenExchange();
 
-  // Source buffer [plan.num_rows, M] -> this rank's expert rows [expert_rows(), M], ordered by
-  // local expert, then source rank. Collective.
-  Tensor ToExperts(const Tensor& buffer, CommStats* stats) const;
-  // Expert rows [expert_rows(), M] -> source buffer [plan.num_rows, M]: the r copies of a row
-  // added, rows of other tp shares and padding zero. Collective.
-  Tensor FromExperts(const Tensor& rows, CommStats* stats) const;
-
-  int64_t expert_rows() const { return recv_total_; }
-  // One group per local expert.
-  const moe::ExpertGroups& groups() const { return groups_; }
-  // Rows per (peer, expert) block on the wire (fixed capacity).
+  int phases() const;
+  // Rows this rank computes in phase k, ordered by local expert, then source rank; one group per
+  // local expert.
+  const moe::ExpertGroups& phase_groups(int k) const;
+  // Rows per (peer, expert) block on the wire (fixed capacity, all phases of a piece together).
   int64_t block_rows() const { return block_; }
+
+  // Computes phase k's rows [phase_groups(k).total_rows(), M] -> outputs of the same shape.
+  using PhaseFn = std::function<Tensor(int k, const Tensor& rows)>;
+
+  // The pipeline (Tutel's schedule; FasterMoE's S -> C -> R): the transfer of phase k + 1 to the
+  // experts and the return of phase k - 1 are in flight while phase k computes. Issue order, the
+  // same on every rank: S0, S1, [local_work], C0, R0, S2, C1, R1, S3, ... Returns the outputs in
+  // the source buffer layout [plan.num_rows, M]: the r copies of a row added, rows of other tp
+  // shares, skipped experts and padding zero. `local_work` (may be empty) runs once while the
+  // first transfers travel. Trace events: "send cK", "experts cK", "return cK". Collective.
+  Tensor Pipeline(const Tensor& buffer, const PhaseFn& compute,
+                  const std::function<void()>& local_work, CommStats* stats) const;
 
  private:
   struct Piece {        // rows of the source buffer sent to one (peer, local expert)
     int64_t begin = 0;  // first buffer row
     int64_t rows = 0;   // kept rows in the slice
   };
+  struct Phase;   // wire layout of one phase (exchange.cc)
+  struct Flight;  // one transfer in flight
+
+  Flight Send(int k, const Tensor& source_buffer) const;
+  Tensor ReceiveAtExperts(Flight& f, CommStats* stats) const;
+  Flight Return(int k, const Tensor& rows) const;
+  void ReceiveAtSource(Flight& f, const Tensor& out, CommStats* stats) const;
 
   comm::Communicator& group_;
   ExchangeSpec spec_;
@@ -72,9 +102,7 @@ class TokenExchange {
   int64_t block_ = 0;                 // fixed: rows per (peer, expert) block
   std::vector<Piece> send_;           // [P, E_l]
   std::vector<int64_t> recv_counts_;  // [P, E_l] rows received from each source per expert
-  std::vector<int64_t> send_rows_, recv_rows_;  // [P] variable: rows per peer
-  int64_t recv_total_ = 0;
-  moe::ExpertGroups groups_;
+  std::vector<Phase> phases_;
 };
 
 // DeepSpeed's TP de-duplication: fills the rows of `buffer` (a plan layout) that belong to the

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <functional>
 #include <limits>
 
 #include "parallel/allgather_dispatch.h"
@@ -11,6 +12,8 @@
 #include "parallel/exchange.h"
 #include "parallel/expert_weights.h"
 #include "parallel/routing.h"
+#include "parallel/shadow.h"
+#include "parallel/trace_context.h"
 #include "switchyard/core/error.h"
 #include "switchyard/moe/dispatch.h"
 #include "switchyard/moe/gate.h"
@@ -87,9 +90,12 @@ struct ParallelState {
   bool has_batch_sums = false;
   moe::GateLossSums batch_sums;
   int r = 1;
-  moe::ExpertWeights weights;  // the weights computed with (gathered)
-  moe::ExpertActivations acts;
-  Tensor expert_out;  // rows computed by this rank (kExchange, kAllGather)
+  moe::ExpertWeights weights;                      // the weights computed with (gathered)
+  moe::ExpertActivations acts;                     // kLocal, kAllGather
+  std::vector<moe::ExpertActivations> phase_acts;  // kExchange: per pipeline phase
+  moe::ExpertActivations shadow_acts;              // kExchange with shadowed experts
+  std::shared_ptr<internal::ShadowExperts> shadow;
+  Tensor expert_out;  // rows computed by this rank (kAllGather)
   Tensor out_buf;     // expert outputs in the plan's buffer layout (kLocal, kExchange)
   std::shared_ptr<internal::TokenExchange> exchange;
   std::shared_ptr<internal::AllGatherDispatch> allgather;
@@ -111,6 +117,19 @@ void AddInto(const Tensor& dst, const Tensor& src) {
   float* d = dst.data<float>();
   const float* s = src.data<float>();
   for (int64_t i = 0; i < dst.numel(); ++i) d[i] += s[i];
+}
+
+// sum += g for every defined tensor (sum empty: takes g).
+void Accumulate(moe::ExpertWeights* sum, const moe::ExpertWeights& g) {
+  if (!sum->fc1_weight.defined()) {
+    *sum = g;
+    return;
+  }
+  AddInto(sum->fc1_weight, g.fc1_weight);
+  AddInto(sum->fc2_weight, g.fc2_weight);
+  if (g.fc1_bias.defined()) AddInto(sum->fc1_bias, g.fc1_bias);
+  if (g.fc2_bias.defined()) AddInto(sum->fc2_bias, g.fc2_bias);
+  if (g.fc3_weight.defined()) AddInto(sum->fc3_weight, g.fc3_weight);
 }
 
 }  // namespace
@@ -146,6 +165,33 @@ ParallelMoeLayer::ParallelMoeLayer(moe::LayerConfig config, ParallelOptions opti
   }
   dedup_ = options_.tp_dedup && mesh.tp_duplicates_tokens() &&
            options_.dispatch != DispatchKind::kAllGather;
+  const bool exchange = options_.dispatch != DispatchKind::kAllGather;
+  SY_REQUIRE(options_.overlap_degree >= 1, InvalidArgument, "overlap degree: expected >= 1, got {}",
+             options_.overlap_degree);
+  SY_REQUIRE(options_.overlap_degree == 1 || exchange, InvalidArgument,
+             "overlap degree {} applies to --dispatch alltoall or alltoallv, not allgather",
+             options_.overlap_degree);
+  const int g = options_.smart_group;
+  if (g != kSmartOff) {
+    SY_REQUIRE(exchange, InvalidArgument,
+               "the smart schedule applies to --dispatch alltoall or alltoallv, not allgather");
+    SY_REQUIRE(per_node == 0, InvalidArgument,
+               "the smart schedule (pair-wise steps) and the 2DH all-to-all are alternatives");
+    SY_REQUIRE(g == kSmartAuto || (g >= 1 && mesh.expert_group_size() % g == 0), InvalidArgument,
+               "smart schedule group size {}: expected 'auto' or a divisor of the expert group of "
+               "{} ranks",
+               g, mesh.expert_group_size());
+  }
+  if (options_.shadow.policy != ShadowPolicy::kNone) {
+    SY_REQUIRE(exchange && n == 1 && !dedup_, InvalidArgument,
+               "shadow experts need --dispatch alltoall or alltoallv, unsharded experts (E >= the "
+               "expert group size) and no TP de-duplication");
+    for (int64_t e : options_.shadow.experts) {
+      SY_REQUIRE(e >= 0 && e < config_.num_experts, InvalidArgument,
+                 "shadow: expert {} does not exist (expected 0 .. {})", e, config_.num_experts - 1);
+    }
+  }
+  cost_ = options_.cost_model;
   groups_ = std::make_unique<ProcessGroups>(world, mesh);
   spec_ = ShardOf(mesh, world.rank(), config_.model_dim);
 }
@@ -158,6 +204,57 @@ moe::LayerParams ParallelMoeLayer::ShardParams(const moe::LayerParams& full) con
   p.expert_bias = full.expert_bias;
   p.experts = ShardExperts(full.experts, spec_);
   return p;
+}
+
+const CostModel& ParallelMoeLayer::ResolvedCostModel(int threads) {
+  if (!cost_resolved_) {
+    if (!cost_.complete()) {
+      cost_ = MeasureCostModel(groups_->Get(GroupKind::kExpert), cost_, config_.model_dim,
+                               config_.hidden_dim, threads);
+    }
+    cost_resolved_ = true;
+  }
+  return cost_;
+}
+
+int ParallelMoeLayer::ResolveSmartGroup(const moe::DispatchPlan& plan, int threads,
+                                        CommStats* stats) {
+  if (options_.smart_group != kSmartAuto) return options_.smart_group;
+  comm::Communicator& expert = groups_->Get(GroupKind::kExpert);
+  const int p = expert.size();
+  if (p == 1) return kSmartOff;
+  int64_t kept = 0;
+  for (int64_t n : plan.counts) kept += n;
+  std::vector<int64_t> rows{kept};
+  internal::AllReduceMax(expert, rows, Traffic::kRouting, stats);
+  const CostModel& model = ResolvedCostModel(threads);
+  const double m = static_cast<double>(config_.model_dim);
+  const double bytes = static_cast<double>(rows[0]) * m * 4.0 * (p - 1) / p;
+  const double flops = static_cast<double>(rows[0]) *
+                       moe::ExpertFlops(1, config_.model_dim, config_.hidden_dim, config_.gated);
+  return ChooseSmartGroup(p, bytes, flops, model);
+}
+
+std::vector<int64_t> ParallelMoeLayer::ChooseShadows(const moe::DispatchPlan& plan, int r,
+                                                     int threads, CommStats* stats) {
+  const ShadowOptions& o = options_.shadow;
+  if (o.policy == ShadowPolicy::kNone || r != 1) return {};
+  if (o.policy == ShadowPolicy::kList) {
+    std::vector<int64_t> list = o.experts;
+    std::sort(list.begin(), list.end());
+    list.erase(std::unique(list.begin(), list.end()), list.end());
+    return list;
+  }
+  comm::Communicator& expert = groups_->Get(GroupKind::kExpert);
+  ShadowProblem pr;
+  pr.ranks = expert.size();
+  pr.num_experts = config_.num_experts;
+  pr.counts = internal::AllGather(expert, plan.counts, Traffic::kRouting, stats);
+  pr.model_dim = config_.model_dim;
+  pr.hidden_dim = config_.hidden_dim;
+  pr.gated = config_.gated;
+  pr.bias = config_.fc_bias;
+  return ChooseShadowExperts(pr, ResolvedCostModel(threads));
 }
 
 int ParallelMoeLayer::ResolveAdaptiveR(int requested, double capacity_volume) const {
@@ -179,6 +276,7 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   ParallelOutput out;
   CommStats* st = &out.stats;
   internal::ScopedTotal total(st);
+  internal::ScopedTraceContext trace(tracer_, coords().rank, "forward");
   ExpectFloating("x", x);
   ExpectShape("x", x, {kAnySize, c.model_dim});
   ExpectDType("gate.weight", params.gate_weight, DType::kFloat32);
@@ -196,8 +294,11 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   ParallelState& s = *state;
   s.x_dtype = x.dtype();
   s.x = ToFloat32(x);
-  s.gate = moe::GateForward(c, s.x, params.gate_weight, params.expert_bias,
-                            {options.global_token_offset, options.step});
+  {
+    internal::TraceSpan span("gate");
+    s.gate = moe::GateForward(c, s.x, params.gate_weight, params.expert_bias,
+                              {options.global_token_offset, options.step});
+  }
   const int64_t k = s.gate.top_k;
 
   // Losses: of the whole batch in the global scope (per-expert sums added over the token shards).
@@ -246,11 +347,15 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   const int tp_shares = dedup_ ? groups_->Get(GroupKind::kTensor).size() : 1;
   const int tp_share = dedup_ ? groups_->Get(GroupKind::kTensor).rank() : 0;
   int64_t stride = 0;
+  const int degree = s.r >= 1 ? options_.overlap_degree : 1;
   if (fixed_wire && s.r >= 1) {
-    const int64_t slices = static_cast<int64_t>(tp_shares) * (n / s.r);
+    const int64_t slices = static_cast<int64_t>(tp_shares) * (n / s.r) * degree;
     stride = (buffer_capacity + slices - 1) / slices * slices;
   }
-  s.plan = internal::LayoutPlan(dec, stride);
+  {
+    internal::TraceSpan span("plan");
+    s.plan = internal::LayoutPlan(dec, stride);
+  }
   out.adaptive_r = s.r;
   out.predicted_volume = PredictedVolume(s.r, capacity_volume, ExpertParamCount(c), c.num_experts);
   out.buffer_capacity = stride > 0 ? stride : buffer_capacity;
@@ -286,15 +391,47 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
       es.options.algorithm = comm::Algorithm::kHierarchical;
       es.options.ranks_per_node = options_.hierarchical_ranks_per_node;
     }
+    es.overlap_degree = degree;
+    es.smart_group = ResolveSmartGroup(s.plan, threads, st);
+    std::vector<int64_t> shadowed = ChooseShadows(s.plan, s.r, threads, st);
+    if (!shadowed.empty()) {
+      s.shadow = std::make_shared<internal::ShadowExperts>(expert, std::move(shadowed),
+                                                           mesh().local_experts(), s.weights);
+      es.skip = s.shadow->Mask(e_num);
+    }
     s.exchange = std::make_shared<internal::TokenExchange>(expert, es, s.plan, st);
-    Tensor buf = moe::Dispatch(s.plan, s.x, c.prescore, threads);
-    Tensor rows = s.exchange->ToExperts(buf, st);
-    s.expert_out =
-        moe::ExpertsForward(eopt, s.weights, rows, s.exchange->groups(), &s.acts, threads);
-    s.out_buf = s.exchange->FromExperts(s.expert_out, st);
+    out.overlap_degree = degree;
+    out.smart_group = es.smart_group;
+    if (s.shadow) out.shadowed = s.shadow->experts();
+    Tensor buf;
+    {
+      internal::TraceSpan span("encode");
+      buf = moe::Dispatch(s.plan, s.x, c.prescore, threads);
+    }
+    if (s.shadow) s.shadow->StartBroadcast();
+    Tensor shadow_out;
+    std::function<void()> local_work;
+    if (s.shadow) {
+      local_work = [&] {
+        s.shadow->FinishBroadcast(st);
+        internal::TraceSpan span("shadow experts");
+        shadow_out = moe::ExpertsForward(eopt, s.shadow->weights(), buf, s.shadow->Groups(s.plan),
+                                         &s.shadow_acts, threads);
+      };
+    }
+    s.phase_acts.resize(static_cast<size_t>(s.exchange->phases()));
+    s.out_buf = s.exchange->Pipeline(
+        buf,
+        [&](int phase, const Tensor& rows) {
+          return moe::ExpertsForward(eopt, s.weights, rows, s.exchange->phase_groups(phase),
+                                     &s.phase_acts[static_cast<size_t>(phase)], threads);
+        },
+        local_work, st);
+    if (shadow_out.defined()) AddInto(s.out_buf, shadow_out);
     if (dedup_) internal::GatherTpShares(groups_->Get(GroupKind::kTensor), s.plan, s.out_buf, st);
   }
   if (s.mode != ParallelState::Mode::kAllGather) {
+    internal::TraceSpan span("decode");
     y = moe::Combine(s.plan, s.out_buf, c.prescore, threads);
   }
 
@@ -321,6 +458,7 @@ ParallelGradients ParallelMoeLayer::Backward(const moe::LayerParams& params,
   ParallelGradients g;
   CommStats* st = &g.stats;
   internal::ScopedTotal total(st);
+  internal::ScopedTraceContext trace(tracer_, coords().rank, "backward");
   SY_REQUIRE(forward.state != nullptr, InvalidArgument,
              "Backward: the forward ran with save_for_backward = false");
   const ParallelState& s = *forward.state;
@@ -342,22 +480,47 @@ ParallelGradients ParallelMoeLayer::Backward(const moe::LayerParams& params,
     dx = ag.x;
     d_weights = std::move(ag.weights);
   } else {
-    moe::CombineGradients cg = moe::CombineBackward(s.plan, dy, s.out_buf, c.prescore, threads);
+    moe::CombineGradients cg;
+    {
+      internal::TraceSpan span("decode backward");
+      cg = moe::CombineBackward(s.plan, dy, s.out_buf, c.prescore, threads);
+    }
     Tensor d_in_buf;
     if (s.mode == ParallelState::Mode::kLocal) {
       eg = moe::ExpertsBackward(eopt, s.weights, s.acts, cg.expert_out, threads);
       d_in_buf = eg.input;
     } else {
-      Tensor rows = s.exchange->ToExperts(cg.expert_out, st);
-      eg = moe::ExpertsBackward(eopt, s.weights, s.acts, rows, threads);
-      d_in_buf = s.exchange->FromExperts(eg.input, st);
+      Tensor shadow_d_in;
+      std::function<void()> local_work;
+      if (s.shadow) {
+        local_work = [&] {
+          internal::TraceSpan span("shadow experts backward");
+          moe::ExpertGradients sg = moe::ExpertsBackward(eopt, s.shadow->weights(), s.shadow_acts,
+                                                         cg.expert_out, threads);
+          shadow_d_in = sg.input;
+          s.shadow->StartReduce(sg.weights);
+        };
+      }
+      d_in_buf = s.exchange->Pipeline(
+          cg.expert_out,
+          [&](int k, const Tensor& rows) {
+            moe::ExpertGradients pg = moe::ExpertsBackward(
+                eopt, s.weights, s.phase_acts[static_cast<size_t>(k)], rows, threads);
+            Accumulate(&eg.weights, pg.weights);
+            return pg.input;
+          },
+          local_work, st);
+      if (shadow_d_in.defined()) AddInto(d_in_buf, shadow_d_in);
+      if (s.shadow) s.shadow->FinishReduce(&eg.weights, st);
     }
     if (dedup_) internal::GatherTpShares(groups_->Get(GroupKind::kTensor), s.plan, d_in_buf, st);
+    internal::TraceSpan encode_span("encode backward");
     moe::DispatchGradients dg = moe::DispatchBackward(s.plan, d_in_buf, s.x, c.prescore, threads);
     dx = dg.x;
     d_weights = cg.weights;
     for (size_t i = 0; i < d_weights.size(); ++i) d_weights[i] += dg.weights[i];
   }
+  internal::TraceSpan gate_span("gate backward");
   std::vector<float> d_gates = moe::CombineWeightsBackward(c, s.gate, s.plan, d_weights);
   std::vector<float> d_scores = moe::GateValuesBackward(c, s.gate, d_gates);
   moe::GateGradients gg =
@@ -379,6 +542,7 @@ std::vector<int64_t> ParallelMoeLayer::BatchExpertLoads(const ParallelOutput& fo
 
 void ParallelMoeLayer::SyncGradients(moe::LayerParams* grads, bool mean, CommStats* stats) {
   internal::ScopedTotal total(stats);
+  internal::ScopedTraceContext trace(tracer_, coords().rank, "sync");
   comm::Communicator& tokens = groups_->Get(GroupKind::kTokens);
   comm::Communicator& holders =
       groups_->Get(dedup_ ? GroupKind::kExpertHolders : GroupKind::kExpertData);

@@ -24,6 +24,10 @@ struct CommStats {
   int collectives = 0;
   double comm_seconds = 0;   // blocked in collectives
   double total_seconds = 0;  // the whole call
+  double busy_seconds = 0;   // collectives running (hidden or not)
+  // comm_seconds and busy_seconds split by traffic.
+  double traffic_comm_seconds[static_cast<int>(Traffic::kCount)] = {};
+  double traffic_busy_seconds[static_cast<int>(Traffic::kCount)] = {};
 
   double TotalBytes() const {
     double s = 0;
@@ -32,11 +36,18 @@ struct CommStats {
   }
   double Bytes(Traffic t) const { return bytes[static_cast<int>(t)]; }
   double compute_seconds() const { return total_seconds - comm_seconds; }
+  double CommSeconds(Traffic t) const { return traffic_comm_seconds[static_cast<int>(t)]; }
+  double BusySeconds(Traffic t) const { return traffic_busy_seconds[static_cast<int>(t)]; }
   CommStats& operator+=(const CommStats& o) {
-    for (int i = 0; i < static_cast<int>(Traffic::kCount); ++i) bytes[i] += o.bytes[i];
+    for (int i = 0; i < static_cast<int>(Traffic::kCount); ++i) {
+      bytes[i] += o.bytes[i];
+      traffic_comm_seconds[i] += o.traffic_comm_seconds[i];
+      traffic_busy_seconds[i] += o.traffic_busy_seconds[i];
+    }
     collectives += o.collectives;
     comm_seconds += o.comm_seconds;
     total_seconds += o.total_seconds;
+    busy_seconds += o.busy_seconds;
     return *this;
   }
 };

@@ -20,6 +20,8 @@
 #include "switchyard/parallel/comm_stats.h"
 #include "switchyard/parallel/mesh.h"
 #include "switchyard/parallel/moe_parallel.h"
+#include "switchyard/parallel/schedule.h"
+#include "switchyard/parallel/trace.h"
 
 namespace switchyard::parallel {
 
@@ -42,7 +44,11 @@ struct DriverOptions {
   // reported).
   int warmup = 0;
   int repeat = 1;
+  // In-process ranks; with emulation set, the layer's cost model takes its link figures from it
+  // (inter-node link when there are several emulated nodes) unless parallel.cost_model has them.
   comm::InProcessOptions inprocess;
+  // Records every rank's events of the last repetition (MPI: gathered at rank 0). May be null.
+  Tracer* tracer = nullptr;
 };
 
 // What one rank did (for timing reports and tests).
@@ -67,6 +73,10 @@ struct LayerRunResult {
   int adaptive_r = 1;
   double predicted_volume = 0;
   int64_t buffer_capacity = 0;
+  int overlap_degree = 1;  // as ParallelOutput (rank 0's)
+  int smart_group = 0;
+  std::vector<int64_t> shadowed;
+  CostModel cost_model;           // rank 0's, resolved
   std::vector<RankReport> ranks;  // by world rank
 };
 

@@ -17,6 +17,21 @@
 //               reduce-scatter returns the combined partial outputs.
 // Every rank joins every collective, also with zero tokens.
 //
+// Overlap and scheduling (SPEC §4, docs/overlap.md), for the two all-to-all dispatchers, forward
+// and backward, each giving the same results as the plain path:
+//   overlap_degree D  Tutel's a2a-FFN overlap: the transfer to and from the experts is cut into D
+//                     chunks; while the experts compute chunk i, chunk i + 1 travels to them and
+//                     chunk i - 1 travels back (the comm layer's collectives run on its progress
+//                     thread while this thread computes).
+//   smart_group g     FasterMoE's smart schedule: pair-wise exchange in P / g groups of g ranks of
+//                     the expert group, step s sending to group (own + s) and receiving from group
+//                     (own - s), pipelined as above (S -> C -> R the only dependencies).
+//   shadow            FasterMoE's shadow experts: a cost model (schedule.h) picks hot experts whose
+//                     parameters are broadcast; every rank computes its own rows of them and their
+//                     gradients are reduced back to the owner. Unsharded experts only (n = 1).
+// A Tracer (trace.h) set with set_tracer records gate, encode, each chunk's send / experts /
+// return, decode and every collective with its bytes.
+//
 // Batch scope (where SPEC/issue leave the choice, docs/parallel.md):
 //   kGlobal   capacity, slot order, drops and the losses are those of the global batch (the
 //             concatenation of the ranks' tokens in token-shard order): outputs, l_aux and
@@ -44,10 +59,13 @@
 #include "switchyard/core/tensor.h"
 #include "switchyard/moe/config.h"
 #include "switchyard/moe/layer.h"
+#include "switchyard/moe/plan.h"
 #include "switchyard/parallel/comm_stats.h"
 #include "switchyard/parallel/expert_shard.h"
 #include "switchyard/parallel/mesh.h"
 #include "switchyard/parallel/process_groups.h"
+#include "switchyard/parallel/schedule.h"
+#include "switchyard/parallel/trace.h"
 
 namespace switchyard::parallel {
 
@@ -79,6 +97,17 @@ struct ParallelOptions {
   // all-gather over tp restores the rest before the combine. Applies to kAllToAll / kAllToAllV.
   bool tp_dedup = true;
   BatchScope batch_scope = BatchScope::kGlobal;
+  // Tutel's a2a-FFN overlap degree D >= 1 (kAllToAll / kAllToAllV; nothing to overlap with r = 0
+  // and kAllGather, which reject D > 1). Fixed capacity rounds the rows per expert on the wire up
+  // to a multiple of D (padding only: capacity and results do not change).
+  int overlap_degree = 1;
+  // FasterMoE's smart schedule: kSmartOff, a group size g dividing the expert group size, or
+  // kSmartAuto (g from the cost model). kAllToAll / kAllToAllV; not with 2DH.
+  int smart_group = kSmartOff;
+  // FasterMoE's shadow experts (kAllToAll / kAllToAllV, unsharded experts, no TP de-duplication).
+  ShadowOptions shadow;
+  // For kSmartAuto and shadow auto; zero fields are measured on first use (collective).
+  CostModel cost_model;
 };
 
 // SPEC §2.3's communication volume per step (elements), for r = 0 (2 P) and r >= 1
@@ -103,10 +132,13 @@ struct ParallelOutput {
   // global scope l_aux / z_loss are the whole batch's, capacity and locations the global
   // ones; expert_loads / expert_counts / dropped count this rank's (token, choice) pairs.
   moe::LayerOutput layer;
-  int adaptive_r = 1;           // r used
-  double predicted_volume = 0;  // SPEC §2.3 formula for that r (elements per step)
-  int64_t buffer_capacity = 0;  // rows per expert per source on the wire (kAllToAll)
-  CommStats stats;              // of this forward
+  int adaptive_r = 1;             // r used
+  double predicted_volume = 0;    // SPEC §2.3 formula for that r (elements per step)
+  int64_t buffer_capacity = 0;    // rows per expert per source on the wire (kAllToAll)
+  int overlap_degree = 1;         // D used
+  int smart_group = 0;            // g used (0: no smart schedule)
+  std::vector<int64_t> shadowed;  // experts shadowed in this step
+  CommStats stats;                // of this forward
   std::shared_ptr<const ParallelState> state;
 };
 
@@ -130,6 +162,12 @@ class ParallelMoeLayer {
   const RankCoords& coords() const { return groups_->coords(); }
   const ShardSpec& shard_spec() const { return spec_; }
   ProcessGroups& groups() { return *groups_; }
+
+  // Records the following calls' events into `tracer` (null: none). The tracer must outlive them.
+  void set_tracer(Tracer* tracer) { tracer_ = tracer; }
+  Tracer* tracer() const { return tracer_; }
+  // The cost model the schedules use (measured fields filled after first use).
+  const CostModel& cost_model() const { return cost_; }
 
   // This rank's parameters out of the full ones: gate (shared storage) and its expert shard.
   moe::LayerParams ShardParams(const moe::LayerParams& full) const;
@@ -160,8 +198,20 @@ class ParallelMoeLayer {
   moe::LayerConfig config_;
   ParallelOptions options_;
   std::unique_ptr<ProcessGroups> groups_;
+  // Resolves the cost model (measuring what is missing, once). Collective over the expert group.
+  const CostModel& ResolvedCostModel(int threads);
+  // The smart-schedule group size of this step (auto: from the cost model). Collective when auto.
+  int ResolveSmartGroup(const moe::DispatchPlan& plan, int threads, CommStats* stats);
+  // The experts to shadow in this step (auto: the cost model on every rank's counts).
+  // Collective when auto.
+  std::vector<int64_t> ChooseShadows(const moe::DispatchPlan& plan, int r, int threads,
+                                     CommStats* stats);
+
   ShardSpec spec_;
   bool dedup_ = false;  // TP de-duplication active
+  Tracer* tracer_ = nullptr;
+  CostModel cost_;
+  bool cost_resolved_ = false;
 };
 
 }  // namespace switchyard::parallel
