@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include "parallel/collectives.h"
 #include "parallel/trace_context.h"
@@ -297,6 +298,9 @@ Tensor TokenExchange::Pipeline(const Tensor& buffer, const PhaseFn& compute,
   for (int k = 0; k < k_num; ++k) {
     if (k >= 1 && k + 1 < k_num) to[static_cast<size_t>(k) + 1] = Send(k + 1, buffer);
     Tensor rows = ReceiveAtExperts(to[static_cast<size_t>(k)], stats);
+    // The next transfer was queued behind this one: let the progress thread start it (post its
+    // messages) before this thread computes for a while (ranks as threads share few cores).
+    if (k + 1 < k_num) std::this_thread::yield();
     Tensor result;
     {
       TraceSpan span(Tracing() ? fmt::format("experts c{}", k) : std::string());

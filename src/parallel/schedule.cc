@@ -191,18 +191,19 @@ std::vector<int64_t> ChooseShadowExperts(const ShadowProblem& pr, const CostMode
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return load[static_cast<size_t>(a)] > load[static_cast<size_t>(b)];
   });
+  // The cheapest prefix of the experts in decreasing load (a prefix, not single steps: with two
+  // hot experts on different ranks, shadowing either alone moves the bottleneck to the other).
   std::vector<char> set(static_cast<size_t>(e_num), 0);
   double best = ShadowStepSeconds(pr, set, model);
-  for (int64_t e : order) {
-    if (load[static_cast<size_t>(e)] <= 0) break;
-    set[static_cast<size_t>(e)] = 1;
+  size_t best_len = 0;
+  for (size_t j = 0; j < order.size(); ++j) {
+    if (load[static_cast<size_t>(order[j])] <= 0) break;
+    set[static_cast<size_t>(order[j])] = 1;
     const double t = ShadowStepSeconds(pr, set, model);
-    if (t < best) {
-      best = t;
-    } else {
-      set[static_cast<size_t>(e)] = 0;
-    }
+    if (t < best) best = t, best_len = j + 1;
   }
+  std::fill(set.begin(), set.end(), 0);
+  for (size_t j = 0; j < best_len; ++j) set[static_cast<size_t>(order[j])] = 1;
   std::vector<int64_t> chosen;
   for (int64_t e = 0; e < e_num; ++e) {
     if (set[static_cast<size_t>(e)]) chosen.push_back(e);

@@ -323,4 +323,93 @@ std::vector<Layout> LayoutsFor(int w, int64_t e) {
   return out;
 }
 
+std::vector<Layout> OverlapLayoutsFor(int w, int64_t e) {
+  std::vector<Layout> all;
+  using D = DispatchKind;
+  auto add = [&](std::string name, auto&& edit) {
+    ParallelOptions o;
+    o.mesh.world_size = w;
+    edit(o);
+    if (!Valid(o, e, 32)) return;
+    Mesh mesh(o.mesh, e, 32);
+    if (o.smart_group > 0 && mesh.expert_group_size() % o.smart_group != 0) return;
+    if (o.shadow.policy != ShadowPolicy::kNone &&
+        (mesh.shards() != 1 || (o.tp_dedup && mesh.tp_duplicates_tokens()))) {
+      return;
+    }
+    if (name.find("sharded") != std::string::npos && mesh.shards() == 1) return;
+    all.push_back({std::move(name), o});
+  };
+  // A cost model under which computing is slow and moving parameters cheap: shadowing the
+  // popular experts of MakeInputs' skewed gate pays.
+  CostModel compute_bound;
+  compute_bound.link_gbps = 100;
+  compute_bound.link_latency_us = 1;
+  compute_bound.gemm_gflops = 1e-3;
+  add("a2a_d2", [](ParallelOptions& o) { o.overlap_degree = 2; });
+  add("a2a_d3", [](ParallelOptions& o) { o.overlap_degree = 3; });
+  add("a2av_d2", [](ParallelOptions& o) {
+    o.dispatch = D::kAllToAllV;
+    o.overlap_degree = 2;
+  });
+  add("a2av_d4", [](ParallelOptions& o) {
+    o.dispatch = D::kAllToAllV;
+    o.overlap_degree = 4;
+  });
+  if (w >= 4) {
+    add("a2a_d2_2dh", [](ParallelOptions& o) {
+      o.overlap_degree = 2;
+      o.hierarchical_ranks_per_node = 2;
+    });
+  }
+  if (w % 2 == 0) {
+    add("a2a_d2_tp2_dedup", [](ParallelOptions& o) {
+      o.mesh.tp = 2;
+      o.overlap_degree = 2;
+    });
+    add("a2a_d2_sharded_r1", [](ParallelOptions& o) {
+      o.adaptive_r = 1;
+      o.overlap_degree = 2;
+    });
+    add("a2av_d2_sharded_r2", [](ParallelOptions& o) {
+      o.adaptive_r = 2;
+      o.dispatch = D::kAllToAllV;
+      o.overlap_degree = 2;
+    });
+  }
+  add("smart_g1", [](ParallelOptions& o) { o.smart_group = 1; });
+  add("smart_g2_a2av", [](ParallelOptions& o) {
+    o.smart_group = 2;
+    o.dispatch = D::kAllToAllV;
+  });
+  add("smart_auto", [](ParallelOptions& o) { o.smart_group = kSmartAuto; });
+  add("smart_g1_d2_a2av", [](ParallelOptions& o) {
+    o.smart_group = 1;
+    o.overlap_degree = 2;
+    o.dispatch = D::kAllToAllV;
+  });
+  add("shadow_auto", [&](ParallelOptions& o) {
+    o.shadow.policy = ShadowPolicy::kAuto;
+    o.cost_model = compute_bound;
+  });
+  add("shadow_0_a2av", [](ParallelOptions& o) {
+    o.shadow = ShadowFromString("0");
+    o.dispatch = D::kAllToAllV;
+  });
+  add("shadow_0_1_d2_smart_g1", [](ParallelOptions& o) {
+    o.shadow = ShadowFromString("1,0");
+    o.overlap_degree = 2;
+    o.smart_group = 1;
+  });
+  if (w % 2 == 0) {
+    add("shadow_auto_ep_replicas", [&](ParallelOptions& o) {
+      o.mesh.ep = w / 2;
+      o.shadow.policy = ShadowPolicy::kAuto;
+      o.cost_model = compute_bound;
+      o.overlap_degree = 2;
+    });
+  }
+  return all;
+}
+
 }  // namespace switchyard::parallel::testing

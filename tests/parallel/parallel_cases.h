@@ -57,4 +57,10 @@ struct Layout {
 // replicated (ep < W), Tutel's sharded experts with every r, Megatron's folding.
 std::vector<Layout> LayoutsFor(int world_size, int64_t num_experts);
 
+// The overlap and scheduling layouts (SPEC §4) valid for W ranks and E experts: Tutel's overlap
+// degree D for the fixed and variable all-to-all (also with 2DH, TP de-duplication and sharded
+// experts), FasterMoE's smart schedule (g = 1, 2, auto; with D = 2), shadow experts (auto with a
+// compute-bound cost model, an explicit list; with D and the smart schedule).
+std::vector<Layout> OverlapLayoutsFor(int world_size, int64_t num_experts);
+
 }  // namespace switchyard::parallel::testing

@@ -74,8 +74,9 @@ struct ShadowProblem {
 // broadcasting and reducing the parameters of every shadowed expert.
 double ShadowStepSeconds(const ShadowProblem& problem, const std::vector<char>& shadowed,
                          const CostModel& model);
-// Greedy: experts in decreasing total load, each kept in the set if it lowers ShadowStepSeconds.
-// Returns the chosen experts in increasing order.
+// The experts in decreasing total load; of the prefixes of that order (none, the hottest, the two
+// hottest, ...) the one with the lowest ShadowStepSeconds. Returns its experts in increasing
+// order.
 std::vector<int64_t> ChooseShadowExperts(const ShadowProblem& problem, const CostModel& model);
 
 }  // namespace switchyard::parallel
