@@ -22,9 +22,11 @@ inline size_t ChunkBegin(size_t n, int parts, int c) {
   return uc * base + std::min(uc, extra);
 }
 
-// Scratch memory for an algorithm: `slot` (0 or 1) of the calling thread, at least `bytes` long,
-// contents undefined. Grow-only and reused across collectives, so large collectives do not pay
-// for page faults and zero-filling on every call (threads keep their largest scratch).
+// Scratch memory for an algorithm: `slot` (0 or 1; 2 and 3 hold the float32 copies of a
+// bfloat16 reduction around the algorithm) of the calling thread, at least `bytes` long, contents
+// undefined. Grow-only and reused across collectives, so large collectives do not pay for page
+// faults and zero-filling on every call (threads keep their largest scratch).
+constexpr int kScratchSlots = 4;
 std::byte* Scratch(int slot, size_t bytes);
 
 // Byte layout of an all-to-all(-v): what goes to / comes from each peer.

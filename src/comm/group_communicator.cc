@@ -1,6 +1,7 @@
 #include "comm/group_communicator.h"
 
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <vector>
 
@@ -55,6 +56,37 @@ AllToAllLayout MakeLayout(CollectiveKind kind, int w, std::span<const int64_t> s
     recv_packed += layout.recv_bytes.back();
   }
   return layout;
+}
+
+// ---- bfloat16 reductions accumulate in float32 ----
+
+void WidenBFloat16(const void* src, float* dst, size_t n) {
+  const auto* s = static_cast<const BFloat16*>(src);
+  for (size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
+}
+
+void NarrowToBFloat16(const float* src, void* dst, size_t n) {
+  auto* d = static_cast<BFloat16*>(dst);
+  for (size_t i = 0; i < n; ++i) d[i] = BFloat16(src[i]);
+}
+
+// A reduction algorithm on (send, recv) in `dtype` (float32 when called by AccumulateInFloat32).
+using ReductionRun = std::function<void(OpContext& ctx, const void* send, void* recv, DType dtype)>;
+
+// Runs the float32 form of a bfloat16 reduction: send (send_count elements) is widened into
+// float32 scratch, `run` reduces it in float32 -- partial sums stay float32, on the wire too,
+// which doubles the bytes -- into recv32 (the same scratch if in_place, else its own), and
+// recv32 is rounded to bfloat16 into recv (recv_count elements; null = nothing to write) once.
+// A sum over W ranks is thus rounded once, not at every step of a ring.
+void AccumulateInFloat32(OpContext& ctx, const ReductionRun& run, const void* send,
+                         size_t send_count, void* recv, size_t recv_count, bool in_place) {
+  ctx.set_work_dtype(DType::kFloat32);
+  auto* send32 = reinterpret_cast<float*>(Scratch(2, send_count * sizeof(float)));
+  float* recv32 =
+      in_place ? send32 : reinterpret_cast<float*>(Scratch(3, recv_count * sizeof(float)));
+  WidenBFloat16(send, send32, send_count);
+  run(ctx, send32, recv32, DType::kFloat32);
+  if (recv != nullptr) NarrowToBFloat16(recv32, recv, recv_count);
 }
 
 }  // namespace
@@ -179,18 +211,31 @@ Work GroupCommunicator::Reduce(const void* send, void* recv, size_t count, DType
   info.user_tag = options.tag;
   int root = options.root;
   ReduceOp op = options.reduce_op;
+  ReductionRun run;
   switch (info.algorithm) {
     case Algorithm::kNative:
-      return Submit(info, options.timeout, [=, this](OpContext& ctx) {
-        transport_->native()->Reduce(send, recv, count, dtype, op, root, ctx.deadline());
-      });
+      run = [=, this](OpContext& ctx, const void* s, void* r, DType t) {
+        transport_->native()->Reduce(s, r, count, t, op, root, ctx.deadline());
+      };
+      break;
     case Algorithm::kReduceScatterGather:
-      return Submit(info, options.timeout,
-                    [=](OpContext& ctx) { ReduceScatterGather(ctx, send, recv, count, root); });
+      run = [=](OpContext& ctx, const void* s, void* r, DType) {
+        ReduceScatterGather(ctx, s, r, count, root);
+      };
+      break;
     default:
-      return Submit(info, options.timeout,
-                    [=](OpContext& ctx) { ReduceTree(ctx, send, recv, count, root); });
+      run = [=](OpContext& ctx, const void* s, void* r, DType) {
+        ReduceTree(ctx, s, r, count, root);
+      };
   }
+  if (dtype == DType::kBFloat16) {
+    // In place on the float32 copy; only the root writes recv.
+    return Submit(info, options.timeout, [=](OpContext& ctx) {
+      AccumulateInFloat32(ctx, run, send, count, ctx.rank() == root ? recv : nullptr, count,
+                          /*in_place=*/true);
+    });
+  }
+  return Submit(info, options.timeout, [=](OpContext& ctx) { run(ctx, send, recv, dtype); });
 }
 
 Work GroupCommunicator::AllReduce(const void* send, void* recv, size_t count, DType dtype,
@@ -204,18 +249,25 @@ Work GroupCommunicator::AllReduce(const void* send, void* recv, size_t count, DT
   info.has_reduce_op = true;
   info.user_tag = options.tag;
   ReduceOp op = options.reduce_op;
+  ReductionRun run;
   switch (info.algorithm) {
     case Algorithm::kNative:
-      return Submit(info, options.timeout, [=, this](OpContext& ctx) {
-        transport_->native()->AllReduce(send, recv, count, dtype, op, ctx.deadline());
-      });
+      run = [=, this](OpContext& ctx, const void* s, void* r, DType t) {
+        transport_->native()->AllReduce(s, r, count, t, op, ctx.deadline());
+      };
+      break;
     case Algorithm::kTree:
-      return Submit(info, options.timeout,
-                    [=](OpContext& ctx) { AllReduceTree(ctx, send, recv, count); });
+      run = [=](OpContext& ctx, const void* s, void* r, DType) { AllReduceTree(ctx, s, r, count); };
+      break;
     default:
-      return Submit(info, options.timeout,
-                    [=](OpContext& ctx) { AllReduceRing(ctx, send, recv, count); });
+      run = [=](OpContext& ctx, const void* s, void* r, DType) { AllReduceRing(ctx, s, r, count); };
   }
+  if (dtype == DType::kBFloat16) {
+    return Submit(info, options.timeout, [=](OpContext& ctx) {
+      AccumulateInFloat32(ctx, run, send, count, recv, count, /*in_place=*/true);
+    });
+  }
+  return Submit(info, options.timeout, [=](OpContext& ctx) { run(ctx, send, recv, dtype); });
 }
 
 Work GroupCommunicator::AllGather(const void* send, void* recv, size_t count, DType dtype,
@@ -250,13 +302,23 @@ Work GroupCommunicator::ReduceScatter(const void* send, void* recv, size_t count
   info.has_reduce_op = true;
   info.user_tag = options.tag;
   ReduceOp op = options.reduce_op;
+  ReductionRun run;
   if (info.algorithm == Algorithm::kNative) {
-    return Submit(info, options.timeout, [=, this](OpContext& ctx) {
-      transport_->native()->ReduceScatter(send, recv, count, dtype, op, ctx.deadline());
+    run = [=, this](OpContext& ctx, const void* s, void* r, DType t) {
+      transport_->native()->ReduceScatter(s, r, count, t, op, ctx.deadline());
+    };
+  } else {
+    run = [=](OpContext& ctx, const void* s, void* r, DType) {
+      ReduceScatterRing(ctx, s, r, count);
+    };
+  }
+  if (dtype == DType::kBFloat16) {
+    const size_t send_count = count * static_cast<size_t>(size());
+    return Submit(info, options.timeout, [=](OpContext& ctx) {
+      AccumulateInFloat32(ctx, run, send, send_count, recv, count, /*in_place=*/false);
     });
   }
-  return Submit(info, options.timeout,
-                [=](OpContext& ctx) { ReduceScatterRing(ctx, send, recv, count); });
+  return Submit(info, options.timeout, [=](OpContext& ctx) { run(ctx, send, recv, dtype); });
 }
 
 Work GroupCommunicator::AllToAll(const void* send, void* recv, size_t count, DType dtype,
@@ -306,6 +368,12 @@ Work GroupCommunicator::AllToAllV(const void* send, std::span<const int64_t> sen
   const size_t elem = DTypeSize(dtype);
   AllToAllLayout layout =
       MakeLayout(kind, w, send_counts, send_displs, recv_counts, recv_displs, elem);
+  // The block a rank sends itself is a local copy, so a disagreement there is this caller's.
+  const auto me = static_cast<size_t>(rank());
+  SY_REQUIRE(send_counts[me] == recv_counts[me], InvalidArgument,
+             "{}: send_counts[{}] = {} but recv_counts[{}] = {}: what rank {} sends itself must "
+             "equal what it receives from itself",
+             CollectiveName(kind), me, send_counts[me], me, recv_counts[me], me);
   size_t send_total = 0, recv_total = 0;
   for (size_t p = 0; p < static_cast<size_t>(w); ++p) {
     send_total += layout.send_bytes[p];

@@ -284,7 +284,9 @@ void Fabric::MarkFailed(int world_rank, uint64_t context, const std::string& rea
 
 bool Fabric::FailureOf(int world_rank, uint64_t context, std::string* reason) {
   std::lock_guard<std::mutex> lock(failure_mu_);
-  for (uint64_t c : {uint64_t{0}, context}) {
+  // The group's own record first: it carries the root cause ("failed: allreduce ... rank 3
+  // left"), while the world-wide one a rank leaves when its thread returns says only "left".
+  for (uint64_t c : {context, uint64_t{0}}) {
     auto it = failures_.find({world_rank, c});
     if (it != failures_.end()) {
       *reason = it->second;

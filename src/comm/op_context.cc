@@ -54,7 +54,13 @@ OpContext::OpContext(Transport& transport, const OpInfo& info, uint64_t seq, Dea
       group_(group),
       rank_(transport.rank()),
       size_(transport.size()),
+      work_dtype_(info.dtype),
       elem_size_(DTypeSize(info.dtype)) {}
+
+void OpContext::set_work_dtype(DType dtype) {
+  work_dtype_ = dtype;
+  elem_size_ = DTypeSize(dtype);
+}
 
 std::string OpContext::Describe() const {
   return fmt::format("{} #{} on group '{}' (rank {} of {})", DescribeOp(info_), seq_, group_, rank_,
@@ -85,7 +91,7 @@ RequestPtr OpContext::Recv(int peer, void* data, size_t bytes, uint32_t phase) {
 
 RequestPtr OpContext::RecvReduce(int peer, void* dst, const void* local, size_t bytes,
                                  uint32_t phase) {
-  RecvReduction reduction{local, info_.dtype, info_.reduce_op};
+  RecvReduction reduction{local, work_dtype_, info_.reduce_op};
   RequestPtr r = transport_.Irecv(peer, TagFor(phase), dst, bytes, &reduction);
   expected_.emplace_back(r.get(), bytes);
   return r;
@@ -126,7 +132,7 @@ void OpContext::CheckHeader(const Request& request) const {
     if (r == &request && their_bytes != expected) {
       throw PeerError(fmt::format(
           "mismatched sizes: {} sent {} bytes ({} x {}) in {}, this rank expected {} bytes", who,
-          their_bytes, their_bytes / elem_size_, DTypeName(info_.dtype), CollectiveName(info_.kind),
+          their_bytes, their_bytes / elem_size_, DTypeName(work_dtype_), CollectiveName(info_.kind),
           expected));
     }
   }
@@ -172,7 +178,7 @@ void OpContext::SendRecv(int to, const void* send, size_t send_bytes, int from, 
 }
 
 void OpContext::Reduce(void* dst, const void* a, const void* b, size_t count) const {
-  ReduceInto(dst, a, b, count, info_.dtype, info_.reduce_op);
+  ReduceInto(dst, a, b, count, work_dtype_, info_.reduce_op);
 }
 
 }  // namespace switchyard::comm

@@ -45,6 +45,12 @@ class OpContext {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const OpInfo& info() const { return info_; }
+  // The dtype the algorithm computes and sends in: info().dtype, except for bfloat16 reductions,
+  // which run on float32 copies (AccumulateInFloat32 in group_communicator.cc). Message headers
+  // always carry info().dtype, so mismatch detection compares what the callers passed.
+  DType work_dtype() const { return work_dtype_; }
+  void set_work_dtype(DType dtype);
+  // Bytes per element of work_dtype().
   size_t elem_size() const { return elem_size_; }
   Deadline deadline() const { return deadline_; }
   // The wire tag of `phase` of this collective: sequence number << 8 | phase.
@@ -54,7 +60,7 @@ class OpContext {
   RequestPtr Send(int peer, const void* data, size_t bytes, uint32_t phase = 0);
   // Expects exactly `bytes` bytes.
   RequestPtr Recv(int peer, void* data, size_t bytes, uint32_t phase = 0);
-  // dst = op(local, incoming) over bytes / elem_size() elements of info().dtype.
+  // dst = op(local, incoming) over bytes / elem_size() elements of work_dtype().
   RequestPtr RecvReduce(int peer, void* dst, const void* local, size_t bytes, uint32_t phase = 0);
   // Waits for every request (nulls skipped) and checks the headers of the receives.
   void Wait(std::span<Request* const> requests);
@@ -64,7 +70,7 @@ class OpContext {
   void SendRecv(int to, const void* send, size_t send_bytes, int from, void* recv,
                 size_t recv_bytes, uint32_t phase = 0);
 
-  // dst = op(a, b) over `count` elements of info().dtype, on this rank.
+  // dst = op(a, b) over `count` elements of work_dtype(), on this rank.
   void Reduce(void* dst, const void* a, const void* b, size_t count) const;
 
   // "allreduce (ring, 1024 x float32, sum) #5 on group 'world' (rank 2 of 4)".
@@ -84,6 +90,7 @@ class OpContext {
   const std::string& group_;
   int rank_;
   int size_;
+  DType work_dtype_;
   size_t elem_size_;
   // Expected byte size of each posted receive, by request.
   std::vector<std::pair<const Request*, size_t>> expected_;

@@ -11,8 +11,8 @@ std::byte* Scratch(int slot, size_t bytes) {
     std::unique_ptr<std::byte[]> data;
     size_t size = 0;
   };
-  thread_local Buffer buffers[2];
-  SY_CHECK(slot == 0 || slot == 1, "scratch slot {}", slot);
+  thread_local Buffer buffers[kScratchSlots];
+  SY_CHECK(slot >= 0 && slot < kScratchSlots, "scratch slot {}", slot);
   Buffer& b = buffers[slot];
   if (b.size < bytes) {
     size_t grown = std::max(bytes, b.size + b.size / 2);

@@ -1,5 +1,8 @@
 #include "comm/collective_cases.h"
 
+#include <fmt/format.h>
+
+#include <cmath>
 #include <cstring>
 #include <numeric>
 
@@ -116,18 +119,38 @@ std::vector<Algorithm> AlgorithmsOf(CollectiveKind kind, bool native) {
   return a;
 }
 
-// Largest divisor of w below w (1 for primes): the ranks per node of the hierarchical cases.
-int RanksPerNode(int w) {
-  for (int d = w / 2; d >= 2; --d) {
-    if (w % d == 0) return d;
+// Every divisor of w: the ranks per node L of the hierarchical cases (L = 1 and L = w are the
+// degenerate layouts, one exchange of the two doing all the work).
+std::vector<int> Divisors(int w) {
+  std::vector<int> d;
+  for (int l = 1; l <= w; ++l) {
+    if (w % l == 0) d.push_back(l);
   }
-  return 1;
+  return d;
 }
 
 ::testing::AssertionResult Mismatch(const Case& c, int rank, const std::string& what, size_t i,
                                     double got, double want) {
   return ::testing::AssertionFailure() << c.Name() << " rank " << rank << ": " << what << "[" << i
                                        << "] = " << got << ", expected " << want;
+}
+
+// Element i of rank p in the bfloat16 sum cases. Every sum of them is exact in float32, so the
+// expected result does not depend on the summation order; rounding partial sums to bfloat16 would
+// change it:
+//   even i: rank 0 holds L = +-(1 + k/128), every other rank a value of the same sign below half
+//     of L's bfloat16 ulp (m 2^-15, m in [96, 127]): added to L one at a time each rounds back to
+//     L, but two or more together (W >= 3) move the sum past it;
+//   odd i: m 2^-3, m 2^-7 or m 2^-11 with m odd in [-127, 127] (bits from 2^-11 to 2^8).
+float BFloat16SumValue(int p, uint64_t i) {
+  uint64_t h = Hash(i * 8191 + static_cast<uint64_t>(p) * 131071 + 12345);
+  if (i % 2 == 0) {
+    const float sign = Hash(i) % 2 ? -1.0f : 1.0f;
+    if (p == 0) return sign * (1.0f + static_cast<float>(h % 128) / 128.0f);
+    return sign * std::ldexp(static_cast<float>(96 + h % 32), -15);
+  }
+  int m = static_cast<int>(h % 128) * 2 - 127;
+  return std::ldexp(static_cast<float>(m), -3 - 4 * static_cast<int>((h >> 20) % 3));
 }
 
 }  // namespace
@@ -162,18 +185,22 @@ std::vector<Case> CasesFor(CollectiveKind kind, int w, bool native, size_t large
   std::vector<ReduceOp> ops = {ReduceOp::kSum};
   if (IsReduction(kind)) ops = {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin};
   for (Algorithm a : AlgorithmsOf(kind, native)) {
-    for (DType dtype : dtypes) {
-      for (ReduceOp op : ops) {
-        for (size_t count : Counts(large)) {
-          if (kind == CollectiveKind::kBarrier && (count != 0 || dtype != DType::kFloat32)) {
-            continue;
+    const std::vector<int> layouts = a == Algorithm::kHierarchical ? Divisors(w) : std::vector{0};
+    for (int ranks_per_node : layouts) {
+      for (DType dtype : dtypes) {
+        for (ReduceOp op : ops) {
+          for (size_t count : Counts(large)) {
+            if (kind == CollectiveKind::kBarrier && (count != 0 || dtype != DType::kFloat32)) {
+              continue;
+            }
+            Case c{kind, a, dtype, op, count};
+            c.root =
+                static_cast<int>((count + static_cast<size_t>(dtype) + 1) % static_cast<size_t>(w));
+            c.ranks_per_node = ranks_per_node;
+            c.in_place =
+                kind == CollectiveKind::kAllReduce && count % 2 == 1 && op != ReduceOp::kMin;
+            cases.push_back(c);
           }
-          Case c{kind, a, dtype, op, count};
-          c.root =
-              static_cast<int>((count + static_cast<size_t>(dtype) + 1) % static_cast<size_t>(w));
-          if (a == Algorithm::kHierarchical) c.ranks_per_node = RanksPerNode(w);
-          c.in_place = kind == CollectiveKind::kAllReduce && count % 2 == 1 && op != ReduceOp::kMin;
-          cases.push_back(c);
         }
       }
     }
@@ -364,6 +391,68 @@ std::vector<Case> CasesFor(CollectiveKind kind, int w, bool native, size_t large
     case CollectiveKind::kSplit: break;
   }
   return ::testing::AssertionFailure() << "unknown case " << c.Name();
+}
+
+::testing::AssertionResult RunBFloat16SumCase(Communicator& comm, CollectiveKind kind,
+                                              Algorithm algorithm, size_t count) {
+  const int w = comm.size(), r = comm.rank();
+  const size_t in_count =
+      kind == CollectiveKind::kReduceScatter ? count * static_cast<size_t>(w) : count;
+  // Global index of output element j (reduce-scatter: block r).
+  const size_t first = kind == CollectiveKind::kReduceScatter ? static_cast<size_t>(r) * count : 0;
+  constexpr size_t kGuard = 16;
+  const BFloat16 fill(-1234.0f);
+  std::vector<BFloat16> in(in_count), out(count + kGuard, fill);
+  for (size_t i = 0; i < in_count; ++i) in[i] = BFloat16(BFloat16SumValue(r, i));
+  const std::string name = fmt::format("bfloat16 sum {} ({}) n{} on {} ranks", CollectiveName(kind),
+                                       AlgorithmName(algorithm), count, w);
+  switch (kind) {
+    case CollectiveKind::kAllReduce:
+      comm.AllReduce(in.data(), out.data(), count, DType::kBFloat16, {.algorithm = algorithm})
+          .Wait();
+      break;
+    case CollectiveKind::kReduce:
+      comm.Reduce(in.data(), out.data(), count, DType::kBFloat16,
+                  {.root = 0, .algorithm = algorithm})
+          .Wait();
+      if (r != 0) return ::testing::AssertionSuccess();
+      break;
+    case CollectiveKind::kReduceScatter:
+      comm.ReduceScatter(in.data(), out.data(), count, DType::kBFloat16, {.algorithm = algorithm})
+          .Wait();
+      break;
+    default: return ::testing::AssertionFailure() << name << ": not a reduction";
+  }
+  size_t per_step_differs = 0;
+  for (size_t j = 0; j < count; ++j) {
+    // Reference: the float64 sum (exact), rounded to bfloat16 once.
+    double exact = 0;
+    for (int p = 0; p < w; ++p) exact += BFloat16SumValue(p, first + j);
+    const BFloat16 want(static_cast<float>(exact));
+    if (out[j].bits != want.bits) {
+      return ::testing::AssertionFailure()
+             << name << " rank " << r << ": element " << j << " = " << static_cast<float>(out[j])
+             << ", expected " << static_cast<float>(want) << " (the exact sum " << exact
+             << " rounded once to bfloat16)";
+    }
+    // What rounding every partial sum to bfloat16 (in rank order) would give instead.
+    BFloat16 acc(BFloat16SumValue(0, first + j));
+    for (int p = 1; p < w; ++p) {
+      acc = BFloat16(static_cast<float>(acc) + BFloat16SumValue(p, first + j));
+    }
+    if (acc.bits != want.bits) ++per_step_differs;
+  }
+  for (size_t j = count; j < out.size(); ++j) {
+    if (out[j].bits != fill.bits) {
+      return ::testing::AssertionFailure() << name << " rank " << r << ": wrote past the output";
+    }
+  }
+  // The inputs must tell the two roundings apart, or the check above proves nothing.
+  if (w >= 3 && count >= 37 && per_step_differs * 4 < count) {
+    return ::testing::AssertionFailure() << name << ": only " << per_step_differs << " of " << count
+                                         << " elements differ between per-step and final rounding";
+  }
+  return ::testing::AssertionSuccess();
 }
 
 }  // namespace switchyard::comm::testing

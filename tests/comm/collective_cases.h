@@ -5,7 +5,8 @@
 //
 // Inputs are small integers (exact in bfloat16 and float32 sums), so every algorithm must give
 // bit-identical results whatever its summation order; outputs carry a guard zone that must stay
-// untouched.
+// untouched. RunBFloat16SumCase adds non-integer bfloat16 sums, where rounding per step and
+// rounding once differ.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -44,5 +45,12 @@ std::vector<CollectiveKind> CoveredKinds();
 
 // Runs `c` on `comm` (every rank must call it with the same case) and checks this rank's result.
 ::testing::AssertionResult RunCase(Communicator& comm, const Case& c);
+
+// A bfloat16 sum (kind: allreduce, reduce to root 0, or reduce_scatter; `count` output elements)
+// with non-integer inputs for which rounding every partial sum to bfloat16 and rounding the exact
+// sum once differ on most elements (checked for W >= 3, count >= 37). The result must be the
+// float64 sum rounded once to bfloat16, bit for bit: bfloat16 reductions accumulate in float32.
+::testing::AssertionResult RunBFloat16SumCase(Communicator& comm, CollectiveKind kind,
+                                              Algorithm algorithm, size_t count);
 
 }  // namespace switchyard::comm::testing

@@ -1,6 +1,8 @@
 // Every collective x algorithm x dtype x reduce op x element count {0, 1, odd, large} on the
-// in-process transport, for W in {1..9, 16}, against the naive reference (collective_cases.h).
-// One test per (collective, W): W rank threads run all of that collective's cases in turn.
+// in-process transport, for W in {1..9, 16} (the hierarchical all-to-all for every divisor of W
+// as ranks per node), against the naive reference (collective_cases.h). One test per
+// (collective, W): W rank threads run all of that collective's cases in turn. Plus bfloat16 sums
+// that tell float32 accumulation from per-step rounding.
 #include <gtest/gtest.h>
 
 #include <mutex>
@@ -61,6 +63,38 @@ TEST_P(CollectivesTest, MatchesReference) {
       options);
   for (size_t i = 0; i < failures.size() && i < 20; ++i) ADD_FAILURE() << failures[i];
   EXPECT_TRUE(failures.empty()) << failures.size() << " failures in " << cases.size() << " cases";
+}
+
+// bfloat16 reductions accumulate in float32: non-integer sums, where rounding every partial sum
+// to bfloat16 gives other values, against the float64 sum rounded once.
+TEST(BFloat16Reductions, AccumulateInFloat32AndRoundOnce) {
+  struct Run {
+    CollectiveKind kind;
+    Algorithm algorithm;
+  };
+  const std::vector<Run> runs = {
+      {CollectiveKind::kAllReduce, Algorithm::kAuto},
+      {CollectiveKind::kAllReduce, Algorithm::kRing},
+      {CollectiveKind::kAllReduce, Algorithm::kTree},
+      {CollectiveKind::kReduce, Algorithm::kTree},
+      {CollectiveKind::kReduce, Algorithm::kReduceScatterGather},
+      {CollectiveKind::kReduceScatter, Algorithm::kRing},
+  };
+  InProcessOptions options;
+  options.copy_chunk_bytes = 4096;
+  options.timeout = Milliseconds(30000);
+  for (int w : {2, 3, 4, 5, 8}) {
+    RunInProcess(
+        w,
+        [&](Communicator& comm) {
+          for (const Run& run : runs) {
+            for (size_t count : {size_t{1}, size_t{37}, kLarge}) {
+              EXPECT_TRUE(testing::RunBFloat16SumCase(comm, run.kind, run.algorithm, count));
+            }
+          }
+        },
+        options);
+  }
 }
 
 std::vector<Param> AllParams() {

@@ -1,12 +1,14 @@
 // Fault injection on the in-process transport: a rank that stops, never arrives, throws, calls a
 // different collective or passes different sizes. Every other rank must get an error naming the
 // collective, the group and the peer, within seconds, never a hang or memory corruption.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "switchyard/comm/communicator.h"
@@ -49,6 +51,18 @@ bool Contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }
 
+// Every rank in `ranks` failed with an error containing every one of `parts`.
+void ExpectEveryRankNames(const std::vector<std::string>& errors, const std::vector<int>& ranks,
+                          const std::vector<std::string>& parts) {
+  for (int r : ranks) {
+    const std::string& e = errors[static_cast<size_t>(r)];
+    EXPECT_FALSE(e.empty()) << "rank " << r << " got no error";
+    for (const std::string& part : parts) {
+      EXPECT_TRUE(Contains(e, part)) << "rank " << r << " does not name '" << part << "': " << e;
+    }
+  }
+}
+
 TEST(Faults, RankThatStopsIsReportedAtOnce) {
   // Rank 3 returns before the collective; the long deadline is never reached.
   auto errors = RunCollectingErrors(
@@ -61,14 +75,10 @@ TEST(Faults, RankThatStopsIsReportedAtOnce) {
             .Wait();
       },
       Milliseconds(60000), Milliseconds(10000));
-  for (int r = 0; r < 3; ++r) {
-    const std::string& e = errors[static_cast<size_t>(r)];
-    EXPECT_TRUE(Contains(e, "allreduce (ring")) << e;
-    EXPECT_TRUE(Contains(e, "group 'test'")) << e;
-  }
-  // Rank 0 receives from rank 3 in the ring: it names it and says it left.
-  EXPECT_TRUE(Contains(errors[0], "rank 3 (world rank 3)")) << errors[0];
-  EXPECT_TRUE(Contains(errors[0], "left")) << errors[0];
+  // Every survivor names the collective, the group and the rank that left: rank 0 (its ring
+  // predecessor) directly, ranks 1 and 2 through the failure of the neighbour they waited for.
+  ExpectEveryRankNames(errors, {0, 1, 2},
+                       {"allreduce (ring", "group 'test'", "rank 3 (world rank 3)", "left"});
 }
 
 TEST(Faults, RankThatNeverArrivesTimesOutAtTheDeadline) {
@@ -85,30 +95,41 @@ TEST(Faults, RankThatNeverArrivesTimesOutAtTheDeadline) {
             .Wait();
       },
       Milliseconds(60000), Milliseconds(10000));
-  for (int r = 0; r < 2; ++r) {
-    const std::string& e = errors[static_cast<size_t>(r)];
-    EXPECT_TRUE(Contains(e, "alltoall (linear")) << e;
-    EXPECT_TRUE(Contains(e, "rank 2 (world rank 2)")) << e;
-    EXPECT_TRUE(Contains(e, "timed out") || Contains(e, "failed")) << e;
-  }
+  ExpectEveryRankNames(errors, {0, 1},
+                       {"alltoall (linear", "group 'test'", "rank 2 (world rank 2)", "timed out"});
 }
 
 TEST(Faults, RankThatThrowsIsNamedWithItsError) {
+  // Rank 2 (the root) dies: its thread throws out of the rank function. The others collect
+  // their own errors.
   InProcessOptions options;
   options.name = "test";
+  std::vector<std::string> errors(4);
+  std::mutex mu;
+  auto t0 = Clock::now();
   try {
     RunInProcess(
         4,
-        [](Communicator& comm) {
+        [&](Communicator& comm) {
           if (comm.rank() == 2) throw InvalidArgument("injected failure on rank 2");
-          std::vector<float> x(100, 1.0f);
-          comm.Broadcast(x.data(), x.size(), DType::kFloat32, {.root = 2}).Wait();
+          try {
+            std::vector<float> x(100, 1.0f);
+            comm.Broadcast(x.data(), x.size(), DType::kFloat32, {.root = 2}).Wait();
+          } catch (const Error& e) {
+            std::lock_guard<std::mutex> lock(mu);
+            errors[static_cast<size_t>(comm.rank())] = e.what();
+          }
         },
         options);
     ADD_FAILURE() << "no error";
   } catch (const InvalidArgument& e) {
     EXPECT_TRUE(Contains(e.what(), "injected failure on rank 2")) << e.what();  // the first one
   }
+  EXPECT_LT(Clock::now() - t0, Milliseconds(10000));
+  // Ranks 3 and 0 receive from rank 2 itself, rank 1 from rank 0: all name rank 2 and its error.
+  ExpectEveryRankNames(
+      errors, {0, 1, 3},
+      {"broadcast (tree", "group 'test'", "rank 2 (world rank 2)", "injected failure on rank 2"});
 }
 
 // In a ring every rank waits for its left neighbour; only one of them waits for the missing
@@ -127,10 +148,9 @@ TEST(Faults, EveryRankNamesTheRankThatNeverArrivedInARing) {
             .Wait();
       },
       Milliseconds(60000), Milliseconds(10000));
-  for (int r = 0; r < 3; ++r) {
-    const std::string& e = errors[static_cast<size_t>(r)];
-    EXPECT_TRUE(Contains(e, "never arrived") && Contains(e, "rank 3 (world rank 3)")) << e;
-  }
+  ExpectEveryRankNames(
+      errors, {0, 1, 2},
+      {"allreduce (ring", "group 'test'", "never arrived", "rank 3 (world rank 3)"});
 }
 
 TEST(Faults, DifferentCollectiveIsNamed) {
@@ -146,10 +166,18 @@ TEST(Faults, DifferentCollectiveIsNamed) {
         }
       },
       Milliseconds(60000), Milliseconds(10000));
-  for (int r = 0; r < 4; ++r) EXPECT_FALSE(errors[static_cast<size_t>(r)].empty()) << r;
-  // Rank 1 receives rank 0's allgather message in its allreduce ring.
-  EXPECT_TRUE(Contains(errors[1], "called allgather")) << errors[1];
+  // Rank 1 receives rank 0's allgather message in its allreduce ring and says so; ranks 2 and 3
+  // learn it from the failure of the neighbour they wait for. Each names its own collective, the
+  // group, the rank that called another one, and that one's collective.
+  ExpectEveryRankNames(errors, {1, 2, 3},
+                       {"allreduce (ring", "group 'test'", "rank 0 (world rank 0)", "allgather"});
+  EXPECT_TRUE(Contains(errors[1], "rank 0 (world rank 0) called allgather")) << errors[1];
   EXPECT_TRUE(Contains(errors[1], "while this rank called allreduce")) << errors[1];
+  // Rank 0, the odd one, fails too: rank 3's ring message in its allgather names the allreduce,
+  // or its own message does not fit rank 1's ring receive.
+  ExpectEveryRankNames(errors, {0}, {"allgather (linear", "group 'test'"});
+  EXPECT_TRUE(Contains(errors[0], "called allreduce") || Contains(errors[0], "does not fit"))
+      << errors[0];
 }
 
 TEST(Faults, MismatchedSizesAreReportedNotWritten) {
@@ -158,13 +186,103 @@ TEST(Faults, MismatchedSizesAreReportedNotWritten) {
       [](Communicator& comm) {
         size_t n = comm.rank() == 1 ? 1000 : 500;
         std::vector<int64_t> x(n + 16, 7);
-        comm.AllReduce(x.data(), x.data(), n, DType::kInt64, {.algorithm = Algorithm::kTree})
-            .Wait();
+        try {
+          comm.AllReduce(x.data(), x.data(), n, DType::kInt64, {.algorithm = Algorithm::kTree})
+              .Wait();
+        } catch (const Error&) {
+          // The 16 spare elements past the n this rank passed are never written.
+          for (size_t i = n; i < x.size(); ++i) EXPECT_EQ(x[i], 7) << "rank " << comm.rank();
+          throw;
+        }
       },
       Milliseconds(60000), Milliseconds(10000));
-  for (int r = 0; r < 3; ++r) EXPECT_FALSE(errors[static_cast<size_t>(r)].empty()) << r;
-  EXPECT_TRUE(Contains(errors[0], "mismatched sizes") || Contains(errors[0], "does not fit"))
+  // Rank 0 receives rank 1's 1000 elements where it expects 500 and names the sizes; rank 1's
+  // send does not fit; rank 2 sends to rank 0 and learns of its failure.
+  ExpectEveryRankNames(errors, {0, 1, 2}, {"allreduce (tree", "group 'test'"});
+  EXPECT_TRUE(
+      Contains(errors[0],
+               "mismatched sizes: rank 1 (world rank 1) called allreduce with 1000 x int64, "
+               "this rank with 500 x int64"))
       << errors[0];
+  EXPECT_TRUE(Contains(errors[1], "to rank 0 (world rank 0) does not fit")) << errors[1];
+  EXPECT_TRUE(Contains(errors[2], "mismatched sizes") || Contains(errors[2], "does not fit"))
+      << errors[2];
+}
+
+// All-to-all-v where a receiver disagrees with a sender about the sender's count (the MoE
+// dispatch case): rank 1 sends 6 elements to every rank, and one receiver expects 9 (more) or
+// 4 (fewer) from it. The receiver reports mismatched sizes naming rank 1; no element lands
+// outside the block each rank declared (the gaps between the receive blocks stay untouched).
+// A sender whose message was shorter than expected may finish without error: its own output is
+// right, and only the receiver knows.
+TEST(Faults, MismatchedAllToAllVCountsAreReportedNotWritten) {
+  constexpr int kW = 4;
+  constexpr int64_t kRows = 6, kStride = kRows + 3 + 8;  // block + room for 3 more + 8 gap
+  constexpr float kSentinel = -7.0f;
+  for (Algorithm algorithm : {Algorithm::kPairwise, Algorithm::kLinear}) {
+    for (const auto& [receiver, expected] : {std::pair{0, kRows + 3}, std::pair{2, kRows - 2}}) {
+      SCOPED_TRACE(fmt::format("{}, rank {} expects {} from rank 1", AlgorithmName(algorithm),
+                               receiver, expected));
+      auto errors = RunCollectingErrors(
+          kW,
+          [&](Communicator& comm) {
+            const int r = comm.rank();
+            std::vector<int64_t> sc(kW, kRows), rc(kW, kRows), rd(kW);
+            if (r == receiver) rc[1] = expected;
+            for (int q = 0; q < kW; ++q) rd[static_cast<size_t>(q)] = q * kStride;
+            std::vector<float> in(kW * kRows, static_cast<float>(r + 1));
+            std::vector<float> out(kW * kStride, kSentinel);
+            auto gaps_intact = [&] {
+              for (size_t q = 0; q < kW; ++q) {
+                for (int64_t i = rd[q] + rc[q]; i < rd[q] + kStride; ++i) {
+                  EXPECT_EQ(out[static_cast<size_t>(i)], kSentinel)
+                      << "rank " << r << " wrote element " << i << " past the block of rank " << q;
+                }
+              }
+            };
+            try {
+              comm.AllToAllV(in.data(), sc, {}, out.data(), rc, rd, DType::kFloat32,
+                             {.algorithm = algorithm})
+                  .Wait();
+            } catch (const Error&) {
+              gaps_intact();
+              throw;
+            }
+            gaps_intact();
+          },
+          Milliseconds(60000), Milliseconds(10000));
+      const std::string what = fmt::format("alltoallv ({}", AlgorithmName(algorithm));
+      ExpectEveryRankNames(errors, {receiver},
+                           {what, "group 'test'",
+                            fmt::format("mismatched sizes: rank 1 (world rank 1) sent 24 bytes "
+                                        "(6 x float32) in alltoallv, this rank expected {} bytes",
+                                        expected * 4)});
+      if (expected < kRows) {
+        // In-process the sender learns that its message does not fit the receive.
+        ExpectEveryRankNames(errors, {1}, {what, "to rank 2 (world rank 2) does not fit"});
+      }
+      for (int r = 0; r < kW; ++r) {
+        const std::string& e = errors[static_cast<size_t>(r)];
+        if (!e.empty()) {
+          EXPECT_TRUE(Contains(e, what) && Contains(e, "group 'test'")) << e;
+        }
+      }
+    }
+  }
+}
+
+TEST(Faults, AllToAllVSelfBlockMismatchIsRejectedAtTheCall) {
+  RunInProcess(2, [](Communicator& comm) {
+    std::vector<float> in(8), out(8);
+    std::vector<int64_t> sc = {2, 2}, rc = {2, 2};
+    rc[static_cast<size_t>(comm.rank())] = 3;
+    try {
+      comm.AllToAllV(in.data(), sc, {}, out.data(), rc, {}, DType::kFloat32);
+      ADD_FAILURE() << "accepted a self block of 2 sent and 3 received";
+    } catch (const InvalidArgument& e) {
+      EXPECT_TRUE(Contains(e.what(), "must equal what it receives from itself")) << e.what();
+    }
+  });
 }
 
 TEST(Faults, MismatchedRootAndReduceOpAreNamed) {
@@ -187,7 +305,10 @@ TEST(Faults, MismatchedRootAndReduceOpAreNamed) {
       Milliseconds(300), Milliseconds(10000));
   // Both ranks think they are the root: both send, neither receives; both time out naming the
   // other.
-  EXPECT_TRUE(Contains(root_errors[0], "rank 1 (world rank 1)")) << root_errors[0];
+  ExpectEveryRankNames(root_errors, {0},
+                       {"broadcast (tree", "group 'test'", "rank 1 (world rank 1)"});
+  ExpectEveryRankNames(root_errors, {1},
+                       {"broadcast (tree", "group 'test'", "rank 0 (world rank 0)"});
 }
 
 TEST(Faults, CommunicatorIsUnusableAfterAFailure) {

@@ -3,12 +3,15 @@
 // same tests in the same order:
 //   scripts/mpirun.sh -np 4 build/release/tests/comm/comm_mpi_test
 // CTest runs it with -np 2 and -np 4 (label "mpi").
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "comm/collective_cases.h"
 #include "switchyard/comm/communicator.h"
@@ -74,6 +77,19 @@ TEST(MpiCommunicator, AsyncCollectivesRunInOrder) {
   EXPECT_EQ(b[0], 1);
 }
 
+// "rank 3 (world rank 3)" for a group whose ranks are the world's.
+std::string MissingName(int rank) {
+  return "rank " + std::to_string(rank) + " (world rank " + std::to_string(rank) + ")";
+}
+
+// The error `what` of this rank contains every one of `parts`.
+void ExpectNames(const std::string& what, const std::vector<std::string>& parts) {
+  EXPECT_FALSE(what.empty()) << "no error";
+  for (const std::string& part : parts) {
+    EXPECT_NE(what.find(part), std::string::npos) << "does not name '" << part << "': " << what;
+  }
+}
+
 // A rank that never joins: the others fail within their deadline, naming it.
 TEST(MpiFaults, MissingPeerTimesOutNamingIt) {
   Communicator& world = *g_world;
@@ -89,10 +105,9 @@ TEST(MpiFaults, MissingPeerTimesOutNamingIt) {
           .Wait();
       ADD_FAILURE() << "allreduce without rank " << missing << " succeeded";
     } catch (const Error& e) {
-      std::string what = e.what();
-      EXPECT_NE(what.find("allreduce"), std::string::npos) << what;
-      EXPECT_NE(what.find("'faulty'"), std::string::npos) << what;
-      EXPECT_NE(what.find("rank"), std::string::npos) << what;
+      // Split keyed by world rank: group rank == world rank. Only some ranks wait for the
+      // missing one; the timeout consensus lets every rank name it.
+      ExpectNames(e.what(), {"allreduce (", "group 'faulty'", MissingName(missing)});
     }
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_LT(seconds, 10.0);
@@ -122,11 +137,15 @@ TEST(MpiFaults, DifferentCollectiveIsReported) {
   } catch (const Error& e) {
     what = e.what();
   }
-  EXPECT_FALSE(what.empty());
-  // Rank 0's ring neighbours see the other collective by name.
-  if (world.rank() == 1) {
-    EXPECT_NE(what.find("allgather"), std::string::npos) << what;
+  // Every rank names its own collective and the group; the allreduce ranks name rank 0 and the
+  // allgather it called (rank 1 directly, the others through a peer's failure notice). Rank 0,
+  // the odd one, fails too (a ring message in its allgather, or a peer's notice).
+  if (world.rank() == 0) {
+    ExpectNames(what, {"allgather (", "group 'mixed'"});
+  } else {
+    ExpectNames(what, {"allreduce (ring", "group 'mixed'", MissingName(0), "allgather"});
   }
+  if (world.rank() == 1) ExpectNames(what, {"rank 0 (world rank 0) called allgather"});
   group.reset();
   world.Barrier().Wait();
 }
@@ -144,12 +163,91 @@ TEST(MpiFaults, MismatchedSizesAreReported) {
   } catch (const Error& e) {
     what = e.what();
   }
-  EXPECT_FALSE(what.empty());
-  if (world.rank() == 0 || world.rank() == 1) {
-    EXPECT_NE(what.find("mismatched sizes"), std::string::npos) << what;
+  // Rank 0 sees rank 1's 50 elements where it expects 100; the others learn it from rank 0's
+  // failure notice.
+  ExpectNames(what, {"allreduce (tree", "group 'sizes'", "mismatched sizes"});
+  if (world.rank() == 0) {
+    ExpectNames(what, {"rank 1 (world rank 1) called allreduce with 50 x int32, this rank with "
+                       "100 x int32"});
   }
   group.reset();
   world.Barrier().Wait();
+}
+
+// All-to-all-v where one receiver disagrees with rank 1 about rank 1's count (6 elements): it
+// expects 9 (more) or 4 (fewer). That receiver reports mismatched sizes naming rank 1; nothing is
+// written outside the blocks each rank declared. Rank 1 itself may finish without error (its
+// output is right; under MPI a sender does not learn the receiver's size).
+TEST(MpiFaults, MismatchedAllToAllVCountsAreReported) {
+  Communicator& world = *g_world;
+  const int w = world.size(), r = world.rank();
+  constexpr int64_t kRows = 6, kStride = kRows + 3 + 8;
+  constexpr float kSentinel = -7.0f;
+  const int fewer_receiver = w > 2 ? 2 : 0;
+  for (Algorithm algorithm : {Algorithm::kPairwise, Algorithm::kLinear}) {
+    for (const auto& [receiver, expected] :
+         {std::pair{0, kRows + 3}, std::pair{fewer_receiver, kRows - 2}}) {
+      SCOPED_TRACE(fmt::format("{}, rank {} expects {} from rank 1", AlgorithmName(algorithm),
+                               receiver, expected));
+      std::unique_ptr<Communicator> group = world.Split(0, r, "v");
+      const auto uw = static_cast<size_t>(w);
+      std::vector<int64_t> sc(uw, kRows), rc(uw, kRows), rd(uw);
+      if (r == receiver) rc[1] = expected;
+      for (size_t q = 0; q < uw; ++q) rd[q] = static_cast<int64_t>(q) * kStride;
+      std::vector<float> in(uw * kRows, static_cast<float>(r + 1));
+      std::vector<float> out(uw * kStride, kSentinel);
+      std::string what;
+      try {
+        group
+            ->AllToAllV(in.data(), sc, {}, out.data(), rc, rd, DType::kFloat32,
+                        {.algorithm = algorithm, .timeout = Milliseconds(3000)})
+            .Wait();
+      } catch (const Error& e) {
+        what = e.what();
+      }
+      for (size_t q = 0; q < uw; ++q) {
+        for (int64_t i = rd[q] + rc[q]; i < rd[q] + kStride; ++i) {
+          EXPECT_EQ(out[static_cast<size_t>(i)], kSentinel)
+              << "element " << i << " past the block of rank " << q << " was written";
+        }
+      }
+      const std::string collective = fmt::format("alltoallv ({}", AlgorithmName(algorithm));
+      if (r == receiver) {
+        ExpectNames(what, {collective, "group 'v'",
+                           fmt::format("mismatched sizes: rank 1 (world rank 1) sent 24 bytes (6 x "
+                                       "float32) in alltoallv, this rank expected {} bytes",
+                                       expected * 4)});
+      } else if (!what.empty()) {
+        ExpectNames(what, {collective, "group 'v'"});
+      }
+      group.reset();
+      world.Barrier().Wait();
+    }
+  }
+}
+
+// bfloat16 reductions accumulate in float32 on the MPI transport too, MPI's own (native) included.
+TEST(MpiBFloat16, ReductionsAccumulateInFloat32) {
+  Communicator& world = *g_world;
+  struct Run {
+    CollectiveKind kind;
+    Algorithm algorithm;
+  };
+  const std::vector<Run> runs = {
+      {CollectiveKind::kAllReduce, Algorithm::kRing},
+      {CollectiveKind::kAllReduce, Algorithm::kTree},
+      {CollectiveKind::kAllReduce, Algorithm::kNative},
+      {CollectiveKind::kReduce, Algorithm::kTree},
+      {CollectiveKind::kReduce, Algorithm::kReduceScatterGather},
+      {CollectiveKind::kReduce, Algorithm::kNative},
+      {CollectiveKind::kReduceScatter, Algorithm::kRing},
+      {CollectiveKind::kReduceScatter, Algorithm::kNative},
+  };
+  for (const Run& run : runs) {
+    for (size_t count : {size_t{1}, size_t{37}, size_t{5003}}) {
+      EXPECT_TRUE(testing::RunBFloat16SumCase(world, run.kind, run.algorithm, count));
+    }
+  }
 }
 
 // Prints failures of ranks other than 0, prefixed with the rank (rank 0 prints everything).

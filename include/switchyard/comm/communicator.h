@@ -18,8 +18,10 @@
 //     process are told at once, so they fail fast too.
 //   - counts are elements of `dtype`; a send buffer may equal the receive buffer (in place) for
 //     allreduce only.
-//   - reductions: float32, int32, int64 in their own type; bfloat16 is converted to float32 for
-//     each reduction step and rounded back (as NCCL does). Integer sums wrap around.
+//   - reductions: float32, int32, int64 in their own type. bfloat16 accumulates in float32: the
+//     input is widened to float32, every algorithm (native included) reduces and sends float32
+//     partial results (twice bfloat16's bytes on the wire), and the result is rounded to
+//     bfloat16 once -- not at every step as NCCL's bfloat16 ring does. Integer sums wrap around.
 // Thread-safety: calls on one Communicator may come from several threads, but their order must
 // be the same on every rank. Distinct communicators are independent and may run concurrently.
 #pragma once
