@@ -1,6 +1,8 @@
 // `switchyard bench layer`: forward+backward time of one MoE layer against the limit it can
 // approach, the expert GEMMs alone for the same token counts, measured interleaved in the same
 // run. Also a per-step breakdown and, for many small experts, grouped GEMM against a plain loop.
+// With --ranks W > 1 it is `bench layer-parallel` (bench_parallel.h): the same layer on W ranks,
+// with the overlap schedules against the plain path.
 #include <fmt/format.h>
 #include <malloc.h>
 #include <time.h>
@@ -10,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "cli/bench_parallel.h"
 #include "cli/command.h"
 #include "cli/peak_flops.h"
 #include "cli/timing.h"
@@ -342,6 +345,8 @@ SY_REGISTER_COMMAND(Command{
     "MoE layer forward+backward: ms/step, tokens/s, useful GFLOP/s vs the expert GEMMs alone",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<BenchLayerOptions>();
+      auto par = std::make_shared<BenchParallelOptions>();
+      par->ranks = 1;
       auto range = CLI::Range(int64_t{1}, int64_t{1} << 24);
       app.add_option("--tokens", o->tokens, "T, tokens on this rank")->check(range);
       app.add_option("--model-dim", o->model_dim, "M")->check(range);
@@ -352,8 +357,10 @@ SY_REGISTER_COMMAND(Command{
       app.add_flag("--dropless", o->dropless, "dropless mode (grouped GEMM, no capacity)");
       app.add_option("--activation", o->activation, "relu, gelu or silu");
       app.add_flag("--gated", o->gated, "gated experts (SwiGLU form)");
-      app.add_option("--threads", o->threads, "compute threads of the rank")
-          ->check(CLI::Range(1, 256));
+      CLI::Option* threads =
+          app.add_option("--threads", o->threads,
+                         "compute threads of the rank (with --ranks: per rank, default cores / W)")
+              ->check(CLI::Range(1, 256));
       app.add_option("--blas-threads", o->blas_threads,
                      "OpenBLAS threads (1: grouped GEMMs spread experts over --threads)")
           ->check(CLI::Range(1, 256));
@@ -365,7 +372,28 @@ SY_REGISTER_COMMAND(Command{
       app.add_flag("--no-malloc-cache", o->no_malloc_cache,
                    "leave glibc malloc's defaults (large buffers are mmapped and faulted in anew "
                    "every step)");
-      return [o] { return RunBenchLayer(*o); };
+      AddParallelBenchOptions(app, par.get());
+      CLI::Option* repeat = app.get_option("--repeat");
+      CLI::Option* warmup = app.get_option("--warmup");
+      return [o, par, threads, repeat, warmup] {
+        if (par->ranks <= 1) return RunBenchLayer(*o);
+        // The same layer on W ranks: `bench layer-parallel`.
+        BenchParallelOptions p = *par;
+        p.tokens = o->tokens;
+        p.model_dim = o->model_dim;
+        p.hidden_dim = o->hidden_dim;
+        p.experts = o->experts;
+        p.top_k = o->top_k;
+        p.capacity_factor = o->capacity_factor;
+        p.dropless = o->dropless;
+        p.activation = o->activation;
+        p.gated = o->gated;
+        p.json = o->json;
+        if (threads->count() > 0) p.threads = o->threads;
+        if (repeat->count() > 0) p.repeat = o->repeat;
+        if (warmup->count() > 0) p.warmup = o->warmup;
+        return RunBenchParallel(p);
+      };
     }});
 
 }  // namespace

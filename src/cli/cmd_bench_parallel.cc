@@ -1,9 +1,13 @@
-// `switchyard bench layer-parallel`: one MoE layer on W ranks (threads of this process, or MPI
-// processes), forward + backward + gradient sync per step: step time, tokens/s, and per rank the
-// time blocked in communication vs. computing and the bytes put on the wire, against SPEC §2.3's
-// predicted volume. The limit, measured interleaved in the same run (in-process only): the
-// single-rank layer on the same global batch with all the cores.
+// `switchyard bench layer-parallel` (and `bench layer --ranks W`): one MoE layer on W ranks
+// (threads of this process, or MPI processes), forward + backward + gradient sync per step: step
+// time, tokens/s, and per rank the time blocked in communication vs. computing and the bytes put on
+// the wire, against SPEC §2.3's predicted volume. Measured interleaved in the same run: the limit
+// (in-process only), the single-rank layer on the same global batch with all the cores; and with
+// an overlap schedule (--overlap-degree, --smart-schedule, --shadow), the plain path (D = 1, no
+// smart schedule, no shadows) on the same batch, with the fraction of the token communication the
+// schedule hid.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <memory>
@@ -11,48 +15,21 @@
 #include <string>
 #include <vector>
 
+#include "cli/bench_parallel.h"
 #include "cli/command.h"
 #include "cli/timing.h"
 #include "switchyard/comm/mpi.h"
+#include "switchyard/core/error.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/moe/layer.h"
 #include "switchyard/parallel/driver.h"
+#include "switchyard/parallel/schedule.h"
+#include "switchyard/parallel/trace.h"
 
 namespace switchyard::cli {
 namespace {
-
-struct BenchParallelOptions {
-  int64_t tokens = 4096;      // per data shard
-  int64_t global_tokens = 0;  // > 0: the whole batch instead
-  int64_t model_dim = 512;
-  int64_t hidden_dim = 2048;
-  int64_t experts = 8;
-  int64_t top_k = 2;
-  float capacity_factor = 1.25f;
-  bool dropless = false;
-  std::string activation = "gelu";
-  bool gated = false;
-  int ranks = 2;
-  int tp = 1, ep = 0, etp = 1;
-  std::string arrangement = "deepspeed";
-  std::string dispatch = "alltoall";
-  std::string adaptive_r = "default";
-  int hierarchical = 0;
-  bool no_tp_dedup = false;
-  std::string scope = "global";
-  std::string transport = "inproc";
-  int threads = 0;
-  int repeat = 3;
-  int warmup = 1;
-  int rounds = 2;
-  bool no_reference = false;
-  // Emulated topology (in-process): nodes of `emulate_per_node` ranks with alpha-beta links.
-  int emulate_per_node = 0;
-  double intra_gbps = 0, intra_latency_us = 0, inter_gbps = 0, inter_latency_us = 0;
-  bool json = false;
-};
 
 Tensor RandomTensor(Shape shape, uint64_t seed) {
   Tensor t = Tensor::Empty(std::move(shape));
@@ -64,6 +41,36 @@ Tensor RandomTensor(Shape shape, uint64_t seed) {
 
 double Median(std::vector<double> v) { return SummarizeTimes(std::move(v)).median_s; }
 
+// Token all-to-alls of one run, averaged over the ranks (forward + backward of the last step):
+// time blocked in them and time they ran.
+struct TokenComm {
+  double blocked = 0, busy = 0;
+};
+TokenComm TokenCommOf(const parallel::LayerRunResult& run) {
+  TokenComm t;
+  for (const parallel::RankReport& r : run.ranks) {
+    t.blocked += r.forward.CommSeconds(parallel::Traffic::kTokens) +
+                 r.backward.CommSeconds(parallel::Traffic::kTokens);
+    t.busy += r.forward.BusySeconds(parallel::Traffic::kTokens) +
+              r.backward.BusySeconds(parallel::Traffic::kTokens);
+  }
+  const auto n = static_cast<double>(std::max<size_t>(1, run.ranks.size()));
+  t.blocked /= n;
+  t.busy /= n;
+  return t;
+}
+
+// Per repetition, the slowest rank's step time.
+void AppendSteps(const parallel::LayerRunResult& run, std::vector<double>* steps) {
+  for (size_t rep = 0; rep < run.ranks[0].step_seconds.size(); ++rep) {
+    double worst = 0;
+    for (const parallel::RankReport& r : run.ranks) worst = std::max(worst, r.step_seconds[rep]);
+    steps->push_back(worst);
+  }
+}
+
+}  // namespace
+
 int RunBenchParallel(const BenchParallelOptions& o) {
   moe::LayerConfig config;
   config.model_dim = o.model_dim;
@@ -74,6 +81,7 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   config.dropless = o.dropless;
   config.activation = kernels::ActivationFromName(o.activation);
   config.gated = o.gated;
+  config.expert_bias = o.hot_expert_bias > 0;
   moe::ValidateConfig(config);
 
   parallel::DriverOptions d;
@@ -88,7 +96,12 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   p.hierarchical_ranks_per_node = o.hierarchical;
   p.tp_dedup = !o.no_tp_dedup;
   p.batch_scope = parallel::BatchScopeFromName(o.scope);
-  d.transport = parallel::TransportFromName(o.transport);
+  p.overlap_degree = o.overlap_degree;
+  p.smart_group = parallel::SmartGroupFromString(o.smart);
+  p.shadow = parallel::ShadowFromString(o.shadow);
+  const std::string transport =
+      o.transport == "auto" ? (comm::RunningUnderMpi() ? "mpi" : "inproc") : o.transport;
+  d.transport = parallel::TransportFromName(transport);
   d.threads = o.threads;
   d.repeat = o.repeat;
   d.warmup = o.warmup;
@@ -100,23 +113,58 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   const parallel::Mesh mesh(p.mesh, config.num_experts, config.hidden_dim);
   const int64_t t_global = o.global_tokens > 0 ? o.global_tokens : o.tokens * mesh.data_shards();
 
-  const moe::LayerParams params = moe::InitParams(config, 1);
+  moe::LayerParams params = moe::InitParams(config, 1);
+  if (config.expert_bias) {
+    // A skewed gate: expert 0's choice score is raised by the bias (gate values unchanged).
+    params.expert_bias = Tensor::Zeros({config.num_experts});
+    params.expert_bias.data<float>()[0] = static_cast<float>(o.hot_expert_bias);
+  }
   const Tensor x = RandomTensor({t_global, o.model_dim}, 2);
   const Tensor dy = RandomTensor({t_global, o.model_dim}, 3);
   const bool mpi = d.transport == parallel::Transport::kMpi;
+  if (o.emulate_per_node > 0) {
+    SY_REQUIRE(!mpi, InvalidArgument,
+               "--emulate-ranks-per-node applies to the in-process transport");
+  }
   const bool reference = !o.no_reference && !mpi;
   const int cores = UsableCores();
 
-  // Interleaved rounds: the parallel run, then the single-rank layer on the same batch.
-  std::vector<double> steps, single;
+  // The plain path the schedules are measured against.
+  parallel::DriverOptions plain = d;
+  plain.parallel.overlap_degree = 1;
+  plain.parallel.smart_group = parallel::kSmartOff;
+  plain.parallel.shadow = parallel::ShadowOptions{};
+  const bool scheduled = p.overlap_degree > 1 || p.smart_group != parallel::kSmartOff ||
+                         p.shadow.policy != parallel::ShadowPolicy::kNone;
+  const bool compare = scheduled && !o.no_baseline;
+  parallel::Tracer tracer;
+
+  // Interleaved rounds: the parallel run, the plain path, then the single-rank layer on the same
+  // batch. Every MPI rank makes the same runs; rank 0 reports.
+  std::vector<double> steps, plain_steps, single, hidden, saved_of_plain;
+  std::vector<double> blocked, busy, plain_blocked;
   parallel::LayerRunResult last;
-  for (int round = 0; round < std::max(1, o.rounds); ++round) {
+  const int rounds = std::max(1, o.rounds);
+  for (int round = 0; round < rounds; ++round) {
+    d.tracer = !o.trace_path.empty() && round == rounds - 1 ? &tracer : nullptr;
     last = parallel::RunLayerOnRanks(config, params, x, dy, d);
+    parallel::LayerRunResult base;
+    if (compare) base = parallel::RunLayerOnRanks(config, params, x, dy, plain);
     if (!last.is_root) continue;
-    for (size_t rep = 0; rep < last.ranks[0].step_seconds.size(); ++rep) {
-      double worst = 0;
-      for (const parallel::RankReport& r : last.ranks) worst = std::max(worst, r.step_seconds[rep]);
-      steps.push_back(worst);
+    const size_t first = steps.size(), plain_first = plain_steps.size();
+    AppendSteps(last, &steps);
+    const TokenComm tc = TokenCommOf(last);
+    blocked.push_back(tc.blocked);
+    busy.push_back(tc.busy);
+    hidden.push_back(tc.busy > 0 ? 1.0 - tc.blocked / tc.busy : 0.0);
+    if (compare) {
+      AppendSteps(base, &plain_steps);
+      const TokenComm pc = TokenCommOf(base);
+      plain_blocked.push_back(pc.blocked);
+      const double dt = Median({plain_steps.begin() + static_cast<std::ptrdiff_t>(plain_first),
+                                plain_steps.end()}) -
+                        Median({steps.begin() + static_cast<std::ptrdiff_t>(first), steps.end()});
+      if (pc.blocked > 0) saved_of_plain.push_back(dt / pc.blocked);
     }
     if (reference) {
       kernels::SetBlasThreads(cores);
@@ -136,6 +184,7 @@ int RunBenchParallel(const BenchParallelOptions& o) {
     }
   }
   if (!last.is_root) return 0;
+  if (!o.trace_path.empty()) tracer.WriteJson(o.trace_path);
 
   const TimingStats st = SummarizeTimes(steps);
   const double tokens_per_s = static_cast<double>(t_global) / st.median_s;
@@ -157,6 +206,8 @@ int RunBenchParallel(const BenchParallelOptions& o) {
                      {"tokens", r.tokens},
                      {"step_ms", Median(r.step_seconds) * 1e3},
                      {"comm_ms", s.comm_seconds * 1e3},
+                     {"token_comm_blocked_ms", s.CommSeconds(parallel::Traffic::kTokens) * 1e3},
+                     {"token_comm_busy_ms", s.BusySeconds(parallel::Traffic::kTokens) * 1e3},
                      {"compute_ms", s.compute_seconds() * 1e3},
                      {"collectives", s.collectives},
                      {"bytes_tokens", s.Bytes(parallel::Traffic::kTokens)},
@@ -168,6 +219,38 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   }
   const double predicted_bytes = last.predicted_volume * bytes_per_float;
   const int group = mesh.expert_group_size();
+  const TimingStats plain_st = SummarizeTimes(plain_steps);
+  const double hidden_median = hidden.empty() ? 0 : Median(hidden);
+  const double saved_median = saved_of_plain.empty() ? 0 : Median(saved_of_plain);
+  const std::string shadowed =
+      last.shadowed.empty() ? "none" : fmt::format("{}", fmt::join(last.shadowed, ","));
+  nlohmann::json schedule = {
+      {"overlap_degree", last.overlap_degree},
+      {"smart_group", last.smart_group},
+      {"shadow", o.shadow},
+      {"shadowed", last.shadowed},
+      {"hot_expert_bias", o.hot_expert_bias},
+      {"token_comm_busy_ms", (busy.empty() ? 0 : Median(busy)) * 1e3},
+      {"token_comm_blocked_ms", (blocked.empty() ? 0 : Median(blocked)) * 1e3},
+      {"hidden_fraction", hidden_median},
+      {"cost_model",
+       {{"link_gbps", last.cost_model.link_gbps},
+        {"link_latency_us", last.cost_model.link_latency_us},
+        {"gemm_gflops", last.cost_model.gemm_gflops}}}};
+  if (compare) {
+    schedule["plain_step_median_ms"] = plain_st.median_s * 1e3;
+    schedule["speedup_over_plain"] = st.median_s > 0 ? plain_st.median_s / st.median_s : 0;
+    schedule["plain_token_comm_blocked_ms"] = Median(plain_blocked) * 1e3;
+    schedule["saved_of_plain_token_comm"] = saved_median;
+  }
+  nlohmann::json emulation = nullptr;
+  if (o.emulate_per_node > 0) {
+    emulation = {{"ranks_per_node", o.emulate_per_node},
+                 {"intra_gbps", o.intra_gbps},
+                 {"intra_latency_us", o.intra_latency_us},
+                 {"inter_gbps", o.inter_gbps},
+                 {"inter_latency_us", o.inter_latency_us}};
+  }
   if (o.json) {
     nlohmann::json j = {{"op", "layer-parallel"},
                         {"ranks", o.ranks},
@@ -180,7 +263,7 @@ int RunBenchParallel(const BenchParallelOptions& o) {
                         {"adaptive_r", last.adaptive_r},
                         {"2dh", o.hierarchical},
                         {"scope", o.scope},
-                        {"transport", o.transport},
+                        {"transport", transport},
                         {"global_tokens", t_global},
                         {"model_dim", o.model_dim},
                         {"hidden_dim", o.hidden_dim},
@@ -200,6 +283,8 @@ int RunBenchParallel(const BenchParallelOptions& o) {
                         {"max_rank_bytes", max_bytes},
                         {"max_rank_token_bytes", max_token_bytes},
                         {"max_rank_weight_bytes", max_weight_bytes},
+                        {"schedule", schedule},
+                        {"emulation", emulation},
                         {"per_rank", ranks}};
     fmt::print("{}\n", j.dump());
     return 0;
@@ -207,7 +292,7 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   fmt::print(
       "layer-parallel: {} ranks ({}), {} tp {} ep {} etp {}: expert group {} ({} experts/rank{}), "
       "dispatch {}, r {}{}, scope {}\n",
-      o.ranks, o.transport, o.arrangement, o.tp, mesh.ep(), o.etp, group, mesh.local_experts(),
+      o.ranks, transport, o.arrangement, o.tp, mesh.ep(), o.etp, group, mesh.local_experts(),
       mesh.shards() > 1 ? fmt::format(", H split {}", mesh.shards()) : std::string(), o.dispatch,
       last.adaptive_r, o.hierarchical ? fmt::format(", 2DH {} ranks/node", o.hierarchical) : "",
       o.scope);
@@ -227,15 +312,45 @@ int RunBenchParallel(const BenchParallelOptions& o) {
         "-> parallel/single = {:.2f}\n",
         t_global, cores, single_s * 1e3, st.median_s / single_s);
   }
+  if (o.emulate_per_node > 0) {
+    fmt::print(
+        "  emulated links: nodes of {} rank(s); intra-node {} GB/s + {} us, inter-node {} GB/s + "
+        "{} us per message\n",
+        o.emulate_per_node, o.intra_gbps, o.intra_latency_us, o.inter_gbps, o.inter_latency_us);
+  }
+  const parallel::CostModel& cm = last.cost_model;
   fmt::print(
-      "  per rank (last step): tokens  step ms  comm ms  compute ms  MB tokens  MB routing  "
-      "MB weights  MB grad-sync  MB tp\n");
+      "  schedule: overlap degree {}, smart schedule {}, shadowed experts {}{}{}\n",
+      last.overlap_degree,
+      last.smart_group > 0 ? fmt::format("g = {}", last.smart_group) : std::string("off"), shadowed,
+      o.hot_expert_bias > 0 ? fmt::format(" (skewed gate: expert 0 bias {})", o.hot_expert_bias)
+                            : std::string(),
+      cm.gemm_gflops > 0 ? fmt::format("; cost model {:.3g} GB/s + {:.3g} us, {:.3g} GFLOP/s",
+                                       cm.link_gbps, cm.link_latency_us, cm.gemm_gflops)
+                         : std::string());
+  fmt::print(
+      "  token all-to-alls (fwd+bwd, mean over ranks): ran {:.1f} ms, blocked {:.1f} ms -> {:.0f}% "
+      "hidden behind compute\n",
+      (busy.empty() ? 0 : Median(busy)) * 1e3, (blocked.empty() ? 0 : Median(blocked)) * 1e3,
+      100 * hidden_median);
+  if (compare) {
+    fmt::print(
+        "  plain path (D 1, no smart schedule, no shadows), interleaved: median {:.1f} ms, token "
+        "all-to-alls blocked {:.1f} ms -> speedup {:.2f}x, step saved = {:.0f}% of the plain "
+        "path's token communication\n",
+        plain_st.median_s * 1e3, Median(plain_blocked) * 1e3, plain_st.median_s / st.median_s,
+        100 * saved_median);
+  }
+  fmt::print(
+      "  per rank (last step): tokens  step ms  comm ms  compute ms  a2a ran  a2a blocked  MB "
+      "tokens  MB routing  MB weights  MB grad-sync  MB tp\n");
   for (const auto& r : ranks) {
     fmt::print(
-        "    {:4d} {:8d} {:8.1f} {:8.1f} {:11.1f} {:10.2f} {:11.3f} {:11.2f} {:13.2f} "
-        "{:6.2f}\n",
+        "    {:4d} {:8d} {:8.1f} {:8.1f} {:11.1f} {:8.1f} {:12.1f} {:9.2f} {:11.3f} {:11.2f} "
+        "{:13.2f} {:6.2f}\n",
         r["rank"].get<int>(), r["tokens"].get<int64_t>(), r["step_ms"].get<double>(),
         r["comm_ms"].get<double>(), r["compute_ms"].get<double>(),
+        r["token_comm_busy_ms"].get<double>(), r["token_comm_blocked_ms"].get<double>(),
         r["bytes_tokens"].get<double>() / 1e6, r["bytes_routing"].get<double>() / 1e6,
         r["bytes_weights_fwd_bwd"].get<double>() / 1e6, r["bytes_grad_sync"].get<double>() / 1e6,
         r["bytes_tp"].get<double>() / 1e6);
@@ -259,15 +374,60 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   return 0;
 }
 
+void AddParallelBenchOptions(CLI::App& app, BenchParallelOptions* o) {
+  app.add_option("--global-tokens", o->global_tokens, "tokens of the whole batch instead")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  app.add_option("--ranks", o->ranks, "W")->check(CLI::Range(1, 4096));
+  app.add_option("--tp", o->tp, "dense tensor-parallel degree")->check(CLI::Range(1, 4096));
+  app.add_option("--ep", o->ep, "EP size (0: as large as possible)")->check(CLI::Range(0, 4096));
+  app.add_option("--etp", o->etp, "expert tensor parallel (Megatron)")->check(CLI::Range(1, 4096));
+  app.add_option("--arrangement", o->arrangement, "deepspeed | megatron")
+      ->check(CLI::IsMember({"deepspeed", "megatron"}));
+  app.add_option("--dispatch", o->dispatch, "alltoall | alltoallv | allgather")
+      ->check(CLI::IsMember({"alltoall", "alltoallv", "allgather"}));
+  app.add_option("--adaptive-r", o->adaptive_r, "R (0 or a divisor of the H shards) or auto");
+  app.add_option("--2dh", o->hierarchical, "hierarchical all-to-all with this many ranks/node")
+      ->check(CLI::Range(0, 4096));
+  app.add_flag("--no-tp-dedup", o->no_tp_dedup, "DeepSpeed arrangement: no TP de-duplication");
+  app.add_option("--scope", o->scope, "global | per_rank (capacity, slots and l_aux)")
+      ->check(CLI::IsMember({"global", "per_rank"}));
+  app.add_option("--transport", o->transport, "auto (mpi under mpirun) | inproc | mpi")
+      ->check(CLI::IsMember({"auto", "inproc", "mpi"}));
+  app.add_option("--rounds", o->rounds, "interleaved rounds (parallel, plain path, single-rank)")
+      ->check(CLI::Range(1, 1000));
+  app.add_flag("--no-reference", o->no_reference, "skip the single-rank limit");
+  app.add_option("--overlap-degree", o->overlap_degree,
+                 "Tutel's a2a-FFN overlap: pipeline the token all-to-alls in D chunks")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--smart-schedule", o->smart,
+                 "FasterMoE's pair-wise schedule: off | auto | group size g");
+  app.add_option("--shadow", o->shadow, "FasterMoE's shadow experts: none | auto | E1,E2,...");
+  app.add_flag("--no-baseline", o->no_baseline,
+               "with a schedule: skip the plain path (D 1, no smart schedule, no shadows)");
+  app.add_option("--hot-expert-bias", o->hot_expert_bias,
+                 "skewed gate: add this to expert 0's choice score (e.g. 0.1; 0: off)")
+      ->check(CLI::Range(0.0, 1e6));
+  app.add_option("--trace", o->trace_path,
+                 "write the last round's timeline as a Chrome trace-event JSON file");
+  app.add_option("--emulate-ranks-per-node", o->emulate_per_node,
+                 "in-process: emulate nodes of this many ranks (alpha-beta link costs)")
+      ->check(CLI::Range(0, 4096));
+  app.add_option("--intra-gbps", o->intra_gbps, "emulated intra-node bandwidth, GB/s");
+  app.add_option("--intra-latency-us", o->intra_latency_us, "emulated intra-node latency");
+  app.add_option("--inter-gbps", o->inter_gbps, "emulated inter-node bandwidth, GB/s");
+  app.add_option("--inter-latency-us", o->inter_latency_us, "emulated inter-node latency");
+}
+
+namespace {
+
 SY_REGISTER_COMMAND(Command{
     "bench", "layer-parallel",
-    "One MoE layer on W ranks: step time, tokens/s, comm vs compute and bytes per rank",
+    "One MoE layer on W ranks: step time, tokens/s, comm vs compute and bytes per rank, overlap "
+    "schedules against the plain path",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<BenchParallelOptions>();
       auto range = CLI::Range(int64_t{1}, int64_t{1} << 40);
       app.add_option("--tokens", o->tokens, "tokens per data shard (default 4096)")->check(range);
-      app.add_option("--global-tokens", o->global_tokens, "tokens of the whole batch instead")
-          ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
       app.add_option("--model-dim", o->model_dim, "M")->check(range);
       app.add_option("--hidden-dim", o->hidden_dim, "H")->check(range);
       app.add_option("--experts", o->experts, "E")->check(range);
@@ -276,39 +436,12 @@ SY_REGISTER_COMMAND(Command{
       app.add_flag("--dropless", o->dropless, "dropless mode");
       app.add_option("--activation", o->activation, "relu, gelu or silu");
       app.add_flag("--gated", o->gated, "gated experts");
-      app.add_option("--ranks", o->ranks, "W")->check(CLI::Range(1, 4096));
-      app.add_option("--tp", o->tp, "dense tensor-parallel degree")->check(CLI::Range(1, 4096));
-      app.add_option("--ep", o->ep, "EP size (0: as large as possible)")
-          ->check(CLI::Range(0, 4096));
-      app.add_option("--etp", o->etp, "expert tensor parallel (Megatron)")
-          ->check(CLI::Range(1, 4096));
-      app.add_option("--arrangement", o->arrangement, "deepspeed | megatron")
-          ->check(CLI::IsMember({"deepspeed", "megatron"}));
-      app.add_option("--dispatch", o->dispatch, "alltoall | alltoallv | allgather")
-          ->check(CLI::IsMember({"alltoall", "alltoallv", "allgather"}));
-      app.add_option("--adaptive-r", o->adaptive_r, "R (0 or a divisor of the H shards) or auto");
-      app.add_option("--2dh", o->hierarchical, "hierarchical all-to-all with this many ranks/node")
-          ->check(CLI::Range(0, 4096));
-      app.add_flag("--no-tp-dedup", o->no_tp_dedup, "DeepSpeed arrangement: no TP de-duplication");
-      app.add_option("--scope", o->scope, "global | per_rank (capacity, slots and l_aux)")
-          ->check(CLI::IsMember({"global", "per_rank"}));
-      app.add_option("--transport", o->transport, "inproc | mpi")
-          ->check(CLI::IsMember({"inproc", "mpi"}));
       app.add_option("--threads", o->threads, "compute threads per rank (0: cores / ranks)")
           ->check(CLI::Range(0, 256));
       app.add_option("--repeat", o->repeat, "timed steps per round")->check(CLI::Range(1, 10000));
       app.add_option("--warmup", o->warmup, "untimed steps per round")->check(CLI::Range(0, 10000));
-      app.add_option("--rounds", o->rounds, "interleaved rounds (parallel, then single-rank)")
-          ->check(CLI::Range(1, 1000));
-      app.add_flag("--no-reference", o->no_reference, "skip the single-rank limit");
-      app.add_option("--emulate-ranks-per-node", o->emulate_per_node,
-                     "in-process: emulate nodes of this many ranks (alpha-beta link costs)")
-          ->check(CLI::Range(0, 4096));
-      app.add_option("--intra-gbps", o->intra_gbps, "emulated intra-node bandwidth, GB/s");
-      app.add_option("--intra-latency-us", o->intra_latency_us, "emulated intra-node latency");
-      app.add_option("--inter-gbps", o->inter_gbps, "emulated inter-node bandwidth, GB/s");
-      app.add_option("--inter-latency-us", o->inter_latency_us, "emulated inter-node latency");
       app.add_flag("--json", o->json, "one JSON line instead of text");
+      AddParallelBenchOptions(app, o.get());
       return [o] { return RunBenchParallel(*o); };
     }});
 

@@ -1,12 +1,14 @@
 // `switchyard layer`: runs one MoE layer on tensors from a safetensors file and writes its outputs,
 // routing and (with dy) gradients, so users can check switchyard against their own PyTorch code.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <memory>
 #include <string>
 #include <string_view>
 
 #include "cli/command.h"
+#include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/safetensors.h"
@@ -15,6 +17,8 @@
 #include "switchyard/moe/config.h"
 #include "switchyard/moe/layer.h"
 #include "switchyard/parallel/driver.h"
+#include "switchyard/parallel/schedule.h"
+#include "switchyard/parallel/trace.h"
 
 namespace switchyard::cli {
 namespace {
@@ -34,10 +38,20 @@ struct LayerOptions {
   std::string dispatch = "alltoall";
   std::string adaptive_r = "default";
   int hierarchical = 0;
-  std::string transport = "inproc";
+  std::string transport = "auto";  // auto: mpi when started by mpirun, else inproc
   std::string scope = "global";
   bool no_tp_dedup = false;
+  // Overlap and scheduling (docs/overlap.md): the same outputs for every schedule.
+  int overlap_degree = 1;
+  std::string smart = "off";
+  std::string shadow = "none";
+  std::string trace_path;  // Chrome trace-event JSON of the parallel run
 };
+
+std::string ResolvedTransport(const LayerOptions& o) {
+  if (o.transport != "auto") return o.transport;
+  return comm::RunningUnderMpi() ? "mpi" : "inproc";
+}
 
 // The layer on o.ranks ranks (parallel/driver.h); the same outputs as the single-rank layer.
 // Returns false on MPI ranks other than 0, which write nothing.
@@ -55,20 +69,34 @@ bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config,
   d.parallel.hierarchical_ranks_per_node = o.hierarchical;
   d.parallel.tp_dedup = !o.no_tp_dedup;
   d.parallel.batch_scope = parallel::BatchScopeFromName(o.scope);
-  d.transport = parallel::TransportFromName(o.transport);
+  d.parallel.overlap_degree = o.overlap_degree;
+  d.parallel.smart_group = parallel::SmartGroupFromString(o.smart);
+  d.parallel.shadow = parallel::ShadowFromString(o.shadow);
+  const std::string transport = ResolvedTransport(o);
+  d.transport = parallel::TransportFromName(transport);
   d.threads = o.threads;
   d.global_token_offset = o.global_token_offset;
   d.step = o.step;
+  parallel::Tracer tracer;
+  if (!o.trace_path.empty()) d.tracer = &tracer;
   parallel::LayerRunResult run = parallel::RunLayerOnRanks(config, params, x, dy, d);
   if (!run.is_root) return false;
+  if (!o.trace_path.empty()) tracer.WriteJson(o.trace_path);
   *out = run.output;
   grads->x = run.grad_x;
   grads->params = run.grads;
   if (!o.quiet) {
     fmt::print("layer: {} ranks ({}), {} arrangement, dispatch {}, adaptive r {}{}, scope {}\n",
-               o.ranks, o.transport, o.arrangement, o.dispatch, run.adaptive_r,
+               o.ranks, transport, o.arrangement, o.dispatch, run.adaptive_r,
                o.hierarchical > 0 ? fmt::format(", 2DH {} ranks/node", o.hierarchical) : "",
                o.scope);
+    if (run.overlap_degree > 1 || run.smart_group > 0 || !run.shadowed.empty()) {
+      fmt::print("layer: overlap degree {}, smart schedule {}, shadowed experts {}\n",
+                 run.overlap_degree,
+                 run.smart_group > 0 ? fmt::format("g = {}", run.smart_group) : "off",
+                 run.shadowed.empty() ? "none" : fmt::format("{}", fmt::join(run.shadowed, ",")));
+    }
+    if (!o.trace_path.empty()) fmt::print("layer: trace written to {}\n", o.trace_path);
   }
   return true;
 }
@@ -112,7 +140,8 @@ int RunLayer(const LayerOptions& o) {
   fo.save_for_backward = dy_it != in.end();
   moe::LayerOutput out;
   moe::LayerGradients parallel_grads;
-  const bool parallel = o.ranks > 1 || o.transport != "inproc";
+  const bool parallel = o.ranks > 1 || ResolvedTransport(o) != "inproc" || !o.trace_path.empty() ||
+                        o.overlap_degree > 1 || o.smart != "off" || o.shadow != "none";
   try {
     if (parallel) {
       if (!RunParallel(o, config, params, x, dy_it != in.end() ? dy_it->second : Tensor(), &out,
@@ -194,12 +223,21 @@ SY_REGISTER_COMMAND(Command{
       app.add_option("--adaptive-r", o->adaptive_r, "R (0 or a divisor of the H shards) or auto");
       app.add_option("--2dh", o->hierarchical, "hierarchical all-to-all, RANKS_PER_NODE")
           ->check(CLI::Range(0, 4096));
-      app.add_option("--transport", o->transport, "inproc | mpi")
-          ->check(CLI::IsMember({"inproc", "mpi"}));
+      app.add_option("--transport", o->transport,
+                     "auto (mpi when started by mpirun) | inproc | mpi")
+          ->check(CLI::IsMember({"auto", "inproc", "mpi"}));
       app.add_option("--scope", o->scope,
                      "global (equals the single-rank run) | per_rank (Tutel/DeepSpeed default)")
           ->check(CLI::IsMember({"global", "per_rank"}));
       app.add_flag("--no-tp-dedup", o->no_tp_dedup, "DeepSpeed arrangement: no TP de-duplication");
+      app.add_option("--overlap-degree", o->overlap_degree,
+                     "Tutel's a2a-FFN overlap: pipeline the token all-to-alls in D chunks")
+          ->check(CLI::Range(1, 1024));
+      app.add_option("--smart-schedule", o->smart,
+                     "FasterMoE's pair-wise schedule: off | auto | group size g");
+      app.add_option("--shadow", o->shadow, "FasterMoE's shadow experts: none | auto | E1,E2,...");
+      app.add_option("--trace", o->trace_path,
+                     "write the parallel run's timeline as a Chrome trace-event JSON file");
       return [o] { return RunLayer(*o); };
     }});
 
