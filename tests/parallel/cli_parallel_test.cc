@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "parallel/cli_helpers.h"
 
@@ -34,6 +35,72 @@ TEST(CliLayerParallel, EveryLayoutWritesTheSingleRankOutputs) {
     ASSERT_EQ(r.exit_code, 0) << flags << ": " << r.err;
     EXPECT_TRUE(SameOutputs(dir + "/parallel.safetensors", dir + "/single.safetensors")) << flags;
   }
+}
+
+TEST(CliLayerParallel, EveryScheduleWritesTheSingleRankOutputs) {
+  const std::string dir = testing::TestDir("sy_cli_parallel");
+  testing::WriteLayerInputs(dir, kConfig, 30);
+  ASSERT_EQ(RunCommand(Layer(dir, "single.safetensors", ""), dir).exit_code, 0);
+  for (const char* flags :
+       {"--ranks 4 --overlap-degree 2", "--ranks 4 --dispatch alltoallv --overlap-degree 3",
+        "--ranks 4 --smart-schedule 2", "--ranks 4 --smart-schedule auto --dispatch alltoallv",
+        "--ranks 4 --shadow auto", "--ranks 4 --shadow 0,1 --overlap-degree 2",
+        "--ranks 8 --adaptive-r 2 --overlap-degree 2", "--ranks 4 --2dh 2 --overlap-degree 2"}) {
+    testing::CommandResult r = RunCommand(Layer(dir, "parallel.safetensors", flags), dir);
+    ASSERT_EQ(r.exit_code, 0) << flags << ": " << r.err;
+    EXPECT_TRUE(SameOutputs(dir + "/parallel.safetensors", dir + "/single.safetensors")) << flags;
+  }
+  testing::CommandResult r = RunCommand(
+      Layer(dir, "parallel.safetensors", "--ranks 4 --overlap-degree 2 --dispatch allgather"), dir);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("overlap degree 2 applies to"), std::string::npos) << r.err;
+}
+
+TEST(CliLayerParallel, TraceFileAndItsSvgTimeline) {
+  const std::string dir = testing::TestDir("sy_cli_parallel");
+  testing::WriteLayerInputs(dir, kConfig, 30);
+  testing::CommandResult r = RunCommand(
+      Layer(dir, "out.safetensors", "--ranks 2 --overlap-degree 2 --trace " + dir + "/t.json"),
+      dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(testing::ReadAll(dir + "/t.json"));
+  std::set<std::string> names;
+  for (const auto& e : j["traceEvents"]) names.insert(e["name"].get<std::string>());
+  for (const char* n : {"thread_name", "gate", "send c0", "experts c1", "return c1", "decode"}) {
+    EXPECT_TRUE(names.count(n)) << n;
+  }
+  r = RunCommand(std::string(SY_SWITCHYARD_BIN) + " trace-svg " + dir + "/t.json " + dir +
+                     "/t.svg --category forward",
+                 dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string svg = testing::ReadAll(dir + "/t.svg");
+  EXPECT_NE(svg.find("<svg"), std::string::npos);
+  EXPECT_NE(svg.find("rank 1 comm"), std::string::npos);
+  EXPECT_NE(svg.find("experts c1"), std::string::npos);
+  r = RunCommand(
+      std::string(SY_SWITCHYARD_BIN) + " trace-svg " + dir + "/layer.json " + dir + "/bad.svg",
+      dir);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+}
+
+TEST(CliBenchLayer, RanksReachTheParallelBenchWithTheSchedules) {
+  const std::string dir = testing::TestDir("sy_cli_parallel");
+  testing::CommandResult r = RunCommand(
+      std::string(SY_SWITCHYARD_BIN) +
+          " bench layer --ranks 2 --tokens 64 --model-dim 16 --hidden-dim 32 --experts 4 "
+          "--overlap-degree 2 --repeat 1 --warmup 0 --rounds 1 --no-reference --json "
+          "--emulate-ranks-per-node 1 --inter-gbps 1 --trace " +
+          dir + "/b.json",
+      dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["op"], "layer-parallel");
+  EXPECT_EQ(j["ranks"], 2);
+  EXPECT_EQ(j["schedule"]["overlap_degree"], 2);
+  EXPECT_TRUE(j["schedule"].contains("plain_step_median_ms"));
+  EXPECT_TRUE(j["schedule"].contains("hidden_fraction"));
+  EXPECT_EQ(j["emulation"]["inter_gbps"], 1.0);
+  EXPECT_NO_THROW(nlohmann::json::parse(testing::ReadAll(dir + "/b.json")));
 }
 
 TEST(CliLayerParallel, NonDividingLayoutIsOneClearLine) {
