@@ -32,5 +32,29 @@ TEST(CliLayerMpi, MainLayoutsWriteTheSingleRankOutputs) {
   }
 }
 
+TEST(CliLayerMpi, SchedulesUnderMpirunPickTheMpiTransportByThemselves) {
+  // No --transport: started by mpirun, `switchyard layer` uses MPI. Rank 0 writes the trace of
+  // every rank.
+  const std::string dir = testing::TestDir("sy_cli_mpi");
+  testing::WriteLayerInputs(dir, kConfig, 30);
+  auto layer = [&](const std::string& out, const std::string& flags) {
+    return std::string(SY_SWITCHYARD_BIN) + " layer --config " + dir + "/layer.json" +
+           " --tensors " + dir + "/in.safetensors --out " + dir + "/" + out + " " + flags;
+  };
+  ASSERT_EQ(RunCommand(layer("single.safetensors", "--quiet"), dir).exit_code, 0);
+  for (const char* flags : {"--overlap-degree 2", "--dispatch alltoallv --overlap-degree 2",
+                            "--smart-schedule 1", "--shadow 0,1"}) {
+    const std::string cmd = std::string("bash ") + SY_MPIRUN_SCRIPT + " -np 4 " +
+                            layer("mpi.safetensors", std::string("--ranks 4 --threads 1 --trace ") +
+                                                         dir + "/trace.json " + flags);
+    testing::CommandResult r = RunCommand(cmd, dir);
+    ASSERT_EQ(r.exit_code, 0) << flags << ": " << r.err;
+    EXPECT_NE(r.out.find("4 ranks (mpi)"), std::string::npos) << r.out;
+    EXPECT_TRUE(SameOutputs(dir + "/mpi.safetensors", dir + "/single.safetensors")) << flags;
+    const std::string trace = testing::ReadAll(dir + "/trace.json");
+    EXPECT_NE(trace.find("rank 3 comm"), std::string::npos) << flags;
+  }
+}
+
 }  // namespace
 }  // namespace switchyard::parallel

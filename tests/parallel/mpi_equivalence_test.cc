@@ -67,6 +67,40 @@ TEST(MpiEquivalence, GlobalCapacityEqualsWholeBatch) {
   CheckLayouts(false, BatchScope::kGlobal, 2);
 }
 
+TEST(MpiEquivalence, OverlapSchedulesEqualWholeBatch) {
+  // The main schedules of SPEC §4 over processes: overlap degree (fixed and variable size), the
+  // smart schedule, shadow experts; one rank without tokens.
+  for (bool dropless : {true, false}) {
+    const moe::LayerConfig config = testing::SmallConfig(4, dropless, 0.75f);
+    const testing::Inputs in = testing::MakeInputs(config, 45, 92);
+    const testing::Reference ref = testing::WholeBatchReference(config, in);
+    int checked = 0;
+    for (const testing::Layout& layout : testing::OverlapLayoutsFor(g_world_size, 4)) {
+      bool main = false;
+      for (const char* name : {"a2a_d2", "a2av_d2", "a2a_d2_2dh", "smart_g1", "smart_auto",
+                               "shadow_auto", "shadow_0_a2av", "shadow_0_1_d2_smart_g1"}) {
+        main |= layout.name == name;
+      }
+      if (!main) continue;
+      DriverOptions o;
+      o.parallel = layout.options;
+      o.transport = Transport::kMpi;
+      o.threads = 1;
+      o.token_split = EvenSplit(in.x.size(0), g_world_size);
+      if (g_world_size > 1) {
+        o.token_split[0] += o.token_split[1];
+        o.token_split[1] = 0;
+      }
+      LayerRunResult run = RunLayerOnRanks(config, in.params, in.x, in.dy, o);
+      ++checked;
+      if (!run.is_root) continue;
+      EXPECT_TRUE(testing::MatchesReference(run, ref))
+          << layout.name << (dropless ? " dropless" : " capacity");
+    }
+    EXPECT_GE(checked, 6) << "W=" << g_world_size;
+  }
+}
+
 TEST(MpiEquivalence, PerRankCapacityEqualsOneLayerPerShard) {
   CheckLayouts(false, BatchScope::kPerRank, 4);
 }
