@@ -63,6 +63,7 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("ep", c.ep);
   fn("zero_stage", c.zero_stage);
   fn("dispatch", c.dispatch);
+  fn("overlap_degree", c.overlap_degree);
 }
 
 struct ToJsonVisitor {
@@ -194,6 +195,7 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"ep", "expert-parallel size (0: all ranks)"},
       {"zero_stage", "ZeRO stage of the optimizer: 0, 1, 2 or 3"},
       {"dispatch", "MoE dispatcher: alltoall | alltoallv | allgather"},
+      {"overlap_degree", "a2a-FFN overlap degree D of the MoE blocks (1: none)"},
   };
   std::vector<ConfigKey> keys;
   TrainConfig c;
@@ -269,6 +271,7 @@ void ValidateTrainConfig(const TrainConfig& c) {
   SY_REQUIRE(c.out.empty() == false, InvalidArgument, "config: 'out' must not be empty");
   at_least("ranks", static_cast<double>(c.ranks), 1);
   at_least("ep", static_cast<double>(c.ep), 0);
+  at_least("overlap_degree", static_cast<double>(c.overlap_degree), 1);
   SY_REQUIRE(c.zero_stage >= 0 && c.zero_stage <= 3, InvalidArgument,
              "config: 'zero_stage' must be 0, 1, 2 or 3, got {}", c.zero_stage);
   SY_REQUIRE(c.dispatch == "alltoall" || c.dispatch == "alltoallv" || c.dispatch == "allgather",

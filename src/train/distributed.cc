@@ -76,6 +76,7 @@ parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int wo
   o.mesh.arrangement = parallel::Arrangement::kDeepSpeed;
   o.dispatch = parallel::DispatchKindFromName(config.dispatch);
   o.batch_scope = parallel::BatchScope::kGlobal;
+  o.overlap_degree = static_cast<int>(config.overlap_degree);
   return o;
 }
 

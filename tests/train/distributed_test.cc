@@ -144,11 +144,22 @@ TEST_F(DistributedTest, EveryLayoutMatchesOneRank) {
   struct Layout {
     int ranks, ep, zero;
     const char* dispatch;
+    int overlap = 1;
   };
   const Layout layouts[] = {
-      {1, 0, 0, "alltoall"},  {2, 0, 0, "alltoall"},  {4, 0, 0, "alltoall"}, {4, 2, 0, "alltoall"},
-      {4, 4, 1, "alltoall"},  {4, 4, 2, "alltoall"},  {4, 4, 3, "alltoall"}, {4, 2, 3, "alltoallv"},
-      {4, 0, 2, "allgather"}, {2, 0, 1, "alltoallv"},
+      {1, 0, 0, "alltoall"},
+      {2, 0, 0, "alltoall"},
+      {4, 0, 0, "alltoall"},
+      {4, 2, 0, "alltoall"},
+      {4, 4, 1, "alltoall"},
+      {4, 4, 2, "alltoall"},
+      {4, 4, 3, "alltoall"},
+      {4, 2, 3, "alltoallv"},
+      {4, 0, 2, "allgather"},
+      {2, 0, 1, "alltoallv"},
+      // Tutel's a2a-FFN overlap in the MoE blocks.
+      {4, 0, 0, "alltoall", 2},
+      {4, 2, 1, "alltoallv", 3},
   };
   for (const Layout& l : layouts) {
     TrainConfig c = base;
@@ -156,7 +167,9 @@ TEST_F(DistributedTest, EveryLayoutMatchesOneRank) {
     c.ep = l.ep;
     c.zero_stage = l.zero;
     c.dispatch = l.dispatch;
-    std::string what = fmt::format("ranks {} ep {} zero {} {}", l.ranks, l.ep, l.zero, l.dispatch);
+    c.overlap_degree = l.overlap;
+    std::string what = fmt::format("ranks {} ep {} zero {} {} overlap {}", l.ranks, l.ep, l.zero,
+                                   l.dispatch, l.overlap);
     ExpectSameRun(want, OnRanks(c, kSteps), what);
   }
 }

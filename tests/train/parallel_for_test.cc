@@ -2,10 +2,6 @@
 
 #include <gtest/gtest.h>
 
-#include <atomic>
-#include <stdexcept>
-#include <thread>
-
 #include "switchyard/kernels/reference.h"
 #include "train/grad_check.h"
 
@@ -39,40 +35,6 @@ TEST(ParallelGemmTest, EqualsOneGemmForEveryTransposeAndSplit) {
       }
     }
   }
-}
-
-TEST(ParallelForTest, CoversTheRangeOnceAndPropagatesErrors) {
-  for (int threads : {1, 2, 4}) {
-    for (int64_t n : {0, 1, 3, 1000}) {
-      std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
-      for (int rep = 0; rep < 3; ++rep) {  // the pool is reused
-        ParallelFor(n, threads, [&](int64_t b, int64_t e) {
-          for (int64_t i = b; i < e; ++i) hits[static_cast<size_t>(i)]++;
-        });
-      }
-      for (auto& h : hits) ASSERT_EQ(h.load(), 3);
-    }
-    EXPECT_THROW(ParallelFor(10, threads,
-                             [](int64_t b, int64_t) {
-                               if (b == 0) throw std::runtime_error("boom");
-                             }),
-                 std::runtime_error);
-    ParallelFor(4, threads, [](int64_t, int64_t) {});  // usable after an error
-  }
-}
-
-TEST(ParallelForTest, EachCallingThreadHasItsOwnPool) {
-  std::vector<std::jthread> ranks;
-  std::atomic<int64_t> total{0};
-  for (int r = 0; r < 3; ++r) {
-    ranks.emplace_back([&] {
-      for (int rep = 0; rep < 50; ++rep) {
-        ParallelFor(64, 2, [&](int64_t b, int64_t e) { total += e - b; });
-      }
-    });
-  }
-  ranks.clear();
-  EXPECT_EQ(total.load(), 3 * 50 * 64);
 }
 
 }  // namespace

@@ -92,7 +92,7 @@ TEST(TrainConfigTest, JsonRoundTripAndErrors) {
   EXPECT_EQ(s.data, "/some/file.txt");
   EXPECT_DOUBLE_EQ(s.lr, 1e-3);
   EXPECT_THROW(SetTrainConfigValue(s, "steps", "many"), InvalidArgument);
-  EXPECT_EQ(TrainConfigKeys().size(), 44u);
+  EXPECT_EQ(TrainConfigKeys().size(), 45u);
   s.batch_size = 0;
   EXPECT_THROW(ValidateTrainConfig(s), InvalidArgument);
 }

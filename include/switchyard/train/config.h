@@ -62,6 +62,7 @@ struct TrainConfig {
   int64_t ep = 0;                     // expert-parallel size (0: ranks)
   int64_t zero_stage = 0;             // ZeRO stage 0-3 of the optimizer
   std::string dispatch = "alltoall";  // alltoall | alltoallv | allgather
+  int64_t overlap_degree = 1;         // Tutel's a2a-FFN overlap degree D of the MoE blocks
 };
 
 // Flat JSON object with every key.
