@@ -29,7 +29,10 @@ cmake --build "$BUILD" --target "${targets[@]}" -j "$JOBS"
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+# The targets run at the same time (each libFuzzer process is single-threaded), then their logs
+# are checked one by one.
 failed=()
+pids=()
 for target in "${targets[@]}"; do
   name=${target#fuzz_}
   run="$BUILD/run/$target"
@@ -40,8 +43,15 @@ for target in "${targets[@]}"; do
         -print_final_stats=1 -artifact_prefix="$run/artifacts/")
   if [ -f "fuzz/dicts/$name.dict" ]; then args+=(-dict="fuzz/dicts/$name.dict"); fi
   echo "fuzz: $target for ${SECONDS_PER_TARGET}s ($(ls "$run/corpus" | wc -l) seed inputs)"
-  status=0
-  "$BUILD/fuzz/$target" "${args[@]}" "$run/corpus" >"$run/log" 2>&1 || status=$?
+  ( status=0
+    "$BUILD/fuzz/$target" "${args[@]}" "$run/corpus" >"$run/log" 2>&1 || status=$?
+    echo "$status" >"$run/status" ) &
+  pids+=($!)
+done
+wait "${pids[@]}"
+for target in "${targets[@]}"; do
+  run="$BUILD/run/$target"
+  status=$(cat "$run/status")
   if [ "$status" -ne 0 ] || grep -qE 'ERROR: (Address|Leak|Undefined)Sanitizer|runtime error:' "$run/log" \
      || ls "$run/artifacts" | grep -q .; then
     echo "fuzz: $target FAILED (exit $status); last lines of $run/log:"
