@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <thread>
 
 #include "parallel/collectives.h"
 #include "parallel/trace_context.h"
@@ -99,15 +98,12 @@ TokenExchange::TokenExchange(comm::Communicator& group, const ExchangeSpec& spec
   SY_CHECK(p_num % gs == 0, "smart schedule group {} does not divide {} ranks", gs, p_num);
   const int steps = p_num / gs, mine = me / gs;
   const int64_t cb = block_ / d_num;  // fixed: block rows per chunk
-  // Rows [lo, lo + count) of a piece with `rows` kept rows in chunk c.
+  // Rows [lo, lo + count) of a piece with `rows` kept rows in chunk c: an even split of the kept
+  // rows (fixed capacity: at most ceil(rows / D) <= B / D of them, in a block of B / D rows).
   auto chunk = [&](int64_t rows, int c, int64_t* count) {
-    if (spec.fixed) {
-      const int64_t lo = c * cb;
-      *count = std::clamp<int64_t>(rows - lo, 0, cb);
-      return lo;
-    }
     const int64_t lo = c * rows / d_num;
     *count = (c + 1) * rows / d_num - lo;
+    SY_CHECK(!spec.fixed || *count <= cb);
     return lo;
   };
   const int my_position = me / n;
@@ -223,11 +219,19 @@ TokenExchange::Flight TokenExchange::Send(int k, const Tensor& buffer) const {
   return f;
 }
 
-Tensor TokenExchange::ReceiveAtExperts(Flight& f, CommStats* stats) const {
+void TokenExchange::WaitFor(const Flight& f, bool on_progress_thread) const {
+  if (!on_progress_thread) return f.work.Wait();
+  // Never run it on this thread: the progress thread runs the pipeline's transfers back to back
+  // (a transfer run here would leave the next one waiting for the progress thread to be
+  // scheduled). The collective's own deadline ends it first; this bound is a backstop.
+  f.work.Wait(group_.default_timeout() * 2 + comm::Milliseconds(10000));
+}
+
+Tensor TokenExchange::ReceiveAtExperts(Flight& f, bool on_progress_thread, CommStats* stats) const {
   const Phase& ph = phases_[static_cast<size_t>(f.k)];
   const int64_t m = f.recv.size(1);
   const double t0 = Now();
-  f.work.Wait();
+  WaitFor(f, on_progress_thread);
   if (!ph.local_only) {
     AccountWork(fmt::format("send c{}", f.k), f.work, stats, Traffic::kTokens, f.bytes, f.issued,
                 t0, Now());
@@ -269,11 +273,12 @@ TokenExchange::Flight TokenExchange::Return(int k, const Tensor& rows) const {
   return f;
 }
 
-void TokenExchange::ReceiveAtSource(Flight& f, const Tensor& out, CommStats* stats) const {
+void TokenExchange::ReceiveAtSource(Flight& f, const Tensor& out, bool on_progress_thread,
+                                    CommStats* stats) const {
   const Phase& ph = phases_[static_cast<size_t>(f.k)];
   const int64_t m = out.size(1);
   const double t0 = Now();
-  f.work.Wait();
+  WaitFor(f, on_progress_thread);
   if (!ph.local_only) {
     AccountWork(fmt::format("return c{}", f.k), f.work, stats, Traffic::kTokens, f.bytes, f.issued,
                 t0, Now());
@@ -296,11 +301,7 @@ Tensor TokenExchange::Pipeline(const Tensor& buffer, const PhaseFn& compute,
   if (k_num > 1) to[1] = Send(1, buffer);
   if (local_work) local_work();
   for (int k = 0; k < k_num; ++k) {
-    if (k >= 1 && k + 1 < k_num) to[static_cast<size_t>(k) + 1] = Send(k + 1, buffer);
-    Tensor rows = ReceiveAtExperts(to[static_cast<size_t>(k)], stats);
-    // The next transfer was queued behind this one: let the progress thread start it (post its
-    // messages) before this thread computes for a while (ranks as threads share few cores).
-    if (k + 1 < k_num) std::this_thread::yield();
+    Tensor rows = ReceiveAtExperts(to[static_cast<size_t>(k)], k_num > 1, stats);
     Tensor result;
     {
       TraceSpan span(Tracing() ? fmt::format("experts c{}", k) : std::string());
@@ -308,10 +309,14 @@ Tensor TokenExchange::Pipeline(const Tensor& buffer, const PhaseFn& compute,
       span.Arg("rows", static_cast<double>(rows.size(0)));
       result = compute(k, rows);
     }
+    // The transfer two phases ahead goes first: the next compute waits for the one in flight,
+    // the one after for this; the returns are only needed at the end.
+    if (k + 2 < k_num) to[static_cast<size_t>(k) + 2] = Send(k + 2, buffer);
     back[static_cast<size_t>(k)] = Return(k, result);
-    if (k >= 1) ReceiveAtSource(back[static_cast<size_t>(k) - 1], out, stats);
   }
-  ReceiveAtSource(back[static_cast<size_t>(k_num) - 1], out, stats);
+  for (int k = 0; k < k_num; ++k) {
+    ReceiveAtSource(back[static_cast<size_t>(k)], out, k_num > 1, stats);
+  }
   return out;
 }
 

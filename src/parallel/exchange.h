@@ -12,9 +12,11 @@
 // outputs are added on return). The rows of one slice for one (peer, local expert) are a "piece".
 //
 // Phases. The transfer is cut into K = steps x D phases, run as a pipeline (Pipeline below):
-//   D (overlap degree, Tutel)  every piece is cut into D chunks: fixed capacity cuts the block of
-//       B rows into D sub-blocks of B / D slots (chunk i = slots [i B / D, (i + 1) B / D)),
-//       variable size cuts the piece's R kept rows into [i R / D, (i + 1) R / D).
+//   D (overlap degree, Tutel)  every piece's R kept rows are cut into D chunks, rows
+//       [i R / D, (i + 1) R / D). Fixed capacity sends each chunk in a zero-padded block of B / D
+//       rows: the bytes of Tutel's split of the capacity dimension into D slices of B / D slots,
+//       but with the kept rows spread evenly over the chunks (slices of slots would leave the last
+//       chunks mostly padding, and the pipeline's compute front-loaded, when experts are not full).
 //   steps (smart schedule, FasterMoE)  with group size g' the P members form P / g' groups of g'
 //       consecutive members; at step s a member sends only to the members of group (own + s) and
 //       receives only from group (own - s) (mod P / g'). Without it: one step with every peer.
@@ -76,7 +78,9 @@ class TokenExchange {
 
   // The pipeline (Tutel's schedule; FasterMoE's S -> C -> R): the transfer of phase k + 1 to the
   // experts and the return of phase k - 1 are in flight while phase k computes. Issue order, the
-  // same on every rank: S0, S1, [local_work], C0, R0, S2, C1, R1, S3, ... Returns the outputs in
+  // same on every rank: S0, S1, [local_work], C0, S2, R0, C1, S3, R1, C2, ... (the communicator
+  // runs them in that order on its progress thread, so the send the next compute needs goes before
+  // the return that is only needed at the end). Returns the outputs in
   // the source buffer layout [plan.num_rows, M]: the r copies of a row added, rows of other tp
   // shares, skipped experts and padding zero. `local_work` (may be empty) runs once while the
   // first transfers travel. Trace events: "send cK", "experts cK", "return cK". Collective.
@@ -92,9 +96,12 @@ class TokenExchange {
   struct Flight;  // one transfer in flight
 
   Flight Send(int k, const Tensor& source_buffer) const;
-  Tensor ReceiveAtExperts(Flight& f, CommStats* stats) const;
+  // Waits for a transfer; on_progress_thread: never runs it on the calling thread.
+  void WaitFor(const Flight& f, bool on_progress_thread) const;
+  Tensor ReceiveAtExperts(Flight& f, bool on_progress_thread, CommStats* stats) const;
   Flight Return(int k, const Tensor& rows) const;
-  void ReceiveAtSource(Flight& f, const Tensor& out, CommStats* stats) const;
+  void ReceiveAtSource(Flight& f, const Tensor& out, bool on_progress_thread,
+                       CommStats* stats) const;
 
   comm::Communicator& group_;
   ExchangeSpec spec_;
