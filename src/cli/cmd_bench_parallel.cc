@@ -141,13 +141,20 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   // communication cost, so that (plain - free) is what communication costs the plain path.
   parallel::DriverOptions free_links = plain;
   free_links.inprocess.emulation.reset();
-  const bool with_free = compare && d.inprocess.emulation.has_value();
+  const bool pipelined = p.overlap_degree > 1 || p.smart_group != parallel::kSmartOff;
+  const bool with_free = compare && pipelined && d.inprocess.emulation.has_value();
+  // With a skewed gate and shadows, the plain path with the gate not skewed too: the step without
+  // the hot expert's imbalance, so that (plain - balanced) is what the skew costs the plain path.
+  const bool with_balanced =
+      compare && config.expert_bias && p.shadow.policy != parallel::ShadowPolicy::kNone;
+  moe::LayerParams balanced_params = params;
+  if (with_balanced) balanced_params.expert_bias = Tensor::Zeros({config.num_experts});
   parallel::Tracer tracer;
 
   // Interleaved rounds: the parallel run, the plain path, then the single-rank layer on the same
   // batch. Every MPI rank makes the same runs; rank 0 reports.
-  std::vector<double> steps, plain_steps, free_steps, single, hidden, saved_of_plain,
-      hidden_of_cost;
+  std::vector<double> steps, plain_steps, free_steps, balanced_steps, single, hidden,
+      saved_of_plain, hidden_of_cost, removed_of_skew;
   std::vector<double> blocked, busy, plain_blocked;
   parallel::LayerRunResult last;
   const int rounds = std::max(1, o.rounds);
@@ -157,6 +164,8 @@ int RunBenchParallel(const BenchParallelOptions& o) {
     parallel::LayerRunResult base, free_run;
     if (compare) base = parallel::RunLayerOnRanks(config, params, x, dy, plain);
     if (with_free) free_run = parallel::RunLayerOnRanks(config, params, x, dy, free_links);
+    parallel::LayerRunResult balanced;
+    if (with_balanced) balanced = parallel::RunLayerOnRanks(config, balanced_params, x, dy, plain);
     if (!last.is_root) continue;
     const size_t first = steps.size(), plain_first = plain_steps.size();
     AppendSteps(last, &steps);
@@ -182,6 +191,16 @@ int RunBenchParallel(const BenchParallelOptions& o) {
           Median({free_steps.begin() + static_cast<std::ptrdiff_t>(free_first), free_steps.end()});
       const double v_ms = Median({steps.begin() + static_cast<std::ptrdiff_t>(first), steps.end()});
       if (p_ms > f_ms) hidden_of_cost.push_back((p_ms - v_ms) / (p_ms - f_ms));
+    }
+    if (with_balanced) {
+      const size_t b_first = balanced_steps.size();
+      AppendSteps(balanced, &balanced_steps);
+      const double p_ms = Median(
+          {plain_steps.begin() + static_cast<std::ptrdiff_t>(plain_first), plain_steps.end()});
+      const double b_ms = Median(
+          {balanced_steps.begin() + static_cast<std::ptrdiff_t>(b_first), balanced_steps.end()});
+      const double v_ms = Median({steps.begin() + static_cast<std::ptrdiff_t>(first), steps.end()});
+      if (p_ms > b_ms) removed_of_skew.push_back((p_ms - v_ms) / (p_ms - b_ms));
     }
     if (reference) {
       kernels::SetBlasThreads(cores);
@@ -256,7 +275,11 @@ int RunBenchParallel(const BenchParallelOptions& o) {
         {"gemm_gflops", last.cost_model.gemm_gflops}}}};
   if (with_free) {
     schedule["free_links_step_median_ms"] = SummarizeTimes(free_steps).median_s * 1e3;
-    schedule["hidden_of_comm_cost"] = Median(hidden_of_cost);
+    schedule["hidden_of_comm_cost"] = hidden_of_cost.empty() ? 0 : Median(hidden_of_cost);
+  }
+  if (with_balanced) {
+    schedule["unskewed_plain_step_median_ms"] = SummarizeTimes(balanced_steps).median_s * 1e3;
+    schedule["removed_of_skew_cost"] = removed_of_skew.empty() ? 0 : Median(removed_of_skew);
   }
   if (compare) {
     schedule["plain_step_median_ms"] = plain_st.median_s * 1e3;
@@ -369,7 +392,16 @@ int RunBenchParallel(const BenchParallelOptions& o) {
         "communication costs the plain path {:.1f} ms ({:.2f}x the free step); this schedule "
         "hides {:.0f}% of it (median over rounds of (plain - this) / (plain - free))\n",
         f * 1e3, (plain_st.median_s - f) * 1e3, (plain_st.median_s - f) / f,
-        100 * Median(hidden_of_cost));
+        100 * (hidden_of_cost.empty() ? 0 : Median(hidden_of_cost)));
+  }
+  if (with_balanced) {
+    const double b = SummarizeTimes(balanced_steps).median_s;
+    fmt::print(
+        "  limit: plain path with the gate not skewed, interleaved: median {:.1f} ms -> the skew "
+        "costs the plain path {:.1f} ms; shadowing removes {:.0f}% of it (median over rounds of "
+        "(plain - this) / (plain - unskewed))\n",
+        b * 1e3, (plain_st.median_s - b) * 1e3,
+        100 * (removed_of_skew.empty() ? 0 : Median(removed_of_skew)));
   }
   fmt::print(
       "  per rank (last step): tokens  step ms  comm ms  compute ms  a2a ran  a2a blocked  MB "
