@@ -297,6 +297,22 @@ Tensor TokenExchange::Pipeline(const Tensor& buffer, const PhaseFn& compute,
   const int64_t m = buffer.size(1);
   Tensor out = Tensor::Zeros({num_rows_, m});
   std::vector<Flight> to(static_cast<size_t>(k_num)), back(static_cast<size_t>(k_num));
+  // On an error, transfers still queued or running must be over before their buffers go.
+  struct Drain {
+    std::vector<Flight>* lists[2];
+    bool armed = true;
+    ~Drain() {
+      if (!armed) return;
+      for (std::vector<Flight>* list : lists) {
+        for (Flight& f : *list) {
+          try {
+            f.work.Wait();
+          } catch (...) {  // the error that unwinds us is the one to report
+          }
+        }
+      }
+    }
+  } drain{{&to, &back}};
   to[0] = Send(0, buffer);
   if (k_num > 1) to[1] = Send(1, buffer);
   if (local_work) local_work();
@@ -317,6 +333,7 @@ Tensor TokenExchange::Pipeline(const Tensor& buffer, const PhaseFn& compute,
   for (int k = 0; k < k_num; ++k) {
     ReceiveAtSource(back[static_cast<size_t>(k)], out, k_num > 1, stats);
   }
+  drain.armed = false;
   return out;
 }
 

@@ -70,6 +70,15 @@ ShadowExperts::ShadowExperts(comm::Communicator& group, std::vector<int64_t> exp
   weights_.fc3_weight = LikeFor(local.fc3_weight, s);
 }
 
+ShadowExperts::~ShadowExperts() {
+  for (Pending& p : pending_) {
+    try {
+      p.work.Wait();
+    } catch (...) {  // an error is already being reported elsewhere
+    }
+  }
+}
+
 std::vector<char> ShadowExperts::Mask(int64_t num_experts) const {
   std::vector<char> mask(static_cast<size_t>(num_experts), 0);
   for (int64_t e : experts_) mask[static_cast<size_t>(e)] = 1;

@@ -25,6 +25,8 @@ class ShadowExperts {
   // experts: global indices in increasing order; local: this rank's compute weights [E_l, ...].
   ShadowExperts(comm::Communicator& group, std::vector<int64_t> experts, int64_t local_experts,
                 const moe::ExpertWeights& local);
+  // Waits for broadcasts or reductions still in flight (after an error), ignoring their errors.
+  ~ShadowExperts();
   ShadowExperts(const ShadowExperts&) = delete;
   ShadowExperts& operator=(const ShadowExperts&) = delete;
 
