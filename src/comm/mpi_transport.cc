@@ -313,17 +313,26 @@ class MpiTransport final : public Transport, public NativeCollectives {
           if (q && !static_cast<MpiRequest*>(q)->Progress()) all_done = false;
         }
         if (all_done) return;
-        if (spins % 64 == 63) CheckAborts();
-        if (Clock::now() >= deadline) {
-          int waited_for = -1;
+        auto first_unmatched_peer = [&] {
           for (Request* q : requests) {
             auto* r = static_cast<MpiRequest*>(q);
-            if (r && !r->done && r->header_req != MPI_REQUEST_NULL) {
-              waited_for = r->peer();
-              break;
-            }
+            if (r && !r->done && r->header_req != MPI_REQUEST_NULL) return r->peer();
           }
-          throw TimeoutError(DescribeTimeout(requests) + TimeoutConsensus(waited_for));
+          return -1;
+        };
+        if (spins % 64 == 63) {
+          // A peer reached its deadline first (ranks start a collective at different moments,
+          // more so under load): join its timeout consensus now with whom this rank waits for,
+          // instead of repeating the peer's partial view, so that every rank can name the rank
+          // that never arrived.
+          if (PeerAnnouncedTimeout()) {
+            throw TimeoutError(DescribeTimeout(requests) +
+                               TimeoutConsensus(first_unmatched_peer()));
+          }
+          CheckAborts();
+        }
+        if (Clock::now() >= deadline) {
+          throw TimeoutError(DescribeTimeout(requests) + TimeoutConsensus(first_unmatched_peer()));
         }
         sched_yield();
       }
@@ -513,6 +522,13 @@ class MpiTransport final : public Transport, public NativeCollectives {
 
   std::string Name(int group_rank) const {
     return fmt::format("rank {} (world rank {})", group_rank, WorldRank(group_rank));
+  }
+
+  // True if a member announced a timeout ("T" notice) and none announced a failure.
+  bool PeerAnnouncedTimeout() {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    DrainNoticesLocked();
+    return failure_.empty() && !timed_out_.empty();
   }
 
   // Throws PeerError if a member announced that it failed or gave up (now or earlier).
