@@ -37,8 +37,11 @@ struct TokenExchange::Phase {
     int64_t wire_row;  // row in the packed-by-peer wire buffer
     int64_t rows;
   };
-  bool local_only = false;                    // only traffic to itself: no collective
-  bool uniform = false;                       // fixed blocks to every peer: one all-to-all
+  bool local_only = false;  // only traffic to itself: no collective
+  bool uniform = false;     // fixed blocks to every peer: one all-to-all
+  // All-to-all-v options: a smart step's few peers all at once (kLinear: a pair's two directions
+  // travel together; pairwise steps would put them in different steps), else the default.
+  comm::AllToAllOptions v_options;
   std::vector<int64_t> send_wire, recv_wire;  // [P] wire rows per peer (source -> experts)
   int64_t send_total = 0, recv_total = 0;
   std::vector<Copy> out;  // source buffer -> send wire
@@ -117,6 +120,7 @@ TokenExchange::TokenExchange(comm::Communicator& group, const ExchangeSpec& spec
     Phase& ph = phases_[static_cast<size_t>(k)];
     ph.local_only = p_num == 1 || (spec.smart_group == 1 && step == 0);
     ph.uniform = spec.fixed && steps == 1 && !any_skip && !ph.local_only;
+    if (steps > 1) ph.v_options.algorithm = comm::Algorithm::kLinear;
     ph.send_wire.assign(static_cast<size_t>(p_num), 0);
     ph.recv_wire.assign(static_cast<size_t>(p_num), 0);
     const int to_group = (mine + step) % steps, from_group = (mine - step + steps) % steps;
@@ -214,7 +218,7 @@ TokenExchange::Flight TokenExchange::Send(int k, const Tensor& buffer) const {
   if (ph.uniform) {
     f.work = group_.AllToAll(f.send, f.recv, spec_.options);
   } else {
-    f.work = group_.AllToAllV(f.send, ph.send_wire, f.recv, ph.recv_wire);
+    f.work = group_.AllToAllV(f.send, ph.send_wire, f.recv, ph.recv_wire, ph.v_options);
   }
   return f;
 }
@@ -268,7 +272,7 @@ TokenExchange::Flight TokenExchange::Return(int k, const Tensor& rows) const {
   if (ph.uniform) {
     f.work = group_.AllToAll(f.send, f.recv, spec_.options);
   } else {
-    f.work = group_.AllToAllV(f.send, ph.recv_wire, f.recv, ph.send_wire);
+    f.work = group_.AllToAllV(f.send, ph.recv_wire, f.recv, ph.send_wire, ph.v_options);
   }
   return f;
 }

@@ -25,9 +25,10 @@
 // Wire format per phase: fixed capacity sends zero-padded blocks of B / D rows per (peer, local
 // expert) through one all-to-all (flat or 2DH) when every peer takes part and no expert is
 // skipped, else through an all-to-all-v of those blocks; variable size sends exactly the kept
-// rows through an all-to-all-v. A phase whose only traffic is to the rank itself (smart step 0
-// with g' = 1) is a local copy. The per-(peer, expert) row counts are exchanged once, at
-// construction, so that experts are computed on kept rows only.
+// rows through an all-to-all-v (smart steps: the linear algorithm, every message of the step posted
+// at once, so that a pair's two directions travel together). A phase whose only traffic is to the
+// rank itself (smart step 0 with g' = 1) is a local copy. The per-(peer, expert) row counts are
+// exchanged once, at construction, so that experts are computed on kept rows only.
 #pragma once
 
 #include <cstdint>
