@@ -123,7 +123,7 @@ int RunTraceSvg(const TraceSvgOptions& o) {
     const double w = std::max(0.5, b.dur / span * plot_w);
     const bool backward = b.category == "backward";
     svg.Rect(x, y_of[b.tid] + (backward ? 3 : 1), w, row - (backward ? 6 : 2), ColourOf(b.name),
-             backward ? "#333" : "none", b.tooltip);
+             backward ? "#333" : "#ffffff", b.tooltip);
     if (w > 7.0 * static_cast<double>(b.name.size())) {
       svg.Text(x + w / 2, y_of[b.tid] + row * 0.65, b.name, 10, "middle", "#fff");
     }
