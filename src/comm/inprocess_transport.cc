@@ -131,9 +131,11 @@ bool Progress(const std::shared_ptr<Transfer>& keep) {
   return did;
 }
 
-// Pairs a send with a receive; called with the destination mailbox locked. Returns the
-// transfer, or null if the pair failed (message larger than the receive).
-std::shared_ptr<Transfer> Match(InProcRequest* send, InProcRequest* recv, Fabric& fabric) {
+// Pairs a send with a receive; called with the destination mailbox locked by the thread that
+// posted `own` (one of the two). Returns the transfer, or null if the pair failed (message larger
+// than the receive).
+std::shared_ptr<Transfer> Match(InProcRequest* send, InProcRequest* recv, const InProcRequest* own,
+                                Fabric& fabric) {
   if (send->size() > recv->size()) {
     recv->SetReceived(send->send_header, send->size());
     send->Fail(
@@ -165,8 +167,13 @@ std::shared_ptr<Transfer> Match(InProcRequest* send, InProcRequest* recv, Fabric
   recv->SetReceived(send->send_header, t->bytes);
   send->transfer = t;
   recv->transfer = t;
-  send->state.store(kMatched, std::memory_order_release);
-  recv->state.store(kMatched, std::memory_order_release);
+  // The partner's state last: once it reads kMatched its owner may copy the whole transfer and
+  // store kDone into both requests, which a later kMatched store here would overwrite (the
+  // request would then wait forever for a copy that already happened).
+  InProcRequest* partner = own == send ? recv : send;
+  InProcRequest* mine = own == send ? send : recv;
+  mine->state.store(kMatched, std::memory_order_release);
+  partner->state.store(kMatched, std::memory_order_release);
   return t;
 }
 
@@ -370,7 +377,7 @@ RequestPtr InProcessTransport::Isend(int peer, uint64_t tag, const void* data, s
       InProcRequest* recv = *it;
       box.posted_recvs.erase(it);
       partner = recv->event;
-      t = Match(req.get(), recv, *fabric_);
+      t = Match(req.get(), recv, req.get(), *fabric_);
       failed = t == nullptr;
     }
   }
@@ -406,7 +413,7 @@ RequestPtr InProcessTransport::Irecv(int peer, uint64_t tag, void* data, size_t 
       InProcRequest* send = *it;
       box.pending_sends.erase(it);
       partner = send->event;
-      t = Match(send, req.get(), *fabric_);
+      t = Match(send, req.get(), req.get(), *fabric_);
       failed = t == nullptr;
     }
   }
@@ -439,8 +446,11 @@ void InProcessTransport::Wait(std::span<Request* const> requests, Deadline deadl
       if (s == kFailed) throw PeerError(r.error);
       all_done = false;
       std::string reason;
+      // A peer that left after its side of this transfer matched is no failure: the record is
+      // made after the peer's own requests matched, so look at the state again after reading it.
       if (s == kPosted && failure_epoch != 0 &&
-          fabric_->FailureOf(r.peer_world, context_, &reason)) {
+          fabric_->FailureOf(r.peer_world, context_, &reason) &&
+          r.state.load(std::memory_order_acquire) == kPosted) {
         throw PeerError(fmt::format("rank {} (world rank {}) {}", r.peer(), r.peer_world, reason));
       }
     }
