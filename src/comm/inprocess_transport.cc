@@ -1,6 +1,8 @@
 #include "comm/inprocess_transport.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <set>
 #include <thread>
@@ -29,6 +31,9 @@ constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
 // How long a timed-out rank looks at what its peers' timeouts recorded (TimeoutConsensus).
 constexpr auto kTimeoutGrace = std::chrono::milliseconds(100);
 
+// A request destroyed while its copy runs waits for the copy; this long means the copy is lost.
+constexpr auto kStuckCopyLimit = std::chrono::seconds(60);
+
 // Transfers up to this size are copied at once by the thread that matched them.
 constexpr size_t kEagerCopyBytes = 16 << 10;
 
@@ -54,6 +59,9 @@ class InProcRequest final : public Request {
         peer_world(peer_in_world),
         context(group_context) {}
   ~InProcRequest() override;
+
+  // The matcher writes the header before it publishes the state (release).
+  bool HeaderArrived() const override { return state.load(std::memory_order_acquire) != kPosted; }
 
   void SetReceived(const MessageHeader& h, size_t bytes) {
     header_ = h;
@@ -173,6 +181,7 @@ std::shared_ptr<Transfer> Match(InProcRequest* send, InProcRequest* recv, const 
   InProcRequest* partner = own == send ? recv : send;
   InProcRequest* mine = own == send ? send : recv;
   mine->state.store(kMatched, std::memory_order_release);
+  if (fabric.match_pause().count() > 0) std::this_thread::sleep_for(fabric.match_pause());
   partner->state.store(kMatched, std::memory_order_release);
   return t;
 }
@@ -245,10 +254,24 @@ InProcRequest::~InProcRequest() {
       return;
     }
   }
-  // Matched: finish the copy (both buffers are still valid) before letting go of the buffer.
+  // Matched: finish the copy (both buffers are still valid) before letting go of the buffer. The
+  // copy is in the hands of this thread and the partner's, so it ends; if it does not (a broken
+  // invariant), stop loudly rather than hang or free a buffer that is still being read.
+  const Clock::time_point give_up = Clock::now() + kStuckCopyLimit;
   while (state.load(std::memory_order_acquire) == kMatched) {
     std::shared_ptr<Transfer> t = transfer;
-    if (!Progress(t)) std::this_thread::yield();
+    if (Progress(t)) continue;
+    if (Clock::now() > give_up) {
+      std::fprintf(stderr,
+                   "switchyard: %s:%d: in-process %s of %zu bytes (tag %#llx, world rank %d with "
+                   "world rank %d) still matched %lld s after its owner let go of it\n",
+                   __FILE__, __LINE__, is_send() ? "send" : "receive", size(),
+                   static_cast<unsigned long long>(tag()), self_world, peer_world,
+                   static_cast<long long>(
+                       std::chrono::duration_cast<std::chrono::seconds>(kStuckCopyLimit).count()));
+      std::abort();
+    }
+    std::this_thread::yield();
   }
 }
 

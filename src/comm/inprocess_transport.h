@@ -55,6 +55,11 @@ class Fabric {
   int NodeOf(int world_rank) const { return world_rank / ranks_per_node_; }
 
   bool emulated() const { return emulation_.has_value(); }
+
+  // Testing only: the matching thread pauses this long between publishing its own request's
+  // state and its partner's, which widens the window a wrong publication order would race in.
+  void set_match_pause_for_testing(std::chrono::microseconds pause) { match_pause_ = pause; }
+  std::chrono::microseconds match_pause() const { return match_pause_; }
   // Emulation: the time at which a message of `bytes` from src to dst matched at `now` completes
   // (serialized on src's port of the link class).
   Clock::time_point Schedule(int src, int dst, size_t bytes, Clock::time_point now);
@@ -74,6 +79,7 @@ class Fabric {
   std::map<int, int> TimeoutsOf(uint64_t context);
 
  private:
+  std::chrono::microseconds match_pause_{0};
   int world_size_;
   int ranks_per_node_;
   size_t chunk_bytes_;

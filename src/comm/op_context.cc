@@ -142,9 +142,10 @@ void OpContext::Wait(std::span<Request* const> requests) {
   try {
     transport_.Wait(requests, deadline_);
   } catch (const PeerError&) {
-    // A receive that failed on size may carry the header of another collective: say so.
+    // A receive that failed on size may carry the header of another collective: say so. Only
+    // receives whose header arrived: a peer may still be matching the others.
     for (Request* r : requests) {
-      if (r && !r->is_send()) CheckHeader(*r);
+      if (r && !r->is_send() && r->HeaderArrived()) CheckHeader(*r);
     }
     throw;
   } catch (const TimeoutError& e) {

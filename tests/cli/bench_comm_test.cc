@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -118,6 +119,48 @@ TEST(CliBenchComm, BadFlagsExitWithCodeTwoSayingWhy) {
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("allgather has no algorithm 'tree'"), std::string::npos) << r.err;
 }
+
+#ifdef SY_MPIRUN_SCRIPT
+// Over MPI with --compare mpi: our ring and MPI's own allreduce timed in the same run, every line
+// checked, and the ratio column is our busbw over MPI's at the same size.
+TEST(CliBenchComm, OverMpiComparesWithMpisOwnCollective) {
+  const std::string command = std::string("bash ") + SY_MPIRUN_SCRIPT + " -np 2 " +
+                              SY_SWITCHYARD_BIN +
+                              " bench comm --op allreduce --sizes 4K,256K --algo ring "
+                              "--compare mpi --iters 3 --warmup 1 --json";
+  Result r;
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  char buffer[4096];
+  size_t n = 0;
+  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) r.out.append(buffer, n);
+  int status = pclose(pipe);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << r.out;
+  std::vector<nlohmann::json> lines;
+  std::istringstream in(r.out);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty() && line[0] == '{') lines.push_back(nlohmann::json::parse(line));
+  }
+  // Printed by rank 0 only: 2 sizes x (ring + the appended native).
+  ASSERT_EQ(lines.size(), 4u) << r.out;
+  std::map<int64_t, double> native_busbw;
+  for (const nlohmann::json& j : lines) {
+    EXPECT_EQ(j.at("transport"), "mpi") << j.dump();
+    EXPECT_EQ(j.at("ranks"), 2) << j.dump();
+    EXPECT_EQ(j.at("check"), "ok") << j.dump();
+    if (j.at("algorithm") == "native") native_busbw[j.at("bytes")] = j.at("busbw_gbps");
+  }
+  ASSERT_EQ(native_busbw.size(), 2u) << r.out;
+  for (const nlohmann::json& j : lines) {
+    const double busbw = j.at("busbw_gbps");
+    const double mpi = native_busbw.at(j.at("bytes").get<int64_t>());
+    EXPECT_GT(busbw, 0) << j.dump();
+    EXPECT_NEAR(j.at("busbw_over_mpi").get<double>(), busbw / mpi, 1e-9 + 1e-9 * busbw / mpi)
+        << j.dump();
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace switchyard

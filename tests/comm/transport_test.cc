@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -99,6 +100,59 @@ TEST(InProcessTransport, ReduceOnReceiveCombinesLocalAndIncoming) {
   Request* both[] = {r.get(), s.get()};
   world.transports[1]->Wait(both, In(5000));
   for (int i = 0; i < 1000; ++i) ASSERT_EQ(out[static_cast<size_t>(i)], 3.0f * i);
+}
+
+// The thread that matches a pair must publish its partner's state last: a partner that sees its
+// request matched may copy and complete the transfer at once, and a later store by the matcher
+// would take the completion back (the request then waits forever). Receivers post second here, so
+// every pair is matched by the receiving thread while the sender is already waiting on its send;
+// both directions of matching are crossed, and the matcher pauses between its two stores so that a
+// wrong order loses the race every time (the partner copies and completes within the pause).
+TEST(InProcessTransport, PairsMatchedWhileThePartnerWaitsAllComplete) {
+  InProcessWorld world = CreateInProcessTransports(2, {});
+  world.fabric->set_match_pause_for_testing(std::chrono::microseconds(2000));
+  constexpr int kPairs = 20;
+  std::atomic<int> sent{0};
+  auto sender = [&](Transport& t, int peer, bool post_first) {
+    for (int i = 0; i < kPairs; ++i) {
+      int value = i;
+      if (!post_first) {
+        while (sent.load(std::memory_order_acquire) <= i) std::this_thread::yield();
+      }
+      RequestPtr s = t.Isend(peer, static_cast<uint64_t>(i), &value, sizeof(int), Header(i));
+      if (post_first) sent.store(i + 1, std::memory_order_release);
+      Request* one[] = {s.get()};
+      t.Wait(one, In(5000));
+    }
+  };
+  auto receiver = [&](Transport& t, int peer, bool wait_for_sender) {
+    for (int i = 0; i < kPairs; ++i) {
+      if (wait_for_sender) {
+        while (sent.load(std::memory_order_acquire) <= i) std::this_thread::yield();
+      }
+      int got = -1;
+      RequestPtr r = t.Irecv(peer, static_cast<uint64_t>(i), &got, sizeof(int));
+      if (!wait_for_sender) sent.store(i + 1, std::memory_order_release);
+      Request* one[] = {r.get()};
+      t.Wait(one, In(5000));
+      ASSERT_EQ(got, i);
+    }
+  };
+  for (bool receiver_matches : {true, false}) {
+    sent.store(0);
+    std::string sender_error;
+    std::thread a([&] {
+      try {
+        sender(*world.transports[0], 1, receiver_matches);
+      } catch (const std::exception& e) {
+        sender_error = e.what();
+      }
+    });
+    EXPECT_NO_THROW(receiver(*world.transports[1], 0, receiver_matches))
+        << "receiver_matches " << receiver_matches;
+    a.join();
+    EXPECT_EQ(sender_error, "") << "receiver_matches " << receiver_matches;
+  }
 }
 
 TEST(InProcessTransport, MessageLargerThanReceiveFailsBothSidesWithoutWriting) {

@@ -59,6 +59,11 @@ class Request {
   // After a receive completed: the sender's header and the number of bytes received.
   const MessageHeader& header() const { return header_; }
   size_t received_bytes() const { return received_bytes_; }
+  // Whether header() may be read now: true once the sender's header has arrived (also for a
+  // receive that failed on size). A transport whose peers write the header from another thread
+  // says false until then, so that a caller looking at an unfinished receive after an error
+  // reads nothing a peer may be writing.
+  virtual bool HeaderArrived() const { return true; }
 
  protected:
   Request(bool is_send, int peer, uint64_t tag, size_t size)
