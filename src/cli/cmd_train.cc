@@ -3,7 +3,8 @@
 // process with the experts spread over them (expert parallelism) and the fortunes corpus.
 // Every TrainConfig key is a flag (--ranks 2, --ep 2, --zero_stage 3, --steps 500, ...) and a
 // key of the JSON file given with --config; flags override the file. Under mpirun each process
-// is one rank (--transport mpi, or detected).
+// is one rank (--transport mpi, or detected). --resume continues a run in its own directory
+// (the one holding the checkpoint's checkpoints/) unless --out says where.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "cli/command.h"
@@ -18,6 +20,7 @@
 #include "switchyard/comm/mpi.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/threading.h"
+#include "switchyard/train/checkpoint.h"
 #include "switchyard/train/distributed.h"
 
 namespace switchyard::cli {
@@ -43,13 +46,25 @@ train::TrainConfig DefaultTrainConfig() {
   return c;
 }
 
+// Whether the run directory was chosen: --out, or "out" in the --config file.
+bool OutGiven(const TrainOptions& o) {
+  if (o.values.count("out") != 0) return true;
+  if (o.config_file.empty()) return false;
+  nlohmann::json j = nlohmann::json::parse(ReadTextFile(o.config_file), nullptr, false);
+  return j.is_object() && j.contains("out");
+}
+
 int RunTrain(const TrainOptions& o) {
   train::TrainConfig config = DefaultTrainConfig();
   if (!o.config_file.empty()) {
     config = train::TrainConfigFromJson(ReadTextFile(o.config_file), config);
   }
   for (const auto& [key, text] : o.values) train::SetTrainConfigValue(config, key, text);
-  if (config.out == DefaultTrainConfig().out && o.resume.empty()) {
+  const bool out_given = OutGiven(o);
+  if (!out_given && !o.resume.empty()) {
+    // A resumed run continues in its own run directory.
+    config.out = train::RunDirectoryOfCheckpoint(o.resume);
+  } else if (!out_given) {
     // The default run directory is taken by an earlier run: keep it, use the next free name.
     std::error_code ec;
     for (int i = 2; std::filesystem::exists(config.out, ec); ++i) {
@@ -87,7 +102,8 @@ SY_REGISTER_COMMAND(Command{
       auto o = std::make_shared<TrainOptions>();
       app.add_option("--config", o->config_file, "JSON file whose keys are the flags below");
       app.add_option("--resume", o->resume,
-                     "continue from a checkpoint, checkpoints or run directory (any layout)");
+                     "continue from a checkpoint, checkpoints or run directory (any layout), in "
+                     "that run's directory unless --out is given");
       app.add_option("--transport", o->transport,
                      "inproc (ranks as threads) | mpi (ranks as mpirun's processes) | auto");
       app.add_flag("--plain", o->plain, "print progress as plain lines even on a terminal");

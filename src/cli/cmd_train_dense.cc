@@ -1,17 +1,20 @@
-// `switchyard train-dense`: the single-rank trainer of src/train on the default corpus, for
-// trying it out until `switchyard train` (ranks, expert parallelism) is wired on top of it.
-// Dense by default; --moe_every N puts single-rank MoE layers in every N-th block.
+// `switchyard train-dense`: the trainer of src/train on one rank, without the communication
+// layer (`switchyard train` runs it on several ranks with expert parallelism). Dense by default;
+// --moe_every N puts single-rank MoE layers in every N-th block. Resumes checkpoints of either
+// command; --resume continues a run in its own directory unless --out says where.
 // Every TrainConfig key is a flag (--model_dim 128, --steps 500, ...) and a key of the JSON
 // file given with --config; flags override the file.
 #include <fmt/format.h>
 
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "cli/command.h"
 #include "cli/peak_flops.h"
 #include "switchyard/core/file_util.h"
+#include "switchyard/train/checkpoint.h"
 #include "switchyard/train/trainer.h"
 
 namespace switchyard::cli {
@@ -27,10 +30,15 @@ struct TrainDenseOptions {
 int RunTrainDense(const TrainDenseOptions& o) {
   train::TrainConfig config;
   config.out = "runs/train-dense";
+  bool out_given = o.values.count("out") != 0;
   if (!o.config_file.empty()) {
-    config = train::TrainConfigFromJson(ReadTextFile(o.config_file), config);
+    std::string text = ReadTextFile(o.config_file);
+    config = train::TrainConfigFromJson(text, config);
+    out_given = out_given || nlohmann::json::parse(text).contains("out");
   }
   for (const auto& [key, text] : o.values) train::SetTrainConfigValue(config, key, text);
+  // A resumed run continues in its own run directory.
+  if (!o.resume.empty() && !out_given) config.out = train::RunDirectoryOfCheckpoint(o.resume);
   train::KeepFreedMemoryForTraining();
   train::Trainer trainer(config);
   train::RunOptions run;
@@ -50,13 +58,13 @@ int RunTrainDense(const TrainDenseOptions& o) {
 
 SY_REGISTER_COMMAND(Command{
     "", "train-dense",
-    "Train the transformer on one rank (dense; MoE with --moe_every; temporary until `switchyard "
-    "train`)",
+    "Train the transformer on one rank without communication (dense; MoE with --moe_every)",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<TrainDenseOptions>();
       app.add_option("--config", o->config_file, "JSON file whose keys are the flags below");
       app.add_option("--resume", o->resume,
-                     "continue from a checkpoint, checkpoints or run directory");
+                     "continue from a checkpoint, checkpoints or run directory, in that run's "
+                     "directory unless --out is given");
       app.add_flag("--plain", o->plain, "print progress as plain lines even on a terminal");
       for (const auto& key : train::TrainConfigKeys()) {
         app.add_option_function<std::string>(

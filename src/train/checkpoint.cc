@@ -26,6 +26,8 @@ constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kStateFile = "state.json";
 constexpr const char* kLatestFile = "latest";
 
+void (*g_save_probe)(int point) = nullptr;
+
 std::string StepDirName(int64_t step) { return fmt::format("step_{:08}", step); }
 
 void FsyncDirectory(const std::string& dir) {
@@ -58,6 +60,65 @@ std::vector<std::pair<int64_t, std::string>> StepDirs(const std::string& dir) {
   return out;
 }
 
+// The name `latest` holds ("" when there is none or it is unreadable).
+std::string LatestName(const std::string& checkpoints_dir) {
+  std::string name;
+  try {
+    name = ReadTextFile(checkpoints_dir + "/" + kLatestFile);
+  } catch (const Error&) {
+    return "";
+  }
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  return name;
+}
+
+void WriteLatest(const std::string& checkpoints_dir, const std::string& name) {
+  WriteTextFileAtomic(checkpoints_dir + "/" + kLatestFile, name + "\n");
+}
+
+// What a save leaves only while it runs (see SaveCheckpoint): step_<8 digits>.<suffix>
+// directories (.partial-<pid> being written, .prev-<pid> a copy of a checkpoint being replaced,
+// .trash-<pid> being deleted) and AtomicFileWriter's temporary files for `latest`.
+bool IsSaveLeftover(const std::string& name) {
+  return (name.starts_with("step_") && name.size() > 14 && name[13] == '.') ||
+         name.starts_with(std::string(".") + kLatestFile + ".tmp.");
+}
+
+// Removes the leftovers of saves that were killed, except the one `latest` names.
+void RemoveSaveLeftovers(const std::string& checkpoints_dir) {
+  const std::string latest = LatestName(checkpoints_dir);
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(checkpoints_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (IsSaveLeftover(name) && name != latest) fs::remove_all(e.path(), ec);
+  }
+}
+
+// Deletes a checkpoint directory so that a kill midway never leaves a half-deleted directory
+// under a checkpoint's name: renamed to a leftover name first.
+void RemoveCheckpointDir(const std::string& dir) {
+  const std::string trash = fmt::format("{}.trash-{}", dir, ::getpid());
+  std::error_code ec;
+  fs::remove_all(trash, ec);
+  fs::rename(dir, trash);
+  fs::remove_all(trash, ec);
+}
+
+// A complete copy of checkpoint `from` at `to` that shares the files' storage (hard links; a
+// filesystem without them gets copies), synced.
+void LinkCheckpointCopy(const std::string& from, const std::string& to) {
+  std::error_code ec;
+  fs::remove_all(to, ec);
+  fs::create_directory(to);
+  for (const auto& e : fs::directory_iterator(from)) {
+    if (!e.is_regular_file()) continue;
+    const std::string target = to + "/" + e.path().filename().string();
+    fs::create_hard_link(e.path(), target, ec);
+    if (ec) WriteFileAtomic(target, ReadFileBytes(e.path().string()));
+  }
+  FsyncDirectory(to);
+}
+
 }  // namespace
 
 uint64_t Fnv1a64(std::span<const std::byte> bytes) {
@@ -75,20 +136,37 @@ std::vector<std::string> ListCheckpoints(const std::string& checkpoints_dir) {
   return out;
 }
 
+void SetCheckpointSaveProbeForTesting(void (*probe)(int point)) { g_save_probe = probe; }
+
+// The save sequence. Invariant: at every instant `latest` names a complete checkpoint (the one
+// it named before the save, a complete copy of it, or the new one), and no step leaves a
+// half-written or half-deleted directory under a checkpoint's name. Each step is atomic
+// (rename, AtomicFileWriter) and synced before the next; `probe()` marks the points in between.
+//   1. remove leftovers of killed saves, except one that `latest` names;
+//   2. write and sync the files into step_N.partial-<pid>;
+//   3. if step_N exists (the same step saved again):
+//        if `latest` names step_N: link a complete copy step_N.prev-<pid>, point `latest` at it;
+//        rename step_N to step_N.trash-<pid>;
+//   4. rename step_N.partial-<pid> to step_N, sync the directory;
+//   5. point `latest` at step_N;
+//   6. delete the trash and the copy, prune old checkpoints (renamed to .trash first).
 std::string SaveCheckpoint(const std::string& checkpoints_dir, const CheckpointData& data,
                            int keep) {
   std::error_code ec;
   fs::create_directories(checkpoints_dir, ec);
   SY_REQUIRE(!ec, IoError, "{}: cannot create checkpoint directory: {}", checkpoints_dir,
              ec.message());
-  // Leftovers of runs killed while saving.
-  for (const auto& e : fs::directory_iterator(checkpoints_dir, ec)) {
-    if (e.path().filename().string().find(".partial") != std::string::npos) {
-      fs::remove_all(e.path(), ec);
-    }
-  }
-  const std::string final_dir = checkpoints_dir + "/" + StepDirName(data.step);
+  int point = 0;
+  auto probe = [&] {
+    if (g_save_probe != nullptr) g_save_probe(point++);
+  };
+  RemoveSaveLeftovers(checkpoints_dir);
+  probe();
+  const std::string name = StepDirName(data.step);
+  const std::string final_dir = checkpoints_dir + "/" + name;
   const std::string temp_dir = fmt::format("{}.partial-{}", final_dir, ::getpid());
+  const std::string prev_dir = fmt::format("{}.prev-{}", final_dir, ::getpid());
+  const std::string trash_dir = fmt::format("{}.trash-{}", final_dir, ::getpid());
   fs::remove_all(temp_dir, ec);
   fs::create_directory(temp_dir, ec);
   SY_REQUIRE(!ec, IoError, "{}: cannot create: {}", temp_dir, ec.message());
@@ -99,7 +177,9 @@ std::string SaveCheckpoint(const std::string& checkpoints_dir, const CheckpointD
         data.optimizer,
         {{"format", "switchyard-adamw"}, {"optimizer_step", std::to_string(data.optimizer_step)}});
     WriteFileAtomic(temp_dir + "/" + kModelFile, model);
+    probe();
     WriteFileAtomic(temp_dir + "/" + kOptimizerFile, optim);
+    probe();
     json config = data.config_json.empty() ? json::object() : json::parse(data.config_json);
     json state = {
         {"format_version", kFormatVersion},
@@ -116,15 +196,23 @@ std::string SaveCheckpoint(const std::string& checkpoints_dir, const CheckpointD
         {"files", {{kModelFile, FileEntry(model)}, {kOptimizerFile, FileEntry(optim)}}}};
     WriteTextFileAtomic(temp_dir + "/" + kStateFile, state.dump(2) + "\n");
     FsyncDirectory(temp_dir);
+    probe();
     if (fs::exists(final_dir, ec)) {  // saving the same step again: replace it
-      std::string old = final_dir + ".partial-old";
-      fs::rename(final_dir, old);
-      fs::rename(temp_dir, final_dir);
-      fs::remove_all(old, ec);
-    } else {
-      fs::rename(temp_dir, final_dir);
+      if (LatestName(checkpoints_dir) == name) {
+        LinkCheckpointCopy(final_dir, prev_dir);
+        FsyncDirectory(checkpoints_dir);
+        probe();
+        WriteLatest(checkpoints_dir, fs::path(prev_dir).filename().string());
+        probe();
+      }
+      fs::remove_all(trash_dir, ec);
+      fs::rename(final_dir, trash_dir);
+      FsyncDirectory(checkpoints_dir);
+      probe();
     }
+    fs::rename(temp_dir, final_dir);
     FsyncDirectory(checkpoints_dir);
+    probe();
   } catch (const fs::filesystem_error& e) {
     fs::remove_all(temp_dir, ec);
     throw IoError(fmt::format("{}: cannot write checkpoint: {}", final_dir, e.what()));
@@ -135,14 +223,36 @@ std::string SaveCheckpoint(const std::string& checkpoints_dir, const CheckpointD
     fs::remove_all(temp_dir, ec);
     throw;
   }
-  WriteTextFileAtomic(checkpoints_dir + "/" + kLatestFile, StepDirName(data.step) + "\n");
-  if (keep > 0) {
-    auto dirs = StepDirs(checkpoints_dir);
-    for (size_t i = 0; i + static_cast<size_t>(keep) < dirs.size(); ++i) {
-      if (dirs[i].second != final_dir) fs::remove_all(dirs[i].second, ec);
+  WriteLatest(checkpoints_dir, name);
+  probe();
+  try {
+    RemoveSaveLeftovers(checkpoints_dir);  // the trash, the copy, what killed saves left
+    probe();
+    if (keep > 0) {
+      auto dirs = StepDirs(checkpoints_dir);
+      for (size_t i = 0; i + static_cast<size_t>(keep) < dirs.size(); ++i) {
+        if (dirs[i].second == final_dir) continue;
+        RemoveCheckpointDir(dirs[i].second);
+        probe();
+      }
     }
+  } catch (const fs::filesystem_error& e) {
+    throw IoError(fmt::format("{}: saved, but removing old checkpoints failed: {}", checkpoints_dir,
+                              e.what()));
   }
   return final_dir;
+}
+
+std::string RunDirectoryOfCheckpoint(const std::string& path) {
+  fs::path checkpoint = fs::path(ResolveCheckpoint(path)).lexically_normal();
+  if (checkpoint.filename().empty()) checkpoint = checkpoint.parent_path();  // a trailing '/'
+  const fs::path checkpoints = checkpoint.parent_path();
+  SY_REQUIRE(checkpoints.filename() == "checkpoints", InvalidArgument,
+             "{}: the checkpoint {} is not in the checkpoints/ directory of a run, so there is no "
+             "run directory to continue in: pass --out",
+             path, checkpoint.string());
+  const fs::path run = checkpoints.parent_path();
+  return run.empty() ? std::string(".") : run.string();
 }
 
 std::string ResolveCheckpoint(const std::string& path) {

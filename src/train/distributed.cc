@@ -397,18 +397,21 @@ RunSummary RunDistributedTraining(const TrainConfig& config, const DistributedRu
     std::unique_ptr<comm::Communicator> world = comm::CreateMpiWorld();
     TrainConfig c = config;
     c.ranks = world->size();
+    if (c.ep == 0) c.ep = c.ranks;  // record the layout that runs
     // Ranks on this node share its cores (the threading policy divides them).
     RankTrainer rank(c, *world, std::max(1, world->topology().ranks_per_node));
     RunOptions run = options.run;
     return rank.trainer().Run(run);
   }
   ValidateTrainConfig(config);
+  TrainConfig c = config;
+  if (c.ep == 0) c.ep = c.ranks;  // record the layout that runs
   std::mutex mu;
   RunSummary summary;
   comm::RunInProcess(
-      static_cast<int>(config.ranks),
+      static_cast<int>(c.ranks),
       [&](comm::Communicator& world) {
-        RankTrainer rank(config, world, world.size());
+        RankTrainer rank(c, world, world.size());
         RunSummary s = rank.trainer().Run(options.run);
         if (world.rank() == 0) {
           std::lock_guard<std::mutex> lock(mu);

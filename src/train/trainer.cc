@@ -220,23 +220,37 @@ RunSummary Trainer::Run(const RunOptions& options) {
   namespace fs = std::filesystem;
   const TrainConfig& c = config_;
   std::FILE* out = options.out;
+  const std::string run_dir = c.out;
   bool resumed = false;
+  bool resumes_own_run = false;  // the checkpoint is in run_dir/checkpoints
   if (!options.resume.empty()) {
     std::string dir = ResolveCheckpoint(options.resume);
     Restore(LoadCheckpoint(dir));
     resumed = true;
+    std::error_code ec_from, ec_own;
+    const fs::path from = fs::weakly_canonical(fs::path(dir), ec_from).parent_path();
+    const fs::path own = fs::weakly_canonical(fs::path(run_dir) / "checkpoints", ec_own);
+    resumes_own_run = !ec_from && !ec_own && from == own;
     if (hooks_->writes_run_directory()) fmt::print(out, "resumed from {} at step {}\n", dir, step_);
   }
   const bool writer = hooks_->writes_run_directory();
-  const std::string run_dir = c.out;
   std::unique_ptr<MetricsWriter> metrics;
   std::vector<StepMetrics> history;
   if (writer) {
     std::error_code ec;
-    SY_REQUIRE(resumed || !fs::exists(run_dir + "/checkpoints/latest", ec), InvalidArgument,
-               "run directory '{}' already holds a run with checkpoints: pass --resume {} to "
-               "continue it, or another --out",
-               run_dir, run_dir);
+    // Only a run's own checkpoints continue it in place: anything else would truncate its
+    // metrics and replace its checkpoints.
+    if (fs::exists(run_dir + "/checkpoints/latest", ec)) {
+      SY_REQUIRE(resumed, InvalidArgument,
+                 "run directory '{}' already holds a run with checkpoints: pass --resume {} to "
+                 "continue it, or another --out",
+                 run_dir, run_dir);
+      SY_REQUIRE(resumes_own_run, InvalidArgument,
+                 "run directory '{}' holds another run with checkpoints, which resuming '{}' there "
+                 "would overwrite: give no --out to continue that checkpoint's own run, or a new "
+                 "--out",
+                 run_dir, options.resume);
+    }
     fs::create_directories(run_dir, ec);
     SY_REQUIRE(!ec, IoError, "{}: cannot create run directory: {}", run_dir, ec.message());
     WriteTextFileAtomic(run_dir + "/config.json", TrainConfigToJson(c) + "\n");

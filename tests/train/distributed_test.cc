@@ -65,7 +65,7 @@ TrainConfig TinyMoeConfig(const TempDir& dir) {
 }
 
 struct StepLosses {
-  std::vector<double> loss, grad_norm;
+  std::vector<double> loss, grad_norm, drop_rate, aux_loss, z_loss;
   std::vector<std::vector<int64_t>> expert_load;
   TensorMap model;  // full values after the last step (layout-independent form)
 };
@@ -78,6 +78,9 @@ StepLosses SingleRank(const TrainConfig& c, int steps) {
     r.loss.push_back(m.loss);
     r.grad_norm.push_back(m.grad_norm);
     r.expert_load.push_back(m.expert_load.at(0));
+    r.drop_rate.push_back(m.drop_rate.at(0));
+    r.aux_loss.push_back(m.aux_loss);
+    r.z_loss.push_back(m.z_loss);
   }
   r.model = t.model().parameters().Values();
   return r;
@@ -140,7 +143,21 @@ TEST_F(DistributedTest, EveryLayoutMatchesOneRank) {
   TrainConfig base = TinyMoeConfig(dir_);
   const int kSteps = 3;
   StepLosses want = SingleRank(base, kSteps);
-  // The reference must exercise what is compared: drops happen and both experts are used.
+  // The reference must exercise what is compared: at every step drops happen, both loss terms
+  // are on and clipping scales the gradients (norm above grad_clip); every expert gets tokens in
+  // the first step (later the routing skews fast at this learning rate, and an expert left
+  // without tokens is part of the comparison too).
+  ASSERT_EQ(want.expert_load.size(), static_cast<size_t>(kSteps));
+  for (int s = 0; s < kSteps; ++s) {
+    EXPECT_GT(want.drop_rate[s], 0) << "step " << s;
+    EXPECT_GT(want.aux_loss[s], 0) << "step " << s;
+    EXPECT_GT(want.z_loss[s], 0) << "step " << s;
+    EXPECT_GT(want.grad_norm[s], base.grad_clip) << "step " << s;
+  }
+  ASSERT_EQ(want.expert_load[0].size(), 4u);
+  for (size_t e = 0; e < 4; ++e) {
+    EXPECT_GT(want.expert_load[0][e], 0) << "expert " << e << " in step 0";
+  }
   struct Layout {
     int ranks, ep, zero;
     const char* dispatch;

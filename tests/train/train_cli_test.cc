@@ -1,6 +1,7 @@
 // `switchyard train` from the command line: the run directory of a small distributed run, a
 // resume under another layout, clear errors for bad flags, and (with MPI) the same losses as
 // processes under mpirun as with ranks as threads.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -8,6 +9,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -56,13 +59,38 @@ class TrainCliTest : public ::testing::Test {
     WriteTextFileAtomic(dir_ + "/corpus.txt", text);
   }
 
-  // A small model; `extra` adds flags.
-  std::string Command(const std::string& out, const std::string& extra) const {
+  // A small model, no --out; `extra` adds flags.
+  std::string CommandWithoutOut(const std::string& extra) const {
     return std::string(SY_SWITCHYARD_BIN) + " train --plain --data " + dir_ +
            "/corpus.txt --seq_len 16 --model_dim 32 --num_layers 2 --num_heads 2 --hidden_dim 48 "
            "--batch_size 8 --warmup_steps 1 --lr 0.01 --adam_eps 1e-5 --log_every 1 "
-           "--eval_every 0 --sample_tokens 16 --threads 1 --out " +
-           dir_ + "/" + out + " " + extra;
+           "--eval_every 0 --sample_tokens 16 --threads 1 " +
+           extra;
+  }
+  // The same into dir_/out.
+  std::string Command(const std::string& out, const std::string& extra) const {
+    return CommandWithoutOut("--out " + dir_ + "/" + out + " " + extra);
+  }
+
+  // The steps of metrics.jsonl's lines.
+  std::vector<int64_t> Steps(const std::string& out) const {
+    std::vector<int64_t> steps;
+    std::ifstream in(dir_ + "/" + out + "/metrics.jsonl");
+    std::string line;
+    while (std::getline(in, line)) steps.push_back(nlohmann::json::parse(line).at("step"));
+    return steps;
+  }
+
+  // Every file under dir_/out by relative path, with a hash of its content.
+  std::map<std::string, size_t> Files(const std::string& out) const {
+    std::map<std::string, size_t> files;
+    for (const auto& e : fs::recursive_directory_iterator(dir_ + "/" + out)) {
+      if (e.is_regular_file()) {
+        files[fs::relative(e.path(), dir_ + "/" + out).string()] =
+            std::hash<std::string>()(ReadAll(e.path().string()));
+      }
+    }
+    return files;
   }
 
   // The per-step training losses of metrics.jsonl.
@@ -107,6 +135,58 @@ TEST_F(TrainCliTest, RunDirectoryAndResumeUnderAnotherLayout) {
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_NEAR(resumed[i], full[2 + i], 2e-5 * full[2 + i]) << "step " << 3 + i;
   }
+}
+
+// No layout flags: the embedded default layout, 4 ranks as threads with EP 4 (and MoE in every
+// other block, 4 experts, top-2).
+TEST_F(TrainCliTest, NoLayoutFlagsRunTheEmbeddedDefault) {
+  CommandResult r = RunShell(Command("default", "--steps 1"), dir_);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  auto config = nlohmann::json::parse(ReadAll(dir_ + "/default/config.json"));
+  EXPECT_EQ(config.at("ranks"), 4);
+  EXPECT_EQ(config.at("ep"), 4);
+  EXPECT_EQ(config.at("zero_stage"), 0);
+  EXPECT_EQ(config.at("moe_every"), 2);
+  EXPECT_EQ(config.at("num_experts"), 4);
+  EXPECT_EQ(config.at("top_k"), 2);
+  EXPECT_EQ(Steps("default"), std::vector<int64_t>({1}));
+}
+
+// --resume without --out continues the resumed run in its own directory, for each form of the
+// path (run, checkpoints or checkpoint directory), and leaves the default run directory, which
+// holds another run, untouched.
+TEST_F(TrainCliTest, ResumeWithoutOutContinuesTheResumedRunInItsDirectory) {
+  const std::string cd = "cd " + dir_ + " && ";
+  CommandResult other =
+      RunShell(Command("runs/train", "--ranks 2 --steps 2 --checkpoint_every 1"), dir_);
+  ASSERT_EQ(other.exit_code, 0) << other.out << other.err;
+  CommandResult mine = RunShell(Command("mine", "--ranks 2 --steps 2 --checkpoint_every 1"), dir_);
+  ASSERT_EQ(mine.exit_code, 0) << mine.out << mine.err;
+  const std::map<std::string, size_t> other_files = Files("runs/train");
+  ASSERT_TRUE(other_files.count("checkpoints/latest"));
+
+  const std::string resumes[] = {"mine", "mine/checkpoints",
+                                 dir_ + "/mine/checkpoints/step_00000004/"};
+  for (int i = 0; i < 3; ++i) {
+    const int64_t steps = 3 + i;
+    CommandResult r = RunShell(
+        cd + CommandWithoutOut(fmt::format("--ranks 2 --steps {} --checkpoint_every 1 --resume {}",
+                                           steps, resumes[i])),
+        dir_);
+    ASSERT_EQ(r.exit_code, 0) << resumes[i] << "\n" << r.out << r.err;
+    EXPECT_EQ(Files("runs/train"), other_files) << "--resume " << resumes[i];
+    EXPECT_FALSE(fs::exists(dir_ + "/runs/train-2")) << "--resume " << resumes[i];
+    std::vector<int64_t> want;
+    for (int64_t s = 1; s <= steps; ++s) want.push_back(s);
+    EXPECT_EQ(Steps("mine"), want) << "--resume " << resumes[i];
+    EXPECT_EQ(ReadAll(dir_ + "/mine/checkpoints/latest"), fmt::format("step_{:08}\n", steps));
+  }
+  // A checkpoint outside a run's checkpoints directory: which run it continues is unknown.
+  fs::copy(dir_ + "/mine/checkpoints/step_00000005", dir_ + "/loose");
+  CommandResult r = RunShell(cd + CommandWithoutOut("--ranks 2 --steps 6 --resume loose"), dir_);
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("--out"), std::string::npos) << r.err;
+  EXPECT_EQ(Files("runs/train"), other_files);
 }
 
 TEST_F(TrainCliTest, BadFlagsAreOneLineErrors) {

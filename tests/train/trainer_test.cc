@@ -7,6 +7,7 @@
 #include <barrier>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include "switchyard/core/file_util.h"
@@ -236,7 +237,8 @@ TEST(CheckpointTest, CorruptedOrTruncatedGivesAClearErrorAndThePreviousStillLoad
   EXPECT_EQ(LoadCheckpoint(dir / "ck/step_00000001").step, 1);
 }
 
-TEST(CheckpointTest, AKilledSaveNeverBreaksLatest) {
+// What a killed save leaves is cleaned by the next one (real kills: checkpoint_kill_test.cc).
+TEST(CheckpointTest, TheNextSaveRemovesAKilledSavesLeftovers) {
   TempDir dir;
   CheckpointData d;
   d.model = {{"w", Tensor::Full({4}, 1.0)}};
@@ -300,6 +302,72 @@ TEST(RunTest, WritesTheRunDirectoryAndResumesBitForBit) {
     EXPECT_EQ(again[i].grad_norm, straight[i].grad_norm);
   }
   EXPECT_EQ(again[5].val_loss, straight[5].val_loss);
+}
+
+// Every file under `dir` by relative path, with the checksum of its content.
+std::map<std::string, uint64_t> FilesUnder(const std::string& dir) {
+  std::map<std::string, uint64_t> files;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) {
+      files[fs::relative(e.path(), dir).string()] = Fnv1a64(ReadFileBytes(e.path().string()));
+    }
+  }
+  return files;
+}
+
+// Resuming run a into the directory of another run b (which has checkpoints) would truncate b's
+// metrics and replace its checkpoints: refused, b untouched. Into a's own or a new directory it
+// continues.
+TEST(RunTest, ResumeNeverWritesIntoAnotherRunsDirectory) {
+  TempDir dir;
+  TrainConfig c = TinyTrainConfig(dir);
+  c.steps = 2;
+  c.checkpoint_every = 1;
+  c.eval_every = 0;
+  c.sample_tokens = 0;
+  RunOptions o;
+  o.out = DevNull();
+  for (const char* run : {"a", "b"}) {
+    c.out = dir / run;
+    Trainer(c).Run(o);
+  }
+  const std::map<std::string, uint64_t> b_files = FilesUnder(dir / "b");
+  ASSERT_EQ(b_files.count("checkpoints/latest"), 1u);
+  c.steps = 3;
+  for (const std::string& resume : {dir / "a", dir / "a/checkpoints/step_00000001"}) {
+    c.out = dir / "b";
+    o.resume = resume;
+    EXPECT_THROW(Trainer(c).Run(o), InvalidArgument) << resume;
+    EXPECT_EQ(FilesUnder(dir / "b"), b_files) << resume;
+  }
+  // Into its own directory (spelled differently) and into a new one.
+  for (const char* out : {"c", "a/"}) {
+    c.out = dir / out;
+    o.resume = dir / "a/checkpoints";
+    EXPECT_EQ(Trainer(c).Run(o).steps, 3) << out;
+  }
+  EXPECT_EQ(ReadMetrics(dir / "a/metrics.jsonl").size(), 3u);
+  EXPECT_EQ(ReadMetrics(dir / "c/metrics.jsonl").size(), 1u);  // steps 3 only: a new directory
+  EXPECT_EQ(FilesUnder(dir / "b"), b_files);
+}
+
+// The run directory a --resume path belongs to (where a resume without --out continues).
+TEST(CheckpointTest, RunDirectoryOfCheckpoint) {
+  TempDir dir;
+  CheckpointData d;
+  d.model = {{"w", Tensor::Full({4}, 1.0)}};
+  d.step = 3;
+  SaveCheckpoint(dir / "run/checkpoints", d);
+  const std::string run = dir / "run";
+  for (const std::string& path :
+       {run, run + "/", run + "/checkpoints", run + "/checkpoints/",
+        run + "/checkpoints/step_00000003", run + "/checkpoints/step_00000003/"}) {
+    EXPECT_EQ(fs::path(RunDirectoryOfCheckpoint(path)), fs::path(run)) << path;
+  }
+  // A checkpoint copied out of its run: no run directory to continue in.
+  fs::copy(run + "/checkpoints/step_00000003", dir / "loose");
+  EXPECT_THROW(RunDirectoryOfCheckpoint(dir / "loose"), InvalidArgument);
+  EXPECT_THROW(RunDirectoryOfCheckpoint(dir / "nothing"), IoError);
 }
 
 TEST(GenerateTest, DeterministicForASeed) {

@@ -10,10 +10,13 @@
 // and <checkpoints>/latest names the newest complete one.
 //
 // Crash safety: the files are written (and fsynced) into a temporary directory that is renamed
-// to its final name only when complete; `latest` is replaced atomically after that. A run killed
-// at any moment leaves `latest` naming a complete checkpoint. Loading verifies every file's size
-// and checksum: a truncated or corrupted checkpoint is an IoError that names the file and the
-// problem, and the checkpoints before it stay usable (pass their directory to load them).
+// to its final name only when complete; `latest` is replaced atomically after that. Saving a step
+// that exists again first points `latest` at a complete hard-linked copy of the old one, so a
+// save killed at any moment leaves `latest` naming a complete checkpoint (the old or the new
+// one), and the next save's removal of leftovers never touches what `latest` names. Loading
+// verifies every file's size and checksum: a truncated or corrupted checkpoint is an IoError that
+// names the file and the problem, and the checkpoints before it stay usable (pass their
+// directory to load them).
 //
 // Thread-safety: functions are reentrant; concurrent saves into the same directory are not
 // supported.
@@ -41,7 +44,8 @@ struct CheckpointData {
 
 // Writes a checkpoint of `data` under `checkpoints_dir` (created if missing), updates `latest`,
 // then deletes all but the newest `keep` checkpoints (keep <= 0: keep all). Returns the new
-// checkpoint's directory. Throws IoError; on failure the previous checkpoints are untouched.
+// checkpoint's directory. Throws IoError; on failure the previous checkpoints are untouched
+// (re-saving the step `latest` names: `latest` may be left naming a complete copy of it).
 std::string SaveCheckpoint(const std::string& checkpoints_dir, const CheckpointData& data,
                            int keep = 0);
 
@@ -53,8 +57,20 @@ std::string ResolveCheckpoint(const std::string& path);
 // Loads and verifies the checkpoint `path` refers to (see ResolveCheckpoint).
 CheckpointData LoadCheckpoint(const std::string& path);
 
+// The run directory of the checkpoint `path` refers to (see ResolveCheckpoint): the directory
+// holding its checkpoints/ directory, where a resumed run continues unless told otherwise.
+// Throws InvalidArgument when the checkpoint is not in a directory named `checkpoints` (a copy
+// of one outside any run), IoError when there is no checkpoint.
+std::string RunDirectoryOfCheckpoint(const std::string& path);
+
 // Checkpoint directories under `checkpoints_dir`, oldest first (by step).
 std::vector<std::string> ListCheckpoints(const std::string& checkpoints_dir);
+
+// Testing: `probe(i)` is called at i = 0, 1, 2, ... between the filesystem steps of every
+// SaveCheckpoint (the first right after leftovers are removed), so that a test process can stop
+// dead at each point (`_exit`) and check what a kill there leaves. Null (the default) disables
+// it. Not thread-safe: set it before saving.
+void SetCheckpointSaveProbeForTesting(void (*probe)(int point));
 
 // FNV-1a 64 of bytes (the checkpoint checksum).
 uint64_t Fnv1a64(std::span<const std::byte> bytes);

@@ -20,7 +20,8 @@
 //
 // Checkpoints are layout-independent: the writer (world rank 0) saves full tensors with experts
 // [E, ...] by global expert id and the full optimizer state, so a run saved with one (ranks, ep,
-// zero_stage) resumes under any other; that is what `switchyard reshard` relies on.
+// zero_stage) resumes under any other: resuming with another layout is how a run is resharded
+// (there is no separate conversion step).
 //
 // Transports: ranks as threads of this process (comm/inprocess.h, the default) or MPI processes
 // (this process is one rank of mpirun's world; comm/mpi.h).
@@ -167,7 +168,9 @@ struct DistributedRunOptions {
 };
 
 // Trains `config` on config.ranks in-process ranks (or as this process's rank of the MPI world)
-// and returns rank 0's summary (on other MPI ranks: their own). Errors on any rank are rethrown
+// and returns rank 0's summary (on other MPI ranks: their own). The run directory's config.json
+// and the checkpoints record the layout that ran: ranks (under MPI the world size) and ep (0
+// becomes the number of ranks). Errors on any rank are rethrown
 // (the others fail fast: their peer is gone).
 RunSummary RunDistributedTraining(const TrainConfig& config, const DistributedRunOptions& options);
 
