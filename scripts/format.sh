@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# clang-format over the project's C++ sources. --check: fail (listing files) if any would change.
+# clang-format over the project's C++ sources, in place. --check: change nothing, fail (listing
+# files) if any would change. Any other argument is an error (it formats nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ $# -gt 1 ] || { [ $# -eq 1 ] && [ "$1" != "--check" ]; }; then
+  echo "usage: scripts/format.sh [--check]   (got: $*)" >&2
+  exit 2
+fi
 mapfile -t files < <(git ls-files -co --exclude-standard '*.h' '*.cc' | grep -v '^build/')
 if [ "${1:-}" = "--check" ]; then
   bad=()

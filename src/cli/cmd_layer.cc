@@ -90,6 +90,13 @@ bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config,
                o.ranks, transport, o.arrangement, o.dispatch, run.adaptive_r,
                o.hierarchical > 0 ? fmt::format(", 2DH {} ranks/node", o.hierarchical) : "",
                o.scope);
+    // SPEC §2.3's volume for the r used, as `bench layer-parallel` reports it: the driver's
+    // predicted_volume (elements per rank per step; MB as float32).
+    fmt::print(
+        "layer: SPEC §2.3 for r = {}{}: predicted volume {} elements ({:.3g} MB as float32) per "
+        "rank per step\n",
+        run.adaptive_r, o.adaptive_r == "auto" ? " (auto)" : "", run.predicted_volume,
+        run.predicted_volume * sizeof(float) / 1e6);
     if (run.overlap_degree > 1 || run.smart_group > 0 || !run.shadowed.empty()) {
       fmt::print("layer: overlap degree {}, smart schedule {}, shadowed experts {}\n",
                  run.overlap_degree,

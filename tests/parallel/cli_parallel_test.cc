@@ -1,12 +1,19 @@
 // `switchyard layer --ranks W ...` end to end: the same in.safetensors gives the same
 // out.safetensors as the single-rank run for every layout; `switchyard groups` prints the groups;
-// bad layouts exit with code 2 and one line naming what does not divide.
+// bad layouts exit with code 2 and one line naming what does not divide; `--adaptive-r auto`
+// prints the r and predicted volume the library's choice gives.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "parallel/cli_helpers.h"
+#include "switchyard/parallel/driver.h"
+#include "switchyard/parallel/moe_parallel.h"
 
 namespace switchyard::parallel {
 namespace {
@@ -101,6 +108,57 @@ TEST(CliBenchLayer, RanksReachTheParallelBenchWithTheSchedules) {
   EXPECT_TRUE(j["schedule"].contains("hidden_fraction"));
   EXPECT_EQ(j["emulation"]["inter_gbps"], 1.0);
   EXPECT_NO_THROW(nlohmann::json::parse(testing::ReadAll(dir + "/b.json")));
+}
+
+TEST(CliLayerParallel, AdaptiveRAutoPrintsTheChosenRAndItsPredictedVolume) {
+  // W = 8, E = 2: each expert split over n = 4 ranks, r in {0, 1, 2, 4}. Large experts (H 64) and
+  // few tokens make the weights term dominate, so auto picks a large r.
+  const std::string dir = testing::TestDir("sy_cli_parallel");
+  const char* config_json = R"({"model_dim": 8, "hidden_dim": 64, "num_experts": 2, "top_k": 1,
+    "capacity_factor": 1.0})";
+  testing::WriteLayerInputs(dir, config_json, 16);
+  testing::CommandResult r = RunCommand(
+      std::string(SY_SWITCHYARD_BIN) + " layer --config " + dir + "/layer.json --tensors " + dir +
+          "/in.safetensors --out " + dir + "/out.safetensors --ranks 8 --adaptive-r auto",
+      dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::smatch match;
+  const std::regex line(R"(SPEC §2\.3 for r = (\d+) \(auto\): predicted volume (\S+) elements)");
+  ASSERT_TRUE(std::regex_search(r.out, match, line)) << r.out;
+  const int printed_r = std::stoi(match[1].str());
+  const double printed_volume = std::stod(match[2].str());
+
+  // What the library chooses for this config: C_g = E * C * M with C the largest kept count of
+  // any (rank, expert) over the 8 token shards (global scope: the single-rank layer's routing of
+  // the whole batch), P = E * (2 H M + H + M).
+  const moe::LayerConfig config = moe::LayerConfigFromJson(config_json);
+  const TensorMap in = ReadSafetensors(dir + "/in.safetensors");
+  const moe::LayerOutput single =
+      moe::MoeLayer(config).Forward(moe::ParamsFromMap(config, in), in.at("x"));
+  const int ranks = 8, shards = ranks / static_cast<int>(config.num_experts);
+  const std::vector<int64_t> split = EvenSplit(single.topk_idx.size(0), ranks);
+  int64_t capacity = 0, token = 0;
+  for (int64_t tokens : split) {
+    std::vector<int64_t> kept(static_cast<size_t>(config.num_experts), 0);
+    for (int64_t t = token; t < token + tokens; ++t) {
+      for (int64_t j = 0; j < config.top_k; ++j) {
+        const int64_t i = t * config.top_k + j;
+        if (single.locations.At(i) >= 0) ++kept[static_cast<size_t>(single.topk_idx.At(i))];
+      }
+    }
+    token += tokens;
+    capacity = std::max(capacity, *std::max_element(kept.begin(), kept.end()));
+  }
+  const double m = static_cast<double>(config.model_dim),
+               h = static_cast<double>(config.hidden_dim);
+  const double capacity_volume = static_cast<double>(config.num_experts * capacity) * m;
+  const double params = static_cast<double>(config.num_experts) * (2 * h * m + h + m);
+  const int expected_r = ChooseAdaptiveR(shards, capacity_volume, params, config.num_experts);
+  EXPECT_EQ(printed_r, expected_r) << r.out;
+  EXPECT_EQ(printed_volume,
+            PredictedVolume(expected_r, capacity_volume, params, config.num_experts))
+      << r.out;
+  EXPECT_NE(expected_r, 1) << "the config should make auto differ from the default r";
 }
 
 TEST(CliLayerParallel, NonDividingLayoutIsOneClearLine) {

@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <ostream>
 #include <string>
+#include <vector>
 
 #include "parallel/parallel_cases.h"
 #include "switchyard/comm/inprocess.h"
@@ -24,10 +26,61 @@ using testing::MakeInputs;
 using testing::MatchesReference;
 using testing::SmallConfig;
 
+// W ranks with E experts, and the schedules expected to run there, written out (a schedule that
+// stops being generated fails ListsExactlyTheExpectedLayouts instead of vanishing).
 struct WorldCase {
   int world_size;
   int64_t num_experts;
+  std::vector<std::string> layouts;
 };
+
+void PrintTo(const WorldCase& wc, std::ostream* os) {
+  *os << "W=" << wc.world_size << " E=" << wc.num_experts;
+}
+
+std::vector<WorldCase> WorldCases() {
+  // Even W, unsharded experts: every schedule.
+  const std::vector<std::string> w2 = {"a2a_d2",
+                                       "a2a_d3",
+                                       "a2av_d2",
+                                       "a2av_d4",
+                                       "a2a_d2_tp2_dedup",
+                                       "smart_g1",
+                                       "smart_g2_a2av",
+                                       "smart_auto",
+                                       "smart_g1_d2_a2av",
+                                       "shadow_auto",
+                                       "shadow_0_a2av",
+                                       "shadow_0_1_d2_smart_g1",
+                                       "shadow_auto_ep_replicas"};
+  const std::vector<std::string> w4 = {"a2a_d2",
+                                       "a2a_d3",
+                                       "a2av_d2",
+                                       "a2av_d4",
+                                       "a2a_d2_2dh",
+                                       "a2a_d2_tp2_dedup",
+                                       "smart_g1",
+                                       "smart_g2_a2av",
+                                       "smart_auto",
+                                       "smart_g1_d2_a2av",
+                                       "shadow_auto",
+                                       "shadow_0_a2av",
+                                       "shadow_0_1_d2_smart_g1",
+                                       "shadow_auto_ep_replicas"};
+  return {
+      {2, 4, w2},
+      {4, 4, w4},
+      {4, 8, w4},
+      // E = 2 < W = 4: experts split in n = 2 (sharded r 1 and 2; no shadows except with ep 2,
+      // where they are not split).
+      {4,
+       2,
+       {"a2a_d2", "a2a_d3", "a2av_d2", "a2av_d4", "a2a_d2_2dh", "a2a_d2_tp2_dedup",
+        "a2a_d2_sharded_r1", "a2av_d2_sharded_r2", "smart_g1", "smart_g2_a2av", "smart_auto",
+        "smart_g1_d2_a2av", "shadow_auto_ep_replicas"}},
+      {8, 8, w4},
+  };
+}
 
 // A split with a rank (two for W >= 4) holding no tokens.
 std::vector<int64_t> SplitWithEmptyRanks(int64_t tokens, int shards) {
@@ -52,10 +105,17 @@ DriverOptions WithDeadline(const ParallelOptions& p) {
 
 class OverlapTest : public ::testing::TestWithParam<WorldCase> {};
 
+TEST_P(OverlapTest, ListsExactlyTheExpectedLayouts) {
+  const WorldCase& wc = GetParam();
+  EXPECT_EQ(testing::LayoutNames(testing::OverlapLayoutsFor(wc.world_size, wc.num_experts)),
+            wc.layouts)
+      << "W=" << wc.world_size << " E=" << wc.num_experts;
+}
+
 TEST_P(OverlapTest, EveryScheduleEqualsWholeBatch) {
-  const WorldCase wc = GetParam();
+  const WorldCase& wc = GetParam();
   const std::vector<Layout> layouts = testing::OverlapLayoutsFor(wc.world_size, wc.num_experts);
-  ASSERT_GE(layouts.size(), 8u);
+  EXPECT_EQ(testing::LayoutNames(layouts), wc.layouts);
   for (bool dropless : {true, false}) {
     const moe::LayerConfig config = SmallConfig(wc.num_experts, dropless, 0.75f);
     const Inputs in = MakeInputs(config, 41, 21);
@@ -94,10 +154,12 @@ TEST_P(OverlapTest, EveryScheduleEqualsWholeBatch) {
 }
 
 TEST_P(OverlapTest, PerRankScopeEqualsOneLayerPerShard) {
-  const WorldCase wc = GetParam();
+  const WorldCase& wc = GetParam();
   const moe::LayerConfig config = SmallConfig(wc.num_experts, false, 0.75f);
   const Inputs in = MakeInputs(config, 37, 22);
-  for (const Layout& layout : testing::OverlapLayoutsFor(wc.world_size, wc.num_experts)) {
+  const std::vector<Layout> layouts = testing::OverlapLayoutsFor(wc.world_size, wc.num_experts);
+  EXPECT_EQ(testing::LayoutNames(layouts), wc.layouts);
+  for (const Layout& layout : layouts) {
     DriverOptions o = WithDeadline(layout.options);
     o.parallel.batch_scope = BatchScope::kPerRank;
     Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
@@ -109,9 +171,7 @@ TEST_P(OverlapTest, PerRankScopeEqualsOneLayerPerShard) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, OverlapTest,
-                         ::testing::Values(WorldCase{2, 4}, WorldCase{4, 4}, WorldCase{4, 8},
-                                           WorldCase{4, 2}, WorldCase{8, 8}),
+INSTANTIATE_TEST_SUITE_P(Worlds, OverlapTest, ::testing::ValuesIn(WorldCases()),
                          [](const ::testing::TestParamInfo<WorldCase>& param_info) {
                            return "W" + std::to_string(param_info.param.world_size) + "_E" +
                                   std::to_string(param_info.param.num_experts);

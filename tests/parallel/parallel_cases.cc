@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <stdexcept>
+#include <string>
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/rng.h"
@@ -230,186 +232,203 @@ Tensor VecTensor(const std::vector<int64_t>& v) {
 
 namespace {
 
-bool Valid(const ParallelOptions& o, int64_t e, int64_t h) {
+constexpr int64_t kHidden = 32;  // SmallConfig's hidden_dim
+
+// Whether a layout applies to (W, E) is decided here from the rules of SPEC §2.1 (what must divide
+// what), not by asking the mesh: a layout these rules call valid is built, and a mesh that rejects
+// it fails every test that lists the layouts (LayoutsFor throws) instead of dropping it quietly.
+
+// DeepSpeed EP over `ep` ranks: E / ep experts per rank (ep | E), or each expert split along H over
+// ep / E ranks (E | ep, the split dividing H).
+bool DeepSpeedFits(int ep, int64_t e) {
+  if (ep <= e) return e % ep == 0;
+  return ep % e == 0 && kHidden % (ep / e) == 0;
+}
+
+// Megatron's folding: etp x ep ranks per expert group dividing W, ep | E, etp | H.
+bool MegatronFits(int w, int etp, int ep, int64_t e) {
+  return w % (etp * ep) == 0 && e % ep == 0 && kHidden % etp == 0;
+}
+
+// The mesh of a layout its rules call valid; a rejection names the layout.
+Mesh MeshOf(const std::string& name, const ParallelOptions& o, int64_t e) {
   try {
-    Mesh mesh(o.mesh, e, h);
-    if (o.hierarchical_ranks_per_node > 0 &&
-        mesh.expert_group_size() % o.hierarchical_ranks_per_node != 0) {
-      return false;
-    }
-    const int n = mesh.shards();
-    return o.adaptive_r < 0 || o.adaptive_r == 0 || n % o.adaptive_r == 0;
-  } catch (const InvalidArgument&) {
-    return false;
+    return Mesh(o.mesh, e, kHidden);
+  } catch (const InvalidArgument& err) {
+    throw std::logic_error("layout " + name + " (W=" + std::to_string(o.mesh.world_size) +
+                           ", E=" + std::to_string(e) +
+                           ") is valid by SPEC §2.1 but the mesh rejects it: " + err.what());
   }
 }
 
 }  // namespace
 
 std::vector<Layout> LayoutsFor(int w, int64_t e) {
-  std::vector<Layout> all;
-  auto add = [&](std::string name, auto&& edit) {
+  std::vector<Layout> out;
+  auto add = [&](std::string name, bool applies, auto&& edit) {
+    if (!applies) return;
     ParallelOptions o;
     o.mesh.world_size = w;
     edit(o);
-    if (Valid(o, e, 32)) all.push_back({std::move(name), o});
+    MeshOf(name, o, e);
+    out.push_back({std::move(name), o});
   };
   using D = DispatchKind;
-  add("ds_alltoall", [](ParallelOptions&) {});
-  add("ds_alltoallv", [](ParallelOptions& o) { o.dispatch = D::kAllToAllV; });
-  add("ds_allgather", [](ParallelOptions& o) { o.dispatch = D::kAllGather; });
-  add("ds_r0", [](ParallelOptions& o) { o.adaptive_r = 0; });
-  if (w >= 4) add("ds_2dh", [](ParallelOptions& o) { o.hierarchical_ranks_per_node = 2; });
-  if (w % 2 == 0 && w > 1) {
-    add("ds_tp2_dedup", [](ParallelOptions& o) { o.mesh.tp = 2; });
-    add("ds_tp2_dedup_alltoallv", [](ParallelOptions& o) {
-      o.mesh.tp = 2;
-      o.dispatch = D::kAllToAllV;
-    });
-    add("ds_tp2_nodedup", [](ParallelOptions& o) {
-      o.mesh.tp = 2;
-      o.tp_dedup = false;
-    });
-    add("ds_ep_replicas", [w](ParallelOptions& o) { o.mesh.ep = w / 2; });
-    for (int r : {1, 2, 4}) {
-      add("ds_sharded_r" + std::to_string(r), [r](ParallelOptions& o) { o.adaptive_r = r; });
-    }
-    add("ds_sharded_auto", [](ParallelOptions& o) { o.adaptive_r = kAdaptiveRAuto; });
-    add("ds_sharded_r1_alltoallv", [](ParallelOptions& o) {
-      o.adaptive_r = 1;
-      o.dispatch = D::kAllToAllV;
-    });
-    add("ds_sharded_r1_allgather", [](ParallelOptions& o) {
-      o.adaptive_r = 1;
-      o.dispatch = D::kAllGather;
-    });
-    add("mg_etp2", [](ParallelOptions& o) {
-      o.mesh.arrangement = Arrangement::kMegatron;
-      o.mesh.etp = 2;
-      o.dispatch = D::kAllToAllV;
-    });
-    add("mg_etp2_r1", [](ParallelOptions& o) {
-      o.mesh.arrangement = Arrangement::kMegatron;
-      o.mesh.etp = 2;
-      o.adaptive_r = 1;
-    });
-    add("mg_etp2_allgather", [](ParallelOptions& o) {
-      o.mesh.arrangement = Arrangement::kMegatron;
-      o.mesh.etp = 2;
-      o.dispatch = D::kAllGather;
-    });
-    add("mg_tp2_sp", [](ParallelOptions& o) {
-      o.mesh.arrangement = Arrangement::kMegatron;
-      o.mesh.tp = 2;
-      o.dispatch = D::kAllToAllV;
-    });
+  const bool even = w % 2 == 0;
+  const bool flat = DeepSpeedFits(w, e);             // ep = W
+  const bool tp2 = even && DeepSpeedFits(w / 2, e);  // tp 2 (ep = W / 2), or ep = W / 2
+  // H-shards per expert with ep = W; the "sharded" layouts only where experts are split (with
+  // n = 1 they would repeat ds_alltoall & co.), every r in {1, 2, 4} that divides n.
+  const int n = flat && w > e ? static_cast<int>(w / e) : 1;
+  add("ds_alltoall", flat, [](ParallelOptions&) {});
+  add("ds_alltoallv", flat, [](ParallelOptions& o) { o.dispatch = D::kAllToAllV; });
+  add("ds_allgather", flat, [](ParallelOptions& o) { o.dispatch = D::kAllGather; });
+  add("ds_r0", flat, [](ParallelOptions& o) { o.adaptive_r = 0; });
+  // 2 ranks per node: the expert group (W ranks) must hold whole nodes.
+  add("ds_2dh", flat && w >= 4 && even,
+      [](ParallelOptions& o) { o.hierarchical_ranks_per_node = 2; });
+  add("ds_tp2_dedup", tp2, [](ParallelOptions& o) { o.mesh.tp = 2; });
+  add("ds_tp2_dedup_alltoallv", tp2, [](ParallelOptions& o) {
+    o.mesh.tp = 2;
+    o.dispatch = D::kAllToAllV;
+  });
+  add("ds_tp2_nodedup", tp2, [](ParallelOptions& o) {
+    o.mesh.tp = 2;
+    o.tp_dedup = false;
+  });
+  add("ds_ep_replicas", tp2, [w](ParallelOptions& o) { o.mesh.ep = w / 2; });
+  for (int r : {1, 2, 4}) {
+    add("ds_sharded_r" + std::to_string(r), n > 1 && n % r == 0,
+        [r](ParallelOptions& o) { o.adaptive_r = r; });
   }
-  if (w >= 8) {
-    add("mg_etp2_ep2_edp2", [](ParallelOptions& o) {
-      o.mesh.arrangement = Arrangement::kMegatron;
-      o.mesh.etp = 2;
-      o.mesh.ep = 2;
-    });
-  }
-  // Drop names that duplicate another layout for these sizes (e.g. "sharded" layouts when the
-  // experts are not sharded and r is 1).
-  std::vector<Layout> out;
-  for (Layout& l : all) {
-    Mesh mesh(l.options.mesh, e, 32);
-    const bool sharded_name = l.name.find("sharded") != std::string::npos;
-    if (sharded_name && mesh.shards() == 1) continue;
-    out.push_back(std::move(l));
-  }
+  add("ds_sharded_auto", n > 1, [](ParallelOptions& o) { o.adaptive_r = kAdaptiveRAuto; });
+  add("ds_sharded_r1_alltoallv", n > 1, [](ParallelOptions& o) {
+    o.adaptive_r = 1;
+    o.dispatch = D::kAllToAllV;
+  });
+  add("ds_sharded_r1_allgather", n > 1, [](ParallelOptions& o) {
+    o.adaptive_r = 1;
+    o.dispatch = D::kAllGather;
+  });
+  const bool etp2 = even && MegatronFits(w, 2, w / 2, e);  // etp 2, ep = W / 2
+  add("mg_etp2", etp2, [](ParallelOptions& o) {
+    o.mesh.arrangement = Arrangement::kMegatron;
+    o.mesh.etp = 2;
+    o.dispatch = D::kAllToAllV;
+  });
+  add("mg_etp2_r1", etp2, [](ParallelOptions& o) {
+    o.mesh.arrangement = Arrangement::kMegatron;
+    o.mesh.etp = 2;
+    o.adaptive_r = 1;
+  });
+  add("mg_etp2_allgather", etp2, [](ParallelOptions& o) {
+    o.mesh.arrangement = Arrangement::kMegatron;
+    o.mesh.etp = 2;
+    o.dispatch = D::kAllGather;
+  });
+  // Dense tp 2 (sequence parallel), the MoE part over all W ranks as ep.
+  add("mg_tp2_sp", even && MegatronFits(w, 1, w, e), [](ParallelOptions& o) {
+    o.mesh.arrangement = Arrangement::kMegatron;
+    o.mesh.tp = 2;
+    o.dispatch = D::kAllToAllV;
+  });
+  add("mg_etp2_ep2_edp2", w >= 8 && MegatronFits(w, 2, 2, e), [](ParallelOptions& o) {
+    o.mesh.arrangement = Arrangement::kMegatron;
+    o.mesh.etp = 2;
+    o.mesh.ep = 2;
+  });
   return out;
 }
 
 std::vector<Layout> OverlapLayoutsFor(int w, int64_t e) {
   std::vector<Layout> all;
   using D = DispatchKind;
-  auto add = [&](std::string name, auto&& edit) {
+  auto add = [&](std::string name, bool applies, auto&& edit) {
+    if (!applies) return;
     ParallelOptions o;
     o.mesh.world_size = w;
     edit(o);
-    if (!Valid(o, e, 32)) return;
-    Mesh mesh(o.mesh, e, 32);
-    if (o.smart_group > 0 && mesh.expert_group_size() % o.smart_group != 0) return;
-    if (o.shadow.policy != ShadowPolicy::kNone &&
-        (mesh.shards() != 1 || (o.tp_dedup && mesh.tp_duplicates_tokens()))) {
-      return;
-    }
-    if (name.find("sharded") != std::string::npos && mesh.shards() == 1) return;
+    MeshOf(name, o, e);
     all.push_back({std::move(name), o});
   };
+  const bool even = w % 2 == 0;
+  const bool flat = DeepSpeedFits(w, e);                      // ep = W
+  const bool tp2 = even && DeepSpeedFits(w / 2, e);           // tp 2 (ep = W / 2), or ep = W / 2
+  const int n = flat && w > e ? static_cast<int>(w / e) : 1;  // H-shards with ep = W
+  // Shadow experts need unsharded experts (and no TP de-duplication).
+  const bool shadow = flat && n == 1;
   // A cost model under which computing is slow and moving parameters cheap: shadowing the
   // popular experts of MakeInputs' skewed gate pays.
   CostModel compute_bound;
   compute_bound.link_gbps = 100;
   compute_bound.link_latency_us = 1;
   compute_bound.gemm_gflops = 1e-3;
-  add("a2a_d2", [](ParallelOptions& o) { o.overlap_degree = 2; });
-  add("a2a_d3", [](ParallelOptions& o) { o.overlap_degree = 3; });
-  add("a2av_d2", [](ParallelOptions& o) {
+  add("a2a_d2", flat, [](ParallelOptions& o) { o.overlap_degree = 2; });
+  add("a2a_d3", flat, [](ParallelOptions& o) { o.overlap_degree = 3; });
+  add("a2av_d2", flat, [](ParallelOptions& o) {
     o.dispatch = D::kAllToAllV;
     o.overlap_degree = 2;
   });
-  add("a2av_d4", [](ParallelOptions& o) {
+  add("a2av_d4", flat, [](ParallelOptions& o) {
     o.dispatch = D::kAllToAllV;
     o.overlap_degree = 4;
   });
-  if (w >= 4) {
-    add("a2a_d2_2dh", [](ParallelOptions& o) {
-      o.overlap_degree = 2;
-      o.hierarchical_ranks_per_node = 2;
-    });
-  }
-  if (w % 2 == 0) {
-    add("a2a_d2_tp2_dedup", [](ParallelOptions& o) {
-      o.mesh.tp = 2;
-      o.overlap_degree = 2;
-    });
-    add("a2a_d2_sharded_r1", [](ParallelOptions& o) {
-      o.adaptive_r = 1;
-      o.overlap_degree = 2;
-    });
-    add("a2av_d2_sharded_r2", [](ParallelOptions& o) {
-      o.adaptive_r = 2;
-      o.dispatch = D::kAllToAllV;
-      o.overlap_degree = 2;
-    });
-  }
-  add("smart_g1", [](ParallelOptions& o) { o.smart_group = 1; });
-  add("smart_g2_a2av", [](ParallelOptions& o) {
+  add("a2a_d2_2dh", flat && w >= 4 && even, [](ParallelOptions& o) {
+    o.overlap_degree = 2;
+    o.hierarchical_ranks_per_node = 2;
+  });
+  add("a2a_d2_tp2_dedup", tp2, [](ParallelOptions& o) {
+    o.mesh.tp = 2;
+    o.overlap_degree = 2;
+  });
+  add("a2a_d2_sharded_r1", n > 1, [](ParallelOptions& o) {
+    o.adaptive_r = 1;
+    o.overlap_degree = 2;
+  });
+  add("a2av_d2_sharded_r2", n > 1 && n % 2 == 0, [](ParallelOptions& o) {
+    o.adaptive_r = 2;
+    o.dispatch = D::kAllToAllV;
+    o.overlap_degree = 2;
+  });
+  add("smart_g1", flat, [](ParallelOptions& o) { o.smart_group = 1; });
+  // g = 2 divides the expert group (W ranks).
+  add("smart_g2_a2av", flat && even, [](ParallelOptions& o) {
     o.smart_group = 2;
     o.dispatch = D::kAllToAllV;
   });
-  add("smart_auto", [](ParallelOptions& o) { o.smart_group = kSmartAuto; });
-  add("smart_g1_d2_a2av", [](ParallelOptions& o) {
+  add("smart_auto", flat, [](ParallelOptions& o) { o.smart_group = kSmartAuto; });
+  add("smart_g1_d2_a2av", flat, [](ParallelOptions& o) {
     o.smart_group = 1;
     o.overlap_degree = 2;
     o.dispatch = D::kAllToAllV;
   });
-  add("shadow_auto", [&](ParallelOptions& o) {
+  add("shadow_auto", shadow, [&](ParallelOptions& o) {
     o.shadow.policy = ShadowPolicy::kAuto;
     o.cost_model = compute_bound;
   });
-  add("shadow_0_a2av", [](ParallelOptions& o) {
+  add("shadow_0_a2av", shadow, [](ParallelOptions& o) {
     o.shadow = ShadowFromString("0");
     o.dispatch = D::kAllToAllV;
   });
-  add("shadow_0_1_d2_smart_g1", [](ParallelOptions& o) {
+  add("shadow_0_1_d2_smart_g1", shadow, [](ParallelOptions& o) {
     o.shadow = ShadowFromString("1,0");
     o.overlap_degree = 2;
     o.smart_group = 1;
   });
-  if (w % 2 == 0) {
-    add("shadow_auto_ep_replicas", [&](ParallelOptions& o) {
-      o.mesh.ep = w / 2;
-      o.shadow.policy = ShadowPolicy::kAuto;
-      o.cost_model = compute_bound;
-      o.overlap_degree = 2;
-    });
-  }
+  // ep = W / 2 with unsharded experts.
+  add("shadow_auto_ep_replicas", tp2 && w / 2 <= e, [&](ParallelOptions& o) {
+    o.mesh.ep = w / 2;
+    o.shadow.policy = ShadowPolicy::kAuto;
+    o.cost_model = compute_bound;
+    o.overlap_degree = 2;
+  });
   return all;
+}
+
+std::vector<std::string> LayoutNames(const std::vector<Layout>& layouts) {
+  std::vector<std::string> names;
+  for (const Layout& l : layouts) names.push_back(l.name);
+  return names;
 }
 
 }  // namespace switchyard::parallel::testing

@@ -63,4 +63,11 @@ std::vector<Layout> LayoutsFor(int world_size, int64_t num_experts);
 // compute-bound cost model, an explicit list; with D and the smart schedule).
 std::vector<Layout> OverlapLayoutsFor(int world_size, int64_t num_experts);
 
+// Both functions decide whether a layout applies from SPEC §2.1's divisibility rules, not by
+// trying the mesh: they throw std::logic_error naming the layout when the mesh rejects one the
+// rules call valid, and the suites compare the names with lists written out per (W, E).
+
+// The layouts' names, in order.
+std::vector<std::string> LayoutNames(const std::vector<Layout>& layouts);
+
 }  // namespace switchyard::parallel::testing

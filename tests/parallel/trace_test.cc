@@ -1,19 +1,23 @@
 // The trace of the parallel layer: a Chrome trace-event file with one track per rank and stream
 // whose events name each chunk's send / experts / return, carry byte counts, and show the
 // communication of one chunk running while another chunk computes (D > 1, emulated link so that
-// transfers take a while).
+// transfers take a while); every collective's event carries the bytes its closed form gives.
 #include "switchyard/parallel/trace.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "parallel/parallel_cases.h"
 #include "switchyard/core/error.h"
+#include "switchyard/parallel/comm_stats.h"
 #include "switchyard/parallel/driver.h"
 
 namespace switchyard::parallel {
@@ -106,6 +110,70 @@ TEST(Trace, ChromeTraceEventsWithOverlappingChunks) {
     }
   }
   EXPECT_GE(overlapping, 1) << detail;
+}
+
+// Every collective of a small known step on the comm tracks, with the bytes (and traffic class)
+// its closed form gives: W = 4, ep 2 (two expert groups of P = 2 ranks, replicas of each other),
+// E = 4 (E_l = 2 per rank), fixed capacity C = 3, per-rank scope, M = 16, H = 32, float32.
+TEST(Trace, CollectiveEventsCarryTheirBytes) {
+  const int64_t e = 4, e_local = 2, c = 3, m = 16, h = 32;
+  const double p = 2;        // expert group: the token all-to-alls and the routing collectives
+  const double tokens = 4;   // token group (the world): the gate gradient's all-reduce
+  const double holders = 2;  // ranks holding the same experts: the expert gradients' all-reduce
+  moe::LayerConfig config = testing::SmallConfig(e, false);
+  config.capacity = c;
+  ASSERT_EQ(config.model_dim, m);
+  ASSERT_EQ(config.hidden_dim, h);
+  const testing::Inputs in = testing::MakeInputs(config, 24, 41);
+  DriverOptions o;
+  o.parallel.mesh.world_size = 4;
+  o.parallel.mesh.ep = 2;
+  o.parallel.batch_scope = BatchScope::kPerRank;
+  o.threads = 1;
+  Tracer tracer;
+  o.tracer = &tracer;
+  const LayerRunResult run = RunLayerOnRanks(config, in.params, in.x, in.dy, o);
+  ASSERT_EQ(run.buffer_capacity, c);
+
+  // (category, name, bytes, traffic), as nccl-tests count bytes on the wire (docs/parallel.md).
+  using Collective = std::tuple<std::string, std::string, double, int>;
+  const int kTokens = static_cast<int>(Traffic::kTokens);
+  const int kRouting = static_cast<int>(Traffic::kRouting);
+  const int kWeights = static_cast<int>(Traffic::kWeights);
+  const double all_to_all = (p - 1) / p, f32 = 4, i64 = 8;
+  auto all_reduce = [](double ranks, double bytes) { return 2 * (ranks - 1) / ranks * bytes; };
+  const double token_bytes = all_to_all * static_cast<double>(e * c * m) * f32;
+  std::vector<Collective> expected = {
+      {"forward", "allreduce max routing", all_reduce(p, i64), kRouting},  // wire capacity
+      {"forward", "alltoall routing", all_to_all * static_cast<double>(e) * i64, kRouting},
+      {"forward", "send c0", token_bytes, kTokens},
+      {"forward", "return c0", token_bytes, kTokens},
+      {"backward", "send c0", token_bytes, kTokens},
+      {"backward", "return c0", token_bytes, kTokens},
+      {"sync", "allreduce weights", all_reduce(tokens, static_cast<double>(e * m) * f32), kWeights},
+  };
+  for (int64_t numel : {e_local * h * m, e_local * h, e_local * m * h, e_local * m}) {
+    expected.emplace_back("sync", "allreduce weights",
+                          all_reduce(holders, static_cast<double>(numel) * f32), kWeights);
+  }
+  std::sort(expected.begin(), expected.end());
+
+  const nlohmann::json j = nlohmann::json::parse(tracer.ToJson());
+  std::map<int, std::vector<Collective>> seen;  // by rank
+  for (const auto& ev : j["traceEvents"]) {
+    if (ev["ph"] != "X" || ev["args"]["stream"] != "comm") continue;
+    const std::string name = ev["name"];
+    ASSERT_TRUE(ev["args"].contains("bytes")) << name;
+    ASSERT_TRUE(ev["args"].contains("traffic")) << name;
+    seen[ev["args"]["rank"].get<int>()].emplace_back(
+        ev["cat"].get<std::string>(), name, ev["args"]["bytes"].get<double>(),
+        static_cast<int>(ev["args"]["traffic"].get<double>()));
+  }
+  ASSERT_EQ(seen.size(), 4u);
+  for (auto& [rank, collectives] : seen) {
+    std::sort(collectives.begin(), collectives.end());
+    EXPECT_EQ(collectives, expected) << "rank " << rank;
+  }
 }
 
 TEST(Trace, SerializeMergeRoundTrip) {
