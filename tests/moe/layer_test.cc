@@ -19,6 +19,11 @@ namespace {
 using testing::RefOptions;
 using testing::RefParams;
 
+std::vector<float> Floats(const Tensor& t) {
+  Tensor f = t.dtype() == DType::kFloat32 ? t : t.To(DType::kFloat32);
+  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
+}
+
 struct Variant {
   std::string name;
   std::function<void(LayerConfig&)> edit;
@@ -308,6 +313,42 @@ TEST_P(LayerVsReference, GradientsMatchFiniteDifferences) {
     check("grad." + name, values, named_grads[name]);
   }
   EXPECT_EQ(named_grads.count("gate.expert_bias"), 0u);
+}
+
+// bfloat16 activations (SPEC: stored in bfloat16, computed in float32): for every option, the layer
+// on bfloat16 x and dy equals the float32 layer on the same rounded values, with only y and the x
+// gradient rounded; routing, losses and every parameter gradient (float32) are the same bits.
+TEST_P(LayerVsReference, BFloat16ActivationsEqualTheFloat32PathOnRoundedInputs) {
+  MoeLayer layer(config_);
+  const Tensor x16 = x_.To(DType::kBFloat16);
+  const Tensor x32 = x16.To(DType::kFloat32);
+  auto dyv = switchyard::testing::RandomVector(static_cast<size_t>(x_.numel()), 5);
+  const Tensor dy16 = Tensor::FromVector(dyv, x_.shape()).To(DType::kBFloat16);
+  const Tensor dy32 = dy16.To(DType::kFloat32);
+  LayerOutput o16 = layer.Forward(params_, x16, opt_);
+  LayerOutput o32 = layer.Forward(params_, x32, opt_);
+  ASSERT_EQ(o16.y.dtype(), DType::kBFloat16);
+  EXPECT_EQ(Floats(o16.y), Floats(o32.y.To(DType::kBFloat16)));
+  EXPECT_EQ(Floats(o16.gates), Floats(o32.gates));
+  EXPECT_EQ(Floats(o16.combine_weights), Floats(o32.combine_weights));
+  for (int64_t i = 0; i < o16.topk_idx.numel(); ++i) {
+    ASSERT_EQ(o16.topk_idx.data<int32_t>()[i], o32.topk_idx.data<int32_t>()[i]) << "pair " << i;
+    ASSERT_EQ(o16.locations.data<int32_t>()[i], o32.locations.data<int32_t>()[i]) << "pair " << i;
+  }
+  EXPECT_EQ(o16.l_aux, o32.l_aux);
+  EXPECT_EQ(o16.z_loss, o32.z_loss);
+  LayerGradients g16 = layer.Backward(params_, o16, dy16);
+  LayerGradients g32 = layer.Backward(params_, o32, dy32);
+  ASSERT_EQ(g16.x.dtype(), DType::kBFloat16);
+  EXPECT_EQ(Floats(g16.x), Floats(g32.x.To(DType::kBFloat16)));
+  NamedTensors n16 = ParamsToMap(config_, g16.params);
+  NamedTensors n32 = ParamsToMap(config_, g32.params);
+  ASSERT_EQ(n16.size(), n32.size());
+  for (const auto& [name, grad] : n32) {
+    ASSERT_TRUE(n16.count(name)) << name;
+    EXPECT_EQ(n16.at(name).dtype(), DType::kFloat32) << name;
+    EXPECT_EQ(Floats(n16.at(name)), Floats(grad)) << name;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Options, LayerVsReference, ::testing::ValuesIn(Variants()),
