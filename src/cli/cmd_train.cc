@@ -41,7 +41,7 @@ train::TrainConfig DefaultTrainConfig() {
   c.num_experts = 4;
   c.top_k = 2;
   c.ranks = 4;
-  c.steps = 300;
+  c.steps = 1000;
   c.out = "runs/train";
   return c;
 }
