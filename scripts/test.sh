@@ -4,7 +4,7 @@
 #   2. clang-format check of the sources
 #   3. release build + the whole CTest suite (unit, MPI, reduced-size slow checks)
 #   4. asan (address+undefined) build + the unit tests under it
-#   5. tsan build + the in-process transport tests under it (when present)
+#   5. tsan build + the in-process transport and overlap-pipeline tests under it
 #   6. libFuzzer targets for a short bounded time (when present)
 # Set SY_TEST_SKIP="asan tsan fuzz format" to skip stages locally; CI skips nothing.
 set -euo pipefail
@@ -36,7 +36,7 @@ if ! skip asan; then
 fi
 
 if ! skip tsan && [ -d tests/comm ]; then
-  stage "tsan build + in-process transport tests"
+  stage "tsan build + in-process transport and overlap-pipeline tests"
   cmake --preset tsan >/dev/null
   cmake --build --preset tsan -j "$JOBS" --target tsan_tests
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --preset tsan -j "$JOBS" --timeout 600
