@@ -17,6 +17,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cli/command.h"
@@ -252,13 +253,15 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
             ? fmt::format(", {} nodes x {}", comm.topology().nodes, comm.topology().ranks_per_node)
             : "",
         o.dtype, o.emulate ? ", EMULATED links" : "", o.iters);
-    fmt::print("# busbw = algbw x {:.3f}{}\n", factor,
-               inprocess
-                   ? "; memcpy = one thread copying the same size, interleaved with the collectives"
-                   : "");
+    fmt::print(
+        "# busbw = algbw x {:.3f}{}\n", factor,
+        inprocess ? "; memcpy = one thread copying the same size, interleaved with the "
+                    "collectives; memcpy*T = T = min(W, cores) ranks copying it at once (aggregate)"
+                  : "");
     std::string header = fmt::format("{:>12} {:>11} {:>22} {:>11} {:>10} {:>10}", "size(B)",
                                      "count", "algorithm", "time(us)", "algbw", "busbw");
-    if (inprocess) header += fmt::format(" {:>10} {:>10}", "memcpy", "bus/memcpy");
+    if (inprocess)
+      header += fmt::format(" {:>10} {:>10} {:>10}", "memcpy", "bus/memcpy", "memcpy*T");
     if (compare) header += fmt::format(" {:>10}", "vs mpi");
     fmt::print("{}\n", header);
   }
@@ -273,9 +276,14 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
     // Page-aligned buffers, the destination 64 bytes into its page: glibc's memcpy slows down
     // badly when source and destination are a few bytes apart modulo 4 KiB (as two consecutive
     // heap blocks can be), and the limit should be the best a copy can do.
+    // Also the limit for W ranks sharing the machine: the first T = min(W, cores) ranks copying
+    // `actual` bytes each at the same time (aggregate bytes / slowest copy).
+    const int copiers =
+        std::min(w, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+    std::vector<double> concurrent_times;
     std::vector<std::byte> copy_src, copy_dst;
     std::byte *src = nullptr, *dst = nullptr;
-    if (inprocess && comm.rank() == 0) {
+    if (inprocess && comm.rank() < copiers) {
       copy_src.assign(actual + 8192, std::byte{1});
       copy_dst.assign(actual + 8192, std::byte{0});
       auto page = [](std::byte* p) {
@@ -292,6 +300,11 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
           std::memcpy(dst, src, actual);
           if (it >= o.warmup) memcpy_times.push_back(NowSeconds() - t0);
         }
+        comm.Barrier().Wait();
+        double t0 = NowSeconds();
+        if (comm.rank() < copiers) std::memcpy(dst, src, actual);
+        double t = MaxOverRanks(comm, NowSeconds() - t0);
+        if (it >= o.warmup) concurrent_times.push_back(t);
       }
       for (size_t a = 0; a < algos.size(); ++a) {  // interleaved: same conditions for all
         comm.Barrier().Wait();
@@ -317,9 +330,11 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
     int32_t bad = 0;
     for (const Row& row : rows) bad += row.check.empty() ? 0 : 1;
     comm.AllReduce(&bad, &bad, 1, DType::kInt32).Wait();
-    double memcpy_gbps = 0;
+    double memcpy_gbps = 0, concurrent_gbps = 0;
     if (!memcpy_times.empty()) {
       memcpy_gbps = static_cast<double>(actual) / SummarizeTimes(memcpy_times).median_s / 1e9;
+      concurrent_gbps =
+          static_cast<double>(actual) * copiers / SummarizeTimes(concurrent_times).median_s / 1e9;
     }
     if (!print) continue;
     const double mpi_busbw = compare ? rows.back().busbw : 0;
@@ -339,6 +354,8 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
         if (inprocess) {
           j["memcpy_gbps"] = memcpy_gbps;
           j["busbw_over_memcpy"] = row.busbw / memcpy_gbps;
+          j["memcpy_concurrent_threads"] = copiers;
+          j["memcpy_concurrent_gbps"] = concurrent_gbps;
         }
         if (compare) j["busbw_over_mpi"] = row.busbw / mpi_busbw;
         fmt::print("{}\n", j.dump());
@@ -347,7 +364,8 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
                                        row.bytes, row.bytes / DTypeSize(dtype), row.algorithm,
                                        row.time_s * 1e6, row.algbw, row.busbw);
         if (inprocess)
-          line += fmt::format(" {:>10.2f} {:>10.2f}", memcpy_gbps, row.busbw / memcpy_gbps);
+          line += fmt::format(" {:>10.2f} {:>10.2f} {:>10.2f}", memcpy_gbps,
+                              row.busbw / memcpy_gbps, concurrent_gbps);
         if (compare) line += fmt::format(" {:>10.2f}", row.busbw / mpi_busbw);
         fmt::print("{}{}\n", line, bad == 0 ? "" : "  CHECK FAILED");
       }

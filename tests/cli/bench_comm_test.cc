@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -11,6 +12,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace switchyard {
@@ -78,6 +80,10 @@ TEST(CliBenchComm, JsonLinesHaveEveryFieldAndPassTheCheck) {
     EXPECT_GT(j.at("memcpy_gbps").get<double>(), 0);
     EXPECT_NEAR(j.at("busbw_over_memcpy").get<double>(), busbw / j.at("memcpy_gbps").get<double>(),
                 1e-9 + 1e-9 * busbw);
+    // And min(W, cores) ranks copying at once, the aggregate.
+    EXPECT_EQ(j.at("memcpy_concurrent_threads").get<int>(),
+              std::min(3, static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))));
+    EXPECT_GT(j.at("memcpy_concurrent_gbps").get<double>(), 0);
   }
   EXPECT_EQ(seen, (std::set<std::pair<int64_t, std::string>>{
                       {4096, "ring"}, {4096, "tree"}, {65536, "ring"}, {65536, "tree"}}));
@@ -91,7 +97,7 @@ TEST(CliBenchComm, AllToAllOnAnEmulatedTopologyPrintsTheTable) {
   EXPECT_NE(r.out.find("alltoall on 4 ranks (inprocess, 2 nodes x 2)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("EMULATED links"), std::string::npos) << r.out;
   for (const char* column : {"size(B)", "algorithm", "time(us)", "algbw", "busbw", "memcpy",
-                             "bus/memcpy", "pairwise", "hierarchical"}) {
+                             "bus/memcpy", "memcpy*T", "pairwise", "hierarchical"}) {
     EXPECT_NE(r.out.find(column), std::string::npos) << column << " missing:\n" << r.out;
   }
   EXPECT_EQ(r.out.find("CHECK FAILED"), std::string::npos) << r.out;
