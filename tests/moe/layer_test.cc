@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "moe/reference_moe.h"
+#include "switchyard/core/rng.h"
+#include "switchyard/moe/gate.h"
 #include "testing/random.h"
 
 namespace switchyard::moe {
@@ -56,6 +58,16 @@ void SkewToExpertZero(const LayerConfig& c, LayerParams& p) {
   for (int64_t m = 0; m < c.model_dim; ++m) w[m] = 3.0f;
 }
 
+// Large enough to change some choices under every score function (checked by
+// ForwardMatchesReference), small enough not to change all of them.
+void SetExpertBias(const LayerConfig&, LayerParams& p) {
+  float* b = p.expert_bias.data<float>();
+  b[0] = 0.3f;
+  b[1] = -0.2f;
+  b[2] = 0.05f;
+  b[3] = -0.1f;
+}
+
 std::vector<Variant> Variants() {
   using C = LayerConfig;
   return {
@@ -90,14 +102,32 @@ std::vector<Variant> Variants() {
          c.training = false;
        }},
       {"random_routing", [](C& c) { c.random_routing = true; }},
-      {"expert_bias", [](C& c) { c.expert_bias = true; }, 13,
-       [](const LayerConfig&, LayerParams& p) {
-         float* b = p.expert_bias.data<float>();
-         b[0] = 0.3f;
-         b[1] = -0.2f;
-         b[2] = 0.05f;
-         b[3] = -0.1f;
+      // Removed 2nd choices free slots for later pairs; survivors are renormalized.
+      {"random_routing_drops_renormalize",
+       [](C& c) {
+         c.random_routing = true;
+         c.capacity_factor = 0.5f;
+         c.renormalize_after_drop = true;
        }},
+      {"random_routing_top3",  // only the 2nd choice is tested; the 3rd always stays
+       [](C& c) {
+         c.random_routing = true;
+         c.top_k = 3;
+       }},
+      {"expert_bias", [](C& c) { c.expert_bias = true; }, 13, SetExpertBias},
+      // softmax_after_topk ranks logits + bias; the gates are the softmax of the unbiased logits.
+      {"expert_bias_softmax_after_topk",
+       [](C& c) {
+         c.expert_bias = true;
+         c.score_function = ScoreFunction::kSoftmaxAfterTopK;
+       },
+       13, SetExpertBias},
+      {"expert_bias_sigmoid",
+       [](C& c) {
+         c.expert_bias = true;
+         c.score_function = ScoreFunction::kSigmoid;
+       },
+       13, SetExpertBias},
       {"drops_position", [](C& c) { c.capacity_factor = 0.5f; }},
       {"drops_probs",
        [](C& c) {
@@ -217,6 +247,38 @@ std::vector<Variant> Variants() {
   };
 }
 
+// GShard random routing on its own terms (SPEC §1.1): token t's 2nd choice is removed unless
+// 2 * g_2 > U, U the kStreamRandomRouting draw at the global token index (docs/moe.md). A removed
+// choice has location -1 and weight 0, adds to no load and is not a drop. The variant must remove
+// some but not all 2nd choices, or it could not tell random routing from none or from top-1.
+void ExpectSomeSecondChoicesRemoved(const LayerConfig& c, const LayerOutput& out, int64_t tokens,
+                                    int64_t k, const ForwardOptions& opt) {
+  const CounterRng rng(StepSeed(c.seed, opt.step), kStreamRandomRouting);
+  const float* gates = out.gates.data<float>();
+  const float* weights = out.combine_weights.data<float>();
+  const int32_t* loc = out.locations.data<int32_t>();
+  int64_t removed = 0, unplaced = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float u = rng.Uniform(static_cast<uint64_t>(opt.global_token_offset + t));
+    for (int64_t j = 0; j < k; ++j) unplaced += loc[t * k + j] < 0;
+    if (2.0f * gates[t * k + 1] > u) continue;
+    ++removed;
+    EXPECT_EQ(loc[t * k + 1], -1) << "token " << t << ": removed 2nd choice has a slot";
+    EXPECT_EQ(weights[t * k + 1], 0.0f) << "token " << t;
+    if (k == 2 && loc[t * k] >= 0) {
+      // The lone survivor: weight 1 under DeepSpeed's renormalization, g_1 under Tutel's.
+      EXPECT_FLOAT_EQ(weights[t * k], c.renormalize_after_drop ? 1.0f : gates[t * k])
+          << "token " << t;
+    }
+  }
+  EXPECT_GT(removed, 0) << "no 2nd choice was removed";
+  EXPECT_LT(removed, tokens) << "every 2nd choice was removed";
+  int64_t routed = 0;
+  for (int64_t load : out.expert_loads) routed += load;
+  EXPECT_EQ(routed, tokens * k - removed) << "removed choices must not count in the loads";
+  EXPECT_EQ(out.dropped, unplaced - removed) << "removed choices must not count as drops";
+}
+
 class LayerVsReference : public ::testing::TestWithParam<Variant> {
  protected:
   void SetUp() override {
@@ -265,8 +327,19 @@ TEST_P(LayerVsReference, ForwardMatchesReference) {
     double want = ref.y[static_cast<size_t>(i)];
     EXPECT_NEAR(out.y.data<float>()[i], want, 1e-5 + 1e-4 * std::abs(want)) << "y[" << i << "]";
   }
-  if (GetParam().name.starts_with("drops_") || GetParam().name == "every_token_dropped") {
+  const std::string& name = GetParam().name;
+  if (name.find("drops") != std::string::npos || name == "every_token_dropped") {
     EXPECT_GT(out.dropped, 0) << "the variant is meant to drop";
+  }
+  if (config_.random_routing && config_.training && k >= 2) {
+    ExpectSomeSecondChoicesRemoved(config_, out, tokens_, k, opt_);
+  }
+  if (config_.expert_bias) {
+    // A bias that changes no choice would pass with the bias ignored.
+    LayerConfig unbiased = config_;
+    unbiased.expert_bias = false;
+    auto plain = testing::ReferenceForward(unbiased, rp, testing::ToDoubles(x_), tokens_, ref_opt_);
+    EXPECT_NE(plain.topk, ref.topk) << "the expert bias changes no choice";
   }
   EXPECT_NEAR(out.l_aux, ref.l_aux, 1e-5 + 1e-5 * std::abs(ref.l_aux));
   EXPECT_NEAR(out.z_loss, ref.z_loss, 1e-5 + 1e-5 * std::abs(ref.z_loss));

@@ -62,12 +62,76 @@ TEST(Capacity, DeepSpeedFormulaInFloat32) {
   c.capacity_formula = CapacityFormula::kDeepSpeed;
   c.capacity_factor = 1.1f;  // ceil(float(10/3) * float(2.2)) = ceil(7.333) = 8
   EXPECT_EQ(ComputeCapacity(c, 10, 0), 8);
+  c.num_experts = 4;
+  c.capacity_factor = 0.4f;  // 1.25f * 0.8f = 1.0000000149 is 1.0f in float32: 1 (float64: 2)
+  EXPECT_EQ(ComputeCapacity(c, 5, 0), 1);
   c.top_k = 1;
   c.capacity_factor = 1.0f;  // ceil(float(4/4) * 1) = 1 exactly, then min_capacity
-  c.num_experts = 4;
   EXPECT_EQ(ComputeCapacity(c, 4, 0), 1);
   c.min_capacity = 4;
   EXPECT_EQ(ComputeCapacity(c, 4, 0), 4);
+}
+
+// docs/moe.md: `capacity_formula: deepspeed` with cf <= 0 follows SPEC's cf <= 0 rules with
+// DeepSpeed's formula in place of Tutel's. E = 4, k = 2, T = 5: T / E = 1.25, spe = 2.
+TEST(Capacity, DeepSpeedFormulaWithZeroOrNegativeFactor) {
+  LayerConfig c = Config(4, 2);
+  c.capacity_formula = CapacityFormula::kDeepSpeed;
+  c.capacity_factor = 0.0f;  // the max load; the formula (which would give 0) plays no part
+  EXPECT_EQ(ComputeCapacity(c, 5, 3), 3);
+  EXPECT_EQ(ComputeCapacity(c, 5, 9), 9);
+  EXPECT_EQ(ComputeCapacity(c, 5, 0), 0);
+  // min(max load, ceil(1.25f * float(2 * 0.4f))): 1.25 * 0.80000001 = 1.0000000149 rounds to
+  // 1.0f in float32, so 1 (float64 would give 2; Tutel's 2 * floor(0.4 * 2) gives 0).
+  c.capacity_factor = -0.4f;
+  EXPECT_EQ(ComputeCapacity(c, 5, 9), 1);
+  EXPECT_EQ(ComputeCapacity(c, 5, 0), 0);
+  // ceil(1.25 * 3) = 4 (Tutel: 2 * floor(1.5 * 2) = 6).
+  c.capacity_factor = -1.5f;
+  EXPECT_EQ(ComputeCapacity(c, 5, 9), 4);
+  EXPECT_EQ(ComputeCapacity(c, 5, 3), 3);
+  // Then min_capacity (DeepSpeed's 4) and the alignment, as for cf > 0.
+  c.min_capacity = 4;
+  EXPECT_EQ(ComputeCapacity(c, 5, 3), 4);
+  c.capacity_factor = 0.0f;
+  EXPECT_EQ(ComputeCapacity(c, 5, 3), 4);
+  EXPECT_EQ(ComputeCapacity(c, 5, 5), 5);
+  c.alignment = 3;
+  EXPECT_EQ(ComputeCapacity(c, 5, 5), 6);
+}
+
+// The same through MakeDispatchPlan, where the max load is this rank's or the EP group's.
+TEST(Plan, DeepSpeedFormulaWithZeroOrNegativeFactor) {
+  LayerConfig c = Config(4, 2);
+  c.capacity_formula = CapacityFormula::kDeepSpeed;
+  c.capacity_factor = 0.0f;
+  // 5 tokens. 1st choices 0, 0, 0, 1, 0; 2nd choices 1, 2, 3, 2, 1. Loads 4, 3, 2, 1.
+  GateResult g = Routing(4, 2, {0, 1, 0, 2, 0, 3, 1, 2, 0, 1});
+  DispatchPlan p = MakeDispatchPlan(c, g, {});
+  EXPECT_EQ(p.loads, (std::vector<int64_t>{4, 3, 2, 1}));
+  EXPECT_EQ(p.capacity, 4);
+  EXPECT_EQ(p.dropped, 0);
+  // Expert 0: 1st choices of t0, t1, t2, t4; expert 1: t3's 1st, then the 2nd of t0, t4;
+  // expert 2: the 2nd of t1, t3; expert 3: t2's 2nd.
+  EXPECT_EQ(p.slots, (std::vector<int32_t>{0, 1, 1, 0, 2, 0, 0, 1, 3, 2}));
+  EXPECT_EQ(
+      MakeDispatchPlan(c, g, {.global_token_offset = 0, .step = 0, .global_max_load = 7}).capacity,
+      7);
+
+  c.capacity_factor = -0.4f;  // min(4, 1) = 1: each expert keeps its first pair in slot order
+  p = MakeDispatchPlan(c, g, {});
+  EXPECT_EQ(p.capacity, 1);
+  EXPECT_EQ(p.slots, (std::vector<int32_t>{0, -1, -1, 0, -1, 0, 0, -1, -1, -1}));
+  EXPECT_EQ(p.counts, (std::vector<int64_t>{1, 1, 1, 1}));
+  EXPECT_EQ(p.dropped, 6);
+
+  c.capacity_factor = -1.5f;  // min(group max 3, 4) = 3
+  EXPECT_EQ(
+      MakeDispatchPlan(c, g, {.global_token_offset = 0, .step = 0, .global_max_load = 3}).capacity,
+      3);
+  EXPECT_EQ(
+      MakeDispatchPlan(c, g, {.global_token_offset = 0, .step = 0, .global_max_load = 9}).capacity,
+      4);
 }
 
 TEST(Plan, ChoiceMajorSlots) {
