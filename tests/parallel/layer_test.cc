@@ -295,12 +295,23 @@ TEST(ParallelLayer, SwitchingAdaptiveRBetweenStepsEqualsFreshRuns) {
 }
 
 TEST(ParallelLayer, SyncedGradientsAreEqualOnEveryHolder) {
-  const moe::LayerConfig config = SmallConfig(4, true);
-  const Inputs in = MakeInputs(config, 30, 51);
-  for (const char* name :
-       {"ds_tp2_dedup", "ds_tp2_nodedup", "ds_ep_replicas", "mg_etp2_ep2_edp2"}) {
-    for (const Layout& layout : testing::LayoutsFor(8, 4)) {
-      if (layout.name != name) continue;
+  // After SyncGradients, every rank holding the same expert shard holds the same gradient of every
+  // expert tensor, and every rank the same gate gradient: replicas (tp, ep_dp) and sharded
+  // experts (E < W: each rank holds an H-shard, r groups) alike.
+  struct Case {
+    int experts;
+    const char* name;
+  };
+  const Case cases[] = {{4, "ds_tp2_dedup"},     {4, "ds_tp2_nodedup"},  {4, "ds_ep_replicas"},
+                        {4, "mg_etp2_ep2_edp2"}, {2, "ds_sharded_r1"},   {2, "ds_sharded_r2"},
+                        {2, "ds_sharded_r4"},    {2, "ds_sharded_auto"}, {2, "ds_r0"}};
+  for (const Case& c : cases) {
+    const moe::LayerConfig config = SmallConfig(c.experts, true);
+    const Inputs in = MakeInputs(config, 30, 51);
+    int found = 0;
+    for (const Layout& layout : testing::LayoutsFor(8, c.experts)) {
+      if (layout.name != c.name) continue;
+      ++found;
       std::vector<moe::LayerParams> grads(8);
       std::vector<Tensor> ys(8);
       std::vector<RankCoords> coords(8);
@@ -317,21 +328,30 @@ TEST(ParallelLayer, SyncedGradientsAreEqualOnEveryHolder) {
               });
       Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
       for (int r = 0; r < 8; ++r) {
-        EXPECT_TRUE(SameBits(grads[r].gate_weight, grads[0].gate_weight)) << name << " rank " << r;
+        EXPECT_TRUE(SameBits(grads[r].gate_weight, grads[0].gate_weight))
+            << c.name << " rank " << r;
+        const moe::NamedTensors mine = moe::ParamsToMap(config, grads[r]);
+        int compared = 0;
         for (int peer : mesh.GroupOf(GroupKind::kExpertHolders, r)) {
-          EXPECT_TRUE(SameBits(grads[r].experts.fc1_weight, grads[peer].experts.fc1_weight))
-              << name << " ranks " << r << " and " << peer;
-          EXPECT_TRUE(SameBits(grads[r].experts.fc2_bias, grads[peer].experts.fc2_bias))
-              << name << " ranks " << r << " and " << peer;
+          const moe::NamedTensors theirs = moe::ParamsToMap(config, grads[peer]);
+          for (const auto& [key, tensor] : mine) {
+            if (!key.starts_with("experts.")) continue;
+            ASSERT_TRUE(theirs.count(key)) << key;
+            EXPECT_TRUE(SameBits(tensor, theirs.at(key)))
+                << c.name << " " << key << " ranks " << r << " and " << peer;
+            ++compared;
+          }
         }
+        EXPECT_GT(compared, 0) << c.name << " rank " << r;
         // Tensor-parallel duplicates hold the same tokens and get the same outputs.
         for (int peer : mesh.GroupOf(GroupKind::kTensor, r)) {
           if (coords[peer].token_shard == coords[r].token_shard) {
-            EXPECT_TRUE(SameBits(ys[r], ys[peer])) << name << " ranks " << r << " and " << peer;
+            EXPECT_TRUE(SameBits(ys[r], ys[peer])) << c.name << " ranks " << r << " and " << peer;
           }
         }
       }
     }
+    EXPECT_EQ(found, 1) << c.name << " is not a layout of W = 8, E = " << c.experts;
   }
 }
 

@@ -2,7 +2,7 @@
 // the main layouts, in dropless and global-batch capacity mode (equal to moe::MoeLayer on the
 // whole batch) and per-rank capacity mode (equal to one layer per data shard). Every rank runs the
 // same tests in the same order; rank 0 receives the assembled results and checks them:
-//   scripts/mpirun.sh -np 4 build/release/tests/parallel/parallel_mpi_test
+//   scripts/mpirun.sh -np 4 build/release/tests/parallel/parallel_mpi_test  (ctest: np 2 and 4)
 #include <gtest/gtest.h>
 
 #include <cstdio>
