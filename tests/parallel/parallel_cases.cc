@@ -396,7 +396,12 @@ std::vector<Layout> OverlapLayoutsFor(int w, int64_t e) {
     o.smart_group = 2;
     o.dispatch = D::kAllToAllV;
   });
-  add("smart_auto", flat, [](ParallelOptions& o) { o.smart_group = kSmartAuto; });
+  // auto with a fixed, bandwidth-bound link model (1 MB/s, no latency): the cost model must then
+  // pick a real schedule (g < the EP size). Measuring the model is exercised by shadow_auto.
+  add("smart_auto", flat, [](ParallelOptions& o) {
+    o.smart_group = kSmartAuto;
+    o.cost_model = {.link_gbps = 0.001, .link_latency_us = 0, .gemm_gflops = 100};
+  });
   add("smart_g1_d2_a2av", flat, [](ParallelOptions& o) {
     o.smart_group = 1;
     o.overlap_degree = 2;
