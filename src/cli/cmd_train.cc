@@ -46,21 +46,16 @@ train::TrainConfig DefaultTrainConfig() {
   return c;
 }
 
-// Whether the run directory was chosen: --out, or "out" in the --config file.
-bool OutGiven(const TrainOptions& o) {
-  if (o.values.count("out") != 0) return true;
-  if (o.config_file.empty()) return false;
-  nlohmann::json j = nlohmann::json::parse(ReadTextFile(o.config_file), nullptr, false);
-  return j.is_object() && j.contains("out");
-}
-
 int RunTrain(const TrainOptions& o) {
   train::TrainConfig config = DefaultTrainConfig();
+  // Whether the run directory was chosen: --out, or "out" in the --config file.
+  bool out_given = o.values.count("out") != 0;
   if (!o.config_file.empty()) {
-    config = train::TrainConfigFromJson(ReadTextFile(o.config_file), config);
+    const std::string text = ReadTextFile(o.config_file);
+    config = train::TrainConfigFromJson(text, config);  // validates the JSON
+    out_given = out_given || nlohmann::json::parse(text).contains("out");
   }
   for (const auto& [key, text] : o.values) train::SetTrainConfigValue(config, key, text);
-  const bool out_given = OutGiven(o);
   if (!out_given && !o.resume.empty()) {
     // A resumed run continues in its own run directory.
     config.out = train::RunDirectoryOfCheckpoint(o.resume);

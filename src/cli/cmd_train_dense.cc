@@ -32,8 +32,8 @@ int RunTrainDense(const TrainDenseOptions& o) {
   config.out = "runs/train-dense";
   bool out_given = o.values.count("out") != 0;
   if (!o.config_file.empty()) {
-    std::string text = ReadTextFile(o.config_file);
-    config = train::TrainConfigFromJson(text, config);
+    const std::string text = ReadTextFile(o.config_file);
+    config = train::TrainConfigFromJson(text, config);  // validates the JSON
     out_given = out_given || nlohmann::json::parse(text).contains("out");
   }
   for (const auto& [key, text] : o.values) train::SetTrainConfigValue(config, key, text);

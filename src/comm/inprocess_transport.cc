@@ -142,18 +142,27 @@ bool Progress(const std::shared_ptr<Transfer>& keep) {
 // Pairs a send with a receive; called with the destination mailbox locked by the thread that
 // posted `own` (one of the two). Returns the transfer, or null if the pair failed (message larger
 // than the receive).
+//
+// Publication order: everything is written first, then `own`'s state, the partner's state last.
+// Once the partner's owner sees its request matched (or failed) it may copy and complete the
+// transfer, or throw and destroy its request; nothing may touch the partner's request after that
+// (a late kMatched store once overwrote a completion and hung the waiter).
 std::shared_ptr<Transfer> Match(InProcRequest* send, InProcRequest* recv, const InProcRequest* own,
                                 Fabric& fabric) {
+  InProcRequest* mine = own == send ? send : recv;
+  InProcRequest* partner = own == send ? recv : send;
   if (send->size() > recv->size()) {
     recv->SetReceived(send->send_header, send->size());
-    send->Fail(
-        fmt::format("message of {} bytes to rank {} (world rank {}) does not fit its "
-                    "receive of {} bytes",
-                    send->size(), send->peer(), send->peer_world, recv->size()));
-    recv->Fail(
-        fmt::format("message of {} bytes from rank {} (world rank {}) does not fit the "
-                    "{} bytes expected",
-                    send->size(), recv->peer(), recv->peer_world, recv->size()));
+    std::string send_error = fmt::format(
+        "message of {} bytes to rank {} (world rank {}) does not fit its "
+        "receive of {} bytes",
+        send->size(), send->peer(), send->peer_world, recv->size());
+    std::string recv_error = fmt::format(
+        "message of {} bytes from rank {} (world rank {}) does not fit the "
+        "{} bytes expected",
+        send->size(), recv->peer(), recv->peer_world, recv->size());
+    mine->Fail(std::move(mine == send ? send_error : recv_error));
+    partner->Fail(std::move(partner == send ? send_error : recv_error));
     return nullptr;
   }
   auto t = std::make_shared<Transfer>();
@@ -175,11 +184,6 @@ std::shared_ptr<Transfer> Match(InProcRequest* send, InProcRequest* recv, const 
   recv->SetReceived(send->send_header, t->bytes);
   send->transfer = t;
   recv->transfer = t;
-  // The partner's state last: once it reads kMatched its owner may copy the whole transfer and
-  // store kDone into both requests, which a later kMatched store here would overwrite (the
-  // request would then wait forever for a copy that already happened).
-  InProcRequest* partner = own == send ? recv : send;
-  InProcRequest* mine = own == send ? send : recv;
   mine->state.store(kMatched, std::memory_order_release);
   if (fabric.match_pause().count() > 0) std::this_thread::sleep_for(fabric.match_pause());
   partner->state.store(kMatched, std::memory_order_release);
