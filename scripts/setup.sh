@@ -13,6 +13,7 @@ PACKAGES=(
   nlohmann-json3-dev         # layer.json, metrics, bench --json
   libfmt-dev                 # formatting
   clang clang-format libclang-rt-14-dev  # libFuzzer targets, format check
+  ccache                     # optional: cheap rebuilds across work trees (used when present)
   fortunes-min fortune-mod   # default training corpus (text files under /usr/share/games/fortunes)
 )
 
