@@ -22,6 +22,7 @@
 
 #include "cli/command.h"
 #include "cli/timing.h"
+#include "switchyard/comm/agree.h"
 #include "switchyard/comm/communicator.h"
 #include "switchyard/comm/inprocess.h"
 #include "switchyard/comm/mpi.h"
@@ -385,6 +386,17 @@ int RunBenchComm(const BenchCommOptions& o) {
                "scripts/mpirun.sh -np 4 switchyard bench comm --transport mpi ...");
     {
       auto world = comm::CreateMpiWorld({.timeout = comm::Milliseconds(o.timeout_ms)});
+      comm::AgreeOnConfig(*world, "bench comm",
+                          {{"op", o.op},
+                           {"algo", o.algos},
+                           {"sizes", o.sizes},
+                           {"dtype", o.dtype},
+                           {"reduce-op", o.reduce_op},
+                           {"compare", o.compare},
+                           {"iters", std::to_string(o.iters)},
+                           {"warmup", std::to_string(o.warmup)},
+                           {"ranks-per-node", std::to_string(o.ranks_per_node)},
+                           {"timeout-ms", std::to_string(o.timeout_ms)}});
       RunBench(*world, o, world->rank() == 0);
     }
     comm::FinalizeMpi();

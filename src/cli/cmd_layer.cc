@@ -33,6 +33,7 @@ struct LayerOptions {
   bool quiet = false;
   // Expert parallelism (docs/parallel.md): W ranks as threads, or this process's MPI world.
   int ranks = 1;
+  bool ranks_given = false;  // under MPI without --ranks: the world size
   int ep = 0, tp = 1, etp = 1;
   std::string arrangement = "deepspeed";
   std::string dispatch = "alltoall";
@@ -59,7 +60,8 @@ bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config,
                  const moe::LayerParams& params, const Tensor& x, const Tensor& dy,
                  moe::LayerOutput* out, moe::LayerGradients* grads) {
   parallel::DriverOptions d;
-  d.parallel.mesh.world_size = o.ranks;
+  const std::string transport = ResolvedTransport(o);
+  d.parallel.mesh.world_size = transport == "mpi" && !o.ranks_given ? 0 : o.ranks;
   d.parallel.mesh.tp = o.tp;
   d.parallel.mesh.ep = o.ep;
   d.parallel.mesh.etp = o.etp;
@@ -72,7 +74,6 @@ bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config,
   d.parallel.overlap_degree = o.overlap_degree;
   d.parallel.smart_group = parallel::SmartGroupFromString(o.smart);
   d.parallel.shadow = parallel::ShadowFromString(o.shadow);
-  const std::string transport = ResolvedTransport(o);
   d.transport = parallel::TransportFromName(transport);
   d.threads = o.threads;
   d.global_token_offset = o.global_token_offset;
@@ -87,7 +88,7 @@ bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config,
   grads->params = run.grads;
   if (!o.quiet) {
     fmt::print("layer: {} ranks ({}), {} arrangement, dispatch {}, adaptive r {}{}, scope {}\n",
-               o.ranks, transport, o.arrangement, o.dispatch, run.adaptive_r,
+               run.ranks.size(), transport, o.arrangement, o.dispatch, run.adaptive_r,
                o.hierarchical > 0 ? fmt::format(", 2DH {} ranks/node", o.hierarchical) : "",
                o.scope);
     // SPEC §2.3's volume for the r used, as `bench layer-parallel` reports it: the driver's
@@ -216,8 +217,10 @@ SY_REGISTER_COMMAND(Command{
       app.add_option("--step", o->step, "training step (keys the random draws)");
       app.add_flag("--quiet", o->quiet, "print nothing on success");
       // Expert parallelism: the same outputs for every layout (docs/parallel.md).
-      app.add_option("--ranks", o->ranks, "run on W ranks (threads, or the MPI world)")
-          ->check(CLI::Range(1, 4096));
+      CLI::Option* ranks =
+          app.add_option("--ranks", o->ranks,
+                         "run on W ranks (threads; under mpirun: the MPI world, its size if unset)")
+              ->check(CLI::Range(1, 4096));
       app.add_option("--ep", o->ep, "expert-parallel size (default: as large as possible)")
           ->check(CLI::Range(0, 4096));
       app.add_option("--tp", o->tp, "dense tensor-parallel degree")->check(CLI::Range(1, 4096));
@@ -245,7 +248,10 @@ SY_REGISTER_COMMAND(Command{
       app.add_option("--shadow", o->shadow, "FasterMoE's shadow experts: none | auto | E1,E2,...");
       app.add_option("--trace", o->trace_path,
                      "write the parallel run's timeline as a Chrome trace-event JSON file");
-      return [o] { return RunLayer(*o); };
+      return [o, ranks] {
+        o->ranks_given = ranks->count() > 0;
+        return RunLayer(*o);
+      };
     }});
 
 }  // namespace

@@ -50,10 +50,13 @@ int RunTrain(const TrainOptions& o) {
   train::TrainConfig config = DefaultTrainConfig();
   // Whether the run directory was chosen: --out, or "out" in the --config file.
   bool out_given = o.values.count("out") != 0;
+  // Whether the number of ranks was chosen (under mpirun it must then equal the world size).
+  bool ranks_given = o.values.count("ranks") != 0;
   if (!o.config_file.empty()) {
     const std::string text = ReadTextFile(o.config_file);
     config = train::TrainConfigFromJson(text, config);  // validates the JSON
     out_given = out_given || nlohmann::json::parse(text).contains("out");
+    ranks_given = ranks_given || nlohmann::json::parse(text).contains("ranks");
   }
   for (const auto& [key, text] : o.values) train::SetTrainConfigValue(config, key, text);
   if (!out_given && !o.resume.empty()) {
@@ -72,6 +75,7 @@ int RunTrain(const TrainOptions& o) {
   run.run.resume = o.resume;
   if (o.plain) run.run.interactive = 0;
   run.use_mpi = o.transport == "mpi" || (o.transport == "auto" && comm::RunningUnderMpi());
+  run.ranks_given = ranks_given;
   SY_REQUIRE(!run.use_mpi || comm::MpiCompiledIn(), InvalidArgument,
              "--transport mpi: this switchyard was built without MPI");
   train::KeepFreedMemoryForTraining();

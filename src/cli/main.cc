@@ -1,10 +1,13 @@
 // `switchyard`: the command-line tool. Subcommands register themselves (see command.h).
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <map>
+#include <thread>
 
 #include "cli/command.h"
+#include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
 #include "switchyard/version.h"
 
@@ -63,14 +66,44 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace switchyard::cli
 
+namespace switchyard::cli {
+namespace {
+
+// How long a rank whose failure a peer reports waits for that peer to end the job before it
+// reports (and ends it) itself; see docs/errors.md.
+constexpr auto kPeerReportGrace = std::chrono::seconds(3);
+
+// Prints the error once and returns the exit code; in a multi-process MPI job it ends every
+// process of the job instead (a rank that merely returned would hang in MPI_Finalize while its
+// peers wait for it until their deadlines).
+int Fail(int exit_code, const char* what) {
+  if (!comm::InMultiProcessMpiJob()) {
+    if (what != nullptr) std::fprintf(stderr, "switchyard: error: %s\n", what);
+    return exit_code;
+  }
+  // The rank that failed first prints the root cause and aborts the job, which normally ends
+  // this process during the wait.
+  if (comm::FailureReportedByPeer()) std::this_thread::sleep_for(kPeerReportGrace);
+  if (what != nullptr) {
+    std::fprintf(stderr, "switchyard: error: MPI rank %d of %d: %s\n", comm::MpiWorldRank(),
+                 comm::MpiWorldSize(), what);
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  comm::AbortMpiJob(exit_code);
+}
+
+}  // namespace
+}  // namespace switchyard::cli
+
 int main(int argc, char** argv) {
+  using switchyard::cli::Fail;
   try {
-    return switchyard::cli::Main(argc, argv);
+    const int rc = switchyard::cli::Main(argc, argv);
+    return rc == 0 ? 0 : Fail(rc, nullptr);
   } catch (const switchyard::InvalidArgument& e) {
-    std::fprintf(stderr, "switchyard: error: %s\n", e.what());
-    return 2;
+    return Fail(2, e.what());
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "switchyard: error: %s\n", e.what());
-    return 1;
+    return Fail(1, e.what());
   }
 }

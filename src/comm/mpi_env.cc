@@ -1,4 +1,6 @@
-// Finding out whether this process was started by an MPI launcher (built with or without MPI).
+// Finding out whether this process was started by an MPI launcher, and the process-wide record of
+// a failure relayed by a peer (built with or without MPI).
+#include <atomic>
 #include <cstdlib>
 
 #include "switchyard/comm/mpi.h"
@@ -12,5 +14,12 @@ bool RunningUnderMpi() {
   }
   return false;
 }
+
+namespace {
+std::atomic<bool> g_failure_reported_by_peer{false};
+}  // namespace
+
+void NoteFailureReportedByPeer() { g_failure_reported_by_peer.store(true); }
+bool FailureReportedByPeer() { return g_failure_reported_by_peer.load(); }
 
 }  // namespace switchyard::comm

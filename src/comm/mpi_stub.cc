@@ -1,4 +1,6 @@
 // The MPI transport when switchyard is built with SY_WITH_MPI=OFF (e.g. the tsan preset).
+#include <cstdlib>
+
 #include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
 
@@ -13,5 +15,10 @@ std::unique_ptr<Communicator> CreateMpiWorld(const MpiOptions&) {
 }
 
 void FinalizeMpi() {}
+
+bool InMultiProcessMpiJob() { return false; }
+int MpiWorldRank() { return 0; }
+int MpiWorldSize() { return 1; }
+void AbortMpiJob(int exit_code) { std::_Exit(exit_code); }
 
 }  // namespace switchyard::comm

@@ -542,6 +542,7 @@ class MpiTransport final : public Transport, public NativeCollectives {
     }
     if (failure_.empty()) return;
     tainted_ = true;
+    NoteFailureReportedByPeer();  // the rank that failed or timed out first reports it
     throw PeerError(failure_);
   }
 
@@ -575,10 +576,15 @@ class MpiTransport final : public Transport, public NativeCollectives {
     std::string names;
     for (int m : missing) names += (names.empty() ? "" : ", ") + Name(m);
     if (!names.empty()) {
+      // Every timed-out rank knows the same story; the lowest of them tells it (docs/errors.md).
+      if (timed_out.begin()->first != rank_) NoteFailureReportedByPeer();
       return fmt::format("; ranks that never arrived (announced no timeout of their own): {}",
                          names);
     }
-    if (!failure.empty()) throw PeerError(failure);
+    if (!failure.empty()) {
+      NoteFailureReportedByPeer();
+      throw PeerError(failure);
+    }
     return "";
   }
 
@@ -663,5 +669,26 @@ std::unique_ptr<Communicator> CreateMpiWorld(const MpiOptions& options) {
 }
 
 void FinalizeMpi() { MpiRuntime::Get().Finalize(); }
+
+bool InMultiProcessMpiJob() { return MpiRuntime::Alive() && MpiWorldSize() > 1; }
+
+int MpiWorldRank() {
+  int rank = 0;
+  if (MpiRuntime::Alive()) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+int MpiWorldSize() {
+  int size = 1;
+  if (MpiRuntime::Alive()) MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+
+void AbortMpiJob(int exit_code) {
+  // MPI_Abort kills every process of the job (OpenMPI: mpirun sends SIGCONT, SIGTERM, then
+  // SIGKILL), stopped ones included, and mpirun exits with exit_code.
+  if (MpiRuntime::Alive()) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  std::_Exit(exit_code);
+}
 
 }  // namespace switchyard::comm

@@ -1,11 +1,14 @@
 #include "switchyard/parallel/driver.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <bit>
 #include <cstring>
+#include <nlohmann/json.hpp>
 
 #include "parallel/collectives.h"
+#include "switchyard/comm/agree.h"
 #include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/threading.h"
@@ -389,6 +392,48 @@ LayerRunResult Assemble(const moe::LayerConfig& config, const Mesh& mesh,
   return res;
 }
 
+std::string TensorDigest(const Tensor& t) {
+  if (!t.defined()) return "(none)";
+  return fmt::format("{} {}", t.ToString(), comm::ContentDigest(t.raw(), t.nbytes()));
+}
+
+// What every process of an MPI run must agree on: the layer config (key by key), the layout and
+// schedule, the random-draw keys and every input tensor's shape, dtype and content digest.
+comm::ConfigEntries AgreementEntries(const moe::LayerConfig& config, const moe::LayerParams& params,
+                                     const Tensor& x, const Tensor& dy, const DriverOptions& o) {
+  comm::ConfigEntries e;
+  for (const auto& [key, value] : nlohmann::json::parse(moe::ToJson(config)).items()) {
+    e.emplace_back("layer config '" + key + "'", value.dump());
+  }
+  const ParallelOptions& p = o.parallel;
+  e.emplace_back("ranks", std::to_string(p.mesh.world_size));
+  e.emplace_back("tp", std::to_string(p.mesh.tp));
+  e.emplace_back("ep", std::to_string(p.mesh.ep));
+  e.emplace_back("etp", std::to_string(p.mesh.etp));
+  e.emplace_back("arrangement", std::string(ArrangementName(p.mesh.arrangement)));
+  e.emplace_back("dispatch", std::string(DispatchKindName(p.dispatch)));
+  e.emplace_back("adaptive-r", std::to_string(p.adaptive_r));
+  e.emplace_back("2dh", std::to_string(p.hierarchical_ranks_per_node));
+  e.emplace_back("tp-dedup", p.tp_dedup ? "on" : "off");
+  e.emplace_back("scope", std::string(BatchScopeName(p.batch_scope)));
+  e.emplace_back("overlap-degree", std::to_string(p.overlap_degree));
+  e.emplace_back("smart-schedule", std::to_string(p.smart_group));
+  e.emplace_back("shadow", ShadowToString(p.shadow));
+  e.emplace_back("cost model", fmt::format("{} GB/s, {} us, {} GFLOP/s", p.cost_model.link_gbps,
+                                           p.cost_model.link_latency_us, p.cost_model.gemm_gflops));
+  e.emplace_back("token split", fmt::format("{}", fmt::join(o.token_split, ",")));
+  e.emplace_back("global-token-offset", std::to_string(o.global_token_offset));
+  e.emplace_back("step", std::to_string(o.step));
+  e.emplace_back("repetitions", fmt::format("{} warmup + {}", o.warmup, o.repeat));
+  e.emplace_back("trace", o.tracer != nullptr ? "on" : "off");
+  e.emplace_back("tensor 'x'", TensorDigest(x));
+  e.emplace_back("tensor 'dy'", TensorDigest(dy));
+  for (const auto& [name, t] : moe::ParamsToMap(config, params)) {
+    e.emplace_back("tensor '" + name + "'", TensorDigest(t));
+  }
+  return e;
+}
+
 }  // namespace
 
 LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerParams& params,
@@ -397,6 +442,21 @@ LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerP
   ExpectFloating("x", x);
   ExpectShape("x", x, {kAnySize, config.model_dim});
   if (dy.defined()) ExpectShape("dy", dy, {x.size(0), config.model_dim});
+  std::unique_ptr<comm::Communicator> mpi_world;
+  if (o.transport == Transport::kMpi) {
+    SY_REQUIRE(comm::RunningUnderMpi(), InvalidArgument,
+               "--transport mpi: this process was not started by an MPI launcher, so it would "
+               "run alone; start every rank with one, e.g. scripts/mpirun.sh -np 4 ...");
+    mpi_world = comm::CreateMpiWorld();
+    if (o.parallel.mesh.world_size == 0) o.parallel.mesh.world_size = mpi_world->size();
+    SY_REQUIRE(mpi_world->size() == o.parallel.mesh.world_size, InvalidArgument,
+               "--ranks {} but mpirun started {} processes (one rank per process); start {} or "
+               "leave --ranks out to use the {} started",
+               o.parallel.mesh.world_size, mpi_world->size(), o.parallel.mesh.world_size,
+               mpi_world->size());
+    // Every process must run the same layer on the same tensors (comm/agree.h).
+    comm::AgreeOnConfig(*mpi_world, "layer", AgreementEntries(config, params, x, dy, o));
+  }
   const int w = o.parallel.mesh.world_size;
   SY_REQUIRE(w >= 1, InvalidArgument, "ranks: expected >= 1, got {}", w);
   const Mesh mesh(o.parallel.mesh, config.num_experts, config.hidden_dim);
@@ -411,22 +471,19 @@ LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerP
              "token split: the parts add up to {} tokens, x has {}", total, x.size(0));
 
   if (o.transport == Transport::kMpi) {
-    std::unique_ptr<comm::Communicator> world = comm::CreateMpiWorld();
-    SY_REQUIRE(world->size() == w, InvalidArgument, "--ranks {} but mpirun started {} processes", w,
-               world->size());
     const int threads = o.threads > 0 ? o.threads : ComputeThreadsPerRank(1, UsableCores());
     kernels::SetBlasThreads(threads);
     // Each process records into its own tracer; rank 0 merges the others' events.
     Tracer local;
-    RankResult mine = RunRank(*world, config, params, x, dy, o, split, threads,
+    RankResult mine = RunRank(*mpi_world, config, params, x, dy, o, split, threads,
                               o.tracer != nullptr ? &local : nullptr);
-    if (o.tracer != nullptr && world->rank() != 0) mine.trace = local.Serialize();
-    std::vector<RankResult> all = GatherResults(*world, mine);
-    if (o.tracer != nullptr && world->rank() == 0) {
+    if (o.tracer != nullptr && mpi_world->rank() != 0) mine.trace = local.Serialize();
+    std::vector<RankResult> all = GatherResults(*mpi_world, mine);
+    if (o.tracer != nullptr && mpi_world->rank() == 0) {
       o.tracer->Merge(local.Serialize());
       for (const RankResult& r : all) o.tracer->Merge(r.trace);
     }
-    if (world->rank() != 0) {
+    if (mpi_world->rank() != 0) {
       LayerRunResult res;
       res.is_root = false;
       res.ranks.push_back(mine.report);

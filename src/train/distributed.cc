@@ -5,15 +5,19 @@
 #include <algorithm>
 #include <chrono>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <utility>
 
+#include "switchyard/comm/agree.h"
 #include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
+#include "switchyard/core/file_util.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/moe/gate.h"
 #include "switchyard/parallel/expert_shard.h"
+#include "switchyard/train/data.h"
 #include "switchyard/train/zero.h"
 
 namespace switchyard::train {
@@ -56,6 +60,34 @@ struct ParallelMoeState {
   parallel::ParallelOutput out;
   bool training = true;
 };
+
+// What every rank of an MPI run must agree on (comm/agree.h): every key of the config but those
+// that may differ per rank ('out': only rank 0 writes the run directory; 'threads': this rank's
+// compute threads), the content of the training text and of the MoE layer file, the resume point.
+comm::ConfigEntries AgreementEntries(const TrainConfig& config, const RunOptions& run) {
+  comm::ConfigEntries entries;
+  const nlohmann::json j = nlohmann::json::parse(TrainConfigToJson(config));
+  for (const auto& [key, value] : j.items()) {
+    if (key == "out" || key == "threads") continue;
+    entries.emplace_back(key, value.dump());
+  }
+  auto digest = [](const std::vector<std::string>& files) {
+    std::string all;
+    for (const std::string& f : files) {
+      const std::vector<std::byte> bytes = ReadFileBytes(f);
+      all += (all.empty() ? "" : " ") + comm::ContentDigest(bytes.data(), bytes.size());
+    }
+    return all;
+  };
+  entries.emplace_back(
+      "data (content)",
+      digest(config.data.empty() ? DefaultCorpusFiles() : std::vector<std::string>{config.data}));
+  if (!config.moe_layer_config.empty()) {
+    entries.emplace_back("moe_layer_config (content)", digest({config.moe_layer_config}));
+  }
+  entries.emplace_back("resume", run.resume);
+  return entries;
+}
 
 }  // namespace
 
@@ -394,10 +426,20 @@ RunSummary RunDistributedTraining(const TrainConfig& config, const DistributedRu
   // Ranks share the process's cores: each runs single-threaded BLAS on its own compute threads.
   kernels::SetBlasThreads(1);
   if (options.use_mpi) {
+    SY_REQUIRE(comm::RunningUnderMpi(), InvalidArgument,
+               "--transport mpi: this process was not started by an MPI launcher, so it would "
+               "train alone instead of on {} ranks; start every rank with one, e.g. "
+               "scripts/mpirun.sh -np {} switchyard train ...",
+               config.ranks, config.ranks);
     std::unique_ptr<comm::Communicator> world = comm::CreateMpiWorld();
+    SY_REQUIRE(!options.ranks_given || config.ranks == world->size(), InvalidArgument,
+               "ranks: {} requested but mpirun started {} processes (one rank per process); "
+               "start {} processes or leave 'ranks' unset to use the {} started",
+               config.ranks, world->size(), config.ranks, world->size());
     TrainConfig c = config;
     c.ranks = world->size();
     if (c.ep == 0) c.ep = c.ranks;  // record the layout that runs
+    comm::AgreeOnConfig(*world, "train", AgreementEntries(c, options.run));
     // Ranks on this node share its cores (the threading policy divides them).
     RankTrainer rank(c, *world, std::max(1, world->topology().ranks_per_node));
     RunOptions run = options.run;

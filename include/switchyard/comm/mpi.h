@@ -42,4 +42,29 @@ std::unique_ptr<Communicator> CreateMpiWorld(const MpiOptions& options = {});
 // Also runs at exit. A no-op without MPI.
 void FinalizeMpi();
 
+// ---- Ending a multi-process job after a failure (docs/errors.md) ----
+//
+// One failing process must end the whole job: after an error its peers may wait on it until
+// their deadlines, and MPI_Finalize waits for every process, so a failed rank that merely
+// returned would hang. The program's top level (the CLI, never library code) prints the error
+// and calls AbortMpiJob. So that the user reads the root cause first and once, a rank whose
+// failure was only relayed to it by a peer (the peer's failure notice, a timeout that a lower
+// rank reports, a configuration disagreement that rank 0 reports) records that with
+// NoteFailureReportedByPeer and waits a moment before printing: normally the reporting rank's
+// AbortMpiJob ends it meanwhile.
+
+// True when this process is one rank of an MPI job of more than one process that is still
+// running (MPI initialized and not finalized). False without MPI.
+bool InMultiProcessMpiJob();
+// This process's MPI world rank and size (0 and 1 outside a multi-process job).
+int MpiWorldRank();
+int MpiWorldSize();
+// Ends every process of the MPI job with `exit_code` (MPI_Abort on MPI_COMM_WORLD; mpirun exits
+// with that code). Never returns; without MPI it calls std::_Exit(exit_code).
+[[noreturn]] void AbortMpiJob(int exit_code);
+// Records that this process failed because of another rank, which reports the root cause itself
+// (process-wide, never reset). Thread-safe.
+void NoteFailureReportedByPeer();
+bool FailureReportedByPeer();
+
 }  // namespace switchyard::comm

@@ -31,7 +31,7 @@ std::string_view TransportName(Transport t);
 Transport TransportFromName(std::string_view name);
 
 struct DriverOptions {
-  ParallelOptions parallel;  // parallel.mesh.world_size = W
+  ParallelOptions parallel;  // parallel.mesh.world_size = W (kMpi: 0 = the MPI world size)
   Transport transport = Transport::kInProcess;
   // Tokens of each data shard, in order (sum = T); empty: an even contiguous split (the first
   // T % D shards get one more token).

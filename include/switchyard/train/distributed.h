@@ -162,8 +162,13 @@ class RankTrainer {
 };
 
 struct DistributedRunOptions {
-  RunOptions run;        // resume, output stream (rank 0's), progress bar mode
-  bool use_mpi = false;  // this process is one rank of mpirun's world (config.ranks is checked)
+  RunOptions run;  // resume, output stream (rank 0's), progress bar mode
+  // This process is one rank of mpirun's world (refused outside an MPI launcher). Every rank
+  // checks that all ranks got the same config and data (comm/agree.h).
+  bool use_mpi = false;
+  // Under MPI: config.ranks was chosen by the user and must equal the world size; otherwise the
+  // world size is taken.
+  bool ranks_given = false;
   comm::InProcessOptions inprocess;
 };
 
