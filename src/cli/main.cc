@@ -53,8 +53,8 @@ int Main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "switchyard: error: %s (see --help)\n", e.what());
-    return 2;
+    // Printed by main(), once per job under mpirun.
+    throw InvalidArgument(fmt::format("{} (see --help)", e.what()));
   }
   for (auto& [sub, action] : actions) {
     if (sub->parsed()) return action();
@@ -69,21 +69,30 @@ int Main(int argc, char** argv) {
 namespace switchyard::cli {
 namespace {
 
-// How long a rank whose failure a peer reports waits for that peer to end the job before it
-// reports (and ends it) itself; see docs/errors.md.
+// Under an MPI launcher (docs/errors.md): a rank whose failure a peer reports waits this long for
+// that peer to end the job before it reports (and ends it) itself...
 constexpr auto kPeerReportGrace = std::chrono::seconds(3);
+// ...and a rank other than 0 waits this long before reporting its own error: an error that every
+// rank finds alike (a bad flag given to all of them) is then printed once, by rank 0.
+constexpr auto kNonZeroRankDelay = std::chrono::seconds(1);
 
-// Prints the error once and returns the exit code; in a multi-process MPI job it ends every
-// process of the job instead (a rank that merely returned would hang in MPI_Finalize while its
-// peers wait for it until their deadlines).
+// Prints the error once and returns the exit code. In a multi-process MPI job it ends every
+// process of the job instead: a rank that merely returned would hang in MPI_Finalize while its
+// peers wait for it until their deadlines. (A rank that fails before MPI is initialized just
+// exits; mpirun then ends the job because its exit code is not 0.)
 int Fail(int exit_code, const char* what) {
+  const int launcher_rank = comm::LauncherRank();
+  if (launcher_rank >= 0 && comm::LauncherSize() > 1) {
+    if (comm::FailureReportedByPeer()) {
+      std::this_thread::sleep_for(kPeerReportGrace);
+    } else if (launcher_rank != 0) {
+      std::this_thread::sleep_for(kNonZeroRankDelay);
+    }
+  }
   if (!comm::InMultiProcessMpiJob()) {
     if (what != nullptr) std::fprintf(stderr, "switchyard: error: %s\n", what);
     return exit_code;
   }
-  // The rank that failed first prints the root cause and aborts the job, which normally ends
-  // this process during the wait.
-  if (comm::FailureReportedByPeer()) std::this_thread::sleep_for(kPeerReportGrace);
   if (what != nullptr) {
     std::fprintf(stderr, "switchyard: error: MPI rank %d of %d: %s\n", comm::MpiWorldRank(),
                  comm::MpiWorldSize(), what);

@@ -51,7 +51,10 @@ std::string Shown(const std::string& value) {
 
 std::string RankList(const std::vector<int>& ranks) {
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += std::to_string(ranks[i]);
+  }
   return out;
 }
 

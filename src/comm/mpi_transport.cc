@@ -350,7 +350,9 @@ class MpiTransport final : public Transport, public NativeCollectives {
       if (aborted_) return;
       aborted_ = true;
     }
-    SendNotice("A" + reason.substr(0, kMaxAbortNotice));
+    std::string notice = "A";
+    notice += reason.substr(0, kMaxAbortNotice);
+    SendNotice(std::move(notice));
   }
 
   bool Test(Request& request) override {

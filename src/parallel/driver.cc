@@ -402,7 +402,8 @@ std::string TensorDigest(const Tensor& t) {
 comm::ConfigEntries AgreementEntries(const moe::LayerConfig& config, const moe::LayerParams& params,
                                      const Tensor& x, const Tensor& dy, const DriverOptions& o) {
   comm::ConfigEntries e;
-  for (const auto& [key, value] : nlohmann::json::parse(moe::ToJson(config)).items()) {
+  const nlohmann::json layer_config = nlohmann::json::parse(moe::ToJson(config));
+  for (const auto& [key, value] : layer_config.items()) {
     e.emplace_back("layer config '" + key + "'", value.dump());
   }
   const ParallelOptions& p = o.parallel;

@@ -75,7 +75,8 @@ comm::ConfigEntries AgreementEntries(const TrainConfig& config, const RunOptions
     std::string all;
     for (const std::string& f : files) {
       const std::vector<std::byte> bytes = ReadFileBytes(f);
-      all += (all.empty() ? "" : " ") + comm::ContentDigest(bytes.data(), bytes.size());
+      if (!all.empty()) all += ' ';
+      all += comm::ContentDigest(bytes.data(), bytes.size());
     }
     return all;
   };

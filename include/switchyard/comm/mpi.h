@@ -53,6 +53,11 @@ void FinalizeMpi();
 // NoteFailureReportedByPeer and waits a moment before printing: normally the reporting rank's
 // AbortMpiJob ends it meanwhile.
 
+// This process's rank and the job's size as the MPI launcher put them in the environment
+// (OMPI_COMM_WORLD_RANK / _SIZE, PMIX_RANK, PMI_RANK / PMI_SIZE), known before MPI is
+// initialized; -1 and 0 when not started by a launcher (or it does not say).
+int LauncherRank();
+int LauncherSize();
 // True when this process is one rank of an MPI job of more than one process that is still
 // running (MPI initialized and not finalized). False without MPI.
 bool InMultiProcessMpiJob();
