@@ -330,5 +330,36 @@ TEST(Faults, CommunicatorIsUnusableAfterAFailure) {
   EXPECT_TRUE(Contains(errors[0], "unusable after an earlier failure")) << errors[0];
 }
 
+// The error RunInProcess rethrows (and the CLI prints) is the root cause, not a peer's error
+// about it: rank 1 times out waiting for rank 2 (late) while rank 0, blocked in the same ring,
+// learns of rank 1's failure. Repeated: which thread unwinds first is a race.
+TEST(Faults, FirstErrorIsTheOneRethrown) {
+  for (int trial = 0; trial < 5; ++trial) {
+    InProcessOptions options;
+    options.name = "test";
+    try {
+      RunInProcess(
+          3,
+          [](Communicator& comm) {
+            if (comm.rank() == 2) {
+              std::this_thread::sleep_for(Milliseconds(600));  // alive, but too late
+              return;
+            }
+            std::vector<float> x(64, 1.0f);
+            const Milliseconds timeout(comm.rank() == 1 ? 100 : 30000);
+            comm.AllReduce(x.data(), x.data(), x.size(), DType::kFloat32,
+                           {.algorithm = Algorithm::kRing, .timeout = timeout})
+                .Wait();
+          },
+          options);
+      ADD_FAILURE() << "no error";
+    } catch (const TimeoutError& e) {
+      EXPECT_TRUE(Contains(e.what(), "(rank 1 of 3)")) << e.what();
+    } catch (const Error& e) {
+      ADD_FAILURE() << "trial " << trial << ": not the root cause: " << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace switchyard::comm
