@@ -274,7 +274,7 @@ TEST(RunTest, WritesTheRunDirectoryAndResumesBitForBit) {
   EXPECT_FALSE(fs::exists(c.out + "/expert_load.svg"));  // dense model
   EXPECT_EQ(s.steps, 6);
   EXPECT_EQ(s.sample.size(), 20u);
-  EXPECT_TRUE(std::isfinite(s.final_val_loss));
+  EXPECT_TRUE(std::isfinite(s.final_val_ce_loss));
   EXPECT_EQ(TrainConfigFromJson(ReadTextFile(c.out + "/config.json")).steps, 6);
   std::vector<StepMetrics> straight = ReadMetrics(c.out + "/metrics.jsonl");
   ASSERT_EQ(straight.size(), 6u);
