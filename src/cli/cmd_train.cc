@@ -12,13 +12,11 @@
 #include <filesystem>
 #include <map>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <string>
 
 #include "cli/command.h"
 #include "cli/peak_flops.h"
 #include "switchyard/comm/mpi.h"
-#include "switchyard/core/file_util.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/train/checkpoint.h"
 #include "switchyard/train/distributed.h"
@@ -47,22 +45,17 @@ train::TrainConfig DefaultTrainConfig() {
 }
 
 int RunTrain(const TrainOptions& o) {
-  train::TrainConfig config = DefaultTrainConfig();
-  // Whether the run directory was chosen: --out, or "out" in the --config file.
-  bool out_given = o.values.count("out") != 0;
-  // Whether the number of ranks was chosen (under mpirun it must then equal the world size).
-  bool ranks_given = o.values.count("ranks") != 0;
-  if (!o.config_file.empty()) {
-    const std::string text = ReadTextFile(o.config_file);
-    config = train::TrainConfigFromJson(text, config);  // validates the JSON
-    out_given = out_given || nlohmann::json::parse(text).contains("out");
-    ranks_given = ranks_given || nlohmann::json::parse(text).contains("ranks");
-  }
-  for (const auto& [key, text] : o.values) train::SetTrainConfigValue(config, key, text);
-  if (!out_given && !o.resume.empty()) {
+  // Defaults < the resumed checkpoint < --config < flags; the moe_layer_config file's values
+  // for what none of them set (train/config.h: ResolveTrainConfig).
+  train::ResolvedTrainConfig resolved = train::ResolveTrainConfig({.defaults = DefaultTrainConfig(),
+                                                                   .config_file = o.config_file,
+                                                                   .flags = o.values,
+                                                                   .resume = o.resume});
+  train::TrainConfig config = resolved.config;
+  if (!resolved.out_given && !o.resume.empty()) {
     // A resumed run continues in its own run directory.
     config.out = train::RunDirectoryOfCheckpoint(o.resume);
-  } else if (!out_given) {
+  } else if (!resolved.out_given) {
     // The default run directory is taken by an earlier run: keep it, use the next free name.
     std::error_code ec;
     for (int i = 2; std::filesystem::exists(config.out, ec); ++i) {
@@ -75,18 +68,23 @@ int RunTrain(const TrainOptions& o) {
   run.run.resume = o.resume;
   if (o.plain) run.run.interactive = 0;
   run.use_mpi = o.transport == "mpi" || (o.transport == "auto" && comm::RunningUnderMpi());
-  run.ranks_given = ranks_given;
+  // Under mpirun a chosen number of ranks must equal the world size.
+  run.ranks_given = resolved.explicit_keys.count("ranks") != 0;
   SY_REQUIRE(!run.use_mpi || comm::MpiCompiledIn(), InvalidArgument,
              "--transport mpi: this switchyard was built without MPI");
   train::KeepFreedMemoryForTraining();
   train::RunSummary summary = train::RunDistributedTraining(config, run);
-  if (summary.run_dir.empty() || !std::isfinite(summary.tokens_per_s)) return 0;
+  if (summary.run_dir.empty() || !std::isfinite(summary.tokens_per_s) ||
+      summary.tokens_per_s <= 0) {
+    return 0;
+  }
   // The limit, measured in the same run: the FMA peak of one core times the cores the ranks use.
   if (!run.use_mpi) {
     PeakFlops peak = MeasurePeakFlops();
     const int cores = std::min<int>(static_cast<int>(config.ranks), UsableCores());
     double limit = peak.gflops * cores;
     double achieved = summary.tokens_per_s * summary.flops_per_token / 1e9;
+    if (!(limit > 0) || !std::isfinite(achieved)) return 0;  // no meaningful share
     fmt::print(
         "  FMA peak ({}, measured now) x {} core(s): {:.1f} GFLOP/s -> model FLOPs at "
         "{:.0f}% of it\n",

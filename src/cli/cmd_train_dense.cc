@@ -6,14 +6,13 @@
 // file given with --config; flags override the file.
 #include <fmt/format.h>
 
+#include <cmath>
 #include <map>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <string>
 
 #include "cli/command.h"
 #include "cli/peak_flops.h"
-#include "switchyard/core/file_util.h"
 #include "switchyard/train/checkpoint.h"
 #include "switchyard/train/trainer.h"
 
@@ -28,17 +27,17 @@ struct TrainDenseOptions {
 };
 
 int RunTrainDense(const TrainDenseOptions& o) {
-  train::TrainConfig config;
-  config.out = "runs/train-dense";
-  bool out_given = o.values.count("out") != 0;
-  if (!o.config_file.empty()) {
-    const std::string text = ReadTextFile(o.config_file);
-    config = train::TrainConfigFromJson(text, config);  // validates the JSON
-    out_given = out_given || nlohmann::json::parse(text).contains("out");
-  }
-  for (const auto& [key, text] : o.values) train::SetTrainConfigValue(config, key, text);
+  train::TrainConfig defaults;
+  defaults.out = "runs/train-dense";
+  // Defaults < the resumed checkpoint < --config < flags < (for the keys none of them set) the
+  // moe_layer_config file (train/config.h: ResolveTrainConfig).
+  train::ResolvedTrainConfig resolved = train::ResolveTrainConfig(
+      {.defaults = defaults, .config_file = o.config_file, .flags = o.values, .resume = o.resume});
+  train::TrainConfig config = resolved.config;
   // A resumed run continues in its own run directory.
-  if (!o.resume.empty() && !out_given) config.out = train::RunDirectoryOfCheckpoint(o.resume);
+  if (!o.resume.empty() && !resolved.out_given) {
+    config.out = train::RunDirectoryOfCheckpoint(o.resume);
+  }
   train::KeepFreedMemoryForTraining();
   train::Trainer trainer(config);
   train::RunOptions run;
@@ -49,6 +48,7 @@ int RunTrainDense(const TrainDenseOptions& o) {
   PeakFlops peak = MeasurePeakFlops();
   double limit = peak.gflops * trainer.threads();
   double achieved = summary.tokens_per_s * summary.flops_per_token / 1e9;
+  if (!(limit > 0) || !std::isfinite(achieved) || !(achieved > 0)) return 0;
   fmt::print(
       "  FMA peak ({}, measured now) x {} thread(s): {:.1f} GFLOP/s -> model FLOPs at "
       "{:.0f}% of it\n",

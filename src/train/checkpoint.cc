@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -150,8 +151,8 @@ void SetCheckpointSaveProbeForTesting(void (*probe)(int point)) { g_save_probe =
 //   4. rename step_N.partial-<pid> to step_N, sync the directory;
 //   5. point `latest` at step_N;
 //   6. delete the trash and the copy, prune old checkpoints (renamed to .trash first).
-std::string SaveCheckpoint(const std::string& checkpoints_dir, const CheckpointData& data,
-                           int keep) {
+std::string SaveCheckpoint(const std::string& checkpoints_dir, const CheckpointData& data, int keep,
+                           int64_t protected_step) {
   std::error_code ec;
   fs::create_directories(checkpoints_dir, ec);
   SY_REQUIRE(!ec, IoError, "{}: cannot create checkpoint directory: {}", checkpoints_dir,
@@ -193,6 +194,7 @@ std::string SaveCheckpoint(const std::string& checkpoints_dir, const CheckpointD
           {"next_step", data.step}}},
         {"global_batch", data.global_batch},
         {"config", config},
+        {"data", data.data_json.empty() ? json() : json::parse(data.data_json)},
         {"files", {{kModelFile, FileEntry(model)}, {kOptimizerFile, FileEntry(optim)}}}};
     WriteTextFileAtomic(temp_dir + "/" + kStateFile, state.dump(2) + "\n");
     FsyncDirectory(temp_dir);
@@ -213,15 +215,24 @@ std::string SaveCheckpoint(const std::string& checkpoints_dir, const CheckpointD
     fs::rename(temp_dir, final_dir);
     FsyncDirectory(checkpoints_dir);
     probe();
-  } catch (const fs::filesystem_error& e) {
-    fs::remove_all(temp_dir, ec);
-    throw IoError(fmt::format("{}: cannot write checkpoint: {}", final_dir, e.what()));
-  } catch (const json::exception& e) {
-    fs::remove_all(temp_dir, ec);
-    throw InvalidArgument(fmt::format("checkpoint config is not valid JSON: {}", e.what()));
   } catch (...) {
+    // Nothing of the failed save stays: the partial directory goes, a replaced checkpoint comes
+    // back under its name, the copy goes unless `latest` names it (the next save removes it).
     fs::remove_all(temp_dir, ec);
-    throw;
+    if (!fs::exists(final_dir, ec) && fs::exists(trash_dir, ec))
+      fs::rename(trash_dir, final_dir, ec);
+    if (LatestName(checkpoints_dir) != fs::path(prev_dir).filename().string()) {
+      fs::remove_all(prev_dir, ec);
+    }
+    try {
+      throw;
+    } catch (const fs::filesystem_error& e) {
+      throw IoError(fmt::format("{}: cannot write checkpoint: {}", final_dir, e.what()));
+    } catch (const json::exception& e) {
+      throw InvalidArgument(fmt::format("checkpoint config is not valid JSON: {}", e.what()));
+    } catch (const IoError& e) {
+      throw IoError(fmt::format("{}: cannot write checkpoint: {}", final_dir, e.what()));
+    }
   }
   WriteLatest(checkpoints_dir, name);
   probe();
@@ -231,7 +242,7 @@ std::string SaveCheckpoint(const std::string& checkpoints_dir, const CheckpointD
     if (keep > 0) {
       auto dirs = StepDirs(checkpoints_dir);
       for (size_t i = 0; i + static_cast<size_t>(keep) < dirs.size(); ++i) {
-        if (dirs[i].second == final_dir) continue;
+        if (dirs[i].second == final_dir || dirs[i].first == protected_step) continue;
         RemoveCheckpointDir(dirs[i].second);
         probe();
       }
@@ -312,6 +323,9 @@ CheckpointData LoadCheckpoint(const std::string& path) {
     data.seed = state.at("rng").at("seed").get<uint64_t>();
     data.global_batch = state.at("global_batch").get<int64_t>();
     data.config_json = state.at("config").dump();
+    if (state.contains("data") && !state.at("data").is_null()) {
+      data.data_json = state.at("data").dump();
+    }
     for (const char* file : {kModelFile, kOptimizerFile}) {
       const json& entry = state.at("files").at(file);
       uint64_t expected_bytes = entry.at("bytes").get<uint64_t>();
@@ -335,6 +349,40 @@ CheckpointData LoadCheckpoint(const std::string& path) {
     throw fail(fmt::format("state.json lacks a field or has a wrong type: {}", e.what()));
   }
   return data;
+}
+
+}  // namespace switchyard::train
+
+namespace switchyard::train {
+
+std::string SetAsideCheckpointsAfter(const std::string& checkpoints_dir, int64_t step) {
+  std::vector<std::pair<int64_t, std::string>> later;
+  for (auto& [s, path] : StepDirs(checkpoints_dir)) {
+    if (s > step) later.emplace_back(s, path);
+  }
+  if (later.empty()) return "";
+  WriteLatest(checkpoints_dir, StepDirName(step));
+  const std::string aside = fmt::format("{}/abandoned/from_{}_{}", checkpoints_dir,
+                                        StepDirName(step), static_cast<int64_t>(::time(nullptr)));
+  std::error_code ec;
+  fs::create_directories(aside, ec);
+  SY_REQUIRE(!ec, IoError, "{}: cannot create: {}", aside, ec.message());
+  for (auto& [s, path] : later) {
+    fs::rename(path, aside + "/" + fs::path(path).filename().string(), ec);
+    SY_REQUIRE(!ec, IoError, "{}: cannot move to {}: {}", path, aside, ec.message());
+  }
+  FsyncDirectory(checkpoints_dir);
+  return aside;
+}
+
+std::string ReadCheckpointConfigJson(const std::string& path) {
+  const std::string file = ResolveCheckpoint(path) + "/" + kStateFile;
+  try {
+    json state = json::parse(ReadTextFile(file));
+    return state.at("config").dump();
+  } catch (const json::exception& e) {
+    throw IoError(fmt::format("{}: malformed or without 'config': {}", file, e.what()));
+  }
 }
 
 }  // namespace switchyard::train

@@ -1,14 +1,18 @@
 #include "switchyard/train/config.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
+#include "switchyard/core/limits.h"
+#include "switchyard/train/checkpoint.h"
 
 namespace switchyard::train {
 
@@ -49,6 +53,7 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("beta2", c.beta2);
   fn("adam_eps", c.adam_eps);
   fn("grad_clip", c.grad_clip);
+  fn("nonfinite", c.nonfinite);
   fn("seed", c.seed);
   fn("out", c.out);
   fn("log_every", c.log_every);
@@ -88,7 +93,7 @@ struct FromJsonVisitor {
     if (!j.contains(key)) return;
     used.insert(key);
     const json& v = j.at(key);
-    auto bad = [&](const char* expected) {
+    auto bad = [&](const std::string& expected) {
       return InvalidArgument(
           fmt::format("config: key '{}': expected {}, got {}", key, expected, v.dump()));
     };
@@ -113,7 +118,15 @@ struct FromJsonVisitor {
           throw bad("a non-negative integer");
         }
       } else {
-        dst = v.get<T>();
+        // A value the field cannot hold would be truncated silently (threads is an int).
+        const int64_t x =
+            v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX ? INT64_MAX : v.get<int64_t>();
+        if (x < std::numeric_limits<T>::min() || x > std::numeric_limits<T>::max()) {
+          throw bad(fmt::format("an integer in [{}, {}]", std::numeric_limits<T>::min(),
+                                std::numeric_limits<T>::max())
+                        .c_str());
+        }
+        dst = static_cast<T>(x);
       }
     } else {
       if (!v.is_number()) throw bad("a number");
@@ -181,6 +194,7 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"beta2", "AdamW beta2"},
       {"adam_eps", "AdamW epsilon"},
       {"grad_clip", "max global gradient norm (0: off)"},
+      {"nonfinite", "a non-finite loss or gradient norm: stop (error, default) | skip the step"},
       {"seed", "seed of initialization, data and sampling"},
       {"out", "run directory"},
       {"log_every", "metrics line every N steps"},
@@ -274,10 +288,160 @@ void ValidateTrainConfig(const TrainConfig& c) {
   at_least("overlap_degree", static_cast<double>(c.overlap_degree), 1);
   SY_REQUIRE(c.zero_stage >= 0 && c.zero_stage <= 3, InvalidArgument,
              "config: 'zero_stage' must be 0, 1, 2 or 3, got {}", c.zero_stage);
+  SY_REQUIRE(c.nonfinite == "stop" || c.nonfinite == "skip", InvalidArgument,
+             "config: 'nonfinite' must be \"stop\" or \"skip\", got \"{}\"", c.nonfinite);
+  SY_REQUIRE(c.val_fraction >= 0 && c.val_fraction <= 0.5, InvalidArgument,
+             "config: 'val_fraction' must be in [0, 0.5], got {}", c.val_fraction);
+  // Sizes derived from these must fit: the data counters (step * batch_size + row) and the
+  // tokens of a step.
+  CheckedMul(c.steps + 1, c.batch_size, "config: 'steps' x 'batch_size' (data counter)");
+  CheckedMul(c.batch_size, c.model.seq_len, "config: 'batch_size' x 'seq_len' (tokens per step)");
   SY_REQUIRE(c.dispatch == "alltoall" || c.dispatch == "alltoallv" || c.dispatch == "allgather",
              InvalidArgument,
              "config: 'dispatch' must be \"alltoall\", \"alltoallv\" or \"allgather\", got \"{}\"",
              c.dispatch);
+}
+
+}  // namespace switchyard::train
+
+namespace switchyard::train {
+
+const std::vector<std::string>& ResumeMustMatchKeys() {
+  static const std::vector<std::string> kKeys = {
+      "vocab_size",  "seq_len", "model_dim",         "num_layers", "num_heads",
+      "hidden_dim",  "norm",    "activation",        "tied_head",  "moe_every",
+      "num_experts", "top_k",   "expert_hidden_dim", "seed",       "batch_size"};
+  return kKeys;
+}
+
+bool IsLayoutKey(std::string_view key) {
+  return key == "ranks" || key == "ep" || key == "zero_stage" || key == "dispatch" ||
+         key == "overlap_degree" || key == "threads";
+}
+
+namespace {
+
+// The MoE layer keys that are also TrainConfig keys: layer.json key -> TrainConfig key.
+// (hidden_dim is the experts' hidden size, TrainConfig's expert_hidden_dim or, when that is 0,
+// hidden_dim.)
+constexpr std::pair<const char*, const char*> kSharedMoeKeys[] = {
+    {"model_dim", "model_dim"},
+    {"hidden_dim", "expert_hidden_dim"},
+    {"num_experts", "num_experts"},
+    {"top_k", "top_k"},
+    {"capacity_factor", "capacity_factor"},
+    {"aux_loss_coef", "aux_loss_coef"},
+    {"z_loss_coef", "z_loss_coef"},
+    {"activation", "activation"},
+    {"seed", "seed"},
+};
+
+// Takes the moe_layer_config file's values for the shared keys no source set explicitly;
+// collects the keys whose explicit values disagree with the file's.
+void ApplyMoeLayerFile(ResolvedTrainConfig& r) {
+  TrainConfig& c = r.config;
+  if (c.moe_layer_config.empty()) return;
+  json file;
+  try {
+    file = json::parse(ReadTextFile(c.moe_layer_config));
+  } catch (const json::exception& e) {
+    throw InvalidArgument(fmt::format("{}: not valid JSON: {}", c.moe_layer_config, e.what()));
+  }
+  SY_REQUIRE(file.is_object(), InvalidArgument, "{}: expected a JSON object", c.moe_layer_config);
+  std::vector<std::string> conflicts;
+  for (const auto& [layer_key, train_key] : kSharedMoeKeys) {
+    if (!file.contains(layer_key)) continue;
+    const json& theirs = file.at(layer_key);
+    const json all = json::parse(TrainConfigToJson(c));
+    json mine = all.at(train_key);
+    std::string key = train_key;
+    auto source = r.explicit_keys.find(key);
+    if (key == "expert_hidden_dim" && c.expert_hidden_dim == 0) {
+      // 0 means hidden_dim: the effective value, and hidden_dim's source when that is explicit.
+      mine = all.at("hidden_dim");
+      if (source == r.explicit_keys.end()) {
+        auto h = r.explicit_keys.find("hidden_dim");
+        if (h != r.explicit_keys.end()) {
+          source = h;
+          key = "hidden_dim";
+        }
+      }
+    }
+    if (source != r.explicit_keys.end()) {
+      if (mine != theirs) {
+        conflicts.push_back(fmt::format("'{}': {} gives {}, {} gives {} ('{}')", key,
+                                        source->second, mine.dump(), c.moe_layer_config,
+                                        theirs.dump(), layer_key));
+      }
+      continue;
+    }
+    json one = json::object();
+    one[train_key] = theirs;
+    try {
+      c = TrainConfigFromJson(one.dump(), c);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(
+          fmt::format("{}: key '{}': {}", c.moe_layer_config, layer_key, e.what()));
+    }
+    r.explicit_keys[train_key] = c.moe_layer_config;
+  }
+  SY_REQUIRE(conflicts.empty(), InvalidArgument,
+             "config: explicit values disagree (set each in one place, or make them equal): {}",
+             fmt::join(conflicts, "; "));
+}
+
+}  // namespace
+
+ResolvedTrainConfig ResolveTrainConfig(const TrainConfigSources& s) {
+  ResolvedTrainConfig r;
+  r.config = s.defaults;
+  json checkpoint = json::object();
+  std::string checkpoint_name;
+  if (!s.resume.empty()) {
+    checkpoint_name = "checkpoint " + ResolveCheckpoint(s.resume);
+    checkpoint = json::parse(ReadCheckpointConfigJson(s.resume));
+    json taken = json::object();
+    for (const auto& [key, value] : checkpoint.items()) {
+      if (IsLayoutKey(key) || key == "out") continue;
+      taken[key] = value;
+      r.explicit_keys[key] = checkpoint_name;
+    }
+    // Keys this program does not know (a newer checkpoint) are an error here, as in a file.
+    r.config = TrainConfigFromJson(taken.dump(), r.config);
+  }
+  std::map<std::string, std::string> user;  // keys set by --config or a flag -> source
+  if (!s.config_file.empty()) {
+    const std::string text = ReadTextFile(s.config_file);
+    r.config = TrainConfigFromJson(text, r.config);  // validates the JSON
+    for (const auto& [key, value] : json::parse(text).items()) {
+      user[key] = fmt::format("--config {}", s.config_file);
+    }
+  }
+  for (const auto& [key, text] : s.flags) {
+    SetTrainConfigValue(r.config, key, text);
+    user[key] = "--" + key;
+  }
+  r.out_given = user.count("out") != 0;
+  if (!s.resume.empty()) {
+    // Every setting that must match the checkpoint and is given otherwise, in one message.
+    std::vector<std::string> conflicts;
+    const json mine = json::parse(TrainConfigToJson(r.config));
+    for (const std::string& key : ResumeMustMatchKeys()) {
+      auto it = user.find(key);
+      if (it == user.end() || !checkpoint.contains(key)) continue;
+      if (mine.at(key) != checkpoint.at(key)) {
+        conflicts.push_back(fmt::format("'{}': {} gives {}, the checkpoint has {}", key, it->second,
+                                        mine.at(key).dump(), checkpoint.at(key).dump()));
+      }
+    }
+    SY_REQUIRE(conflicts.empty(), InvalidArgument,
+               "resume: {} settings differ from the {} (a resumed run takes them from its "
+               "checkpoint: leave them out): {}",
+               conflicts.size(), checkpoint_name, fmt::join(conflicts, "; "));
+  }
+  for (const auto& [key, source] : user) r.explicit_keys[key] = source;
+  ApplyMoeLayerFile(r);
+  return r;
 }
 
 }  // namespace switchyard::train

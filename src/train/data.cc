@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "switchyard/core/file_util.h"
+#include "switchyard/core/limits.h"
 #include "switchyard/core/rng.h"
 
 namespace switchyard::train {
@@ -68,7 +69,13 @@ Corpus CorpusFromText(std::string_view text, double val_fraction) {
   SY_REQUIRE(!text.empty(), InvalidArgument, "corpus: the text is empty");
   Corpus c;
   std::vector<std::string_view> records = SplitRecords(text);
-  int64_t k = val_fraction > 0 ? std::max<int64_t>(2, std::llround(1.0 / val_fraction)) : 0;
+  // Every k-th record held out; k bounded by the records (a larger k holds none out).
+  const int64_t k =
+      val_fraction > 0
+          ? std::max<int64_t>(2, CheckedToInt64(std::round(1.0 / val_fraction),
+                                                "val_fraction: 1 / val_fraction (held-out stride)",
+                                                1, int64_t{1} << 53))
+          : 0;
   c.records = static_cast<int64_t>(records.size());
   for (size_t i = 0; i < records.size(); ++i) {
     bool held_out = k > 0 && static_cast<int64_t>(i) % k == k - 1;
@@ -148,22 +155,34 @@ Batch BatchSampler::Sample(int64_t step, int64_t global_batch, int64_t row_begin
 }
 
 std::vector<Batch> EvaluationBatches(const std::vector<uint8_t>& tokens, int64_t seq_len,
-                                     int64_t batch_size, int64_t max_tokens) {
-  SY_REQUIRE(seq_len >= 1 && batch_size >= 1, InvalidArgument,
-             "EvaluationBatches: seq_len {} and batch_size {} must be >= 1", seq_len, batch_size);
+                                     int64_t batch_size, int64_t max_tokens, int64_t min_rows) {
+  SY_REQUIRE(seq_len >= 1 && batch_size >= 1 && min_rows >= 1 && min_rows <= batch_size,
+             InvalidArgument,
+             "EvaluationBatches: seq_len {} and batch_size {} must be >= 1, min_rows {} in [1, "
+             "batch_size]",
+             seq_len, batch_size, min_rows);
   int64_t n = static_cast<int64_t>(tokens.size());
   int64_t windows = n > seq_len ? (n - 1) / seq_len : 0;
   if (max_tokens > 0) windows = std::min(windows, max_tokens / seq_len);
+  // Batch boundaries: batch_size rows each; a last batch shorter than min_rows joins the one
+  // before it, or, when it is the only one, is padded with ignored rows.
+  std::vector<int64_t> starts;
+  for (int64_t w0 = 0; w0 < windows; w0 += batch_size) starts.push_back(w0);
+  if (starts.size() >= 2 && windows - starts.back() < min_rows) starts.pop_back();
   std::vector<Batch> out;
-  for (int64_t w0 = 0; w0 < windows; w0 += batch_size) {
-    int64_t rows = std::min(batch_size, windows - w0);
+  for (size_t i = 0; i < starts.size(); ++i) {
+    const int64_t w0 = starts[i];
+    const int64_t real = (i + 1 < starts.size() ? starts[i + 1] : windows) - w0;
+    const int64_t rows = std::max(real, min_rows);
     Batch b{Tensor::Empty({rows, seq_len}, DType::kInt32),
             Tensor::Empty({rows, seq_len}, DType::kInt32)};
+    int32_t* tok = b.tokens.data<int32_t>();
+    int32_t* tgt = b.targets.data<int32_t>();
     for (int64_t r = 0; r < rows; ++r) {
-      const uint8_t* src = tokens.data() + (w0 + r) * seq_len;
+      const uint8_t* src = tokens.data() + (w0 + std::min(r, real - 1)) * seq_len;
       for (int64_t t = 0; t < seq_len; ++t) {
-        b.tokens.data<int32_t>()[r * seq_len + t] = src[t];
-        b.targets.data<int32_t>()[r * seq_len + t] = src[t + 1];
+        tok[r * seq_len + t] = src[t];
+        tgt[r * seq_len + t] = r < real ? src[t + 1] : -1;  // padding: not counted
       }
     }
     out.push_back(std::move(b));

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -145,6 +146,11 @@ FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
   o.threads = context.threads;
   o.save_for_backward = context.save_for_backward;
   parallel::ParallelMoeLayer& layer = context.training ? train_layer_ : eval_layer_;
+  int64_t nonfinite = 0;
+  if (layer.config().check_finite && x.dtype() == DType::kFloat32) {
+    const float* p = x.data<float>();
+    for (int64_t i = 0; i < x.numel(); ++i) nonfinite += std::isfinite(p[i]) ? 0 : 1;
+  }
   auto state = std::make_shared<ParallelMoeState>();
   state->out = layer.Forward(shard_, x, o);
   state->training = context.training;
@@ -160,6 +166,7 @@ FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
   r.routing.expert_counts = out.expert_counts;
   for (int64_t l : out.expert_loads) r.routing.routed += l;
   r.routing.dropped = out.dropped;
+  r.routing.nonfinite_inputs = nonfinite;
   if (context.save_for_backward) r.state = state;
   times_.seconds += Now() - t0;
   times_.comm_seconds += state->out.stats.comm_seconds;
@@ -441,14 +448,16 @@ RunSummary RunDistributedTraining(const TrainConfig& config, const DistributedRu
     c.ranks = world->size();
     if (c.ep == 0) c.ep = c.ranks;  // record the layout that runs
     comm::AgreeOnConfig(*world, "train", AgreementEntries(c, options.run));
-    // Ranks on this node share its cores (the threading policy divides them).
+    // Ranks on this node share its cores (the threading policy divides them) and its memory.
+    RequireTrainingMemory(c, std::max(1, world->topology().ranks_per_node));
     RankTrainer rank(c, *world, std::max(1, world->topology().ranks_per_node));
     RunOptions run = options.run;
     return rank.trainer().Run(run);
   }
   ValidateTrainConfig(config);
   TrainConfig c = config;
-  if (c.ep == 0) c.ep = c.ranks;  // record the layout that runs
+  if (c.ep == 0) c.ep = c.ranks;                        // record the layout that runs
+  RequireTrainingMemory(c, static_cast<int>(c.ranks));  // every rank of this process
   std::mutex mu;
   RunSummary summary;
   comm::RunInProcess(

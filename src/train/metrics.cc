@@ -32,7 +32,8 @@ std::string MetricsToJson(const StepMetrics& m) {
   put("step_time_s", m.step_time_s);
   put("moe_time_s", m.moe_time_s);
   put("moe_comm_s", m.moe_comm_s);
-  put("val_loss", m.val_loss);
+  put("val_ce_loss", m.val_loss);
+  if (m.skipped_steps > 0) j["skipped_steps"] = m.skipped_steps;
   if (!m.expert_load.empty()) j["expert_load"] = m.expert_load;
   if (!m.drop_rate.empty()) j["drop_rate"] = m.drop_rate;
   return j.dump();
@@ -58,7 +59,9 @@ StepMetrics MetricsFromJson(const std::string& line, const std::string& what) {
     get("step_time_s", m.step_time_s);
     get("moe_time_s", m.moe_time_s);
     get("moe_comm_s", m.moe_comm_s);
-    get("val_loss", m.val_loss);
+    get("val_loss", m.val_loss);  // written before the rename to val_ce_loss
+    get("val_ce_loss", m.val_loss);
+    if (j.contains("skipped_steps")) m.skipped_steps = j.at("skipped_steps").get<int64_t>();
     if (j.contains("expert_load")) {
       m.expert_load = j.at("expert_load").get<std::vector<std::vector<int64_t>>>();
     }

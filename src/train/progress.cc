@@ -4,12 +4,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
+
+#include "switchyard/core/limits.h"
 
 namespace switchyard::train {
 
 std::string FormatDuration(double s) {
-  if (!std::isfinite(s) || s < 0) return "-";
-  auto t = static_cast<int64_t>(std::llround(s));
+  // Beyond ~3e11 years a duration means nothing; the bound keeps the conversion defined.
+  if (!std::isfinite(s) || s < 0 || s > 1e19) return "-";
+  const int64_t t = CheckedToInt64(std::round(s), "duration in seconds", 0, INT64_MAX);
   if (t >= 3600) return fmt::format("{}h{:02}m", t / 3600, (t / 60) % 60);
   if (t >= 60) return fmt::format("{}m{:02}s", t / 60, t % 60);
   return fmt::format("{}s", t);
@@ -31,16 +35,22 @@ std::string ProgressBar::FormatLine(const ProgressInfo& info, int bar_width) {
   std::string line;
   if (bar_width > 0) {
     double frac = info.total > 0 ? static_cast<double>(info.step) / info.total : 0;
-    int filled = static_cast<int>(std::clamp(frac, 0.0, 1.0) * bar_width);
+    if (!std::isfinite(frac)) frac = 0;
+    const int filled = static_cast<int>(
+        CheckedToInt64(std::floor(std::clamp(frac, 0.0, 1.0) * bar_width), "bar", 0, bar_width));
     line = "[" + std::string(filled, '#') + std::string(bar_width - filled, '-') + "] ";
   }
   int width = static_cast<int>(fmt::formatted_size("{}", info.total));
   line += fmt::format("step {:>{}}/{}", info.step, width, info.total);
-  line += std::isfinite(info.loss) ? fmt::format("  loss {:.4f}", info.loss) : "  loss -";
-  if (std::isfinite(info.val_loss)) line += fmt::format("  val {:.4f}", info.val_loss);
-  line += fmt::format("  {} tok/s", FormatRate(info.tokens_per_s));
+  // Only figures that mean something: a value that is not known is left out, never "-".
+  if (std::isfinite(info.ce_loss)) line += fmt::format("  ce_loss {:.4f}", info.ce_loss);
+  if (std::isfinite(info.val_loss)) line += fmt::format("  val_ce_loss {:.4f}", info.val_loss);
+  if (info.skipped_steps > 0) line += fmt::format("  skipped {}", info.skipped_steps);
+  if (std::isfinite(info.tokens_per_s) && info.tokens_per_s > 0) {
+    line += fmt::format("  {} tok/s", FormatRate(info.tokens_per_s));
+  }
   if (std::isfinite(info.drop_rate)) line += fmt::format("  drop {:.1f}%", 100 * info.drop_rate);
-  line += "  ETA " + FormatDuration(info.eta_s);
+  if (std::isfinite(info.eta_s) && info.eta_s >= 0) line += "  ETA " + FormatDuration(info.eta_s);
   return line;
 }
 

@@ -1,22 +1,26 @@
 #include "switchyard/train/trainer.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <exception>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "switchyard/core/file_util.h"
+#include "switchyard/core/limits.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/train/generate.h"
 #include "switchyard/train/moe_feed_forward.h"
 #include "switchyard/train/progress.h"
+#include "switchyard/train/run_dir.h"
 
 namespace switchyard::train {
 
@@ -29,6 +33,58 @@ double Now() {
 }
 
 }  // namespace
+
+std::string DataIdentityJson(const Corpus& corpus) {
+  std::vector<std::string> files;
+  for (const std::string& f : corpus.files) {
+    std::error_code ec;
+    const std::filesystem::path p = std::filesystem::absolute(f, ec);
+    files.push_back(ec ? f : p.lexically_normal().string());
+  }
+  std::vector<std::byte> bytes;
+  bytes.reserve(corpus.train.size() + corpus.val.size());
+  for (uint8_t b : corpus.train) bytes.push_back(static_cast<std::byte>(b));
+  for (uint8_t b : corpus.val) bytes.push_back(static_cast<std::byte>(b));
+  json j = {{"files", files},
+            {"bytes", bytes.size()},
+            {"fnv1a64", fmt::format("{:016x}", Fnv1a64(bytes))}};
+  return j.dump();
+}
+
+uint64_t TrainingMemoryBytes(const TrainConfig& c, int ranks_in_process) {
+  const ModelConfig& m = c.model;
+  const char* what = "training memory estimate";
+  const int64_t d = m.model_dim, v = m.vocab_size, s = m.seq_len, l = m.num_layers;
+  const int64_t experts = m.moe_every > 0 ? c.num_experts : 0;
+  const int64_t eh = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : m.hidden_dim;
+  // Parameters: embeddings (and an untied head), attention, FFNs (an MoE block holds every
+  // expert on one rank at most).
+  int64_t params = CheckedMul(v, d, what) * (m.tied_head ? 1 : 2) + CheckedMul(s, d, what);
+  const int64_t ffn =
+      std::max(CheckedMul(2, CheckedMul(d, m.hidden_dim, what), what),
+               CheckedMul(experts, CheckedMul(2, CheckedMul(d, eh, what), what), what));
+  params += CheckedMul(l, CheckedMul(4, CheckedMul(d, d, what), what) + ffn, what);
+  // Values, gradients and AdamW's two moments.
+  const int64_t state_bytes = CheckedMul(params, 16, what);
+  // Activations of one step on one rank: per token and layer ~16 model_dim-wide rows, the FFN's
+  // hidden rows and the attention scores; the logits and their gradient.
+  const int64_t tokens =
+      CheckedMul((c.batch_size + c.ranks - 1) / std::max<int64_t>(1, c.ranks), s, what);
+  const int64_t per_token =
+      CheckedMul(l, 16 * d + 2 * std::max(m.hidden_dim, eh * c.top_k) + 2 * m.num_heads * s, what) +
+      CheckedMul(3, v, what);
+  const int64_t activation_bytes = CheckedMul(CheckedMul(tokens, per_token, what), 4, what);
+  return static_cast<uint64_t>(CheckedMul(state_bytes + activation_bytes, ranks_in_process, what));
+}
+
+void RequireTrainingMemory(const TrainConfig& c, int ranks_in_process) {
+  ValidateTrainConfig(c);  // the estimate's inputs
+  const uint64_t bytes = TrainingMemoryBytes(c, ranks_in_process);
+  RequireMemory(bytes, fmt::format("training (model, gradients, AdamW state and activations of "
+                                   "{} rank(s): vocab_size {}, model_dim {}, {} layers)",
+                                   ranks_in_process, c.model.vocab_size, c.model.model_dim,
+                                   c.model.num_layers));
+}
 
 bool KeepFreedMemoryForTraining() {
   bool ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;
@@ -52,16 +108,40 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
   // one BLAS thread already.
   if (hooks_->ranks_in_process() == 1) kernels::SetBlasThreads(1);
 
-  corpus_ = c.data.empty() ? LoadCorpus(DefaultCorpusFiles(), c.val_fraction)
-                           : LoadCorpus({c.data}, c.val_fraction);
-  unigram_entropy_ = UnigramEntropy(corpus_.train);
+  // Everything the run will need is checked here, before the first step: the sizes and memory,
+  // the data and its held-out split, the MoE layer's options, text generation.
   SY_REQUIRE(c.model.vocab_size >= 256, InvalidArgument,
              "config: byte-level data needs vocab_size >= 256, got {}", c.model.vocab_size);
+  SY_REQUIRE(c.sample_tokens == 0 || c.model.vocab_size == 256, InvalidArgument,
+             "config: 'sample_tokens' {} generates bytes, which needs vocab_size 256, got {}: "
+             "pass --sample_tokens 0 to train without the final sample",
+             c.sample_tokens, c.model.vocab_size);
+  SY_REQUIRE(c.eval_tokens == 0 || c.eval_tokens >= c.model.seq_len, InvalidArgument,
+             "config: 'eval_tokens' {} is less than one evaluation window of seq_len {} tokens "
+             "(0: all held-out tokens)",
+             c.eval_tokens, c.model.seq_len);
+  if (hooks_->world_size() == 1 && hooks_->ranks_in_process() == 1) {
+    RequireTrainingMemory(c, 1);  // distributed runs check all ranks of the process up front
+  }
+  const moe::LayerConfig moe_layer =
+      c.model.moe_every > 0 ? MoeLayerConfig(c) : moe::LayerConfig{};  // validates it
+  check_finite_ = c.model.moe_every > 0 && moe_layer.check_finite;
+
+  corpus_ = c.data.empty() ? LoadCorpus(DefaultCorpusFiles(), c.val_fraction)
+                           : LoadCorpus({c.data}, c.val_fraction);
+  data_json_ = DataIdentityJson(corpus_);
+  unigram_entropy_ = UnigramEntropy(corpus_.train);
   sampler_ = std::make_unique<BatchSampler>(corpus_.train, c.model.seq_len, c.seed);
-  eval_batches_ = EvaluationBatches(corpus_.val, c.model.seq_len, c.batch_size, c.eval_tokens);
+  eval_batches_ = EvaluationBatches(corpus_.val, c.model.seq_len, c.batch_size, c.eval_tokens,
+                                    hooks_->world_size());
+  SY_REQUIRE(c.val_fraction == 0 || !eval_batches_.empty(), InvalidArgument,
+             "data: the held-out text ({} bytes, val_fraction {}) is shorter than one evaluation "
+             "window of seq_len + 1 = {} tokens: use a longer text, a larger val_fraction or a "
+             "smaller seq_len, or val_fraction 0 to train without a validation loss",
+             corpus_.val.size(), c.val_fraction, c.model.seq_len + 1);
 
   if (moe_factory == nullptr && c.model.moe_every > 0) {
-    moe_factory = MoeFeedForwardFactory(MoeLayerConfig(c));
+    moe_factory = MoeFeedForwardFactory(moe_layer);
   }
   model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory));
   optimizer_ = AdamW(AdamWOptions{.beta1 = static_cast<float>(c.beta1),
@@ -100,18 +180,21 @@ StepMetrics Trainer::Step() {
 
   hooks_->ReduceGradients(params);
   double grad_norm = std::sqrt(hooks_->GradSquaredNorm(params));
-  float factor = ClipFactor(grad_norm, static_cast<float>(c.grad_clip));
-  hooks_->ScaleGradients(params, factor);
-  float lr = schedule_.At(step_);
-  hooks_->OptimizerStep(optimizer_, params, lr);
-  hooks_->ReleaseParameters(params);
-  ++step_;
+  const float lr = schedule_.At(step_);
 
-  // Global metrics: token-weighted losses and summed routing statistics.
-  std::vector<double> sums = {out.loss * out.count,           out.ce_loss * out.count,
-                              out.aux_loss * out.count,       out.z_loss * out.count,
-                              static_cast<double>(out.count), moe_times.seconds,
-                              moe_times.comm_seconds};
+  // Global metrics (token-weighted losses, summed routing statistics, non-finite MoE inputs)
+  // before the update, so that every rank decides alike whether to apply it.
+  int64_t nonfinite_inputs = 0;
+  for (const auto& r : out.routing) nonfinite_inputs += r.nonfinite_inputs;
+  std::vector<double> sums = {out.loss * out.count,
+                              out.ce_loss * out.count,
+                              out.aux_loss * out.count,
+                              out.z_loss * out.count,
+                              static_cast<double>(out.count),
+                              moe_times.seconds,
+                              moe_times.comm_seconds,
+                              static_cast<double>(nonfinite_inputs),
+                              Now() - t0};
   for (const auto& r : out.routing) {
     sums.push_back(static_cast<double>(r.routed));
     sums.push_back(static_cast<double>(r.dropped));
@@ -119,7 +202,7 @@ StepMetrics Trainer::Step() {
   }
   hooks_->AllReduceSum(sums);
   StepMetrics m;
-  m.step = step_;
+  m.step = step_ + 1;
   double count = std::max(1.0, sums[4]);
   m.loss = sums[0] / count;
   m.ce_loss = sums[1] / count;
@@ -129,22 +212,51 @@ StepMetrics Trainer::Step() {
     m.moe_time_s = sums[5] / static_cast<double>(world);
     m.moe_comm_s = sums[6] / static_cast<double>(world);
   }
-  size_t k = 7;
+  if (sums[7] > 0) {
+    throw NonFiniteError(fmt::format(
+        "step {}: {} non-finite values in the inputs of the MoE layers (check_finite is on in "
+        "{}); the update was not applied",
+        step_ + 1, sums[7],
+        c.moe_layer_config.empty() ? "the MoE layer config" : c.moe_layer_config));
+  }
+  const bool finite = std::isfinite(m.loss) && std::isfinite(grad_norm);
+  if (!finite && c.nonfinite == "stop") {
+    throw NonFiniteError(fmt::format(
+        "step {}: the loss is non-finite (loss {}, grad_norm {}); the update was not applied: "
+        "lower --lr, or pass --nonfinite skip to skip such steps",
+        step_ + 1, m.loss, grad_norm));
+  }
+  if (finite) {
+    const float factor = ClipFactor(grad_norm, static_cast<float>(c.grad_clip));
+    hooks_->ScaleGradients(params, factor);
+    hooks_->OptimizerStep(optimizer_, params, lr);
+  } else {
+    m.skipped_steps = 1;
+  }
+  hooks_->ReleaseParameters(params);
+  ++step_;
+
+  // Each rank's MoE time is part of its own step time (other ranks wait for the writer between
+  // steps inside their first MoE collective): shares use the rank mean of both.
+  m.rank_time_s = sums[8] / static_cast<double>(world);
+  size_t k = 9;
   for (const auto& r : out.routing) {
     double routed = sums[k], dropped = sums[k + 1];
     k += 2;
     m.drop_rate.push_back(routed > 0 ? dropped / routed : 0.0);
     std::vector<int64_t> load;
     for (size_t e = 0; e < r.expert_loads.size(); ++e) {
-      load.push_back(static_cast<int64_t>(std::llround(sums[k++])));
+      load.push_back(CheckedToInt64(std::round(sums[k++]), "expert load", 0, INT64_MAX));
     }
     m.expert_load.push_back(std::move(load));
   }
-  if (!m.expert_load.empty()) model_->EndStep(m.expert_load);
+  if (!m.expert_load.empty() && finite) model_->EndStep(m.expert_load);
   m.lr = lr;
   m.grad_norm = grad_norm;
   m.step_time_s = Now() - t0;
-  m.tokens_per_s = static_cast<double>(c.batch_size * c.model.seq_len) / m.step_time_s;
+  if (m.step_time_s > 0) {
+    m.tokens_per_s = static_cast<double>(c.batch_size * c.model.seq_len) / m.step_time_s;
+  }
   return m;
 }
 
@@ -182,6 +294,7 @@ CheckpointData Trainer::Snapshot() {
   d.seed = config_.seed;
   d.global_batch = config_.batch_size;
   d.config_json = TrainConfigToJson(config_);
+  d.data_json = data_json_;
   d.model = hooks_->ModelValuesForCheckpoint(params);
   d.optimizer = hooks_->OptimizerStateForCheckpoint(optimizer_, params);
   return d;
@@ -189,16 +302,29 @@ CheckpointData Trainer::Snapshot() {
 
 void Trainer::Restore(const CheckpointData& data) {
   TrainConfig saved = TrainConfigFromJson(data.config_json.empty() ? "{}" : data.config_json);
-  // What must match for the model to load and the run to continue identically.
+  // What must match for the model to load and the run to continue identically: every
+  // difference in one message.
   json mine = json::parse(TrainConfigToJson(config_));
   json theirs = json::parse(TrainConfigToJson(saved));
-  for (const char* key : {"vocab_size", "seq_len", "model_dim", "num_layers", "num_heads",
-                          "hidden_dim", "norm", "activation", "tied_head", "moe_every",
-                          "num_experts", "top_k", "expert_hidden_dim", "seed", "batch_size"}) {
-    SY_REQUIRE(mine[key] == theirs[key], InvalidArgument,
-               "resume: the checkpoint was trained with {} = {}, this run has {} (pass the "
-               "checkpoint's value to resume it)",
-               key, theirs[key].dump(), mine[key].dump());
+  std::vector<std::string> differences;
+  for (const std::string& key : ResumeMustMatchKeys()) {
+    if (mine[key] != theirs[key]) {
+      differences.push_back(fmt::format("'{}': the checkpoint has {}, this run {}", key,
+                                        theirs[key].dump(), mine[key].dump()));
+    }
+  }
+  SY_REQUIRE(differences.empty(), InvalidArgument,
+             "resume: {} settings differ from the checkpoint's (pass the checkpoint's values, or "
+             "leave them out on the command line): {}",
+             differences.size(), fmt::join(differences, "; "));
+  if (!data.data_json.empty()) {
+    const json a = json::parse(data.data_json), b = json::parse(data_json_);
+    SY_REQUIRE(a.at("bytes") == b.at("bytes") && a.at("fnv1a64") == b.at("fnv1a64"),
+               InvalidArgument,
+               "resume: the checkpoint was trained on {} ({} bytes, fnv1a64 {}), this run's data "
+               "is {} ({} bytes, fnv1a64 {}): pass --data with the checkpoint's text",
+               a.at("files").dump(), a.at("bytes").dump(), a.at("fnv1a64").dump(),
+               b.at("files").dump(), b.at("bytes").dump(), b.at("fnv1a64").dump());
   }
   hooks_->LoadModelValues(model_->parameters(), data.model);
   hooks_->LoadOptimizerState(optimizer_, data.optimizer, data.optimizer_step, model_->parameters());
@@ -216,31 +342,74 @@ std::string Trainer::Sample(int64_t tokens, const std::string& prompt) {
   return GenerateText(*model_, o);
 }
 
+namespace {
+
+// `error` rethrown as the same type with `note` appended to its message.
+[[noreturn]] void RethrowWithNote(std::exception_ptr error, const std::string& note) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(std::string(e.what()) + note);
+  } catch (const IoError& e) {
+    throw IoError(std::string(e.what()) + note);
+  } catch (const NonFiniteError& e) {
+    throw NonFiniteError(std::string(e.what()) + note);
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(std::string(e.what()) + note);
+  } catch (const PeerError& e) {
+    throw PeerError(std::string(e.what()) + note);
+  } catch (const InternalError& e) {
+    throw InternalError(std::string(e.what()) + note);
+  } catch (const std::exception& e) {
+    throw Error(std::string(e.what()) + note);
+  }
+}
+
+template <typename Fn>
+std::exception_ptr Capture(Fn&& fn) {
+  try {
+    fn();
+    return nullptr;
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+}  // namespace
+
 RunSummary Trainer::Run(const RunOptions& options) {
   namespace fs = std::filesystem;
   const TrainConfig& c = config_;
   std::FILE* out = options.out;
+  run_out_ = out;
   const std::string run_dir = c.out;
+  const std::string checkpoints_dir = run_dir + "/checkpoints";
+  const bool writer = hooks_->writes_run_directory();
+  // The writer owns the run directory for the whole run (run_dir.h), before reading anything
+  // of it.
+  RunDirectoryLock lock;
+  if (writer) lock = RunDirectoryLock(run_dir);
   bool resumed = false;
   bool resumes_own_run = false;  // the checkpoint is in run_dir/checkpoints
+  int64_t resumed_step = -1;
   if (!options.resume.empty()) {
     std::string dir = ResolveCheckpoint(options.resume);
     Restore(LoadCheckpoint(dir));
     resumed = true;
+    resumed_step = step_;
     std::error_code ec_from, ec_own;
     const fs::path from = fs::weakly_canonical(fs::path(dir), ec_from).parent_path();
-    const fs::path own = fs::weakly_canonical(fs::path(run_dir) / "checkpoints", ec_own);
+    const fs::path own = fs::weakly_canonical(fs::path(checkpoints_dir), ec_own);
     resumes_own_run = !ec_from && !ec_own && from == own;
-    if (hooks_->writes_run_directory()) fmt::print(out, "resumed from {} at step {}\n", dir, step_);
+    if (writer) fmt::print(out, "resumed from {} at step {}\n", dir, step_);
   }
-  const bool writer = hooks_->writes_run_directory();
   std::unique_ptr<MetricsWriter> metrics;
   std::vector<StepMetrics> history;
   if (writer) {
     std::error_code ec;
     // Only a run's own checkpoints continue it in place: anything else would truncate its
     // metrics and replace its checkpoints.
-    if (fs::exists(run_dir + "/checkpoints/latest", ec)) {
+    if (fs::exists(checkpoints_dir + "/latest", ec)) {
       SY_REQUIRE(resumed, InvalidArgument,
                  "run directory '{}' already holds a run with checkpoints: pass --resume {} to "
                  "continue it, or another --out",
@@ -251,8 +420,15 @@ RunSummary Trainer::Run(const RunOptions& options) {
                  "--out",
                  run_dir, options.resume);
     }
-    fs::create_directories(run_dir, ec);
-    SY_REQUIRE(!ec, IoError, "{}: cannot create run directory: {}", run_dir, ec.message());
+    if (resumes_own_run) {
+      // Checkpoints after the resumed step belong to the continuation being abandoned: kept
+      // aside, out of `latest` and of pruning.
+      const std::string aside = SetAsideCheckpointsAfter(checkpoints_dir, step_);
+      if (!aside.empty()) {
+        fmt::print(out, "checkpoints after step {} (an abandoned continuation) moved to {}\n",
+                   step_, aside);
+      }
+    }
     WriteTextFileAtomic(run_dir + "/config.json", TrainConfigToJson(c) + "\n");
     if (resumed) {
       for (auto& m : ReadMetrics(run_dir + "/metrics.jsonl")) {
@@ -298,165 +474,300 @@ RunSummary Trainer::Run(const RunOptions& options) {
   summary.parameters = params;
   summary.flops_per_token =
       TrainingFlopsPerToken(c.model, moe ? c.num_experts : 0, c.top_k, c.expert_hidden_dim);
+  for (const StepMetrics& m : history) {
+    summary.skipped_steps += m.skipped_steps;
+    if (std::isfinite(m.ce_loss)) summary.final_train_ce_loss = m.ce_loss;
+    if (std::isfinite(m.val_loss)) summary.final_val_ce_loss = m.val_loss;
+  }
+  double last_val = summary.final_val_ce_loss;
   const double run_start = Now();
   const int64_t first_step = step_;
+  int64_t saved_step = resumes_own_run ? resumed_step : -1;  // newest checkpoint in run_dir
+  const int keep = static_cast<int>(std::min<int64_t>(c.keep_checkpoints, INT32_MAX));
+  // A checkpoint of the current state (collective: every rank calls it; the writer saves).
+  auto save_checkpoint = [&] {
+    CheckpointData snap = Snapshot();
+    if (writer) SaveCheckpoint(checkpoints_dir, snap, keep, resumed_step);
+    saved_step = step_;
+  };
+  // Whether any rank failed (collective). Only the writer's own work can fail on one rank
+  // without the others noticing; this makes every rank stop at the same point.
+  const int world = hooks_->world_size();
+  auto any_failed = [&](const std::exception_ptr& error) {
+    if (world == 1) return error != nullptr;
+    double failed[1] = {error ? 1.0 : 0.0};
+    hooks_->AllReduceSum(failed);
+    return failed[0] > 0;
+  };
   // Interval accumulators (reset at every metrics line).
   StepMetrics acc;
-  int64_t acc_steps = 0;
+  int64_t acc_steps = 0, acc_good = 0;
   double acc_time = 0, acc_moe = 0, acc_moe_comm = 0;
-  double run_step_time = 0, run_moe = 0, run_moe_comm = 0;
-  double last_val = NAN;
+  double run_moe = 0, run_moe_comm = 0, run_rank_time = 0;
   std::vector<double> rates;
-  while (step_ < c.steps) {
-    StepMetrics m = Step();
-    if (acc_steps == 0) acc = StepMetrics{};
-    ++acc_steps;
-    acc_time += m.step_time_s;
-    run_step_time += m.step_time_s;
-    if (std::isfinite(m.moe_time_s)) {
-      acc_moe += m.moe_time_s;
-      acc_moe_comm += m.moe_comm_s;
-      run_moe += m.moe_time_s;
-      run_moe_comm += m.moe_comm_s;
-    }
-    acc.loss = (acc_steps == 1 ? 0 : acc.loss) + m.loss;
-    acc.ce_loss = (acc_steps == 1 ? 0 : acc.ce_loss) + m.ce_loss;
-    acc.aux_loss += m.aux_loss;
-    acc.z_loss += m.z_loss;
-    if (acc.expert_load.empty()) {
-      acc.expert_load = m.expert_load;
-      acc.drop_rate = m.drop_rate;
-    } else {
-      for (size_t l = 0; l < m.expert_load.size(); ++l) {
-        for (size_t e = 0; e < m.expert_load[l].size(); ++e) {
-          acc.expert_load[l][e] += m.expert_load[l][e];
+  // Set when every rank is at the same point of a failure (the state after step_ steps is
+  // whole on every rank), so that the ranks can still save it together.
+  bool all_ranks_failed = false;
+  std::exception_ptr error;
+  try {
+    while (step_ < c.steps) {
+      StepMetrics m;
+      try {
+        m = Step();
+      } catch (const NonFiniteError&) {
+        all_ranks_failed = true;  // every rank detects it alike, before the update
+        throw;
+      }
+      if (acc_steps == 0) {
+        acc = StepMetrics{};
+        acc.loss = acc.ce_loss = 0;
+      }
+      ++acc_steps;
+      acc_time += m.step_time_s;
+      if (std::isfinite(m.moe_time_s)) {
+        acc_moe += m.moe_time_s;
+        acc_moe_comm += m.moe_comm_s;
+        run_moe += m.moe_time_s;
+        run_moe_comm += m.moe_comm_s;
+        run_rank_time += m.rank_time_s;
+      }
+      acc.skipped_steps += m.skipped_steps;
+      summary.skipped_steps += m.skipped_steps;
+      if (m.skipped_steps == 0) {
+        ++acc_good;
+        acc.loss += m.loss;
+        acc.ce_loss += m.ce_loss;
+        acc.aux_loss += m.aux_loss;
+        acc.z_loss += m.z_loss;
+      }
+      if (acc.expert_load.empty()) {
+        acc.expert_load = m.expert_load;
+        acc.drop_rate = m.drop_rate;
+      } else {
+        for (size_t l = 0; l < m.expert_load.size(); ++l) {
+          for (size_t e = 0; e < m.expert_load[l].size(); ++e) {
+            acc.expert_load[l][e] += m.expert_load[l][e];
+          }
+          acc.drop_rate[l] += m.drop_rate[l];
         }
-        acc.drop_rate[l] += m.drop_rate[l];
+      }
+      double val = NAN;
+      const bool last = step_ == c.steps;
+      const bool evaluate =
+          !eval_batches_.empty() && ((c.eval_every > 0 && step_ % c.eval_every == 0) || last);
+      if (evaluate) {
+        val = Evaluate();
+        last_val = val;
+      }
+      const double n = static_cast<double>(acc_steps), good = static_cast<double>(acc_good);
+      const bool log_line = step_ % c.log_every == 0 || last || evaluate;
+      // The writer's files: a failure here is the writer's alone until any_failed.
+      std::exception_ptr writer_error = Capture([&] {
+        if (!writer) return;
+        if (std::isfinite(val)) {
+          bar.Print(fmt::format(
+              "step {}: val_ce_loss {:.4f}{}, unigram entropy {:.3f}", step_, val,
+              acc_good > 0 ? fmt::format(" (train ce_loss {:.4f})", acc.ce_loss / good) : "",
+              unigram_entropy_));
+        }
+        if (log_line) {
+          StepMetrics line = acc;
+          line.step = step_;
+          line.loss = acc_good > 0 ? acc.loss / good : NAN;
+          line.ce_loss = acc_good > 0 ? acc.ce_loss / good : NAN;
+          line.aux_loss = acc_good > 0 ? acc.aux_loss / good : NAN;
+          line.z_loss = acc_good > 0 ? acc.z_loss / good : NAN;
+          for (auto& d : line.drop_rate) d /= n;
+          line.lr = m.lr;
+          line.grad_norm = m.skipped_steps == 0 ? m.grad_norm : NAN;
+          line.step_time_s = acc_time / n;
+          if (moe) {
+            line.moe_time_s = acc_moe / n;
+            line.moe_comm_s = acc_moe_comm / n;
+          }
+          line.tokens_per_s =
+              acc_time > 0 ? static_cast<double>(c.batch_size * c.model.seq_len) * n / acc_time
+                           : NAN;
+          line.val_loss = val;
+          metrics->Append(line);
+          history.push_back(line);
+          if (evaluate) write_figures();
+        }
+      });
+      if (log_line) {
+        if (acc_time > 0) {
+          rates.push_back(static_cast<double>(c.batch_size * c.model.seq_len) * n / acc_time);
+        }
+        if (acc_good > 0) summary.final_train_ce_loss = acc.ce_loss / good;
+      }
+      if (writer && !writer_error) {
+        const double elapsed = Now() - run_start;
+        const double per_step = elapsed / static_cast<double>(step_ - first_step);
+        double drop = NAN;
+        if (!m.drop_rate.empty()) {
+          drop = 0;
+          for (double d : m.drop_rate) drop += d / static_cast<double>(m.drop_rate.size());
+        }
+        bar.Update(ProgressInfo{
+            .step = step_,
+            .total = c.steps,
+            .ce_loss = !log_line && acc_good > 0 ? acc.ce_loss / good : summary.final_train_ce_loss,
+            .val_loss = last_val,
+            .skipped_steps = summary.skipped_steps,
+            .tokens_per_s = rates.empty() ? m.tokens_per_s : rates.back(),
+            .drop_rate = drop,
+            .eta_s = per_step * static_cast<double>(c.steps - step_)});
+      }
+      if (log_line) {
+        acc_steps = acc_good = 0;
+        acc_time = acc_moe = acc_moe_comm = 0;
+      }
+      if (any_failed(writer_error)) {
+        all_ranks_failed = true;
+        if (writer_error) std::rethrow_exception(writer_error);
+        throw Error(fmt::format("rank {}: stopped: the writer (rank 0) failed", hooks_->rank()));
+      }
+      if ((c.checkpoint_every > 0 && step_ % c.checkpoint_every == 0) || last) {
+        CheckpointData snap = Snapshot();
+        std::exception_ptr save_error = Capture([&] {
+          if (writer) SaveCheckpoint(checkpoints_dir, snap, keep, resumed_step);
+        });
+        if (any_failed(save_error)) {
+          all_ranks_failed = true;
+          if (save_error) std::rethrow_exception(save_error);
+          throw Error(fmt::format("rank {}: stopped: the writer (rank 0) failed", hooks_->rank()));
+        }
+        saved_step = step_;
       }
     }
-    double val = NAN;
-    bool last = step_ == c.steps;
-    if ((c.eval_every > 0 && step_ % c.eval_every == 0) || last) {
-      val = Evaluate();
-      last_val = val;
-      if (writer && std::isfinite(val)) {
-        bar.Print(fmt::format("step {}: val loss {:.4f} (train {:.4f}, unigram entropy {:.3f})",
-                              step_, val, acc.ce_loss / acc_steps, unigram_entropy_));
-      }
+    bar.Finish();
+    summary.steps = step_;
+    summary.seconds = Now() - run_start;
+    summary.final_val_ce_loss = last_val;
+    if (moe && run_rank_time > 0) {
+      summary.moe_time_share = run_moe / run_rank_time;
+      summary.moe_comm_share = run_moe_comm / run_rank_time;
     }
-    double n = static_cast<double>(acc_steps);
-    if (step_ % c.log_every == 0 || last || std::isfinite(val)) {
-      StepMetrics line = acc;
-      line.step = step_;
-      line.loss /= n;
-      line.ce_loss /= n;
-      line.aux_loss /= n;
-      line.z_loss /= n;
-      for (auto& d : line.drop_rate) d /= n;
-      line.lr = m.lr;
-      line.grad_norm = m.grad_norm;
-      line.step_time_s = acc_time / n;
-      if (moe) {
-        line.moe_time_s = acc_moe / n;
-        line.moe_comm_s = acc_moe_comm / n;
-      }
-      line.tokens_per_s =
-          static_cast<double>(c.batch_size * c.model.seq_len) * n / std::max(acc_time, 1e-12);
-      line.val_loss = val;
-      rates.push_back(line.tokens_per_s);
-      summary.final_train_loss = line.ce_loss;
+    if (!rates.empty()) {
+      std::vector<double> sorted = rates;
+      std::sort(sorted.begin(), sorted.end());
+      summary.tokens_per_s = sorted[sorted.size() / 2];
+    }
+    if (c.sample_tokens > 0) summary.sample = Sample(c.sample_tokens);
+    std::exception_ptr writer_error = Capture([&] {
       if (writer) {
-        metrics->Append(line);
-        history.push_back(line);
+        write_figures();
+        WriteRunEnd(summary, moe);
       }
-      acc_steps = 0;
-      acc_time = acc_moe = acc_moe_comm = 0;
-      if (std::isfinite(val)) write_figures();
+    });
+    if (any_failed(writer_error)) {
+      all_ranks_failed = true;
+      if (writer_error) std::rethrow_exception(writer_error);
+      throw Error(fmt::format("rank {}: stopped: the writer (rank 0) failed", hooks_->rank()));
     }
-    if (writer) {
-      double elapsed = Now() - run_start;
-      double per_step = elapsed / static_cast<double>(step_ - first_step);
-      double drop = NAN;
-      if (!m.drop_rate.empty()) {
-        drop = 0;
-        for (double d : m.drop_rate) drop += d / static_cast<double>(m.drop_rate.size());
-      }
-      bar.Update(ProgressInfo{.step = step_,
-                              .total = c.steps,
-                              .loss = acc_steps > 0 ? acc.ce_loss / n : summary.final_train_loss,
-                              .val_loss = last_val,
-                              .tokens_per_s = rates.empty() ? m.tokens_per_s : rates.back(),
-                              .drop_rate = drop,
-                              .eta_s = per_step * static_cast<double>(c.steps - step_)});
-    }
-    if ((c.checkpoint_every > 0 && step_ % c.checkpoint_every == 0) || last) {
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (!error) return summary;
+  bar.Finish();
+  // A failure after training steps never throws them away: the last completed step is saved
+  // (the update of a failed step is never half applied: NonFiniteError is thrown before it,
+  // other failures after it), when every rank can take part.
+  std::string note;
+  if ((world == 1 || all_ranks_failed) && step_ > first_step && step_ > saved_step) {
+    std::exception_ptr save_error = Capture([&] {
       CheckpointData snap = Snapshot();
       if (writer) {
-        SaveCheckpoint(run_dir + "/checkpoints", snap, static_cast<int>(c.keep_checkpoints));
+        note = fmt::format(" (the last completed step {} was saved to {}: continue with --resume)",
+                           step_, SaveCheckpoint(checkpoints_dir, snap, keep, resumed_step));
+      }
+    });
+    if (save_error) {
+      try {
+        std::rethrow_exception(save_error);
+      } catch (const std::exception& e) {
+        note = fmt::format(" (saving the last completed step {} failed too: {})", step_, e.what());
       }
     }
+  } else if (saved_step >= 0 && writer) {
+    note = fmt::format(" (the newest checkpoint is step {} in {})", saved_step, checkpoints_dir);
   }
-  bar.Finish();
-  summary.steps = step_;
-  summary.seconds = Now() - run_start;
-  summary.final_val_loss = last_val;
-  if (moe && run_step_time > 0) {
-    summary.moe_time_share = run_moe / run_step_time;
-    summary.moe_comm_share = run_moe_comm / run_step_time;
+  if (!writer && all_ranks_failed) {
+    // The writer reports the failure; wait for it to end the run (a collective it never
+    // joins fails when it has thrown), so that its message is the one the user reads.
+    Capture([&] {
+      double wait[1] = {0};
+      hooks_->AllReduceSum(wait);
+    });
   }
-  if (!rates.empty()) {
-    std::vector<double> sorted = rates;
-    std::sort(sorted.begin(), sorted.end());
-    summary.tokens_per_s = sorted[sorted.size() / 2];
+  RethrowWithNote(error, note);
+}
+
+void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
+  const TrainConfig& c = config_;
+  const std::string& run_dir = summary.run_dir;
+  std::FILE* out = run_out_;
+  auto finite = [](double v) { return std::isfinite(v) ? json(v) : json(); };
+  json s = {{"steps", summary.steps},
+            {"seconds", summary.seconds},
+            {"parameters", summary.parameters},
+            {"unigram_entropy", finite(summary.unigram_entropy)},
+            {"flops_per_token", summary.flops_per_token},
+            {"tokens_per_s_median", finite(summary.tokens_per_s)},
+            {"final_train_ce_loss", finite(summary.final_train_ce_loss)},
+            {"final_val_ce_loss", finite(summary.final_val_ce_loss)},
+            {"moe_time_share", finite(summary.moe_time_share)},
+            {"moe_comm_share", finite(summary.moe_comm_share)},
+            {"skipped_steps", summary.skipped_steps}};
+  // Only what is known: a value that is not (no step ran, a dense model) is left out.
+  for (auto it = s.begin(); it != s.end();) it = it->is_null() ? s.erase(it) : std::next(it);
+  if (c.sample_tokens > 0) WriteTextFileAtomic(run_dir + "/sample.txt", summary.sample);
+  WriteTextFileAtomic(run_dir + "/summary.json", s.dump(2) + "\n");
+  std::string done =
+      fmt::format("done: {} steps in {}", summary.steps, FormatDuration(summary.seconds));
+  if (std::isfinite(summary.tokens_per_s) && summary.tokens_per_s > 0) {
+    done += fmt::format(", {} tok/s (median), {:.1f} GFLOP/s of model FLOPs",
+                        FormatRate(summary.tokens_per_s),
+                        summary.tokens_per_s * summary.flops_per_token / 1e9);
   }
-  write_figures();
-  if (c.sample_tokens > 0) summary.sample = Sample(c.sample_tokens);
-  if (writer) {
-    if (c.sample_tokens > 0) WriteTextFileAtomic(run_dir + "/sample.txt", summary.sample);
-    json s = {{"steps", summary.steps},
-              {"seconds", summary.seconds},
-              {"parameters", summary.parameters},
-              {"unigram_entropy", summary.unigram_entropy},
-              {"flops_per_token", summary.flops_per_token},
-              {"tokens_per_s_median",
-               std::isfinite(summary.tokens_per_s) ? json(summary.tokens_per_s) : json()},
-              {"final_train_loss",
-               std::isfinite(summary.final_train_loss) ? json(summary.final_train_loss) : json()},
-              {"final_val_loss",
-               std::isfinite(summary.final_val_loss) ? json(summary.final_val_loss) : json()},
-              {"moe_time_share",
-               std::isfinite(summary.moe_time_share) ? json(summary.moe_time_share) : json()},
-              {"moe_comm_share",
-               std::isfinite(summary.moe_comm_share) ? json(summary.moe_comm_share) : json()}};
-    WriteTextFileAtomic(run_dir + "/summary.json", s.dump(2) + "\n");
+  if (summary.skipped_steps > 0) {
+    done += fmt::format(", {} non-finite step(s) skipped", summary.skipped_steps);
+  }
+  fmt::print(out, "{}\n", done);
+  std::string losses;
+  if (std::isfinite(summary.final_train_ce_loss)) {
+    losses += fmt::format("train ce_loss {:.4f}", summary.final_train_ce_loss);
+  }
+  if (std::isfinite(summary.final_val_ce_loss)) {
+    losses +=
+        fmt::format("{}val_ce_loss {:.4f}", losses.empty() ? "" : ", ", summary.final_val_ce_loss);
+  }
+  if (!losses.empty()) {
+    fmt::print(out, "  {} nats/byte; unigram entropy {:.3f}", losses, summary.unigram_entropy);
+    if (std::isfinite(summary.final_val_ce_loss) && summary.unigram_entropy > 0) {
+      fmt::print(out, " (val at {:.0f}% of it)",
+                 100 * summary.final_val_ce_loss / summary.unigram_entropy);
+    }
+    fmt::print(out, "\n");
+  }
+  if (std::isfinite(summary.moe_time_share)) {
     fmt::print(out,
-               "done: {} steps in {}, {} tok/s (median), {:.1f} GFLOP/s of model FLOPs\n"
-               "  train loss {:.4f}, val loss {:.4f} nats/byte; unigram entropy {:.3f} "
-               "({:.0f}% of it)\n",
-               summary.steps, FormatDuration(summary.seconds), FormatRate(summary.tokens_per_s),
-               summary.tokens_per_s * summary.flops_per_token / 1e9, summary.final_train_loss,
-               summary.final_val_loss, summary.unigram_entropy,
-               100 * summary.final_val_loss / summary.unigram_entropy);
-    if (std::isfinite(summary.moe_time_share)) {
-      fmt::print(out,
-                 "  MoE layers: {:.0f}% of step time (blocked in their collectives {:.0f}%, "
-                 "gate + dispatch + experts + combine {:.0f}%)\n",
-                 100 * summary.moe_time_share, 100 * summary.moe_comm_share,
-                 100 * (summary.moe_time_share - summary.moe_comm_share));
-    }
-    fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/, sample.txt)\n",
-               run_dir, moe ? ", expert_load.svg" : "");
-    if (c.sample_tokens > 0) {
-      // Control bytes (an untrained model emits any byte) would drive the terminal: escape them.
-      std::string shown;
-      for (unsigned char ch : summary.sample) {
-        bool control = (ch < 0x20 && ch != '\n' && ch != '\t') || ch == 0x7f;
-        shown += control ? fmt::format("\\x{:02x}", ch) : std::string(1, static_cast<char>(ch));
-      }
-      fmt::print(out, "sample (temperature {}):\n{}\n", c.temperature, shown);
-    }
+               "  MoE layers: {:.0f}% of step time (blocked in their collectives {:.0f}%, "
+               "gate + dispatch + experts + combine {:.0f}%)\n",
+               100 * summary.moe_time_share, 100 * summary.moe_comm_share,
+               100 * (summary.moe_time_share - summary.moe_comm_share));
   }
-  return summary;
+  fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{})\n", run_dir,
+             moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "");
+  if (c.sample_tokens > 0) {
+    // Control bytes (an untrained model emits any byte) would drive the terminal: escape them.
+    std::string shown;
+    for (unsigned char ch : summary.sample) {
+      bool control = (ch < 0x20 && ch != '\n' && ch != '\t') || ch == 0x7f;
+      shown += control ? fmt::format("\\x{:02x}", ch) : std::string(1, static_cast<char>(ch));
+    }
+    fmt::print(out, "sample (temperature {}):\n{}\n", c.temperature, shown);
+  }
 }
 
 }  // namespace switchyard::train

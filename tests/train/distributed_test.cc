@@ -334,7 +334,7 @@ TEST_F(DistributedTest, RunWritesTheRunDirectoryFromRankZero) {
   RunSummary s = RunDistributedTraining(c, o);
   std::fclose(o.run.out);
   EXPECT_EQ(s.steps, 4);
-  EXPECT_TRUE(std::isfinite(s.final_val_loss));
+  EXPECT_TRUE(std::isfinite(s.final_val_ce_loss));
   EXPECT_EQ(s.sample.size(), 10u);
   for (const char* f : {"config.json", "metrics.jsonl", "loss.svg", "expert_load.svg",
                         "summary.json", "sample.txt", "checkpoints/latest"}) {

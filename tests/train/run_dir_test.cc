@@ -93,24 +93,24 @@ std::string Capture(const std::function<void(std::FILE*)>& fn) {
 TEST(ProgressTest, FormatsStepLossRateDropAndEta) {
   ProgressInfo info{.step = 120,
                     .total = 800,
-                    .loss = 2.13456,
+                    .ce_loss = 2.13456,
                     .val_loss = NAN,
                     .tokens_per_s = 12345,
                     .drop_rate = 0.015,
                     .eta_s = 83};
   std::string line = ProgressBar::FormatLine(info, 10);
-  EXPECT_EQ(line, "[#---------] step 120/800  loss 2.1346  12.3k tok/s  drop 1.5%  ETA 1m23s");
+  EXPECT_EQ(line, "[#---------] step 120/800  ce_loss 2.1346  12.3k tok/s  drop 1.5%  ETA 1m23s");
   info.drop_rate = NAN;  // dense: no drop column
   info.val_loss = 2.5;
   EXPECT_EQ(ProgressBar::FormatLine(info, 0),
-            "step 120/800  loss 2.1346  val 2.5000  12.3k tok/s  ETA 1m23s");
+            "step 120/800  ce_loss 2.1346  val_ce_loss 2.5000  12.3k tok/s  ETA 1m23s");
   EXPECT_EQ(FormatDuration(3725), "1h02m");
   EXPECT_EQ(FormatDuration(NAN), "-");
   EXPECT_EQ(FormatRate(1.2e6), "1.20M");
 }
 
 TEST(ProgressTest, RedrawsInPlaceOnATerminalAndPrintsLinesOtherwise) {
-  ProgressInfo info{.step = 0, .total = 4, .loss = 1.0};
+  ProgressInfo info{.step = 0, .total = 4, .ce_loss = 1.0};
   std::string tty = Capture([&](std::FILE* f) {
     ProgressBar bar(f, /*interactive=*/true);
     for (int s = 1; s <= 4; ++s) {

@@ -93,7 +93,7 @@ TEST(TrainConfigTest, JsonRoundTripAndErrors) {
   EXPECT_EQ(s.data, "/some/file.txt");
   EXPECT_DOUBLE_EQ(s.lr, 1e-3);
   EXPECT_THROW(SetTrainConfigValue(s, "steps", "many"), InvalidArgument);
-  EXPECT_EQ(TrainConfigKeys().size(), 45u);
+  EXPECT_EQ(TrainConfigKeys().size(), 46u);
   s.batch_size = 0;
   EXPECT_THROW(ValidateTrainConfig(s), InvalidArgument);
 }
@@ -165,7 +165,9 @@ TEST(TrainerTest, RestoreRejectsAnotherModel) {
     other.Restore(snap);
     FAIL() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("model_dim = 32"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'model_dim': the checkpoint has 32, this run 64"),
+              std::string::npos)
+        << e.what();
   }
 }
 
@@ -274,7 +276,7 @@ TEST(RunTest, WritesTheRunDirectoryAndResumesBitForBit) {
   EXPECT_FALSE(fs::exists(c.out + "/expert_load.svg"));  // dense model
   EXPECT_EQ(s.steps, 6);
   EXPECT_EQ(s.sample.size(), 20u);
-  EXPECT_TRUE(std::isfinite(s.final_val_loss));
+  EXPECT_TRUE(std::isfinite(s.final_val_ce_loss));
   EXPECT_EQ(TrainConfigFromJson(ReadTextFile(c.out + "/config.json")).steps, 6);
   std::vector<StepMetrics> straight = ReadMetrics(c.out + "/metrics.jsonl");
   ASSERT_EQ(straight.size(), 6u);

@@ -38,16 +38,32 @@ struct CheckpointData {
   uint64_t seed = 0;           // the run's seed (keys data sampling, init, routing)
   int64_t global_batch = 0;    // rows per step (the data sampler's counter stride)
   std::string config_json;     // the run's configuration (TrainConfigToJson)
-  TensorMap model;             // name -> float32 value
-  TensorMap optimizer;         // "<param>.exp_avg" / "<param>.exp_avg_sq"
+  // What the run trains on: {"files": [...], "bytes": N, "fnv1a64": "..."} (DataIdentityJson in
+  // trainer.h); "" in checkpoints written before it was recorded.
+  std::string data_json;
+  TensorMap model;      // name -> float32 value
+  TensorMap optimizer;  // "<param>.exp_avg" / "<param>.exp_avg_sq"
 };
 
 // Writes a checkpoint of `data` under `checkpoints_dir` (created if missing), updates `latest`,
-// then deletes all but the newest `keep` checkpoints (keep <= 0: keep all). Returns the new
-// checkpoint's directory. Throws IoError; on failure the previous checkpoints are untouched
-// (re-saving the step `latest` names: `latest` may be left naming a complete copy of it).
+// then deletes all but the newest `keep` checkpoints (keep <= 0: keep all) — never the new one
+// and never the checkpoint of step `protected_step` (a resumed run's starting point; -1: none).
+// Returns the new checkpoint's directory. Throws IoError; on failure the previous checkpoints
+// are untouched (re-saving the step `latest` names: `latest` may be left naming a complete copy
+// of it) and nothing of the failed save is left (its .partial-<pid> directory is removed).
 std::string SaveCheckpoint(const std::string& checkpoints_dir, const CheckpointData& data,
-                           int keep = 0);
+                           int keep = 0, int64_t protected_step = -1);
+
+// A run resumed from step `step` of its own checkpoints: the checkpoints of later steps belong to
+// the abandoned continuation. Points `latest` at step_<step> and moves every later step_N
+// directory into checkpoints/abandoned/from_step_<step>_<unix time>/ (kept, never pruned, never
+// resumed by `latest`). Returns the directory they were moved to ("" when there were none).
+// Throws IoError.
+std::string SetAsideCheckpointsAfter(const std::string& checkpoints_dir, int64_t step);
+
+// The `config` object of the state.json of the checkpoint `path` refers to (as JSON text),
+// without loading the tensors. Throws IoError.
+std::string ReadCheckpointConfigJson(const std::string& path);
 
 // The checkpoint directory `path` refers to: a checkpoint directory itself (has state.json), a
 // checkpoints directory (its `latest`), or a run directory (its checkpoints/latest). Throws

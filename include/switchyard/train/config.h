@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -24,8 +25,10 @@ struct TrainConfig {
   int64_t expert_hidden_dim = 0;  // 0: model.hidden_dim
   double aux_loss_coef = 0.01;
   double z_loss_coef = 0.0;
-  // A layer.json (moe/config.h) with every other MoE option (preset, drop policy, noise, ...);
-  // the keys above override its sizes and coefficients. "": the moe::LayerConfig defaults.
+  // A layer.json (moe/config.h) with every other MoE option (preset, drop policy, noise, ...).
+  // MoeLayerConfig() puts the keys above over its values; ResolveTrainConfig() first takes the
+  // file's values for the keys the user did not set (explicit values win over defaults).
+  // "": the moe::LayerConfig defaults.
   std::string moe_layer_config;
 
   // Data.
@@ -43,6 +46,10 @@ struct TrainConfig {
   double beta2 = 0.95;
   double adam_eps = 1e-8;
   double grad_clip = 1.0;  // max global gradient norm; 0 disables
+  // A step whose loss or gradient norm is not finite: "stop" ends the run with an error naming
+  // the step (the update is not applied; the last completed step is saved); "skip" does not
+  // apply that step's update and counts it (metrics' skipped_steps, summary.json).
+  std::string nonfinite = "stop";
   uint64_t seed = 1;
 
   // Run directory.
@@ -77,6 +84,34 @@ void ValidateTrainConfig(const TrainConfig& config);
 // hidden_dim, num_experts, top_k, capacity_factor, coefficients, activation, seed), on top of
 // moe_layer_config's file when given. Throws InvalidArgument / IoError.
 moe::LayerConfig MoeLayerConfig(const TrainConfig& config);
+
+// Where a run's configuration comes from, lowest precedence first: the command's defaults, the
+// checkpoint being resumed (every key but the layout and `out`), the --config file, the flags;
+// then the moe_layer_config file for the MoE keys no source above set explicitly.
+struct TrainConfigSources {
+  TrainConfig defaults;
+  std::string config_file;                   // "": none
+  std::map<std::string, std::string> flags;  // key -> command-line text
+  std::string resume;                        // "": a fresh run
+};
+struct ResolvedTrainConfig {
+  TrainConfig config;
+  // key -> where its explicit value came from ("--top_k", "--config run.json",
+  // "checkpoint runs/a/checkpoints/step_00000002").
+  std::map<std::string, std::string> explicit_keys;
+  bool out_given = false;  // `out` came from a flag or the --config file
+};
+// Resolves the sources. Throws InvalidArgument naming both sources when two explicit values of
+// one key disagree (a flag or the --config file against the moe_layer_config file), and listing
+// every key a flag or the --config file sets differently from the resumed checkpoint's model
+// (ResumeMustMatchKeys). IoError for unreadable files.
+ResolvedTrainConfig ResolveTrainConfig(const TrainConfigSources& sources);
+
+// The keys a resumed run must share with its checkpoint (model shape, MoE sizes, seed, batch).
+const std::vector<std::string>& ResumeMustMatchKeys();
+// The layout keys (ranks, ep, zero_stage, dispatch, overlap_degree, threads): where a run runs,
+// not what it computes; a resumed run does not take them from its checkpoint.
+bool IsLayoutKey(std::string_view key);
 
 // Every key with a one-line description, in TrainConfigToJson's order (for command-line flags).
 struct ConfigKey {

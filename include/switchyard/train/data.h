@@ -76,9 +76,12 @@ class BatchSampler {
 
 // The held-out evaluation set: consecutive non-overlapping windows of seq_len + 1 tokens
 // (stride seq_len) from the start of `tokens`, at most max_tokens / seq_len of them (all when
-// max_tokens <= 0), in batches of batch_size rows (the last may be smaller). Empty when the
-// text is shorter than one window.
+// max_tokens <= 0), in batches of batch_size rows. Every batch has at least `min_rows` rows
+// (1 <= min_rows <= batch_size; the trainer passes its number of ranks, so that every rank has
+// rows of every batch): a shorter last batch joins the one before it (which then has up to
+// batch_size + min_rows - 1 rows) and, when it is the only batch, is padded to min_rows with
+// rows whose targets are -1 (ignored by the loss). Empty when the text is shorter than one window.
 std::vector<Batch> EvaluationBatches(const std::vector<uint8_t>& tokens, int64_t seq_len,
-                                     int64_t batch_size, int64_t max_tokens);
+                                     int64_t batch_size, int64_t max_tokens, int64_t min_rows = 1);
 
 }  // namespace switchyard::train

@@ -53,6 +53,9 @@ struct RoutingStats {
   std::vector<int64_t> expert_counts;  // [num_experts] pairs kept (after capacity drops)
   int64_t routed = 0;                  // routed pairs (num_tokens * top_k)
   int64_t dropped = 0;                 // pairs dropped for capacity
+  // With the layer's check_finite: non-finite elements of the layer's input on this rank
+  // (reported, not thrown, so that every rank stops at the same point: Trainer::Step).
+  int64_t nonfinite_inputs = 0;
 };
 
 struct FeedForwardOutput {

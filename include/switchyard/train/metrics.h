@@ -2,9 +2,14 @@
 // the two figures drawn from them (loss.svg, expert_load.svg).
 //
 // A metrics line: {"step": 100, "loss": 2.1, "ce_loss": 2.09, "aux_loss": 1.01, "z_loss": 0,
-// "lr": 0.003, "grad_norm": 0.8, "tokens_per_s": 21000, "step_time_s": 0.1, "val_loss": 2.2,
+// "lr": 0.003, "grad_norm": 0.8, "tokens_per_s": 21000, "step_time_s": 0.1, "val_ce_loss": 2.2,
 // "expert_load": [[tokens per expert] per MoE layer], "drop_rate": [per MoE layer]}.
-// "val_loss" appears on evaluation steps only; "expert_load" and "drop_rate" for MoE models.
+// `loss` is the training objective (cross-entropy plus the MoE loss terms), `ce_loss` and
+// `val_ce_loss` are cross-entropies (train, held-out). "val_ce_loss" appears on evaluation steps
+// only ("val_loss" in files written before the rename is read as it); "expert_load" and
+// "drop_rate" for MoE models; "skipped_steps" when steps of the interval were skipped as
+// non-finite (their values are not in the means; every value of an interval of skipped steps
+// only is absent).
 //
 // Thread-safety: a MetricsWriter belongs to one thread.
 #pragma once
@@ -29,7 +34,11 @@ struct StepMetrics {
   double step_time_s = NAN;
   double moe_time_s = NAN;  // of step_time_s: in the MoE layers (forward + backward), rank mean
   double moe_comm_s = NAN;  // of moe_time_s: blocked in their collectives (dispatch, combine, ...)
-  double val_loss = NAN;    // NaN: not evaluated at this step
+  // Rank mean of each rank's own step time up to the metrics reduction (the denominator of the
+  // MoE time share; not written to metrics.jsonl).
+  double rank_time_s = NAN;
+  double val_loss = NAN;      // held-out cross-entropy ("val_ce_loss"); NaN: not evaluated here
+  int64_t skipped_steps = 0;  // steps of the interval skipped as non-finite (nonfinite = skip)
   std::vector<std::vector<int64_t>> expert_load;  // [moe layer][expert] routed pairs
   std::vector<double> drop_rate;                  // [moe layer] dropped / routed
 };

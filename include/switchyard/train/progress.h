@@ -1,5 +1,5 @@
-// The training progress line: step, loss, tokens/s, drop rate and ETA. On a terminal it is one
-// bar redrawn in place ("\r" + clear to end of line); otherwise (a log file, a pipe, CI) it
+// The training progress line: step, cross-entropy, tokens/s, drop rate and ETA. On a terminal it is
+// one bar redrawn in place ("\r" + clear to end of line); otherwise (a log file, a pipe, CI) it
 // prints a plain line every `plain_every` steps and at the last step.
 //
 // Thread-safety: one thread drives a ProgressBar.
@@ -14,10 +14,11 @@
 namespace switchyard::train {
 
 struct ProgressInfo {
-  int64_t step = 0;   // steps completed
-  int64_t total = 0;  // steps of the run
-  double loss = NAN;
-  double val_loss = NAN;  // last validation loss (NaN: none yet)
+  int64_t step = 0;           // steps completed
+  int64_t total = 0;          // steps of the run
+  double ce_loss = NAN;       // training cross-entropy of the current log interval (NaN: none)
+  double val_loss = NAN;      // last held-out cross-entropy (NaN: none yet)
+  int64_t skipped_steps = 0;  // non-finite steps skipped so far
   double tokens_per_s = NAN;
   double drop_rate = NAN;  // fraction of routed (token, choice) pairs dropped; NaN: dense
   double eta_s = NAN;      // seconds left (NaN: unknown)

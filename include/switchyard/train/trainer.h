@@ -93,17 +93,39 @@ class TrainHooks {
 // training program (switchyard train-dense does). Returns false if the allocator refused.
 bool KeepFreedMemoryForTraining();
 
+// The identity of a corpus for checkpoints: its files (absolute paths), its bytes (training
+// then held-out) and their FNV-1a 64 checksum, as a JSON object.
+std::string DataIdentityJson(const Corpus& corpus);
+
+// An upper estimate of what training `config` allocates for `ranks_in_process` ranks of this
+// process: parameters, gradients and AdamW state (16 bytes a parameter, replicated on every
+// rank) plus one step's activations. RequireTrainingMemory refuses (InvalidArgument, via
+// core/limits.h RequireMemory) what does not fit in the memory available, before anything is
+// allocated; sizes that overflow int64 are refused too.
+uint64_t TrainingMemoryBytes(const TrainConfig& config, int ranks_in_process);
+void RequireTrainingMemory(const TrainConfig& config, int ranks_in_process);
+
 struct RunOptions {
   std::string resume;  // "" : fresh run; else a checkpoint, checkpoints or run directory
   std::FILE* out = stdout;
   int interactive = -1;  // progress bar redraws in place: 1 yes, 0 no, -1 when `out` is a TTY
 };
 
+// A step whose loss or gradient norm is not finite under nonfinite = "stop" (every rank throws
+// it at the same point; the update was not applied).
+class NonFiniteError : public Error {
+ public:
+  using Error::Error;
+};
+
 struct RunSummary {
   int64_t steps = 0;
   double seconds = 0;
-  double final_train_loss = NAN;  // mean over the last log interval
-  double final_val_loss = NAN;
+  // Cross-entropy (nats/token): the last log interval's mean with a finite value; the final
+  // evaluation's.
+  double final_train_ce_loss = NAN;
+  double final_val_ce_loss = NAN;
+  int64_t skipped_steps = 0;  // non-finite steps skipped (nonfinite = "skip"), over the run's life
   double unigram_entropy = NAN;
   double tokens_per_s = NAN;   // median over logged intervals
   double flops_per_token = 0;  // TrainingFlopsPerToken of the model
@@ -130,21 +152,27 @@ class Trainer {
   TransformerLm& model() { return *model_; }
   AdamW& optimizer() { return optimizer_; }
   const Corpus& corpus() const { return corpus_; }
+  // {"files": [...], "bytes": N, "fnv1a64": "..."}: the training and held-out text (recorded in
+  // checkpoints; a resumed run must train on the same text).
+  const std::string& data_identity() const { return data_json_; }
   double unigram_entropy() const { return unigram_entropy_; }
   int threads() const { return threads_; }
   // Steps completed.
   int64_t step() const { return step_; }
 
   // One training step on this rank's rows of the global batch. Returns its metrics
-  // (tokens_per_s and step_time_s of this step; no val_loss).
+  // (tokens_per_s and step_time_s of this step; no val_loss). A non-finite global loss or
+  // gradient norm (or, with the MoE layer's check_finite, a non-finite MoE input) is detected
+  // before the update on every rank alike: nonfinite = "stop" (and check_finite always) throws
+  // NonFiniteError naming the step; "skip" returns skipped_steps = 1 without applying the update.
   StepMetrics Step();
   // Mean cross-entropy over the held-out windows (NaN when the held-out text is too short).
   double Evaluate();
 
   // State for a checkpoint / restore from one. Snapshot's tensors share storage with the live
   // parameters and optimizer state: save them before the next Step. Restore checks that the
-  // checkpoint's model, seed and batch size match this trainer's config (InvalidArgument naming
-  // the key).
+  // checkpoint's model, seed, batch size (ResumeMustMatchKeys) and data (DataIdentityJson:
+  // size and checksum) match this trainer's (InvalidArgument listing every difference).
   CheckpointData Snapshot();
   void Restore(const CheckpointData& data);
 
@@ -153,11 +181,22 @@ class Trainer {
 
   // The whole run: trains from the current step (or from options.resume) to config.steps,
   // writing the run directory, and prints the progress and a final summary to options.out.
-  // A fresh run refuses a run directory that already has checkpoints (InvalidArgument).
+  // The writer owns the run directory for the run (run_dir.h: marker and lock; a directory that
+  // is not a run's, or is owned by a live run, is refused). A fresh run refuses a run directory
+  // that already has checkpoints (InvalidArgument). A run resumed from its own checkpoint sets
+  // the checkpoints of later steps aside (SetAsideCheckpointsAfter) and never prunes the
+  // resumed one. Failures after step >= 1: the last completed step is saved as a checkpoint
+  // before the error is rethrown (its message then names the checkpoint) when the state is
+  // known on every rank (one rank; a non-finite step; a failure of the writer's files); an error
+  // inside a collective on some ranks only ends the run with the last periodic checkpoint.
   RunSummary Run(const RunOptions& options = {});
 
  private:
+  // The end of a run on the writer: sample.txt, summary.json and the final lines.
+  void WriteRunEnd(const RunSummary& summary, bool moe) const;
+
   TrainConfig config_;
+  std::FILE* run_out_ = stdout;  // Run's output stream
   TrainHooks default_hooks_;
   TrainHooks* hooks_;
   int threads_ = 1;
@@ -165,6 +204,8 @@ class Trainer {
   double unigram_entropy_ = NAN;
   std::unique_ptr<BatchSampler> sampler_;
   std::vector<Batch> eval_batches_;
+  std::string data_json_;
+  bool check_finite_ = false;  // the MoE layers' check_finite
   std::unique_ptr<TransformerLm> model_;
   AdamW optimizer_;
   LrSchedule schedule_;
