@@ -86,6 +86,7 @@ void AgreeOnConfig(Communicator& comm, std::string_view what, const ConfigEntrie
   std::vector<int64_t> sizes(static_cast<size_t>(n));
   comm.AllGather(&my_words, sizes.data(), 1, DType::kInt64).Wait();
   const int64_t most = *std::max_element(sizes.begin(), sizes.end());
+  if (most == 0) return;  // no rank has settings to compare
   mine.resize(static_cast<size_t>(most), 0);
   std::vector<int64_t> all(static_cast<size_t>(most) * static_cast<size_t>(n));
   comm.AllGather(mine.data(), all.data(), static_cast<size_t>(most), DType::kInt64).Wait();

@@ -451,8 +451,8 @@ LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerP
     mpi_world = comm::CreateMpiWorld();
     if (o.parallel.mesh.world_size == 0) o.parallel.mesh.world_size = mpi_world->size();
     SY_REQUIRE(mpi_world->size() == o.parallel.mesh.world_size, InvalidArgument,
-               "--ranks {} but mpirun started {} processes (one rank per process); start {} or "
-               "leave --ranks out to use the {} started",
+               "--ranks {} but mpirun started {} processes (one rank per process); start {} "
+               "processes or pass --ranks {}",
                o.parallel.mesh.world_size, mpi_world->size(), o.parallel.mesh.world_size,
                mpi_world->size());
     // Every process must run the same layer on the same tensors (comm/agree.h).
