@@ -23,8 +23,9 @@ using ConfigEntries = std::vector<std::pair<std::string, std::string>>;
 // Collective over `comm` (one all-gather of the entries, with the communicator's deadline).
 // Returns if every rank passed the same entries. Otherwise throws InvalidArgument on every rank,
 // naming each differing key with its values and the ranks holding each value, e.g.
-//   train: the ranks were started with different settings (every rank must get the same): 'lr':
-//   0.001 on rank 0, 0.002 on rank 1; 'steps': 10 on rank 0, 20 on rank 1
+//   train: the ranks of group 'world' were started with different settings (every rank must get
+//   the same flags, config file and input files); 2 keys differ: 'lr': 0.001 on rank 0, 0.002
+//   on rank 1; 'steps': 10 on ranks 0, 2, 20 on rank 1
 // (a key missing on a rank shows as "(not set)"); on every rank but 0 the failure is recorded as
 // reported by a peer (mpi.h), so rank 0's copy is the one printed. `what` names the program part.
 void AgreeOnConfig(Communicator& comm, std::string_view what, const ConfigEntries& entries);
