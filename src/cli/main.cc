@@ -75,6 +75,7 @@ constexpr auto kPeerReportGrace = std::chrono::seconds(3);
 // ...and a rank other than 0 waits this long before reporting its own error: an error that every
 // rank finds alike (a bad flag given to all of them) is then printed once, by rank 0.
 constexpr auto kNonZeroRankDelay = std::chrono::seconds(1);
+constexpr auto kForwardOutput = std::chrono::milliseconds(200);
 
 // Prints the error once and returns the exit code. In a multi-process MPI job it ends every
 // process of the job instead: a rank that merely returned would hang in MPI_Finalize while its
@@ -99,6 +100,9 @@ int Fail(int exit_code, const char* what) {
   }
   std::fflush(stdout);
   std::fflush(stderr);
+  // mpirun forwards a rank's output asynchronously: a moment for this line to come out ahead of
+  // OpenMPI's own abort notice.
+  std::this_thread::sleep_for(kForwardOutput);
   comm::AbortMpiJob(exit_code);
 }
 
