@@ -531,7 +531,7 @@ void AddParallelBenchOptions(CLI::App& app, BenchParallelOptions* o) {
                "with a schedule: skip the plain path (D 1, no smart schedule, no shadows)");
   app.add_option("--hot-expert-bias", o->hot_expert_bias,
                  "skewed gate: add this to expert 0's choice score (e.g. 0.1; 0: off)")
-      ->check(CLI::Range(0.0, 1e6));
+      ->check(FiniteIn(0, 1e6));
   app.add_option("--trace", o->trace_path,
                  "write the last round's timeline as a Chrome trace-event JSON file");
   app.add_option("--emulate-ranks-per-node", o->emulate_per_node,

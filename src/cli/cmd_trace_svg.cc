@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/flags.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/train/svg.h"
@@ -188,7 +189,7 @@ SY_REGISTER_COMMAND(Command{
           ->type_name("PATH");
       app.add_option("SVG", o->positional_out, "the SVG file, as a positional argument (= --out)")
           ->type_name("PATH");
-      app.add_option("--width", o->width, "picture width in pixels")->check(CLI::Range(200, 20000));
+      app.add_option("--width", o->width, "picture width in pixels")->check(FiniteIn(200, 20000));
       app.add_option("--category", o->category, "forward | backward | sync | all")
           ->check(CLI::IsMember({"forward", "backward", "sync", "all"}));
       app.add_option("--title", o->title, "title line (default: the file and category)");

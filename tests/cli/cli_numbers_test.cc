@@ -101,6 +101,18 @@ TEST(CliEmulation, BadLinkParametersExitTwoNamingTheDeadline) {
                    {"--intra-gbps", "-3"});
 }
 
+TEST(CliFloats, NanAndInfinityAreRefusedWhereRangesWereChecked) {
+  // CLI::Range lets nan through (every comparison with nan is false).
+  ExpectUsageError(RunSwitchyard("bench layer-parallel --hot-expert-bias nan --ranks 2 --tokens 8 "
+                                 "--model-dim 8 --hidden-dim 8 --experts 2 --repeat 1"),
+                   {"--hot-expert-bias", "nan"});
+  ExpectUsageError(RunSwitchyard("bench layer-parallel --capacity-factor inf --ranks 2 --tokens 8 "
+                                 "--model-dim 8 --hidden-dim 8 --experts 2 --repeat 1"),
+                   {"--capacity-factor", "inf"});
+  ExpectUsageError(RunSwitchyard("trace-svg --width nan --trace t.json --out t.svg"),
+                   {"--width", "nan"});
+}
+
 TEST(CliBenchOutput, SizeZeroPrintsNoNanAndNullsInJson) {
   CliResult r = BenchComm("--op allreduce --sizes 0,4K");
   ASSERT_EQ(r.exit_code, 0) << r.err;
