@@ -432,6 +432,9 @@ int RunBenchComm(const BenchCommOptions& o) {
     SY_REQUIRE(comm::RunningUnderMpi(), InvalidArgument,
                "--transport mpi: not started by an MPI launcher; run e.g. "
                "scripts/mpirun.sh -np 4 switchyard bench comm --transport mpi ...");
+    // Sizes and memory checked before MPI starts (one rank per process; the rounding to W
+    // blocks, known once the world exists, adds less than W elements).
+    RequireBenchMemory(o, PlanSizes(o, 1), 1, 0);
     {
       auto world = comm::CreateMpiWorld({.timeout = comm::Milliseconds(o.timeout_ms)});
       const SizePlan plan = PlanSizes(o, world->size());
