@@ -5,6 +5,7 @@
 #include <map>
 
 #include "cli/command.h"
+#include "cli/flags.h"
 #include "switchyard/core/error.h"
 #include "switchyard/version.h"
 
@@ -23,6 +24,7 @@ const std::vector<Command>& RegisteredCommands() { return MutableCommands(); }
 namespace {
 
 int Main(int argc, char** argv) {
+  NormalizeFlagSpellings(argc, argv);  // --batch_size -> --batch-size (flags.h)
   CLI::App app{"switchyard: distributed Mixture-of-Experts training", "switchyard"};
   app.set_version_flag("--version", std::string("switchyard ") + kVersion);
   app.require_subcommand(1);

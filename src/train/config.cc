@@ -8,6 +8,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <type_traits>
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
@@ -213,10 +214,17 @@ std::vector<ConfigKey> TrainConfigKeys() {
   };
   std::vector<ConfigKey> keys;
   TrainConfig c;
-  VisitFields(c, [&](const char* key, auto&) {
+  VisitFields(c, [&](const char* key, auto& field) {
     auto it = kHelp.find(key);
     SY_CHECK(it != kHelp.end(), "no help for config key '{}'", key);
-    keys.push_back({key, it->second});
+    using T = std::decay_t<decltype(field)>;
+    const std::string k = key;
+    const char* type = std::is_same_v<T, bool>                                ? "BOOL"
+                       : std::is_integral_v<T>                                ? "INT"
+                       : std::is_floating_point_v<T>                          ? "FLOAT"
+                       : k == "data" || k == "out" || k == "moe_layer_config" ? "PATH"
+                                                                              : "NAME";
+    keys.push_back({key, it->second, type});
   });
   return keys;
 }
