@@ -12,6 +12,7 @@
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
+#include "switchyard/core/json.h"
 
 namespace switchyard::train {
 
@@ -296,8 +297,9 @@ CheckpointData LoadCheckpoint(const std::string& path) {
   if (!fs::exists(dir + "/" + kStateFile, ec)) throw fail("state.json is missing");
   json state;
   try {
-    state = json::parse(ReadTextFile(dir + "/" + kStateFile));
-  } catch (const json::exception& e) {
+    state =
+        ParseJsonStrict(ReadTextFile(dir + "/" + kStateFile), kStateFile, JsonErrorKind::kIoError);
+  } catch (const std::exception& e) {
     throw fail(fmt::format("state.json is malformed: {}", e.what()));
   }
   CheckpointData data;

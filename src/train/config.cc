@@ -9,6 +9,7 @@
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
+#include "switchyard/core/json.h"
 
 namespace switchyard::train {
 
@@ -134,7 +135,7 @@ std::string TrainConfigToJson(const TrainConfig& config) {
 TrainConfig TrainConfigFromJson(std::string_view json_text, const TrainConfig& base) {
   json j;
   try {
-    j = json::parse(json_text);
+    j = ParseJsonStrict(json_text, "config");
   } catch (const json::exception& e) {
     throw InvalidArgument(fmt::format("config: not valid JSON: {}", e.what()));
   }
@@ -223,7 +224,7 @@ moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
   json j = json::object();
   if (!c.moe_layer_config.empty()) {
     try {
-      j = json::parse(ReadTextFile(c.moe_layer_config));
+      j = ParseJsonStrict(ReadTextFile(c.moe_layer_config), c.moe_layer_config);
     } catch (const json::exception& e) {
       throw InvalidArgument(fmt::format("{}: not valid JSON: {}", c.moe_layer_config, e.what()));
     }
