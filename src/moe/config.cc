@@ -145,7 +145,7 @@ const std::map<std::string, Setter, std::less<>>& Setters() {
       {"normalize_gate", [](LayerConfig& c, auto k, const Json& v) { c.normalize_gate = GetBool(k, v); }},
       {"noise", [](LayerConfig& c, auto k, const Json& v) { c.noise = GetEnum(k, v, kNoiseKinds); }},
       {"noise_std", [](LayerConfig& c, auto k, const Json& v) { c.noise_std = GetFloat(k, v, 0); }},
-      {"jitter_eps", [](LayerConfig& c, auto k, const Json& v) { c.jitter_eps = GetFloat(k, v, 0, 1); if (c.jitter_eps >= 1) BadValue(k, "a number in [0, 1)", v); }},
+      {"jitter_eps", [](LayerConfig& c, auto k, const Json& v) { c.jitter_eps = GetFloat(k, v); }},  // [0, 1): ValidateConfig
       {"random_routing", [](LayerConfig& c, auto k, const Json& v) { c.random_routing = GetBool(k, v); }},
       {"expert_bias", [](LayerConfig& c, auto k, const Json& v) { c.expert_bias = GetBool(k, v); }},
       {"expert_bias_update_rate", [](LayerConfig& c, auto k, const Json& v) { c.expert_bias_update_rate = GetFloat(k, v, 0); }},

@@ -359,7 +359,7 @@ TEST_F(CliLayerTest, NumericKeysAreRangeChecked) {
       {base + R"(, "z_loss_coef": -1)", "key 'z_loss_coef': expected a finite number >= 0"},
       {base + R"(, "noise_std": -1)", "key 'noise_std': expected a finite number >= 0"},
       {base + R"(, "expert_bias_update_rate": -1e-3)", "key 'expert_bias_update_rate'"},
-      {base + R"(, "jitter_eps": 1)", "key 'jitter_eps': expected a number in [0, 1)"},
+      {base + R"(, "jitter_eps": 1)", "jitter_eps: expected a number in [0, 1), got 1"},
       {base + R"(, "min_capacity": -1)", "key 'min_capacity': expected an integer in [0, "},
       {base + R"(, "alignment": 0)", "key 'alignment': expected an integer in [1, "},
       {base + R"(, "capacity": 3000000000)", "key 'capacity': expected an integer in [0, "},
