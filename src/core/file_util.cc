@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 
 #include "switchyard/core/error.h"
 
@@ -70,10 +71,13 @@ std::string_view KindOf(mode_t mode) {
   return "not a regular file";
 }
 
-// The limit RLIMIT_FSIZE puts on the size of a file this process writes; 0 when there is none.
+// The limit RLIMIT_FSIZE puts on the size of a file this process writes (`ulimit -f 0` is a limit
+// of 0 bytes); the largest uint64 when there is none.
 uint64_t FileSizeLimit() {
   struct rlimit r {};
-  if (::getrlimit(RLIMIT_FSIZE, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return 0;
+  if (::getrlimit(RLIMIT_FSIZE, &r) != 0 || r.rlim_cur == RLIM_INFINITY) {
+    return std::numeric_limits<uint64_t>::max();
+  }
   return static_cast<uint64_t>(r.rlim_cur);
 }
 
@@ -165,7 +169,7 @@ void AtomicFileWriter::Append(std::span<const std::byte> bytes) {
              "cannot write '{}': the writer was already committed or failed", path_);
   // Refused before writing past a file size limit: write() would raise SIGXFSZ, which kills a
   // process that does not ignore it.
-  if (uint64_t limit = FileSizeLimit(); limit > 0 && size_ + bytes.size() > limit) {
+  if (size_ + bytes.size() > FileSizeLimit()) {
     Abort();
     ThrowFileSizeLimit(path_, size_ + bytes.size());
   }
