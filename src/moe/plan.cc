@@ -78,20 +78,28 @@ int64_t ComputeCapacity(const LayerConfig& c, int64_t num_tokens, int64_t max_lo
   return RoundUp(cap, c.alignment);
 }
 
+namespace {
+
+// Bytes of `rows` expert-buffer rows: input and output rows of M floats, two hidden rows of H
+// (three when gated), and the plan's row_tokens / row_pairs (int32 each).
+void RequireRowsMemory(const LayerConfig& c, int64_t rows, const std::string& what) {
+  const int64_t per_row =
+      CheckedMul(2 * c.model_dim + (c.gated ? 3 : 2) * c.hidden_dim, 4, "bytes per expert row") + 8;
+  const int64_t bytes = CheckedMul(rows, per_row, "expert buffer bytes");
+  RequireMemory(static_cast<uint64_t>(bytes), what);
+}
+
+}  // namespace
+
 void RequireExpertBufferMemory(const LayerConfig& c, int64_t num_experts, int64_t capacity) {
   const int64_t rows = CheckedMul(num_experts, capacity, "num_experts x capacity");
   SY_REQUIRE(rows < std::numeric_limits<int32_t>::max(), InvalidArgument,
              "num_experts * capacity = {} x {} exceeds the int32 index range", num_experts,
              capacity);
-  // Per row: input and output rows of M floats, two hidden rows of H (three when gated), and the
-  // plan's row_tokens / row_pairs (int32 each).
-  const int64_t per_row =
-      CheckedMul(2 * c.model_dim + (c.gated ? 3 : 2) * c.hidden_dim, 4, "bytes per expert row") + 8;
-  const int64_t bytes = CheckedMul(rows, per_row, "expert buffer bytes");
-  RequireMemory(static_cast<uint64_t>(bytes),
-                fmt::format("the expert buffers (num_experts {} x capacity {} rows of model_dim "
-                            "{} and hidden_dim {})",
-                            num_experts, capacity, c.model_dim, c.hidden_dim));
+  RequireRowsMemory(c, rows,
+                    fmt::format("the expert buffer (num_experts {} x capacity {} rows of model_dim "
+                                "{} and hidden_dim {})",
+                                num_experts, capacity, c.model_dim, c.hidden_dim));
 }
 
 DispatchPlan MakeDispatchPlan(const LayerConfig& c, const GateResult& gate,
@@ -155,6 +163,10 @@ DispatchPlan MakeDispatchPlan(const LayerConfig& c, const GateResult& gate,
   // 4. Capacity and drops.
   if (c.dropless) {
     p.capacity = max_load;
+    RequireRowsMemory(c, load_begin.back(),
+                      fmt::format("the dropless expert buffer ({} routed rows of model_dim {} and "
+                                  "hidden_dim {})",
+                                  load_begin.back(), c.model_dim, c.hidden_dim));
   } else {
     p.capacity = ComputeCapacity(c, t_num, options.global_max_load.value_or(max_load));
   }

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "switchyard/core/file_util.h"
+#include "switchyard/core/limits.h"
 #include "switchyard/core/safetensors.h"
 #include "switchyard/moe/config.h"
 #include "switchyard/moe/layer.h"
@@ -312,12 +313,23 @@ TEST_F(CliLayerTest, CapacityThatCannotBeAnIntegerIsAnError) {
 }
 
 TEST_F(CliLayerTest, SizesThatCannotFitAreRefusedUpFront) {
+  // The issue's case: capacity 1e8 with 8 tokens and 4 experts needs 50.7 GiB (checked when this
+  // machine has less available), and one that no machine has (16 x 1.3e8 rows: 263 GiB).
   LayerConfig c = LayerConfigFromJson(kConfig);
+  if (AvailableMemoryBytes() < (uint64_t{50} << 30)) {
+    RunResult r =
+        Run(R"({"model_dim": 6, "hidden_dim": 10, "num_experts": 4, "capacity": 100000000})",
+            Inputs(c, 8));
+    EXPECT_ONE_LINE_ERROR(r, 2, "the expert buffer (num_experts 4 x capacity 100000000 rows");
+    EXPECT_NE(r.err.find("needs 50.7 GiB of memory but only"), std::string::npos) << r.err;
+  }
+  LayerConfig c16 = c;
+  c16.num_experts = 16;
   RunResult r =
-      Run(R"({"model_dim": 6, "hidden_dim": 10, "num_experts": 4, "capacity": 100000000})",
-          Inputs(c, 8));
-  EXPECT_ONE_LINE_ERROR(r, 2, "the expert buffers (num_experts 4 x capacity 100000000 rows");
-  EXPECT_NE(r.err.find("GiB of memory but only"), std::string::npos) << r.err;
+      Run(R"({"model_dim": 6, "hidden_dim": 10, "num_experts": 16, "capacity": 130000000})",
+          Inputs(c16, 8));
+  EXPECT_ONE_LINE_ERROR(r, 2, "the expert buffer (num_experts 16 x capacity 130000000 rows");
+  EXPECT_NE(r.err.find("needs 263.5 GiB of memory but only"), std::string::npos) << r.err;
   r = Run(R"({"model_dim": 6, "hidden_dim": 10, "num_experts": 4, "capacity": 2000000000})",
           Inputs(c, 8));
   EXPECT_ONE_LINE_ERROR(r, 2, "exceeds the int32 index range");

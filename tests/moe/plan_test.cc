@@ -88,6 +88,24 @@ TEST(Capacity, FactorsThatOverflowAreErrors) {
   }
 }
 
+TEST(Capacity, ExpertBuffersThatCannotFitAreRefused) {
+  LayerConfig c = Config(4, 2);
+  c.model_dim = 6;
+  c.hidden_dim = 10;
+  EXPECT_NO_THROW(RequireExpertBufferMemory(c, 4, 1000));
+  try {
+    RequireExpertBufferMemory(c, 16, 130000000);  // 2.08e9 rows x 136 bytes: 263.5 GiB
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("the expert buffer (num_experts 16 x capacity 130000000 "
+                                         "rows of model_dim 6 and hidden_dim 10) needs 263.5 GiB"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(RequireExpertBufferMemory(c, 4, 1000000000), InvalidArgument);  // int32 rows
+  EXPECT_THROW(RequireExpertBufferMemory(c, int64_t{1} << 40, int64_t{1} << 40), InvalidArgument);
+}
+
 TEST(Capacity, DeepSpeedFormulaInFloat32) {
   LayerConfig c = Config(3, 2);
   c.capacity_formula = CapacityFormula::kDeepSpeed;

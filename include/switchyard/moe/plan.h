@@ -33,7 +33,7 @@ int64_t ComputeCapacity(const LayerConfig& config, int64_t num_tokens, int64_t m
 // per-row indices — do not fit in the memory available (core/limits.h RequireMemory). The
 // message names E, C, M, H and the bytes needed, so a layer.json `capacity` of 1e8 is refused up
 // front instead of being found by the kernel's OOM killer. Also refuses rows above the int32 index
-// range.
+// range. (MakeDispatchPlan calls it; in dropless mode it checks the routed rows the same way.)
 void RequireExpertBufferMemory(const LayerConfig& config, int64_t num_experts, int64_t capacity);
 
 struct PlanOptions {
