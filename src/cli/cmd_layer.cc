@@ -139,6 +139,9 @@ int RunLayer(const LayerOptions& o) {
       {{"--tensors", o.tensors_path}, {"--config", o.config_path}, {"--trace", o.trace_path}});
   RequireDistinctOutput({"--trace", o.trace_path},
                         {{"--tensors", o.tensors_path}, {"--config", o.config_path}});
+  // And are writable kinds of path (not a directory, FIFO or device), before any work is done.
+  CheckOutputPath(o.out_path);
+  if (!o.trace_path.empty()) CheckOutputPath(o.trace_path);
   moe::LayerConfig config;
   try {
     config = moe::LayerConfigFromJson(ReadTextFile(o.config_path));

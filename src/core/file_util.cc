@@ -103,37 +103,53 @@ class FileCloser {
   int fd_;
 };
 
-}  // namespace
-
-AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
-  SY_REQUIRE(!path_.empty(), IoError, "cannot write a file with an empty path");
-  SY_REQUIRE(path_.back() != '/', IoError, "cannot write '{}': the path names a directory", path_);
-  target_ = FollowLinks(path_);
+// The checks of an output path (file_util.h, "What an output path may name"): returns the path of
+// the file to create or replace (symbolic links followed) and whether it exists (then `existing`
+// holds its stat), or throws IoError.
+std::string ResolveOutputPath(const std::string& path, struct stat* existing, bool* exists) {
+  SY_REQUIRE(!path.empty(), IoError, "cannot write a file with an empty path");
+  SY_REQUIRE(path.back() != '/', IoError, "cannot write '{}': the path names a directory", path);
+  std::string target = FollowLinks(path);
   const std::string via =
-      target_ == path_ ? "" : fmt::format(" (the target of the symbolic link, '{}')", target_);
-  struct stat existing {};
-  bool exists = ::stat(target_.c_str(), &existing) == 0;
-  if (exists && S_ISDIR(existing.st_mode)) {
-    throw IoError(fmt::format("cannot write '{}': a directory is in the way{}", path_, via));
+      target == path ? "" : fmt::format(" (the target of the symbolic link, '{}')", target);
+  *exists = ::stat(target.c_str(), existing) == 0;
+  if (*exists && S_ISDIR(existing->st_mode)) {
+    throw IoError(fmt::format("cannot write '{}': a directory is in the way{}", path, via));
   }
-  if (exists && !S_ISREG(existing.st_mode)) {
+  if (*exists && !S_ISREG(existing->st_mode)) {
     throw IoError(
         fmt::format("cannot write '{}': it is {}{}; switchyard writes only regular files, so "
                     "nothing was written (give the path of a file)",
-                    path_, KindOf(existing.st_mode), via));
+                    path, KindOf(existing->st_mode), via));
   }
-  std::string dir = DirName(target_);
-  std::string base = BaseName(target_);
-  if (!exists) {
+  if (!*exists) {
+    const std::string dir = DirName(target);
     struct stat dir_st {};
     if (::stat(dir.c_str(), &dir_st) != 0) {
       int err = errno;
-      throw IoError(fmt::format("cannot write '{}': its directory '{}' cannot be used: {}", path_,
+      throw IoError(fmt::format("cannot write '{}': its directory '{}' cannot be used: {}", path,
                                 dir, SystemError(err)));
     }
-    SY_REQUIRE(S_ISDIR(dir_st.st_mode), IoError, "cannot write '{}': '{}' is not a directory",
-               path_, dir);
+    SY_REQUIRE(S_ISDIR(dir_st.st_mode), IoError, "cannot write '{}': '{}' is not a directory", path,
+               dir);
   }
+  return target;
+}
+
+}  // namespace
+
+void CheckOutputPath(const std::string& path) {
+  struct stat existing {};
+  bool exists = false;
+  ResolveOutputPath(path, &existing, &exists);
+}
+
+AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
+  struct stat existing {};
+  bool exists = false;
+  target_ = ResolveOutputPath(path_, &existing, &exists);
+  const std::string dir = DirName(target_);
+  const std::string base = BaseName(target_);
   static std::atomic<uint64_t> counter{0};
   for (int attempt = 0; attempt < 100; ++attempt) {
     temp_path_ = fmt::format("{}/.{}.tmp.{}.{}", dir, base, ::getpid(), counter.fetch_add(1));

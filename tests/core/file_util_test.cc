@@ -224,6 +224,12 @@ TEST(FileUtil, SpecialFilesAreRefusedAndLeftAlone) {
   EXPECT_NE(msg.find("cannot write '" + fifo + "': it is a FIFO (named pipe)"), std::string::npos)
       << msg;
   EXPECT_TRUE(std::filesystem::is_fifo(fifo));
+  // CheckOutputPath says the same without writing anything.
+  msg = IoErrorOf([&] { CheckOutputPath(fifo); });
+  EXPECT_NE(msg.find("it is a FIFO (named pipe)"), std::string::npos) << msg;
+  EXPECT_NO_THROW(CheckOutputPath(dir.File("new.bin")));
+  EXPECT_THROW(CheckOutputPath(dir.File("no/new.bin")), IoError);
+  EXPECT_THROW(CheckOutputPath(dir.path()), IoError);
   // Through a symbolic link too; the message names the target.
   std::filesystem::create_symlink("pipe", dir.File("to_pipe"));
   msg = IoErrorOf([&] { WriteTextFileAtomic(dir.File("to_pipe"), "x"); });

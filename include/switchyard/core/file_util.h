@@ -46,6 +46,12 @@ std::vector<std::byte> ReadFileBytes(const std::string& path);
 // The whole contents of a regular file as text (no decoding).
 std::string ReadTextFile(const std::string& path);
 
+// Throws the IoError an atomic write to `path` would throw for the kind of path it is (a
+// directory, FIFO, device or socket, also behind symbolic links; a missing or non-directory
+// parent), without creating anything: lets a command refuse a bad output path before it does its
+// work rather than after.
+void CheckOutputPath(const std::string& path);
+
 // A path given for an output or an input, with the name the user knows it by (a flag such as
 // "--out", or "layer.json"), for messages.
 struct NamedPath {
