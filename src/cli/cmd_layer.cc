@@ -140,8 +140,12 @@ int RunLayer(const LayerOptions& o) {
   RequireDistinctOutput({"--trace", o.trace_path},
                         {{"--tensors", o.tensors_path}, {"--config", o.config_path}});
   // And are writable kinds of path (not a directory, FIFO or device), before any work is done.
-  CheckOutputPath(o.out_path);
-  if (!o.trace_path.empty()) CheckOutputPath(o.trace_path);
+  // Under MPI only rank 0 writes, perhaps on another file system than this rank: it checks when
+  // it writes.
+  if (ResolvedTransport(o) != "mpi") {
+    CheckOutputPath(o.out_path);
+    if (!o.trace_path.empty()) CheckOutputPath(o.trace_path);
+  }
   moe::LayerConfig config;
   try {
     config = moe::LayerConfigFromJson(ReadTextFile(o.config_path));
