@@ -78,6 +78,7 @@ std::string_view ColourOf(const std::string& name) {
 }
 
 int RunTraceSvg(const TraceSvgOptions& o) {
+  RequireDistinctOutput({"output", o.out_path}, {{"input", o.in_path}});
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(ReadTextFile(o.in_path));

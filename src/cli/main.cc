@@ -1,5 +1,6 @@
 // `switchyard`: the command-line tool. Subcommands register themselves (see command.h).
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <exception>
 #include <map>
@@ -66,6 +67,7 @@ int Main(int argc, char** argv) {
 }  // namespace switchyard::cli
 
 int main(int argc, char** argv) {
+  std::signal(SIGXFSZ, SIG_IGN);  // a file size limit fails the write (an error), not the process
   try {
     return switchyard::cli::Main(argc, argv);
   } catch (const switchyard::InvalidArgument& e) {
