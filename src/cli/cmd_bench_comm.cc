@@ -16,11 +16,14 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/flags.h"
+#include "cli/parse_numbers.h"
 #include "cli/timing.h"
 #include "switchyard/comm/agree.h"
 #include "switchyard/comm/communicator.h"
@@ -28,6 +31,7 @@
 #include "switchyard/comm/mpi.h"
 #include "switchyard/core/dtype.h"
 #include "switchyard/core/error.h"
+#include "switchyard/core/limits.h"
 
 namespace switchyard::cli {
 namespace {
@@ -54,25 +58,6 @@ struct BenchCommOptions {
   int64_t timeout_ms = 120000;
 };
 
-// "64K" -> 65536; suffixes K, M, G (powers of 1024).
-size_t ParseSize(const std::string& text) {
-  size_t end = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &end);
-  } catch (const std::exception&) {
-    throw InvalidArgument(fmt::format("--sizes: cannot read '{}' as a size (e.g. 4K, 16M)", text));
-  }
-  std::string suffix = text.substr(end);
-  double scale = 1;
-  if (suffix == "K" || suffix == "k") scale = 1024.0;
-  if (suffix == "M" || suffix == "m") scale = 1024.0 * 1024;
-  if (suffix == "G" || suffix == "g") scale = 1024.0 * 1024 * 1024;
-  SY_REQUIRE(suffix.empty() || scale > 1, InvalidArgument,
-             "--sizes: unknown suffix '{}' in '{}' (K, M or G)", suffix, text);
-  return static_cast<size_t>(value * scale);
-}
-
 std::vector<std::string> SplitList(const std::string& text, char sep) {
   std::vector<std::string> parts;
   size_t start = 0;
@@ -85,23 +70,55 @@ std::vector<std::string> SplitList(const std::string& text, char sep) {
   return parts;
 }
 
-// "1K,64K,1M" (a list) or "1K:64M" (x4 steps) or "1K:64M:2" (x2 steps).
-std::vector<size_t> ParseSizes(const std::string& text) {
-  std::vector<size_t> sizes;
-  if (text.find(':') != std::string::npos) {
-    std::vector<std::string> p = SplitList(text, ':');
-    SY_REQUIRE(p.size() == 2 || p.size() == 3, InvalidArgument,
-               "--sizes: a range is FROM:TO or FROM:TO:FACTOR, got '{}'", text);
-    size_t from = ParseSize(p[0]), to = ParseSize(p[1]);
-    size_t factor = p.size() == 3 ? ParseSize(p[2]) : 4;
-    SY_REQUIRE(from >= 1 && factor >= 2 && from <= to, InvalidArgument,
-               "--sizes: range '{}' needs 1 <= FROM <= TO and FACTOR >= 2", text);
-    for (size_t s = from; s <= to; s *= factor) sizes.push_back(s);
-  } else {
-    for (const std::string& s : SplitList(text, ',')) sizes.push_back(ParseSize(s));
+bool IsBlockCollective(CollectiveKind kind) {
+  return kind == CollectiveKind::kAllToAll || kind == CollectiveKind::kAllToAllV ||
+         kind == CollectiveKind::kAllGather || kind == CollectiveKind::kReduceScatter ||
+         kind == CollectiveKind::kScatter || kind == CollectiveKind::kGather;
+}
+
+// The sizes to run on W ranks: --sizes (parse_numbers.h's grammar), each rounded UP to a
+// multiple of the unit a collective moves (one element; for the block collectives one element
+// per rank, W elements), duplicates after rounding dropped.
+struct SizePlan {
+  std::vector<uint64_t> bytes;
+  uint64_t unit = 1;
+  bool rounded = false;
+};
+SizePlan PlanSizes(const BenchCommOptions& o, int w) {
+  const CollectiveKind kind = comm::CollectiveFromName(o.op);
+  SizePlan plan;
+  plan.unit = DTypeSize(DTypeFromName(o.dtype)) *
+              (IsBlockCollective(kind) ? static_cast<uint64_t>(w) : uint64_t{1});
+  for (uint64_t requested : ParseSizeList(o.sizes, "--sizes")) {
+    const uint64_t b = RoundUpToMultiple(requested, plan.unit, "--sizes");
+    plan.rounded = plan.rounded || b != requested;
+    if (std::find(plan.bytes.begin(), plan.bytes.end(), b) == plan.bytes.end()) {
+      plan.bytes.push_back(b);
+    }
   }
-  SY_REQUIRE(!sizes.empty(), InvalidArgument, "--sizes: no sizes in '{}'", text);
-  return sizes;
+  return plan;
+}
+
+// What the largest size needs in this process, refused up front when it cannot fit
+// (RequireMemory): per rank the input and output buffers, up to two buffers of algorithm scratch
+// (the hierarchical all-to-all's, kept by the thread between sizes) and, for a bfloat16
+// reduction, float32 copies of input and output (twice the bytes each); in-process, the memcpy
+// limit's two buffers on each of the first min(W, cores) ranks.
+void RequireBenchMemory(const BenchCommOptions& o, const SizePlan& plan, int ranks_in_process,
+                        int copiers) {
+  const uint64_t largest = *std::max_element(plan.bytes.begin(), plan.bytes.end());
+  const bool bf16_reduction = DTypeFromName(o.dtype) == DType::kBFloat16;
+  const int64_t per_rank =
+      CheckedMul(static_cast<int64_t>(largest), bf16_reduction ? 8 : 4, "bench comm buffers");
+  int64_t total = CheckedMul(per_rank, ranks_in_process, "bench comm buffers");
+  total += CheckedMul(static_cast<int64_t>(largest) + 8192, 2 * int64_t{copiers},
+                      "bench comm memcpy buffers");
+  RequireMemory(
+      static_cast<uint64_t>(total),
+      fmt::format("bench comm --sizes: the largest size, {} per rank x {} rank(s) in "
+                  "this process (input, output, algorithm scratch{}{})",
+                  FormatBytes(largest), ranks_in_process, bf16_reduction ? ", float32 copies" : "",
+                  copiers > 0 ? ", memcpy limit buffers" : ""));
 }
 
 // nccl-tests' bus bandwidth factor (SPEC §3).
@@ -127,9 +144,7 @@ class Job {
   Job(Communicator& comm, CollectiveKind kind, size_t bytes, DType dtype, comm::ReduceOp op)
       : comm_(comm), kind_(kind), dtype_(dtype), op_(op) {
     const size_t w = static_cast<size_t>(comm.size()), es = DTypeSize(dtype);
-    bool blocks = kind == CollectiveKind::kAllToAll || kind == CollectiveKind::kAllToAllV ||
-                  kind == CollectiveKind::kAllGather || kind == CollectiveKind::kReduceScatter ||
-                  kind == CollectiveKind::kScatter || kind == CollectiveKind::kGather;
+    const bool blocks = IsBlockCollective(kind);
     count_ = blocks ? bytes / es / w : bytes / es;  // elements per block or per message
     size_t total = blocks ? count_ * w : count_;
     in_ = Tensor::Full({static_cast<int64_t>(total)}, comm.rank() + 1.0, dtype);
@@ -137,7 +152,8 @@ class Job {
     counts_.assign(w, static_cast<int64_t>(count_));
   }
 
-  // nccl-tests' size of what is actually moved (rounded down to whole elements and blocks).
+  // nccl-tests' size of what is moved (= `bytes`: PlanSizes rounded it to whole elements and
+  // blocks).
   size_t actual_bytes() const { return in_.nbytes(); }
 
   comm::Work Start(Algorithm algorithm) {
@@ -229,11 +245,31 @@ double MaxOverRanks(Communicator& comm, double seconds) {
 struct Row {
   size_t bytes = 0;
   std::string algorithm;
-  double time_s = 0, algbw = 0, busbw = 0;
+  double time_s = 0;
+  std::optional<double> algbw, busbw;  // GB/s; none when not meaningful (size 0)
   std::string check;
 };
 
-void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
+// Copiers of the memcpy limit: the first min(W, cores) ranks.
+int MemcpyCopiers(int w) {
+  return std::min(w, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+}
+
+// num / den when both are finite, den > 0 and num >= 0; else nothing: a figure that would be
+// nan, inf or negative is not printed ("-" in the table, null in --json).
+std::optional<double> Ratio(double num, double den) {
+  if (!std::isfinite(num) || !std::isfinite(den) || den <= 0 || num < 0) return std::nullopt;
+  const double r = num / den;
+  return std::isfinite(r) ? std::optional<double>(r) : std::nullopt;
+}
+std::string Cell(std::optional<double> v, int width = 10) {
+  return v ? fmt::format("{:>{}.2f}", *v, width) : fmt::format("{:>{}}", "-", width);
+}
+nlohmann::json JsonOf(std::optional<double> v) {
+  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+}
+
+void RunBench(Communicator& comm, const BenchCommOptions& o, const SizePlan& plan, bool print) {
   const CollectiveKind kind = comm::CollectiveFromName(o.op);
   const DType dtype = DTypeFromName(o.dtype);
   const comm::ReduceOp reduce_op = comm::ReduceOpFromName(o.reduce_op);
@@ -244,6 +280,7 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
   const bool inprocess = comm.transport_kind() == "inprocess";
   const int w = comm.size();
   const double factor = BusFactor(kind, w);
+  const bool has_zero = std::find(plan.bytes.begin(), plan.bytes.end(), 0) != plan.bytes.end();
 
   if (print && !o.json) {
     fmt::print(
@@ -259,6 +296,14 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
         inprocess ? "; memcpy = one thread copying the same size, interleaved with the "
                     "collectives; memcpy*T = T = min(W, cores) ranks copying it at once (aggregate)"
                   : "");
+    if (plan.rounded) {
+      fmt::print("# sizes rounded up to a multiple of {} bytes ({} {}{})\n", plan.unit,
+                 IsBlockCollective(kind) ? fmt::format("{} ranks x", w) : std::string("one"),
+                 o.dtype, IsBlockCollective(kind) ? " element each" : " element");
+    }
+    if (has_zero) {
+      fmt::print("# -: not meaningful (size 0 moves no bytes: no bandwidth, no ratio)\n");
+    }
     std::string header = fmt::format("{:>12} {:>11} {:>22} {:>11} {:>10} {:>10}", "size(B)",
                                      "count", "algorithm", "time(us)", "algbw", "busbw");
     if (inprocess)
@@ -267,7 +312,7 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
     fmt::print("{}\n", header);
   }
 
-  for (size_t bytes : ParseSizes(o.sizes)) {
+  for (uint64_t bytes : plan.bytes) {
     Job job(comm, kind, bytes, dtype, reduce_op);
     const size_t actual = job.actual_bytes();
     std::vector<std::vector<double>> times(algos.size());
@@ -279,8 +324,7 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
     // heap blocks can be), and the limit should be the best a copy can do.
     // Also the limit for W ranks sharing the machine: the first T = min(W, cores) ranks copying
     // `actual` bytes each at the same time (aggregate bytes / slowest copy).
-    const int copiers =
-        std::min(w, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+    const int copiers = MemcpyCopiers(w);
     std::vector<double> concurrent_times;
     std::vector<std::byte> copy_src, copy_dst;
     std::byte *src = nullptr, *dst = nullptr;
@@ -321,8 +365,9 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
       row.bytes = actual;
       row.algorithm = std::string(comm::AlgorithmName(algos[a]));
       row.time_s = SummarizeTimes(times[a]).median_s;
-      row.algbw = static_cast<double>(actual) / row.time_s / 1e9;
-      row.busbw = row.algbw * factor;
+      row.algbw = Ratio(static_cast<double>(actual), row.time_s * 1e9);
+      if (actual == 0) row.algbw.reset();  // nothing moved: no bandwidth
+      if (row.algbw) row.busbw = *row.algbw * factor;
       job.Start(algos[a]).Wait();
       row.check = job.Check();
       rows.push_back(row);
@@ -331,15 +376,18 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
     int32_t bad = 0;
     for (const Row& row : rows) bad += row.check.empty() ? 0 : 1;
     comm.AllReduce(&bad, &bad, 1, DType::kInt32).Wait();
-    double memcpy_gbps = 0, concurrent_gbps = 0;
-    if (!memcpy_times.empty()) {
-      memcpy_gbps = static_cast<double>(actual) / SummarizeTimes(memcpy_times).median_s / 1e9;
-      concurrent_gbps =
-          static_cast<double>(actual) * copiers / SummarizeTimes(concurrent_times).median_s / 1e9;
+    std::optional<double> memcpy_gbps, concurrent_gbps;
+    if (!memcpy_times.empty() && actual > 0) {
+      memcpy_gbps = Ratio(static_cast<double>(actual), SummarizeTimes(memcpy_times).median_s * 1e9);
+      concurrent_gbps = Ratio(static_cast<double>(actual) * copiers,
+                              SummarizeTimes(concurrent_times).median_s * 1e9);
     }
     if (!print) continue;
-    const double mpi_busbw = compare ? rows.back().busbw : 0;
+    const std::optional<double> mpi_busbw = compare ? rows.back().busbw : std::nullopt;
     for (const Row& row : rows) {
+      auto over = [](std::optional<double> a, std::optional<double> b) {
+        return a && b ? Ratio(*a, *b) : std::nullopt;
+      };
       if (o.json) {
         nlohmann::json j = {{"op", o.op},
                             {"ranks", w},
@@ -348,26 +396,27 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, bool print) {
                             {"dtype", o.dtype},
                             {"bytes", row.bytes},
                             {"time_us", row.time_s * 1e6},
-                            {"algbw_gbps", row.algbw},
-                            {"busbw_gbps", row.busbw},
+                            {"algbw_gbps", JsonOf(row.algbw)},
+                            {"busbw_gbps", JsonOf(row.busbw)},
                             {"emulated", o.emulate},
                             {"check", bad == 0 ? "ok" : "FAILED"}};
         if (inprocess) {
-          j["memcpy_gbps"] = memcpy_gbps;
-          j["busbw_over_memcpy"] = row.busbw / memcpy_gbps;
+          j["memcpy_gbps"] = JsonOf(memcpy_gbps);
+          j["busbw_over_memcpy"] = JsonOf(over(row.busbw, memcpy_gbps));
           j["memcpy_concurrent_threads"] = copiers;
-          j["memcpy_concurrent_gbps"] = concurrent_gbps;
+          j["memcpy_concurrent_gbps"] = JsonOf(concurrent_gbps);
         }
-        if (compare) j["busbw_over_mpi"] = row.busbw / mpi_busbw;
+        if (compare) j["busbw_over_mpi"] = JsonOf(over(row.busbw, mpi_busbw));
         fmt::print("{}\n", j.dump());
       } else {
-        std::string line = fmt::format("{:>12} {:>11} {:>22} {:>11.1f} {:>10.2f} {:>10.2f}",
-                                       row.bytes, row.bytes / DTypeSize(dtype), row.algorithm,
-                                       row.time_s * 1e6, row.algbw, row.busbw);
-        if (inprocess)
-          line += fmt::format(" {:>10.2f} {:>10.2f} {:>10.2f}", memcpy_gbps,
-                              row.busbw / memcpy_gbps, concurrent_gbps);
-        if (compare) line += fmt::format(" {:>10.2f}", row.busbw / mpi_busbw);
+        std::string line = fmt::format("{:>12} {:>11} {:>22} {:>11.1f} {} {}", row.bytes,
+                                       row.bytes / DTypeSize(dtype), row.algorithm,
+                                       row.time_s * 1e6, Cell(row.algbw), Cell(row.busbw));
+        if (inprocess) {
+          line += fmt::format(" {} {} {}", Cell(memcpy_gbps), Cell(over(row.busbw, memcpy_gbps)),
+                              Cell(concurrent_gbps));
+        }
+        if (compare) line += " " + Cell(over(row.busbw, mpi_busbw));
         fmt::print("{}{}\n", line, bad == 0 ? "" : "  CHECK FAILED");
       }
     }
@@ -384,6 +433,9 @@ int RunBenchComm(const BenchCommOptions& o) {
     SY_REQUIRE(comm::RunningUnderMpi(), InvalidArgument,
                "--transport mpi: not started by an MPI launcher; run e.g. "
                "scripts/mpirun.sh -np 4 switchyard bench comm --transport mpi ...");
+    // Sizes and memory checked before MPI starts (one rank per process; the rounding to W
+    // blocks, known once the world exists, adds less than W elements).
+    RequireBenchMemory(o, PlanSizes(o, 1), 1, 0);
     {
       auto world = comm::CreateMpiWorld({.timeout = comm::Milliseconds(o.timeout_ms)});
       comm::AgreeOnConfig(*world, "bench comm",
@@ -397,7 +449,9 @@ int RunBenchComm(const BenchCommOptions& o) {
                            {"warmup", std::to_string(o.warmup)},
                            {"ranks-per-node", std::to_string(o.ranks_per_node)},
                            {"timeout-ms", std::to_string(o.timeout_ms)}});
-      RunBench(*world, o, world->rank() == 0);
+      const SizePlan plan = PlanSizes(o, world->size());
+      RequireBenchMemory(o, plan, 1, 0);
+      RunBench(*world, o, plan, world->rank() == 0);
     }
     comm::FinalizeMpi();
     return 0;
@@ -409,12 +463,16 @@ int RunBenchComm(const BenchCommOptions& o) {
   comm::InProcessOptions options;
   options.timeout = comm::Milliseconds(o.timeout_ms);
   options.ranks_per_node = o.ranks_per_node;
+  const SizePlan plan = PlanSizes(o, o.ranks);
   if (o.emulate) {
     options.emulation = comm::EmulationOptions{{o.intra_latency_us, o.intra_gbps},
                                                {o.inter_latency_us, o.inter_gbps}};
+    RequireEmulationFitsDeadline(*options.emulation, options.timeout, "--timeout-ms",
+                                 *std::max_element(plan.bytes.begin(), plan.bytes.end()));
   }
+  RequireBenchMemory(o, plan, o.ranks, MemcpyCopiers(o.ranks));
   comm::RunInProcess(
-      o.ranks, [&](Communicator& c) { RunBench(c, o, c.rank() == 0); }, options);
+      o.ranks, [&](Communicator& c) { RunBench(c, o, plan, c.rank() == 0); }, options);
   return 0;
 }
 
@@ -433,7 +491,10 @@ SY_REGISTER_COMMAND(Command{
                      "algorithm(s), comma-separated: auto, ring, tree, pairwise, linear, "
                      "hierarchical, scatter_allgather, reduce_scatter_gather, native");
       app.add_option("--sizes", o->sizes,
-                     "bytes per rank: list 1K,64K,1M or range FROM:TO[:FACTOR] (x4 default)");
+                     "bytes per rank: list 1K,64K,1M or range FROM:TO[:FACTOR] (x4 default); "
+                     "suffixes K M G T P = powers of 1024; each rounded up to whole elements "
+                     "(x W for block collectives)")
+          ->type_name("SIZES");
       app.add_option("--dtype", o->dtype, "float32, bfloat16, int32, int64");
       app.add_option("--reduce-op", o->reduce_op, "sum, max, min");
       app.add_option("--compare", o->compare,
@@ -447,10 +508,8 @@ SY_REGISTER_COMMAND(Command{
           ->check(CLI::Range(0, 1024));
       app.add_flag("--emulate", o->emulate,
                    "in-process: charge every message the alpha-beta cost of its link");
-      app.add_option("--intra-latency-us", o->intra_latency_us, "emulated intra-node latency");
-      app.add_option("--intra-gbps", o->intra_gbps, "emulated intra-node GB/s (0 = unlimited)");
-      app.add_option("--inter-latency-us", o->inter_latency_us, "emulated inter-node latency");
-      app.add_option("--inter-gbps", o->inter_gbps, "emulated inter-node GB/s (0 = unlimited)");
+      AddEmulationLinkOptions(app, &o->intra_latency_us, &o->intra_gbps, &o->inter_latency_us,
+                              &o->inter_gbps);
       app.add_option("--timeout-ms", o->timeout_ms, "deadline of every collective")
           ->check(CLI::Range(int64_t{1}, int64_t{86400000}));
       return [o] { return RunBenchComm(*o); };

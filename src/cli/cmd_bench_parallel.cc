@@ -10,16 +10,20 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "cli/bench_parallel.h"
 #include "cli/command.h"
+#include "cli/flags.h"
 #include "cli/timing.h"
 #include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
+#include "switchyard/core/limits.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
@@ -40,6 +44,30 @@ Tensor RandomTensor(Shape shape, uint64_t seed) {
 }
 
 double Median(std::vector<double> v) { return SummarizeTimes(std::move(v)).median_s; }
+
+// A figure is printed only when it means something: the median of what was measured when
+// anything was (a fraction of a time that was 0 was never recorded), finite. Otherwise "-" in
+// the text and null in --json (docs/cli.md).
+std::optional<double> MedianIfAny(const std::vector<double>& v) {
+  if (v.empty()) return std::nullopt;
+  const double m = Median(v);
+  return std::isfinite(m) ? std::optional<double>(m) : std::nullopt;
+}
+std::optional<double> Quotient(double num, double den) {
+  if (!(den > 0) || !std::isfinite(num) || !std::isfinite(den)) return std::nullopt;
+  const double q = num / den;
+  return std::isfinite(q) ? std::optional<double>(q) : std::nullopt;
+}
+nlohmann::json JsonOf(std::optional<double> v) {
+  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+}
+// "42%" or "-".
+std::string Percent(std::optional<double> fraction) {
+  return fraction ? fmt::format("{:.0f}%", 100 * *fraction) : std::string("-");
+}
+std::string Fixed2(std::optional<double> v) {
+  return v ? fmt::format("{:.2f}", *v) : std::string("-");
+}
 
 // Token all-to-alls of one run, averaged over the ranks (forward + backward of the last step):
 // time blocked in them and time they ran.
@@ -67,6 +95,33 @@ void AppendSteps(const parallel::LayerRunResult& run, std::vector<double>* steps
     for (const parallel::RankReport& r : run.ranks) worst = std::max(worst, r.step_seconds[rep]);
     steps->push_back(worst);
   }
+}
+
+// An estimate of the peak bytes this process holds (an upper bound within a small factor; it
+// exists to refuse what cannot fit before allocating, not to account exactly), in float32:
+//   batch: x and dy of the global batch, and the single-rank reference's output, dx and
+//     activations (T x M each, 6 of them);
+//   routed rows R = T x k x max(1, cf) (dropless: T x k): dispatched, expert output and their
+//     gradients (R x M, 4) and the expert hidden activations with their gradients (R x H, 3; 4
+//     gated);
+//   parameters P (E (M H (2|3) + H + M)): weights, gradients and a copy, on every in-process
+//     rank (an upper bound: ranks hold 1/ep of them).
+// The parallel run holds the same activations split over its ranks, so they count twice.
+uint64_t EstimateBenchBytes(const BenchParallelOptions& o, const moe::LayerConfig& c,
+                            int64_t t_global, const parallel::Mesh& mesh,
+                            parallel::Transport transport) {
+  (void)mesh;
+  const double t = static_cast<double>(t_global), m = static_cast<double>(c.model_dim),
+               h = static_cast<double>(c.hidden_dim), e = static_cast<double>(c.num_experts);
+  const double k = static_cast<double>(moe::EffectiveTopK(c));
+  const double rows =
+      t * k * (c.dropless ? 1.0 : std::max(1.0, std::fabs(static_cast<double>(c.capacity_factor))));
+  const double params = e * (m * h * (c.gated ? 3.0 : 2.0) + h + m);
+  const double ranks = transport == parallel::Transport::kMpi ? 1.0 : static_cast<double>(o.ranks);
+  const double floats =
+      2 * (6 * t * m + 4 * rows * m + (c.gated ? 4.0 : 3.0) * rows * h) + 3 * params * ranks;
+  const double bytes = floats * 4;
+  return bytes >= 0x1p62 ? uint64_t{1} << 62 : static_cast<uint64_t>(bytes);
 }
 
 }  // namespace
@@ -109,10 +164,15 @@ int RunBenchParallel(const BenchParallelOptions& o) {
     d.inprocess.ranks_per_node = o.emulate_per_node;
     d.inprocess.emulation = comm::EmulationOptions{{o.intra_latency_us, o.intra_gbps},
                                                    {o.inter_latency_us, o.inter_gbps}};
+    RequireEmulationFitsDeadline(*d.inprocess.emulation, d.inprocess.timeout, "", 0);
   }
   const parallel::Mesh mesh(p.mesh, config.num_experts, config.hidden_dim);
   const int64_t t_global = o.global_tokens > 0 ? o.global_tokens : o.tokens * mesh.data_shards();
 
+  RequireMemory(EstimateBenchBytes(o, config, t_global, mesh, d.transport),
+                fmt::format("bench layer-parallel: {} tokens x model_dim {} on {} rank(s) ({} "
+                            "experts of hidden_dim {}), estimated peak",
+                            t_global, o.model_dim, o.ranks, o.experts, o.hidden_dim));
   moe::LayerParams params = moe::InitParams(config, 1);
   if (config.expert_bias) {
     // A skewed gate: expert 0's choice score is raised by the bias (gate values unchanged).
@@ -172,7 +232,7 @@ int RunBenchParallel(const BenchParallelOptions& o) {
     const TokenComm tc = TokenCommOf(last);
     blocked.push_back(tc.blocked);
     busy.push_back(tc.busy);
-    hidden.push_back(tc.busy > 0 ? 1.0 - tc.blocked / tc.busy : 0.0);
+    if (tc.busy > 0) hidden.push_back(1.0 - tc.blocked / tc.busy);
     if (compare) {
       AppendSteps(base, &plain_steps);
       const TokenComm pc = TokenCommOf(base);
@@ -223,7 +283,7 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   if (!o.trace_path.empty()) tracer.WriteJson(o.trace_path);
 
   const TimingStats st = SummarizeTimes(steps);
-  const double tokens_per_s = static_cast<double>(t_global) / st.median_s;
+  const std::optional<double> tokens_per_s = Quotient(static_cast<double>(t_global), st.median_s);
   const double single_s = single.empty() ? 0 : Median(single);
   const double bytes_per_float = 4;
   // Per rank: the last step's traffic (forward + backward + sync).
@@ -256,8 +316,12 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   const double predicted_bytes = last.predicted_volume * bytes_per_float;
   const int group = mesh.expert_group_size();
   const TimingStats plain_st = SummarizeTimes(plain_steps);
-  const double hidden_median = hidden.empty() ? 0 : Median(hidden);
-  const double saved_median = saved_of_plain.empty() ? 0 : Median(saved_of_plain);
+  const std::optional<double> hidden_median = MedianIfAny(hidden);
+  const std::optional<double> saved_median = MedianIfAny(saved_of_plain);
+  const std::optional<double> hidden_of_cost_median = MedianIfAny(hidden_of_cost);
+  const std::optional<double> removed_of_skew_median = MedianIfAny(removed_of_skew);
+  const std::optional<double> speedup =
+      compare ? Quotient(plain_st.median_s, st.median_s) : std::nullopt;
   const std::string shadowed =
       last.shadowed.empty() ? "none" : fmt::format("{}", fmt::join(last.shadowed, ","));
   nlohmann::json schedule = {
@@ -268,24 +332,24 @@ int RunBenchParallel(const BenchParallelOptions& o) {
       {"hot_expert_bias", o.hot_expert_bias},
       {"token_comm_busy_ms", (busy.empty() ? 0 : Median(busy)) * 1e3},
       {"token_comm_blocked_ms", (blocked.empty() ? 0 : Median(blocked)) * 1e3},
-      {"hidden_fraction", hidden_median},
+      {"hidden_fraction", JsonOf(hidden_median)},
       {"cost_model",
        {{"link_gbps", last.cost_model.link_gbps},
         {"link_latency_us", last.cost_model.link_latency_us},
         {"gemm_gflops", last.cost_model.gemm_gflops}}}};
   if (with_free) {
     schedule["free_links_step_median_ms"] = SummarizeTimes(free_steps).median_s * 1e3;
-    schedule["hidden_of_comm_cost"] = hidden_of_cost.empty() ? 0 : Median(hidden_of_cost);
+    schedule["hidden_of_comm_cost"] = JsonOf(hidden_of_cost_median);
   }
   if (with_balanced) {
     schedule["unskewed_plain_step_median_ms"] = SummarizeTimes(balanced_steps).median_s * 1e3;
-    schedule["removed_of_skew_cost"] = removed_of_skew.empty() ? 0 : Median(removed_of_skew);
+    schedule["removed_of_skew_cost"] = JsonOf(removed_of_skew_median);
   }
   if (compare) {
     schedule["plain_step_median_ms"] = plain_st.median_s * 1e3;
-    schedule["speedup_over_plain"] = st.median_s > 0 ? plain_st.median_s / st.median_s : 0;
+    schedule["speedup_over_plain"] = JsonOf(speedup);
     schedule["plain_token_comm_blocked_ms"] = Median(plain_blocked) * 1e3;
-    schedule["saved_of_plain_token_comm"] = saved_median;
+    schedule["saved_of_plain_token_comm"] = JsonOf(saved_median);
   }
   nlohmann::json emulation = nullptr;
   if (o.emulate_per_node > 0) {
@@ -319,10 +383,10 @@ int RunBenchParallel(const BenchParallelOptions& o) {
                         {"wire_capacity", last.buffer_capacity},
                         {"step_median_ms", st.median_s * 1e3},
                         {"step_min_ms", st.min_s * 1e3},
-                        {"tokens_per_s", tokens_per_s},
+                        {"tokens_per_s", JsonOf(tokens_per_s)},
                         {"single_rank_ms", single_s * 1e3},
                         {"single_rank_threads", cores},
-                        {"ratio_to_single_rank", single_s > 0 ? st.median_s / single_s : 0},
+                        {"ratio_to_single_rank", JsonOf(Quotient(st.median_s, single_s))},
                         {"predicted_volume_bytes", predicted_bytes},
                         {"max_rank_bytes", max_bytes},
                         {"max_rank_token_bytes", max_token_bytes},
@@ -347,9 +411,9 @@ int RunBenchParallel(const BenchParallelOptions& o) {
                  : fmt::format("cf {} -> capacity {}, {} rows/expert/source on the wire",
                                o.capacity_factor, last.output.capacity, last.buffer_capacity));
   fmt::print(
-      "  step (fwd+bwd+grad sync): median {:.1f} ms, best {:.1f} ms over {} -> {:.0f} "
-      "tokens/s\n",
-      st.median_s * 1e3, st.min_s * 1e3, st.repeat, tokens_per_s);
+      "  step (fwd+bwd+grad sync): median {:.1f} ms, best {:.1f} ms over {} -> {} tokens/s\n",
+      st.median_s * 1e3, st.min_s * 1e3, st.repeat,
+      tokens_per_s ? fmt::format("{:.0f}", *tokens_per_s) : std::string("-"));
   if (single_s > 0) {
     fmt::print(
         "  limit: single-rank layer, same {} tokens, {} thread(s), interleaved: {:.1f} ms "
@@ -373,35 +437,34 @@ int RunBenchParallel(const BenchParallelOptions& o) {
                                        cm.link_gbps, cm.link_latency_us, cm.gemm_gflops)
                          : std::string());
   fmt::print(
-      "  token all-to-alls (fwd+bwd, mean over ranks): ran {:.1f} ms, blocked {:.1f} ms -> {:.0f}% "
-      "hidden behind compute\n",
+      "  token all-to-alls (fwd+bwd, mean over ranks): ran {:.1f} ms, blocked {:.1f} ms -> {} "
+      "hidden behind compute{}\n",
       (busy.empty() ? 0 : Median(busy)) * 1e3, (blocked.empty() ? 0 : Median(blocked)) * 1e3,
-      100 * hidden_median);
+      Percent(hidden_median), hidden_median ? "" : " (-: no token all-to-all ran)");
   if (compare) {
     fmt::print(
         "  plain path (D 1, no smart schedule, no shadows), interleaved: median {:.1f} ms, token "
-        "all-to-alls blocked {:.1f} ms -> speedup {:.2f}x, step saved = {:.0f}% of the plain "
+        "all-to-alls blocked {:.1f} ms -> speedup {}x, step saved = {} of the plain "
         "path's token communication\n",
-        plain_st.median_s * 1e3, Median(plain_blocked) * 1e3, plain_st.median_s / st.median_s,
-        100 * saved_median);
+        plain_st.median_s * 1e3, Median(plain_blocked) * 1e3, Fixed2(speedup),
+        Percent(saved_median));
   }
   if (with_free) {
     const double f = SummarizeTimes(free_steps).median_s;
     fmt::print(
         "  limit: plain path over free links (no emulated cost), interleaved: median {:.1f} ms -> "
-        "communication costs the plain path {:.1f} ms ({:.2f}x the free step); this schedule "
-        "hides {:.0f}% of it (median over rounds of (plain - this) / (plain - free))\n",
-        f * 1e3, (plain_st.median_s - f) * 1e3, (plain_st.median_s - f) / f,
-        100 * (hidden_of_cost.empty() ? 0 : Median(hidden_of_cost)));
+        "communication costs the plain path {:.1f} ms ({}x the free step); this schedule "
+        "hides {} of it (median over rounds of (plain - this) / (plain - free))\n",
+        f * 1e3, (plain_st.median_s - f) * 1e3, Fixed2(Quotient(plain_st.median_s - f, f)),
+        Percent(hidden_of_cost_median));
   }
   if (with_balanced) {
     const double b = SummarizeTimes(balanced_steps).median_s;
     fmt::print(
         "  limit: plain path with the gate not skewed, interleaved: median {:.1f} ms -> the skew "
-        "costs the plain path {:.1f} ms; shadowing removes {:.0f}% of it (median over rounds of "
+        "costs the plain path {:.1f} ms; shadowing removes {} of it (median over rounds of "
         "(plain - this) / (plain - unskewed))\n",
-        b * 1e3, (plain_st.median_s - b) * 1e3,
-        100 * (removed_of_skew.empty() ? 0 : Median(removed_of_skew)));
+        b * 1e3, (plain_st.median_s - b) * 1e3, Percent(removed_of_skew_median));
   }
   fmt::print(
       "  per rank (last step): tokens  step ms  comm ms  compute ms  a2a ran  a2a blocked  MB "
@@ -468,16 +531,14 @@ void AddParallelBenchOptions(CLI::App& app, BenchParallelOptions* o) {
                "with a schedule: skip the plain path (D 1, no smart schedule, no shadows)");
   app.add_option("--hot-expert-bias", o->hot_expert_bias,
                  "skewed gate: add this to expert 0's choice score (e.g. 0.1; 0: off)")
-      ->check(CLI::Range(0.0, 1e6));
+      ->check(FiniteIn(0, 1e6));
   app.add_option("--trace", o->trace_path,
                  "write the last round's timeline as a Chrome trace-event JSON file");
   app.add_option("--emulate-ranks-per-node", o->emulate_per_node,
                  "in-process: emulate nodes of this many ranks (alpha-beta link costs)")
       ->check(CLI::Range(0, 4096));
-  app.add_option("--intra-gbps", o->intra_gbps, "emulated intra-node bandwidth, GB/s");
-  app.add_option("--intra-latency-us", o->intra_latency_us, "emulated intra-node latency");
-  app.add_option("--inter-gbps", o->inter_gbps, "emulated inter-node bandwidth, GB/s");
-  app.add_option("--inter-latency-us", o->inter_latency_us, "emulated inter-node latency");
+  AddEmulationLinkOptions(app, &o->intra_latency_us, &o->intra_gbps, &o->inter_latency_us,
+                          &o->inter_gbps);
 }
 
 namespace {
@@ -494,7 +555,8 @@ SY_REGISTER_COMMAND(Command{
       app.add_option("--hidden-dim", o->hidden_dim, "H")->check(range);
       app.add_option("--experts", o->experts, "E")->check(range);
       app.add_option("--top-k", o->top_k, "k")->check(range);
-      app.add_option("--capacity-factor", o->capacity_factor, "cf (0: no drops)");
+      app.add_option("--capacity-factor", o->capacity_factor, "cf (0: no drops)")
+          ->check(FiniteIn(-1e6, 1e6));
       app.add_flag("--dropless", o->dropless, "dropless mode");
       app.add_option("--activation", o->activation, "relu, gelu or silu");
       app.add_flag("--gated", o->gated, "gated experts");

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -114,7 +115,38 @@ Tensor VectorI64(const std::vector<int64_t>& v) {
   return Tensor::FromVector(v, {static_cast<int64_t>(v.size())});
 }
 
+// Every name in the tensors file must be one the layer reads: a misspelt 'dY' would otherwise be
+// ignored and the run would silently compute no gradients.
+void RequireKnownTensors(const LayerOptions& o, const moe::LayerConfig& config,
+                         const TensorMap& in) {
+  std::vector<std::string> expected{"x", "dy"};
+  for (const auto& [name, shape] : moe::ParamShapes(config)) expected.push_back(name);
+  std::vector<std::string> unknown;
+  for (const auto& [name, t] : in) {
+    if (std::find(expected.begin(), expected.end(), name) == expected.end()) {
+      unknown.push_back(fmt::format("'{}'", name));
+    }
+  }
+  SY_REQUIRE(unknown.empty(), InvalidArgument,
+             "{}: unknown tensor{} {}: this layer config reads only {} (dy is optional)",
+             o.tensors_path, unknown.size() > 1 ? "s" : "", fmt::join(unknown, ", "),
+             fmt::join(expected, ", "));
+}
+
 int RunLayer(const LayerOptions& o) {
+  // Outputs never overwrite inputs (nor each other), whatever spelling names the same file.
+  RequireDistinctOutput(
+      {"--out", o.out_path},
+      {{"--tensors", o.tensors_path}, {"--config", o.config_path}, {"--trace", o.trace_path}});
+  RequireDistinctOutput({"--trace", o.trace_path},
+                        {{"--tensors", o.tensors_path}, {"--config", o.config_path}});
+  // And are writable kinds of path (not a directory, FIFO or device), before any work is done.
+  // Under MPI only rank 0 writes, perhaps on another file system than this rank: it checks when
+  // it writes.
+  if (ResolvedTransport(o) != "mpi") {
+    CheckOutputPath(o.out_path);
+    if (!o.trace_path.empty()) CheckOutputPath(o.trace_path);
+  }
   moe::LayerConfig config;
   try {
     config = moe::LayerConfigFromJson(ReadTextFile(o.config_path));
@@ -125,6 +157,7 @@ int RunLayer(const LayerOptions& o) {
     throw InvalidArgument(fmt::format("{}: {}", o.config_path, msg));
   }
   TensorMap in = ReadSafetensors(o.tensors_path);
+  RequireKnownTensors(o, config, in);
   auto x_it = in.find("x");
   SY_REQUIRE(x_it != in.end(), InvalidArgument,
              "{}: missing tensor 'x' (expected [num_tokens, {}] float32 or bfloat16)",

@@ -11,9 +11,12 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/flags.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/train/svg.h"
@@ -27,7 +30,33 @@ struct TraceSvgOptions {
   double width = 1400;
   std::string category = "all";  // forward | backward | sync | all
   std::string title;
+  std::string positional_in, positional_out;  // `trace-svg TRACE SVG`
 };
+
+// The positional form fills what the flags left empty (with --trace given, a lone positional is
+// the output); both forms naming different files, or neither naming one, is an error.
+void ResolvePositionals(TraceSvgOptions& o) {
+  // `--trace T.json OUT.svg`: the one positional is the output.
+  if (!o.in_path.empty() && o.out_path.empty() && !o.positional_in.empty() &&
+      o.positional_out.empty()) {
+    std::swap(o.positional_in, o.positional_out);
+  }
+  for (auto [flag, value, positional] : {std::tuple<const char*, std::string*, const std::string*>{
+                                             "--trace", &o.in_path, &o.positional_in},
+                                         std::tuple<const char*, std::string*, const std::string*>{
+                                             "--out", &o.out_path, &o.positional_out}}) {
+    if (value->empty()) {
+      *value = *positional;
+    } else {
+      SY_REQUIRE(positional->empty() || *positional == *value, InvalidArgument,
+                 "trace-svg: {} {} and the positional argument '{}' name different files; give "
+                 "one of them",
+                 flag, *value, *positional);
+    }
+    SY_REQUIRE(!value->empty(), InvalidArgument,
+               "trace-svg: {} PATH is required (or the older form: trace-svg TRACE SVG)", flag);
+  }
+}
 
 struct Box {
   int tid = 0;
@@ -49,6 +78,7 @@ std::string_view ColourOf(const std::string& name) {
 }
 
 int RunTraceSvg(const TraceSvgOptions& o) {
+  RequireDistinctOutput({"output", o.out_path}, {{"input", o.in_path}});
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(ReadTextFile(o.in_path));
@@ -153,13 +183,21 @@ SY_REGISTER_COMMAND(Command{
     "", "trace-svg", "Draw a --trace file (Chrome trace-event JSON) as an SVG timeline",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<TraceSvgOptions>();
-      app.add_option("in", o->in_path, "trace JSON written by --trace")->required();
-      app.add_option("out", o->out_path, "SVG file to write")->required();
-      app.add_option("--width", o->width, "picture width in pixels")->check(CLI::Range(200, 20000));
+      // --trace / --out, or the older positional form `trace-svg TRACE SVG`.
+      app.add_option("--trace", o->in_path, "trace JSON written by --trace")->type_name("PATH");
+      app.add_option("--out", o->out_path, "SVG file to write")->type_name("PATH");
+      app.add_option("TRACE", o->positional_in, "the trace, as a positional argument (= --trace)")
+          ->type_name("PATH");
+      app.add_option("SVG", o->positional_out, "the SVG file, as a positional argument (= --out)")
+          ->type_name("PATH");
+      app.add_option("--width", o->width, "picture width in pixels")->check(FiniteIn(200, 20000));
       app.add_option("--category", o->category, "forward | backward | sync | all")
           ->check(CLI::IsMember({"forward", "backward", "sync", "all"}));
       app.add_option("--title", o->title, "title line (default: the file and category)");
-      return [o] { return RunTraceSvg(*o); };
+      return [o] {
+        ResolvePositionals(*o);
+        return RunTraceSvg(*o);
+      };
     }});
 
 }  // namespace

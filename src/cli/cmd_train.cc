@@ -1,7 +1,7 @@
 // `switchyard train`: the main job. With no arguments it trains the embedded default: a 4-block
 // byte-level transformer with an MoE FFN in every other block, on 4 ranks as threads of this
 // process with the experts spread over them (expert parallelism) and the fortunes corpus.
-// Every TrainConfig key is a flag (--ranks 2, --ep 2, --zero_stage 3, --steps 500, ...) and a
+// Every TrainConfig key is a flag (--ranks 2, --ep 2, --zero-stage 3, --steps 500, ...) and a
 // key of the JSON file given with --config; flags override the file. Under mpirun each process
 // is one rank (--transport mpi, or detected). --resume continues a run in its own directory
 // (the one holding the checkpoint's checkpoints/) unless --out says where.
@@ -15,6 +15,7 @@
 #include <string>
 
 #include "cli/command.h"
+#include "cli/flags.h"
 #include "cli/peak_flops.h"
 #include "switchyard/comm/mpi.h"
 #include "switchyard/core/threading.h"
@@ -104,11 +105,8 @@ SY_REGISTER_COMMAND(Command{
       app.add_option("--transport", o->transport,
                      "inproc (ranks as threads) | mpi (ranks as mpirun's processes) | auto");
       app.add_flag("--plain", o->plain, "print progress as plain lines even on a terminal");
-      for (const auto& key : train::TrainConfigKeys()) {
-        app.add_option_function<std::string>(
-            "--" + key.name, [o, name = key.name](const std::string& v) { o->values[name] = v; },
-            key.help);
-      }
+      AddTrainConfigFlags(
+          app, [o](const std::string& key, const std::string& text) { o->values[key] = text; });
       return [o] { return RunTrain(*o); };
     }});
 

@@ -1,8 +1,8 @@
 // `switchyard train-dense`: the trainer of src/train on one rank, without the communication
 // layer (`switchyard train` runs it on several ranks with expert parallelism). Dense by default;
-// --moe_every N puts single-rank MoE layers in every N-th block. Resumes checkpoints of either
+// --moe-every N puts single-rank MoE layers in every N-th block. Resumes checkpoints of either
 // command; --resume continues a run in its own directory unless --out says where.
-// Every TrainConfig key is a flag (--model_dim 128, --steps 500, ...) and a key of the JSON
+// Every TrainConfig key is a flag (--model-dim 128, --steps 500, ...) and a key of the JSON
 // file given with --config; flags override the file.
 #include <fmt/format.h>
 
@@ -12,6 +12,7 @@
 #include <string>
 
 #include "cli/command.h"
+#include "cli/flags.h"
 #include "cli/peak_flops.h"
 #include "switchyard/train/checkpoint.h"
 #include "switchyard/train/trainer.h"
@@ -58,7 +59,7 @@ int RunTrainDense(const TrainDenseOptions& o) {
 
 SY_REGISTER_COMMAND(Command{
     "", "train-dense",
-    "Train the transformer on one rank without communication (dense; MoE with --moe_every)",
+    "Train the transformer on one rank without communication (dense; MoE with --moe-every)",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<TrainDenseOptions>();
       app.add_option("--config", o->config_file, "JSON file whose keys are the flags below");
@@ -66,11 +67,8 @@ SY_REGISTER_COMMAND(Command{
                      "continue from a checkpoint, checkpoints or run directory, in that run's "
                      "directory unless --out is given");
       app.add_flag("--plain", o->plain, "print progress as plain lines even on a terminal");
-      for (const auto& key : train::TrainConfigKeys()) {
-        app.add_option_function<std::string>(
-            "--" + key.name, [o, name = key.name](const std::string& v) { o->values[name] = v; },
-            key.help);
-      }
+      AddTrainConfigFlags(
+          app, [o](const std::string& key, const std::string& text) { o->values[key] = text; });
       return [o] { return RunTrainDense(*o); };
     }});
 

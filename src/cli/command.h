@@ -21,6 +21,11 @@ struct Command {
 };
 
 bool RegisterCommand(Command command);
+// Wraps a command's setup with the flag conventions (flags.h, docs/cli.md): after the command
+// declared its options, every long flag name must be spelled with dashes (InternalError
+// otherwise) and an option whose value is still typed TEXT gets the type its name implies (PATH
+// for files, NAME otherwise). SY_REGISTER_COMMAND applies it to every command.
+Command WithFlagConventions(Command command);
 const std::vector<Command>& RegisteredCommands();
 
 }  // namespace switchyard::cli
@@ -29,4 +34,4 @@ const std::vector<Command>& RegisteredCommands();
 #define SY_CLI_CONCAT(a, b) SY_CLI_CONCAT_INNER(a, b)
 #define SY_REGISTER_COMMAND(...)                                      \
   static const bool SY_CLI_CONCAT(sy_command_registered_, __LINE__) = \
-      ::switchyard::cli::RegisterCommand(__VA_ARGS__)
+      ::switchyard::cli::RegisterCommand(::switchyard::cli::WithFlagConventions(__VA_ARGS__))

@@ -1,12 +1,14 @@
 // `switchyard`: the command-line tool. Subcommands register themselves (see command.h).
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <exception>
 #include <map>
 #include <thread>
 
 #include "cli/command.h"
+#include "cli/flags.h"
 #include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
 #include "switchyard/version.h"
@@ -26,6 +28,7 @@ const std::vector<Command>& RegisteredCommands() { return MutableCommands(); }
 namespace {
 
 int Main(int argc, char** argv) {
+  NormalizeFlagSpellings(argc, argv);  // --batch_size -> --batch-size (flags.h)
   CLI::App app{"switchyard: distributed Mixture-of-Experts training", "switchyard"};
   app.set_version_flag("--version", std::string("switchyard ") + kVersion);
   app.require_subcommand(1);
@@ -111,6 +114,7 @@ int Fail(int exit_code, const char* what) {
 
 int main(int argc, char** argv) {
   using switchyard::cli::Fail;
+  std::signal(SIGXFSZ, SIG_IGN);  // a file size limit fails the write (an error), not the process
   try {
     const int rc = switchyard::cli::Main(argc, argv);
     return rc == 0 ? 0 : Fail(rc, nullptr);

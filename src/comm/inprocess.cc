@@ -1,15 +1,37 @@
 // Running W ranks as threads of this process.
 #include "switchyard/comm/inprocess.h"
 
+#include <cmath>
 #include <exception>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "comm/group_communicator.h"
 #include "comm/inprocess_transport.h"
 #include "switchyard/core/error.h"
 
 namespace switchyard::comm {
+
+void ValidateEmulationOptions(const EmulationOptions& emulation, Milliseconds deadline) {
+  const double deadline_us = static_cast<double>(deadline.count()) * 1e3;
+  for (const auto& [name, link] :
+       {std::pair<const char*, const LinkModel&>{"intra_node", emulation.intra_node},
+        std::pair<const char*, const LinkModel&>{"inter_node", emulation.inter_node}}) {
+    SY_REQUIRE(
+        std::isfinite(link.latency_us) && link.latency_us >= 0 && link.latency_us < deadline_us,
+        InvalidArgument,
+        "emulation.{}.latency_us is {:g} us; expected a finite latency >= 0 and below the "
+        "collective deadline (timeout {} ms)",
+        name, link.latency_us, deadline.count());
+    SY_REQUIRE(std::isfinite(link.bandwidth_gbps) &&
+                   (link.bandwidth_gbps == 0 || link.bandwidth_gbps >= kMinEmulatedGbps),
+               InvalidArgument,
+               "emulation.{}.bandwidth_gbps is {:g}; expected 0 (unlimited) or a finite bandwidth "
+               ">= {:g} GB/s",
+               name, link.bandwidth_gbps, kMinEmulatedGbps);
+  }
+}
 
 std::vector<std::unique_ptr<Communicator>> CreateInProcessWorld(int world_size,
                                                                 const InProcessOptions& options) {

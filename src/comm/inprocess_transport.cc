@@ -576,6 +576,7 @@ InProcessWorld CreateInProcessTransports(int world_size, const InProcessOptions&
                  (options.ranks_per_node == 0 || world_size % options.ranks_per_node == 0),
              InvalidArgument, "ranks_per_node {} must divide the world size {}",
              options.ranks_per_node, world_size);
+  if (options.emulation) ValidateEmulationOptions(*options.emulation, options.timeout);
   InProcessWorld world;
   world.fabric = std::make_shared<Fabric>(world_size, options);
   std::vector<int> members(static_cast<size_t>(world_size));

@@ -1,12 +1,16 @@
 #include "switchyard/core/file_util.h"
 
 #include <fcntl.h>
+#include <limits.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <limits>
 
 #include "switchyard/core/error.h"
 
@@ -37,6 +41,55 @@ void SyncDirectory(const std::string& dir) {
   ::close(fd);
 }
 
+// Follows symbolic links from `path` (a chain of them, also a dangling one) to the path of the
+// file they finally name, which need not exist.
+std::string FollowLinks(const std::string& path) {
+  std::string current = path;
+  for (int hops = 0; hops < 40; ++hops) {
+    struct stat st {};
+    if (::lstat(current.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) return current;
+    std::string target(PATH_MAX, '\0');
+    ssize_t n = ::readlink(current.c_str(), target.data(), target.size());
+    if (n < 0) {
+      int err = errno;
+      throw IoError(fmt::format("cannot write '{}': reading the symbolic link '{}' failed: {}",
+                                path, current, SystemError(err)));
+    }
+    target.resize(static_cast<size_t>(n));
+    current = !target.empty() && target[0] == '/' ? target : DirName(current) + "/" + target;
+  }
+  throw IoError(fmt::format("cannot write '{}': too many levels of symbolic links", path));
+}
+
+std::string_view KindOf(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  return "not a regular file";
+}
+
+// The limit RLIMIT_FSIZE puts on the size of a file this process writes (`ulimit -f 0` is a limit
+// of 0 bytes); the largest uint64 when there is none.
+uint64_t FileSizeLimit() {
+  struct rlimit r {};
+  if (::getrlimit(RLIMIT_FSIZE, &r) != 0 || r.rlim_cur == RLIM_INFINITY) {
+    return std::numeric_limits<uint64_t>::max();
+  }
+  return static_cast<uint64_t>(r.rlim_cur);
+}
+
+[[noreturn]] void ThrowFileSizeLimit(const std::string& path, uint64_t needed) {
+  uint64_t limit = FileSizeLimit();
+  throw IoError(fmt::format(
+      "file size limit reached writing '{}': the file needs at least {} bytes but the limit "
+      "(RLIMIT_FSIZE, ulimit -f) is {} bytes; the temporary file was removed and '{}' is "
+      "unchanged",
+      path, needed, limit, path));
+}
+
 class FileCloser {
  public:
   explicit FileCloser(int fd) : fd_(fd) {}
@@ -50,19 +103,54 @@ class FileCloser {
   int fd_;
 };
 
+// The checks of an output path (file_util.h, "What an output path may name"): returns the path of
+// the file to create or replace (symbolic links followed) and whether it exists (then `existing`
+// holds its stat), or throws IoError.
+std::string ResolveOutputPath(const std::string& path, struct stat* existing, bool* exists) {
+  SY_REQUIRE(!path.empty(), IoError, "cannot write a file with an empty path");
+  SY_REQUIRE(path.back() != '/', IoError, "cannot write '{}': the path names a directory", path);
+  std::string target = FollowLinks(path);
+  const std::string via =
+      target == path ? "" : fmt::format(" (the target of the symbolic link, '{}')", target);
+  *exists = ::stat(target.c_str(), existing) == 0;
+  if (*exists && S_ISDIR(existing->st_mode)) {
+    throw IoError(fmt::format("cannot write '{}': a directory is in the way{}", path, via));
+  }
+  if (*exists && !S_ISREG(existing->st_mode)) {
+    throw IoError(
+        fmt::format("cannot write '{}': it is {}{}; switchyard writes only regular files, so "
+                    "nothing was written (give the path of a file)",
+                    path, KindOf(existing->st_mode), via));
+  }
+  if (!*exists) {
+    const std::string dir = DirName(target);
+    struct stat dir_st {};
+    if (::stat(dir.c_str(), &dir_st) != 0) {
+      int err = errno;
+      throw IoError(fmt::format("cannot write '{}': its directory '{}' cannot be used: {}", path,
+                                dir, SystemError(err)));
+    }
+    SY_REQUIRE(S_ISDIR(dir_st.st_mode), IoError, "cannot write '{}': '{}' is not a directory", path,
+               dir);
+  }
+  return target;
+}
+
 }  // namespace
 
-AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
-  SY_REQUIRE(!path_.empty(), IoError, "cannot write a file with an empty path");
-  SY_REQUIRE(path_.back() != '/', IoError, "cannot write '{}': the path names a directory", path_);
+void CheckOutputPath(const std::string& path) {
   struct stat existing {};
-  bool exists = ::stat(path_.c_str(), &existing) == 0;
-  if (exists && S_ISDIR(existing.st_mode)) {
-    throw IoError(fmt::format("cannot write '{}': a directory is in the way", path_));
-  }
+  bool exists = false;
+  ResolveOutputPath(path, &existing, &exists);
+}
+
+AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
+  struct stat existing {};
+  bool exists = false;
+  target_ = ResolveOutputPath(path_, &existing, &exists);
+  const std::string dir = DirName(target_);
+  const std::string base = BaseName(target_);
   static std::atomic<uint64_t> counter{0};
-  std::string dir = DirName(path_);
-  std::string base = BaseName(path_);
   for (int attempt = 0; attempt < 100; ++attempt) {
     temp_path_ = fmt::format("{}/.{}.tmp.{}.{}", dir, base, ::getpid(), counter.fetch_add(1));
     fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
@@ -74,7 +162,7 @@ AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
                               temp_path_, SystemError(err)));
   }
   // A replaced file keeps its permission bits (best effort: a failure here is not an error).
-  if (exists && S_ISREG(existing.st_mode)) ::fchmod(fd_, existing.st_mode & 07777);
+  if (exists) ::fchmod(fd_, existing.st_mode & 07777);
 }
 
 AtomicFileWriter::~AtomicFileWriter() {
@@ -95,6 +183,12 @@ void AtomicFileWriter::Abort() noexcept {
 void AtomicFileWriter::Append(std::span<const std::byte> bytes) {
   SY_REQUIRE(fd_ >= 0 && !committed_, IoError,
              "cannot write '{}': the writer was already committed or failed", path_);
+  // Refused before writing past a file size limit: write() would raise SIGXFSZ, which kills a
+  // process that does not ignore it.
+  if (size_ + bytes.size() > FileSizeLimit()) {
+    Abort();
+    ThrowFileSizeLimit(path_, size_ + bytes.size());
+  }
   const std::byte* p = bytes.data();
   size_t left = bytes.size();
   while (left > 0) {
@@ -103,6 +197,7 @@ void AtomicFileWriter::Append(std::span<const std::byte> bytes) {
       if (errno == EINTR) continue;
       int err = errno;
       Abort();
+      if (err == EFBIG) ThrowFileSizeLimit(path_, size_ + left);
       throw IoError(fmt::format("cannot write '{}': write failed after {} bytes: {}", path_, size_,
                                 SystemError(err)));
     }
@@ -131,7 +226,7 @@ void AtomicFileWriter::Commit() {
     Abort();
     throw IoError(fmt::format("cannot write '{}': close failed: {}", path_, SystemError(err)));
   }
-  if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
+  if (::rename(temp_path_.c_str(), target_.c_str()) != 0) {
     int err = errno;
     Abort();
     throw IoError(
@@ -140,7 +235,7 @@ void AtomicFileWriter::Commit() {
   }
   temp_path_.clear();
   committed_ = true;
-  SyncDirectory(DirName(path_));
+  SyncDirectory(DirName(target_));
 }
 
 RandomAccessFile::RandomAccessFile(std::string path) : path_(std::move(path)) {
@@ -198,6 +293,29 @@ void WriteTextFileAtomic(const std::string& path, std::string_view text) {
   AtomicFileWriter writer(path);
   writer.Append(text);
   writer.Commit();
+}
+
+void RequireDistinctOutput(const NamedPath& output, std::initializer_list<NamedPath> inputs) {
+  if (output.path.empty()) return;
+  struct stat out {};
+  const bool out_exists = ::stat(output.path.c_str(), &out) == 0;
+  // For paths that do not exist (yet): the same path once "." / ".." and links are resolved.
+  auto canonical = [](const std::string& p) {
+    std::error_code ec;
+    auto c = std::filesystem::weakly_canonical(std::filesystem::absolute(p, ec), ec);
+    return ec ? std::filesystem::path(p).lexically_normal() : c;
+  };
+  for (const NamedPath& in : inputs) {
+    if (in.path.empty()) continue;
+    struct stat st {};
+    const bool in_exists = ::stat(in.path.c_str(), &st) == 0;
+    const bool same = out_exists && in_exists ? st.st_dev == out.st_dev && st.st_ino == out.st_ino
+                                              : canonical(in.path) == canonical(output.path);
+    SY_REQUIRE(!same, InvalidArgument,
+               "{} '{}' names the same file as {} '{}': refusing to overwrite it (give the output "
+               "another path)",
+               output.what, output.path, in.what, in.path);
+  }
 }
 
 std::vector<std::byte> ReadFileBytes(const std::string& path) {

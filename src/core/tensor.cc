@@ -1,8 +1,13 @@
 #include "switchyard/core/tensor.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <new>
+
+#include "switchyard/core/error.h"
+#include "switchyard/core/limits.h"
 
 namespace switchyard {
 namespace {
@@ -27,10 +32,26 @@ void FillTyped(void* p, int64_t n, double value) {
   T v;
   if constexpr (std::is_same_v<T, BFloat16>) {
     v = BFloat16(static_cast<float>(value));
+  } else if constexpr (std::is_integral_v<T>) {
+    // Out of range (or NaN) would be undefined behaviour, in practice an arbitrary integer.
+    v = static_cast<T>(CheckedToInt64(value, "Fill: the value", std::numeric_limits<T>::min(),
+                                      std::numeric_limits<T>::max()));
   } else {
     v = static_cast<T>(value);
   }
   std::fill_n(static_cast<T*>(p), n, v);
+}
+
+// Element i of a conversion to an integer dtype: a value outside T's range or NaN is an error
+// (the plain cast would be undefined behaviour).
+template <typename T>
+T ToInteger(double v, int64_t i) {
+  constexpr auto kLo = static_cast<double>(std::numeric_limits<T>::min());
+  constexpr double kEnd = static_cast<double>(std::numeric_limits<T>::max()) + 1.0;  // 2^31, 2^63
+  if (v >= kLo && v < kEnd) return static_cast<T>(v);
+  return static_cast<T>(
+      CheckedToInt64(v, fmt::format("To({}): element {}", sizeof(T) == 4 ? "int32" : "int64", i),
+                     std::numeric_limits<T>::min(), std::numeric_limits<T>::max()));
 }
 
 double ReadAsDouble(const void* p, DType dtype, int64_t i) {
@@ -173,8 +194,11 @@ Tensor Tensor::To(DType dtype) const {
     switch (dtype) {
       case DType::kFloat32: t.data<float>()[i] = static_cast<float>(v); break;
       case DType::kBFloat16: t.data<BFloat16>()[i] = BFloat16(static_cast<float>(v)); break;
-      case DType::kInt32: t.data<int32_t>()[i] = static_cast<int32_t>(v); break;
-      case DType::kInt64: t.data<int64_t>()[i] = static_cast<int64_t>(v); break;
+      case DType::kInt32: t.data<int32_t>()[i] = ToInteger<int32_t>(v, i); break;
+      case DType::kInt64:
+        t.data<int64_t>()[i] = dtype_ == DType::kInt64 ? static_cast<const int64_t*>(src)[i]
+                                                       : ToInteger<int64_t>(v, i);
+        break;
     }
   }
   return t;

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "switchyard/core/error.h"
+#include "switchyard/core/json.h"
+#include "switchyard/core/limits.h"
 
 namespace switchyard::moe {
 namespace {
@@ -96,11 +98,20 @@ int64_t GetInt(std::string_view key, const Json& v, int64_t lo, int64_t hi) {
   return i;
 }
 
-float GetFloat(std::string_view key, const Json& v) {
-  if (!v.is_number()) BadValue(key, "a number", v);
+// A float32 number in [lo, hi] (finite: JSON has no NaN, and 1e400 parses as infinity).
+float GetFloat(std::string_view key, const Json& v, double lo = -std::numeric_limits<float>::max(),
+               double hi = std::numeric_limits<float>::max()) {
+  auto expected = [&] {
+    if (lo == -std::numeric_limits<float>::max() && hi == std::numeric_limits<float>::max()) {
+      return std::string("a finite float32 number");
+    }
+    if (hi == std::numeric_limits<float>::max()) return fmt::format("a finite number >= {}", lo);
+    return fmt::format("a number in [{}, {}]", lo, hi);
+  };
+  if (!v.is_number()) BadValue(key, expected(), v);
   double d = v.get<double>();
-  if (!std::isfinite(d) || std::abs(d) > std::numeric_limits<float>::max()) {
-    BadValue(key, "a finite float32 number", v);
+  if (!std::isfinite(d) || std::abs(d) > std::numeric_limits<float>::max() || d < lo || d > hi) {
+    BadValue(key, expected(), v);
   }
   return static_cast<float>(d);
 }
@@ -133,11 +144,11 @@ const std::map<std::string, Setter, std::less<>>& Setters() {
       {"score_function", [](LayerConfig& c, auto k, const Json& v) { c.score_function = GetEnum(k, v, kScoreFunctions); }},
       {"normalize_gate", [](LayerConfig& c, auto k, const Json& v) { c.normalize_gate = GetBool(k, v); }},
       {"noise", [](LayerConfig& c, auto k, const Json& v) { c.noise = GetEnum(k, v, kNoiseKinds); }},
-      {"noise_std", [](LayerConfig& c, auto k, const Json& v) { c.noise_std = GetFloat(k, v); }},
-      {"jitter_eps", [](LayerConfig& c, auto k, const Json& v) { c.jitter_eps = GetFloat(k, v); }},
+      {"noise_std", [](LayerConfig& c, auto k, const Json& v) { c.noise_std = GetFloat(k, v, 0); }},
+      {"jitter_eps", [](LayerConfig& c, auto k, const Json& v) { c.jitter_eps = GetFloat(k, v); }},  // [0, 1): ValidateConfig
       {"random_routing", [](LayerConfig& c, auto k, const Json& v) { c.random_routing = GetBool(k, v); }},
       {"expert_bias", [](LayerConfig& c, auto k, const Json& v) { c.expert_bias = GetBool(k, v); }},
-      {"expert_bias_update_rate", [](LayerConfig& c, auto k, const Json& v) { c.expert_bias_update_rate = GetFloat(k, v); }},
+      {"expert_bias_update_rate", [](LayerConfig& c, auto k, const Json& v) { c.expert_bias_update_rate = GetFloat(k, v, 0); }},
       {"training", [](LayerConfig& c, auto k, const Json& v) { c.training = GetBool(k, v); }},
       {"capacity_factor", [](LayerConfig& c, auto k, const Json& v) { c.capacity_factor = GetFloat(k, v); }},
       {"min_capacity", [](LayerConfig& c, auto k, const Json& v) { c.min_capacity = GetInt(k, v, 0, std::numeric_limits<int32_t>::max()); }},
@@ -160,8 +171,8 @@ const std::map<std::string, Setter, std::less<>>& Setters() {
       {"gated", [](LayerConfig& c, auto k, const Json& v) { c.gated = GetBool(k, v); }},
       {"fc_bias", [](LayerConfig& c, auto k, const Json& v) { c.fc_bias = GetBool(k, v); }},
       {"aux_loss", [](LayerConfig& c, auto k, const Json& v) { c.aux_loss = GetEnum(k, v, kAuxLosses); }},
-      {"aux_loss_coef", [](LayerConfig& c, auto k, const Json& v) { c.aux_loss_coef = GetFloat(k, v); }},
-      {"z_loss_coef", [](LayerConfig& c, auto k, const Json& v) { c.z_loss_coef = GetFloat(k, v); }},
+      {"aux_loss_coef", [](LayerConfig& c, auto k, const Json& v) { c.aux_loss_coef = GetFloat(k, v, 0); }},
+      {"z_loss_coef", [](LayerConfig& c, auto k, const Json& v) { c.z_loss_coef = GetFloat(k, v, 0); }},
       {"residual_moe", [](LayerConfig& c, auto k, const Json& v) { c.residual_moe = GetBool(k, v); }},
       {"shared_expert_hidden", [](LayerConfig& c, auto k, const Json& v) { c.shared_expert_hidden = GetInt(k, v, 0, kMaxDim); }},
       {"seed", [](LayerConfig& c, auto k, const Json& v) {
@@ -245,7 +256,21 @@ void ValidateConfig(const LayerConfig& c) {
   require_finite("z_loss_coef", c.z_loss_coef);
   require_finite("noise_std", c.noise_std);
   require_finite("expert_bias_update_rate", c.expert_bias_update_rate);
-  SY_REQUIRE(c.noise_std >= 0, InvalidArgument, "noise_std: expected >= 0, got {}", c.noise_std);
+  auto require_non_negative = [](std::string_view name, float v) {
+    SY_REQUIRE(v >= 0, InvalidArgument, "{}: expected a finite number >= 0, got {}", name, v);
+  };
+  require_non_negative("noise_std", c.noise_std);
+  require_non_negative("aux_loss_coef", c.aux_loss_coef);
+  require_non_negative("z_loss_coef", c.z_loss_coef);
+  require_non_negative("expert_bias_update_rate", c.expert_bias_update_rate);
+  // The weights must be addressable: E x H x M (and the shared expert's H x M) may not overflow.
+  const int64_t expert_params =
+      CheckedMul(CheckedMul(c.num_experts, c.hidden_dim, "num_experts x hidden_dim"), c.model_dim,
+                 "num_experts x hidden_dim x model_dim");
+  SY_REQUIRE(expert_params <= (int64_t{1} << 40), InvalidArgument,
+             "num_experts x hidden_dim x model_dim = {} x {} x {} = {} parameters per expert "
+             "weight: expected at most 2^40",
+             c.num_experts, c.hidden_dim, c.model_dim, expert_params);
   SY_REQUIRE(c.jitter_eps >= 0 && c.jitter_eps < 1, InvalidArgument,
              "jitter_eps: expected a number in [0, 1), got {}", c.jitter_eps);
   if (c.aux_loss == AuxLoss::kImportanceLoad) {
@@ -284,12 +309,7 @@ LayerConfig PresetConfig(std::string_view preset, int64_t top_k) {
 }
 
 LayerConfig LayerConfigFromJson(std::string_view json_text) {
-  Json j;
-  try {
-    j = Json::parse(json_text.begin(), json_text.end());
-  } catch (const Json::exception& e) {
-    throw InvalidArgument(fmt::format("layer.json: invalid JSON: {}", e.what()));
-  }
+  Json j = ParseJsonStrict(json_text, "layer.json");
   SY_REQUIRE(j.is_object(), InvalidArgument, "layer.json: expected a JSON object, got {}",
              JsonTypeName(j));
   std::string preset = "tutel";

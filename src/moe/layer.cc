@@ -5,6 +5,7 @@
 
 #include "moe/parallel_for.h"
 #include "switchyard/core/error.h"
+#include "switchyard/core/limits.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/ops.h"
@@ -55,33 +56,6 @@ Tensor FromFloat32(const Tensor& t, DType dtype, int threads) {
     for (int64_t i = b; i < e; ++i) dst[i] = BFloat16(src[i]);
   });
   return out;
-}
-
-void CheckFinite(std::string_view name, const Tensor& t) {
-  if (!t.defined() || t.numel() == 0) return;
-  auto report = [&](int64_t i, double v) {
-    std::string where;
-    int64_t rest = i;
-    std::vector<int64_t> idx(t.shape().size());
-    for (size_t d = t.shape().size(); d-- > 0;) {
-      idx[d] = rest % t.shape()[d];
-      rest /= t.shape()[d];
-    }
-    throw InvalidArgument(
-        fmt::format("{}: element {} is {} (check_finite is on)", name, ShapeToString(idx), v));
-  };
-  if (t.dtype() == DType::kFloat32) {
-    const float* p = t.data<float>();
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      if (!std::isfinite(p[i])) report(i, p[i]);
-    }
-  } else if (t.dtype() == DType::kBFloat16) {
-    const BFloat16* p = t.data<BFloat16>();
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      float v = static_cast<float>(p[i]);
-      if (!std::isfinite(v)) report(i, v);
-    }
-  }
 }
 
 ExpertOptions OptionsOf(const LayerConfig& c) { return {c.activation, c.gated}; }
@@ -201,6 +175,33 @@ void AddInto(const Tensor& dst, const Tensor& src) {
 
 }  // namespace
 
+void CheckFinite(std::string_view name, const Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return;
+  auto report = [&](int64_t i, double v) {
+    std::string where;
+    int64_t rest = i;
+    std::vector<int64_t> idx(t.shape().size());
+    for (size_t d = t.shape().size(); d-- > 0;) {
+      idx[d] = rest % t.shape()[d];
+      rest /= t.shape()[d];
+    }
+    throw InvalidArgument(
+        fmt::format("{}: element {} is {} (check_finite is on)", name, ShapeToString(idx), v));
+  };
+  if (t.dtype() == DType::kFloat32) {
+    const float* p = t.data<float>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      if (!std::isfinite(p[i])) report(i, p[i]);
+    }
+  } else if (t.dtype() == DType::kBFloat16) {
+    const BFloat16* p = t.data<BFloat16>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      float v = static_cast<float>(p[i]);
+      if (!std::isfinite(v)) report(i, v);
+    }
+  }
+}
+
 std::vector<std::pair<std::string, Shape>> ParamShapes(const LayerConfig& config) {
   std::vector<std::pair<std::string, Shape>> out;
   for (const NamedSlot& s : Slots(config)) out.emplace_back(s.name, s.shape);
@@ -233,6 +234,11 @@ NamedTensors ParamsToMap(const LayerConfig& config, const LayerParams& params) {
 
 LayerParams InitParams(const LayerConfig& config, uint64_t seed) {
   LayerParams p;
+  uint64_t bytes = 0;
+  for (const NamedSlot& s : Slots(config)) {
+    bytes += static_cast<uint64_t>(CheckedMul(NumElements(s.shape), 4, s.name));
+  }
+  RequireMemory(bytes, "the layer's parameters");
   uint64_t id = 0;
   for (const NamedSlot& s : Slots(config)) {
     Tensor t = Tensor::Zeros(s.shape);

@@ -6,24 +6,45 @@
 #include <numeric>
 
 #include "switchyard/core/error.h"
+#include "switchyard/core/limits.h"
 #include "switchyard/core/rng.h"
 
 namespace switchyard::moe {
 namespace {
 
-int64_t RoundUp(int64_t v, int64_t multiple) { return (v + multiple - 1) / multiple * multiple; }
+// The largest capacity: every row index of the [E, C, M] expert buffer must fit in int32.
+constexpr int64_t kMaxCapacity = std::numeric_limits<int32_t>::max();
 
-// Tutel's formula for cf > 0: k * floor(cf * ceil(T / E)).
-int64_t TutelCapacity(double cf, int64_t k, int64_t t_num, int64_t e_num) {
-  int64_t spe = (t_num + e_num - 1) / e_num;
-  return k * static_cast<int64_t>(std::floor(cf * static_cast<double>(spe)));
+int64_t RoundUp(int64_t v, int64_t multiple) {
+  SY_REQUIRE(v <= kMaxCapacity - (multiple - 1), InvalidArgument,
+             "capacity {} rounded up to a multiple of alignment {} exceeds the largest capacity {}",
+             v, multiple, kMaxCapacity);
+  return (v + multiple - 1) / multiple * multiple;
 }
 
-// DeepSpeed's: ceil(T / E * (cf * k)), the product evaluated in float32 as torch does it.
-int64_t DeepSpeedCapacity(double cf, int64_t k, int64_t t_num, int64_t e_num) {
+// A capacity formula's value, computed in double: `value` must be a finite number in
+// [0, kMaxCapacity] (a capacity_factor of 1e30 would otherwise convert to an arbitrary integer,
+// in practice 0 or INT64_MIN, and silently drop every token).
+int64_t CheckedCapacity(double value, const LayerConfig& c, std::string_view formula) {
+  return CheckedToInt64(
+      value,
+      fmt::format("capacity from capacity_factor {:g} ({} formula {})", c.capacity_factor,
+                  CapacityFormulaName(c.capacity_formula), formula),
+      0, kMaxCapacity);
+}
+
+// Tutel's formula for cf > 0: k * floor(cf * ceil(T / E)).
+double TutelCapacity(double cf, int64_t k, int64_t t_num, int64_t e_num) {
+  int64_t spe = (t_num + e_num - 1) / e_num;
+  return static_cast<double>(k) * std::floor(cf * static_cast<double>(spe));
+}
+
+// DeepSpeed's: ceil(T / E * (cf * k)), the product evaluated in float32 as torch does it (an
+// overflow of float32 gives infinity, which the caller rejects).
+double DeepSpeedCapacity(double cf, int64_t k, int64_t t_num, int64_t e_num) {
   auto ratio = static_cast<float>(static_cast<double>(t_num) / static_cast<double>(e_num));
   auto factor = static_cast<float>(cf * static_cast<double>(k));
-  return static_cast<int64_t>(std::ceil(ratio * factor));
+  return static_cast<double>(std::ceil(ratio * factor));
 }
 
 }  // namespace
@@ -37,21 +58,48 @@ int64_t ComputeCapacity(const LayerConfig& c, int64_t num_tokens, int64_t max_lo
   } else {
     const int64_t k = EffectiveTopK(c), e_num = c.num_experts;
     const double cf = c.capacity_factor;
+    const bool deepspeed = c.capacity_formula == CapacityFormula::kDeepSpeed;
     auto formula = [&](double f) {
-      return c.capacity_formula == CapacityFormula::kDeepSpeed
-                 ? DeepSpeedCapacity(f, k, num_tokens, e_num)
-                 : TutelCapacity(f, k, num_tokens, e_num);
+      return deepspeed ? DeepSpeedCapacity(f, k, num_tokens, e_num)
+                       : TutelCapacity(f, k, num_tokens, e_num);
     };
+    const char* text = deepspeed ? "ceil(T / E * cf * k)" : "k * floor(cf * ceil(T / E))";
     if (cf > 0) {
-      cap = formula(cf);
+      cap = CheckedCapacity(formula(cf), c, text);
     } else if (cf == 0) {
       cap = max_load;
     } else {
-      cap = std::min(max_load, formula(-cf));
+      // A cap on the largest load: a cap above it (however large) leaves the largest load.
+      const double bound = formula(-cf);
+      cap = bound >= static_cast<double>(max_load) ? max_load : CheckedCapacity(bound, c, text);
     }
     cap = std::max(cap, c.min_capacity);
   }
   return RoundUp(cap, c.alignment);
+}
+
+namespace {
+
+// Bytes of `rows` expert-buffer rows: input and output rows of M floats, two hidden rows of H
+// (three when gated), and the plan's row_tokens / row_pairs (int32 each).
+void RequireRowsMemory(const LayerConfig& c, int64_t rows, const std::string& what) {
+  const int64_t per_row =
+      CheckedMul(2 * c.model_dim + (c.gated ? 3 : 2) * c.hidden_dim, 4, "bytes per expert row") + 8;
+  const int64_t bytes = CheckedMul(rows, per_row, "expert buffer bytes");
+  RequireMemory(static_cast<uint64_t>(bytes), what);
+}
+
+}  // namespace
+
+void RequireExpertBufferMemory(const LayerConfig& c, int64_t num_experts, int64_t capacity) {
+  const int64_t rows = CheckedMul(num_experts, capacity, "num_experts x capacity");
+  SY_REQUIRE(rows < std::numeric_limits<int32_t>::max(), InvalidArgument,
+             "num_experts * capacity = {} x {} exceeds the int32 index range", num_experts,
+             capacity);
+  RequireRowsMemory(c, rows,
+                    fmt::format("the expert buffer (num_experts {} x capacity {} rows of model_dim "
+                                "{} and hidden_dim {})",
+                                num_experts, capacity, c.model_dim, c.hidden_dim));
 }
 
 DispatchPlan MakeDispatchPlan(const LayerConfig& c, const GateResult& gate,
@@ -115,12 +163,14 @@ DispatchPlan MakeDispatchPlan(const LayerConfig& c, const GateResult& gate,
   // 4. Capacity and drops.
   if (c.dropless) {
     p.capacity = max_load;
+    RequireRowsMemory(c, load_begin.back(),
+                      fmt::format("the dropless expert buffer ({} routed rows of model_dim {} and "
+                                  "hidden_dim {})",
+                                  load_begin.back(), c.model_dim, c.hidden_dim));
   } else {
     p.capacity = ComputeCapacity(c, t_num, options.global_max_load.value_or(max_load));
   }
-  SY_REQUIRE(c.dropless || e_num * p.capacity < std::numeric_limits<int32_t>::max(),
-             InvalidArgument, "num_experts * capacity = {} x {} exceeds the int32 index range",
-             e_num, p.capacity);
+  if (!c.dropless) RequireExpertBufferMemory(c, e_num, p.capacity);
   std::vector<uint8_t> keep(tk, 0);
   const uint64_t key = StepSeed(c.seed, options.step);
   CounterRng drop_rng(key, kStreamDropPriority);

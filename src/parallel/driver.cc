@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -349,7 +350,11 @@ LayerRunResult Assemble(const moe::LayerConfig& config, const Mesh& mesh,
   o.combine_weights = concat(&RankResult::combine);
   o.expert_loads.assign(static_cast<size_t>(config.num_experts), 0);
   o.expert_counts.assign(static_cast<size_t>(config.num_experts), 0);
+  // Per-rank scope: the mean over the shards that hold tokens. A shard without tokens has no
+  // losses (a mean over zero tokens; it reports 0), so it is left out instead of pulling the
+  // mean towards 0 (docs/parallel.md, "Batch scope").
   double l_aux = 0, z = 0;
+  int holding = 0;
   for (const RankResult* r : shard) {
     for (int64_t e = 0; e < config.num_experts; ++e) {
       o.expert_loads[static_cast<size_t>(e)] += r->loads.data<int64_t>()[e];
@@ -357,8 +362,11 @@ LayerRunResult Assemble(const moe::LayerConfig& config, const Mesh& mesh,
     }
     o.dropped += r->dropped;
     o.capacity = std::max(o.capacity, r->capacity);
-    l_aux += r->l_aux;
-    z += r->z_loss;
+    if (r->report.tokens > 0) {
+      l_aux += r->l_aux;
+      z += r->z_loss;
+      ++holding;
+    }
     res.l_aux_per_shard.push_back(r->l_aux);
   }
   const RankResult& first = *shard[0];
@@ -370,8 +378,9 @@ LayerRunResult Assemble(const moe::LayerConfig& config, const Mesh& mesh,
   res.shadowed = first.shadowed;
   res.cost_model = ranks[0].cost;
   // The global scope's losses are the whole batch's (equal on every rank); per rank: the mean.
-  o.l_aux = scope == BatchScope::kGlobal ? first.l_aux : static_cast<float>(l_aux / shards);
-  o.z_loss = scope == BatchScope::kGlobal ? first.z_loss : static_cast<float>(z / shards);
+  const double per_rank_count = std::max(holding, 1);
+  o.l_aux = scope == BatchScope::kGlobal ? first.l_aux : static_cast<float>(l_aux / per_rank_count);
+  o.z_loss = scope == BatchScope::kGlobal ? first.z_loss : static_cast<float>(z / per_rank_count);
   if (!with_grads) return res;
   res.has_gradients = true;
   res.grad_x = concat(&RankResult::grad_x);
@@ -443,6 +452,13 @@ LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerP
   ExpectFloating("x", x);
   ExpectShape("x", x, {kAnySize, config.model_dim});
   if (dy.defined()) ExpectShape("dy", dy, {x.size(0), config.model_dim});
+  if (config.check_finite) {
+    // The whole inputs first, so that the message names the element as the single-rank layer
+    // does (each rank checks its own part again: ParallelMoeLayer honours check_finite too).
+    moe::CheckFinite("x", x);
+    moe::CheckFinite("dy", dy);
+    for (const auto& [name, t] : moe::ParamsToMap(config, params)) moe::CheckFinite(name, t);
+  }
   std::unique_ptr<comm::Communicator> mpi_world;
   if (o.transport == Transport::kMpi) {
     SY_REQUIRE(comm::RunningUnderMpi(), InvalidArgument,

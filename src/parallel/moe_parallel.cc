@@ -103,6 +103,18 @@ struct ParallelState {
 
 namespace {
 
+// check_finite for this rank's shard of the expert weights.
+void CheckFiniteShard(const moe::ExpertWeights& w, int rank) {
+  for (const auto& [name, t] :
+       {std::pair<const char*, const Tensor*>{"experts.fc1.weight", &w.fc1_weight},
+        {"experts.fc1.bias", &w.fc1_bias},
+        {"experts.fc2.weight", &w.fc2_weight},
+        {"experts.fc2.bias", &w.fc2_bias},
+        {"experts.fc3.weight", &w.fc3_weight}}) {
+    moe::CheckFinite(fmt::format("{} (the shard of rank {})", name, rank), *t);
+  }
+}
+
 Tensor ToFloat32(const Tensor& t) {
   return t.dtype() == DType::kFloat32 ? t : t.To(DType::kFloat32);
 }
@@ -284,6 +296,14 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   CheckShard(params.experts, spec_, c.gated, c.fc_bias);
   SY_REQUIRE(options.global_token_offset >= 0, InvalidArgument,
              "global_token_offset: expected >= 0, got {}", options.global_token_offset);
+  if (c.check_finite) {
+    // As moe::MoeLayer does; a rank that throws here fails its peers' next collective.
+    moe::CheckFinite(
+        fmt::format("x (rank {}, tokens from {})", coords().rank, options.global_token_offset), x);
+    moe::CheckFinite("gate.weight", params.gate_weight);
+    moe::CheckFinite("gate.expert_bias", params.expert_bias);
+    CheckFiniteShard(params.experts, coords().rank);
+  }
   const int threads = std::max(1, options.threads);
   const int64_t t_num = x.size(0), e_num = c.num_experts, m_dim = c.model_dim;
   const bool global = options_.batch_scope == BatchScope::kGlobal;
@@ -352,6 +372,7 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
     const int64_t slices = static_cast<int64_t>(tp_shares) * (n / s.r) * degree;
     stride = (buffer_capacity + slices - 1) / slices * slices;
   }
+  if (!c.dropless) moe::RequireExpertBufferMemory(c, e_num, std::max(stride, buffer_capacity));
   {
     internal::TraceSpan span("plan");
     s.plan = internal::LayoutPlan(dec, stride);
@@ -467,6 +488,11 @@ ParallelGradients ParallelMoeLayer::Backward(const moe::LayerParams& params,
   ExpectFloating("dy", dy_in);
   ExpectShape("dy", dy_in, {t_num, m_dim});
   CheckShard(params.experts, spec_, c.gated, c.fc_bias);
+  if (c.check_finite) {
+    moe::CheckFinite(fmt::format("dy (rank {})", coords().rank), dy_in);
+    moe::CheckFinite("gate.weight", params.gate_weight);
+    CheckFiniteShard(params.experts, coords().rank);
+  }
   const Tensor dy = ToFloat32(dy_in);
   const moe::ExpertOptions eopt{c.activation, c.gated};
 

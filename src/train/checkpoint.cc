@@ -13,6 +13,7 @@
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
+#include "switchyard/core/json.h"
 
 namespace switchyard::train {
 
@@ -307,8 +308,9 @@ CheckpointData LoadCheckpoint(const std::string& path) {
   if (!fs::exists(dir + "/" + kStateFile, ec)) throw fail("state.json is missing");
   json state;
   try {
-    state = json::parse(ReadTextFile(dir + "/" + kStateFile));
-  } catch (const json::exception& e) {
+    state =
+        ParseJsonStrict(ReadTextFile(dir + "/" + kStateFile), kStateFile, JsonErrorKind::kIoError);
+  } catch (const std::exception& e) {
     throw fail(fmt::format("state.json is malformed: {}", e.what()));
   }
   CheckpointData data;
@@ -378,7 +380,7 @@ std::string SetAsideCheckpointsAfter(const std::string& checkpoints_dir, int64_t
 std::string ReadCheckpointConfigJson(const std::string& path) {
   const std::string file = ResolveCheckpoint(path) + "/" + kStateFile;
   try {
-    json state = json::parse(ReadTextFile(file));
+    json state = ParseJsonStrict(ReadTextFile(file), file, JsonErrorKind::kIoError);
     return state.at("config").dump();
   } catch (const json::exception& e) {
     throw IoError(fmt::format("{}: malformed or without 'config': {}", file, e.what()));

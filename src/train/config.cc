@@ -8,9 +8,11 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <type_traits>
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
+#include "switchyard/core/json.h"
 #include "switchyard/core/limits.h"
 #include "switchyard/train/checkpoint.h"
 
@@ -147,7 +149,7 @@ std::string TrainConfigToJson(const TrainConfig& config) {
 TrainConfig TrainConfigFromJson(std::string_view json_text, const TrainConfig& base) {
   json j;
   try {
-    j = json::parse(json_text);
+    j = ParseJsonStrict(json_text, "config");
   } catch (const json::exception& e) {
     throw InvalidArgument(fmt::format("config: not valid JSON: {}", e.what()));
   }
@@ -213,10 +215,17 @@ std::vector<ConfigKey> TrainConfigKeys() {
   };
   std::vector<ConfigKey> keys;
   TrainConfig c;
-  VisitFields(c, [&](const char* key, auto&) {
+  VisitFields(c, [&](const char* key, auto& field) {
     auto it = kHelp.find(key);
     SY_CHECK(it != kHelp.end(), "no help for config key '{}'", key);
-    keys.push_back({key, it->second});
+    using T = std::decay_t<decltype(field)>;
+    const std::string k = key;
+    const char* type = std::is_same_v<T, bool>                                ? "BOOL"
+                       : std::is_integral_v<T>                                ? "INT"
+                       : std::is_floating_point_v<T>                          ? "FLOAT"
+                       : k == "data" || k == "out" || k == "moe_layer_config" ? "PATH"
+                                                                              : "NAME";
+    keys.push_back({key, it->second, type});
   });
   return keys;
 }
@@ -237,7 +246,7 @@ moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
   json j = json::object();
   if (!c.moe_layer_config.empty()) {
     try {
-      j = json::parse(ReadTextFile(c.moe_layer_config));
+      j = ParseJsonStrict(ReadTextFile(c.moe_layer_config), c.moe_layer_config);
     } catch (const json::exception& e) {
       throw InvalidArgument(fmt::format("{}: not valid JSON: {}", c.moe_layer_config, e.what()));
     }
@@ -341,12 +350,7 @@ constexpr std::pair<const char*, const char*> kSharedMoeKeys[] = {
 void ApplyMoeLayerFile(ResolvedTrainConfig& r) {
   TrainConfig& c = r.config;
   if (c.moe_layer_config.empty()) return;
-  json file;
-  try {
-    file = json::parse(ReadTextFile(c.moe_layer_config));
-  } catch (const json::exception& e) {
-    throw InvalidArgument(fmt::format("{}: not valid JSON: {}", c.moe_layer_config, e.what()));
-  }
+  const json file = ParseJsonStrict(ReadTextFile(c.moe_layer_config), c.moe_layer_config);
   SY_REQUIRE(file.is_object(), InvalidArgument, "{}: expected a JSON object", c.moe_layer_config);
   std::vector<std::string> conflicts;
   for (const auto& [layer_key, train_key] : kSharedMoeKeys) {
@@ -412,8 +416,9 @@ ResolvedTrainConfig ResolveTrainConfig(const TrainConfigSources& s) {
   std::map<std::string, std::string> user;  // keys set by --config or a flag -> source
   if (!s.config_file.empty()) {
     const std::string text = ReadTextFile(s.config_file);
-    r.config = TrainConfigFromJson(text, r.config);  // validates the JSON
-    for (const auto& [key, value] : json::parse(text).items()) {
+    const json parsed = ParseJsonStrict(text, s.config_file);  // errors name the file
+    r.config = TrainConfigFromJson(text, r.config);            // validates the keys
+    for (const auto& [key, value] : parsed.items()) {
       user[key] = fmt::format("--config {}", s.config_file);
     }
   }

@@ -4,8 +4,11 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -104,7 +107,7 @@ TEST(FileUtil, MissingParentDirectory) {
 }
 
 TEST(FileUtil, FailureMidWriteKeepsTheOldFile) {
-  // A file size limit makes write() fail with EFBIG part way through (this works as root too,
+  // A file size limit stops the write part way through (this works as root too,
   // unlike a read-only directory).
   TempDir dir;
   std::string path = dir.File("old.bin");
@@ -119,10 +122,173 @@ TEST(FileUtil, FailureMidWriteKeepsTheOldFile) {
   std::string msg = IoErrorOf([&] { WriteTextFileAtomic(path, big); });
   ::setrlimit(RLIMIT_FSIZE, &old_limit);
   ::signal(SIGXFSZ, old_handler);
-  EXPECT_NE(msg.find(path), std::string::npos) << msg;
-  EXPECT_NE(msg.find("write failed after 4096 bytes"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("file size limit reached writing '" + path + "'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("limit (RLIMIT_FSIZE, ulimit -f) is 4096 bytes"), std::string::npos) << msg;
   EXPECT_EQ(ReadTextFile(path), "the old contents");
   EXPECT_EQ(dir.List(), std::vector<std::string>{"old.bin"});
+}
+
+// Runs `body` in a forked child (which may change process-wide limits and signal dispositions)
+// and returns its exit code; a child killed by a signal gives 128 + the signal, as a shell does.
+template <typename Fn>
+int InChild(Fn&& body) {
+  ::fflush(nullptr);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    int rc = 1;
+    try {
+      rc = body();
+    } catch (...) {
+      rc = 3;
+    }
+    ::_exit(rc);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// With the signal at its default (kill the process), as in a program that does not ignore
+// SIGXFSZ, a write over the limit is an IoError and the process lives on; streaming writers too.
+TEST(FileUtil, FileSizeLimitIsAnErrorNotASignal) {
+  TempDir dir;
+  std::string path = dir.File("old.bin");
+  WriteTextFileAtomic(path, "the old contents");
+  for (bool ignore_signal : {false, true}) {
+    for (bool streaming : {false, true}) {
+      // 0 is a limit too (`ulimit -f 0`: no file may grow at all).
+      const rlim_t limit = streaming ? 8192 : 0;
+      int rc = InChild([&] {
+        if (ignore_signal) ::signal(SIGXFSZ, SIG_IGN);
+        struct rlimit small {};
+        ::getrlimit(RLIMIT_FSIZE, &small);
+        small.rlim_cur = limit;
+        if (::setrlimit(RLIMIT_FSIZE, &small) != 0) return 10;
+        std::string msg = IoErrorOf([&] {
+          if (!streaming) {
+            WriteTextFileAtomic(path, std::string(100000, 'n'));
+            return;
+          }
+          AtomicFileWriter w(path);
+          for (int i = 0; i < 100; ++i) w.Append(std::string(1000, 'n'));
+          w.Commit();
+        });
+        if (msg.find("file size limit reached writing '" + path + "'") == std::string::npos) {
+          return 11;
+        }
+        return 0;
+      });
+      EXPECT_EQ(rc, 0) << "ignore_signal " << ignore_signal << " streaming " << streaming
+                       << (rc == 128 + SIGXFSZ ? ": killed by SIGXFSZ" : "");
+      EXPECT_EQ(ReadTextFile(path), "the old contents");
+      EXPECT_EQ(dir.List(), std::vector<std::string>{"old.bin"});
+    }
+  }
+}
+
+TEST(FileUtil, SymlinkOutputReplacesItsTarget) {
+  TempDir dir;
+  std::string target = dir.File("target.bin");
+  std::string link = dir.File("link.bin");
+  WriteTextFileAtomic(target, "old");
+  ::chmod(target.c_str(), 0600);
+  std::filesystem::create_symlink("target.bin", link);  // relative, as ln -s makes them
+  WriteTextFileAtomic(link, "new through the link");
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  EXPECT_EQ(ReadTextFile(target), "new through the link");
+  struct stat st {};
+  ASSERT_EQ(::stat(target.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);  // the target keeps its permission bits
+  // A chain of links, and a dangling link (its target is created, as a shell's `>` does).
+  std::filesystem::create_symlink(link, dir.File("link2.bin"));
+  WriteTextFileAtomic(dir.File("link2.bin"), "chain");
+  EXPECT_EQ(ReadTextFile(target), "chain");
+  std::filesystem::create_symlink("new.bin", dir.File("dangling.bin"));
+  WriteTextFileAtomic(dir.File("dangling.bin"), "created");
+  EXPECT_TRUE(std::filesystem::is_symlink(dir.File("dangling.bin")));
+  EXPECT_EQ(ReadTextFile(dir.File("new.bin")), "created");
+  EXPECT_EQ(dir.List(), (std::vector<std::string>{"dangling.bin", "link.bin", "link2.bin",
+                                                  "new.bin", "target.bin"}));
+  // A loop of links is an error.
+  std::filesystem::create_symlink("loop_b", dir.File("loop_a"));
+  std::filesystem::create_symlink("loop_a", dir.File("loop_b"));
+  std::string msg = IoErrorOf([&] { WriteTextFileAtomic(dir.File("loop_a"), "x"); });
+  EXPECT_NE(msg.find("too many levels of symbolic links"), std::string::npos) << msg;
+}
+
+TEST(FileUtil, SpecialFilesAreRefusedAndLeftAlone) {
+  TempDir dir;
+  std::string fifo = dir.File("pipe");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::string msg = IoErrorOf([&] { WriteTextFileAtomic(fifo, "x"); });
+  EXPECT_NE(msg.find("cannot write '" + fifo + "': it is a FIFO (named pipe)"), std::string::npos)
+      << msg;
+  EXPECT_TRUE(std::filesystem::is_fifo(fifo));
+  // CheckOutputPath says the same without writing anything.
+  msg = IoErrorOf([&] { CheckOutputPath(fifo); });
+  EXPECT_NE(msg.find("it is a FIFO (named pipe)"), std::string::npos) << msg;
+  EXPECT_NO_THROW(CheckOutputPath(dir.File("new.bin")));
+  EXPECT_THROW(CheckOutputPath(dir.File("no/new.bin")), IoError);
+  EXPECT_THROW(CheckOutputPath(dir.path()), IoError);
+  // Through a symbolic link too; the message names the target.
+  std::filesystem::create_symlink("pipe", dir.File("to_pipe"));
+  msg = IoErrorOf([&] { WriteTextFileAtomic(dir.File("to_pipe"), "x"); });
+  EXPECT_NE(msg.find("it is a FIFO (named pipe) (the target of the symbolic link"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(dir.List(), (std::vector<std::string>{"pipe", "to_pipe"}));
+  msg = IoErrorOf([&] { WriteTextFileAtomic("/dev/null", "x"); });
+  EXPECT_NE(msg.find("it is a character device"), std::string::npos) << msg;
+  struct stat st {};
+  ASSERT_EQ(::stat("/dev/null", &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode));
+  // A parent that is a file, not a directory.
+  WriteTextFileAtomic(dir.File("plain"), "p");
+  msg = IoErrorOf([&] { WriteTextFileAtomic(dir.File("plain/child"), "x"); });
+  EXPECT_NE(msg.find("cannot write '" + dir.File("plain/child") + "'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'" + dir.File("plain") + "' is not a directory"), std::string::npos) << msg;
+}
+
+std::string InvalidArgumentOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(FileUtil, RequireDistinctOutputComparesFiles) {
+  TempDir dir;
+  std::string a = dir.File("a.bin");
+  WriteTextFileAtomic(a, "a");
+  WriteTextFileAtomic(dir.File("b.bin"), "b");
+  std::filesystem::create_directory(dir.File("sub"));
+  std::filesystem::create_symlink(a, dir.File("link.bin"));
+  std::filesystem::create_hard_link(a, dir.File("hard.bin"));
+  for (const std::string& same :
+       {a, dir.path() + "/./a.bin", dir.path() + "/sub/../a.bin", dir.File("link.bin"),
+        dir.File("hard.bin"), dir.path() + "//a.bin"}) {
+    std::string msg = InvalidArgumentOf([&] {
+      RequireDistinctOutput({"--out", same}, {{"--config", dir.File("b.bin")}, {"--tensors", a}});
+    });
+    EXPECT_NE(msg.find("--out '" + same + "' names the same file as --tensors '" + a + "'"),
+              std::string::npos)
+        << same << ": " << msg;
+  }
+  // Relative spellings from the current directory.
+  auto old_cwd = std::filesystem::current_path();
+  std::filesystem::current_path(dir.path());
+  EXPECT_THROW(RequireDistinctOutput({"--out", "./a.bin"}, {{"--tensors", "a.bin"}}),
+               InvalidArgument);
+  // Two outputs that do not exist yet but are the same path.
+  EXPECT_THROW(RequireDistinctOutput({"--out", "new.bin"}, {{"--trace", "./sub/../new.bin"}}),
+               InvalidArgument);
+  std::filesystem::current_path(old_cwd);
+  EXPECT_NO_THROW(RequireDistinctOutput({"--out", dir.File("b.bin")}, {{"--tensors", a}}));
+  EXPECT_NO_THROW(RequireDistinctOutput({"--out", dir.File("new.bin")}, {{"--tensors", a}}));
+  EXPECT_NO_THROW(RequireDistinctOutput({"--out", a}, {{"--trace", ""}}));
+  EXPECT_NO_THROW(RequireDistinctOutput({"--out", ""}, {{"--tensors", a}}));
 }
 
 TEST(FileUtil, AbandonedWriterLeavesNothing) {

@@ -82,6 +82,34 @@ TEST(Tensor, ConversionsRoundTrip) {
   EXPECT_EQ(i64.data<int64_t>()[1], 9);
 }
 
+// Floats that do not fit the integer dtype (or NaN) are errors, not undefined conversions.
+TEST(Tensor, ConversionsToIntegersAreRangeChecked) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float v : {3e9f, -3e9f, 1e30f, inf, -inf, std::numeric_limits<float>::quiet_NaN()}) {
+    Tensor f = Tensor::FromVector<float>({1.0f, v}, {2});
+    EXPECT_THROW(f.To(DType::kInt32), InvalidArgument) << v;
+    if (std::fabs(v) >= 1e19f || std::isnan(v)) EXPECT_THROW(f.To(DType::kInt64), InvalidArgument);
+  }
+  try {
+    Tensor::FromVector<float>({1.0f, 1e30f}, {2}).To(DType::kInt32);
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("To(int32): element 1"), std::string::npos) << e.what();
+  }
+  Tensor ok =
+      Tensor::FromVector<float>({-2147483648.0f, 2147483520.0f, -1.5f}, {3}).To(DType::kInt32);
+  EXPECT_EQ(ok.data<int32_t>()[0], std::numeric_limits<int32_t>::min());
+  EXPECT_EQ(ok.data<int32_t>()[1], 2147483520);
+  EXPECT_EQ(ok.data<int32_t>()[2], -1);
+  EXPECT_EQ(Tensor::FromVector<float>({3e18f}, {1}).To(DType::kInt64).data<int64_t>()[0],
+            static_cast<int64_t>(3e18f));
+  EXPECT_THROW(Tensor::FromVector<int64_t>({int64_t{1} << 40}, {1}).To(DType::kInt32),
+               InvalidArgument);
+  EXPECT_THROW(Tensor::Full({2}, 1e30, DType::kInt64), InvalidArgument);
+  EXPECT_THROW(Tensor::Full({2}, std::nan(""), DType::kInt32), InvalidArgument);
+  EXPECT_THROW(Tensor::Full({2}, 3e9, DType::kInt32), InvalidArgument);
+  EXPECT_EQ(Tensor::Full({}, 7.0, DType::kInt64).data<int64_t>()[0], 7);
+}
+
 TEST(BFloat16, RoundsToNearestEven) {
   // 1 + 2^-8 is halfway between bf16 neighbours 1 and 1 + 2^-7: ties to even (1).
   EXPECT_EQ(static_cast<float>(BFloat16(1.0f + 1.0f / 256)), 1.0f);

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "switchyard/core/error.h"
@@ -55,6 +57,53 @@ TEST(Capacity, TutelFormula) {
   EXPECT_EQ(ComputeCapacity(c, 13, 100), 4);
   c.alignment = 1;
   EXPECT_EQ(ComputeCapacity(c, 13, 100), 3);
+}
+
+// A factor whose capacity does not fit an int32 is an error naming the factor, whichever formula;
+// a negative factor that large caps nothing (C = the largest load). Before, 1e30 gave C = 0.
+TEST(Capacity, FactorsThatOverflowAreErrors) {
+  for (CapacityFormula f : {CapacityFormula::kTutel, CapacityFormula::kDeepSpeed}) {
+    LayerConfig c = Config(4, 2);
+    c.capacity_formula = f;
+    for (float cf : {1e30f, 3e18f, 3e9f, std::numeric_limits<float>::max()}) {
+      c.capacity_factor = cf;
+      try {
+        ComputeCapacity(c, 13, 5);
+        ADD_FAILURE() << "cf " << cf << " gave no error";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("capacity from capacity_factor"), std::string::npos)
+            << e.what();
+      }
+    }
+    for (float cf : {-1e30f, -3e18f, -std::numeric_limits<float>::max()}) {
+      c.capacity_factor = cf;
+      EXPECT_EQ(ComputeCapacity(c, 13, 5), 5) << cf;
+    }
+    // The largest capacity that fits, then alignment pushing it over.
+    c.capacity_factor = 0;
+    c.capacity = std::numeric_limits<int32_t>::max();
+    EXPECT_EQ(ComputeCapacity(c, 13, 5), std::numeric_limits<int32_t>::max());
+    c.alignment = 2;
+    EXPECT_THROW(ComputeCapacity(c, 13, 5), InvalidArgument);
+  }
+}
+
+TEST(Capacity, ExpertBuffersThatCannotFitAreRefused) {
+  LayerConfig c = Config(4, 2);
+  c.model_dim = 6;
+  c.hidden_dim = 10;
+  EXPECT_NO_THROW(RequireExpertBufferMemory(c, 4, 1000));
+  try {
+    RequireExpertBufferMemory(c, 16, 130000000);  // 2.08e9 rows x 136 bytes: 263.5 GiB
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("the expert buffer (num_experts 16 x capacity 130000000 "
+                                         "rows of model_dim 6 and hidden_dim 10) needs 263.5 GiB"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(RequireExpertBufferMemory(c, 4, 1000000000), InvalidArgument);  // int32 rows
+  EXPECT_THROW(RequireExpertBufferMemory(c, int64_t{1} << 40, int64_t{1} << 40), InvalidArgument);
 }
 
 TEST(Capacity, DeepSpeedFormulaInFloat32) {

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -18,15 +20,23 @@
 namespace switchyard::parallel {
 namespace {
 
+using testing::ReadAll;
 using testing::RunCommand;
 using testing::SameOutputs;
 
 const char* kConfig = R"({"model_dim": 8, "hidden_dim": 16, "num_experts": 4, "top_k": 2,
   "capacity_factor": 0.75, "z_loss_coef": 0.01, "aux_loss_coef": 0.1})";
 
+// The executable under test; the environment variable SY_SWITCHYARD_BIN runs the tests against
+// another build.
+std::string Bin() {
+  const char* env = std::getenv("SY_SWITCHYARD_BIN");
+  return env != nullptr && *env != '\0' ? env : SY_SWITCHYARD_BIN;
+}
+
 std::string Layer(const std::string& dir, const std::string& out, const std::string& flags) {
-  return std::string(SY_SWITCHYARD_BIN) + " layer --quiet --config " + dir + "/layer.json" +
-         " --tensors " + dir + "/in.safetensors --out " + dir + "/" + out + " " + flags;
+  return Bin() + " layer --quiet --config " + dir + "/layer.json" + " --tensors " + dir +
+         "/in.safetensors --out " + dir + "/" + out + " " + flags;
 }
 
 TEST(CliLayerParallel, EveryLayoutWritesTheSingleRankOutputs) {
@@ -168,6 +178,73 @@ TEST(CliLayerParallel, NonDividingLayoutIsOneClearLine) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("num_experts 4 is not divisible by ep 3"), std::string::npos) << r.err;
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+// check_finite holds with ranks as with one: a NaN in x or dy is refused (exit 2, one line).
+TEST(CliLayerParallel, CheckFiniteIsHonouredOnRanks) {
+  const std::string dir = testing::TestDir("sy_cli_parallel");
+  const std::string config = R"({"model_dim": 8, "hidden_dim": 16, "num_experts": 4,
+    "check_finite": true})";
+  testing::WriteLayerInputs(dir, config, 6);
+  TensorMap in = ReadSafetensors(dir + "/in.safetensors");
+  for (const char* name : {"x", "dy"}) {
+    TensorMap bad = in;
+    bad[name] = in.at(name).Clone();
+    bad[name].data<float>()[9] = std::numeric_limits<float>::quiet_NaN();
+    WriteSafetensors(dir + "/in.safetensors", bad);
+    for (const char* flags : {"", "--ranks 2", "--ranks 4 --scope per_rank"}) {
+      testing::CommandResult r = RunCommand(Layer(dir, "out.safetensors", flags), dir);
+      EXPECT_EQ(r.exit_code, 2) << name << " " << flags << ": " << r.err << r.out;
+      EXPECT_NE(r.err.find(std::string(name) + ": element [1, 1] is nan (check_finite is on)"),
+                std::string::npos)
+          << name << " " << flags << ": " << r.err;
+      EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    }
+  }
+}
+
+// Per-rank scope with ranks that hold no tokens: l_aux and z_loss are the mean over the ranks
+// that hold tokens, so one token on four ranks reports the one-rank values.
+TEST(CliLayerParallel, PerRankScopeLeavesOutRanksWithoutTokens) {
+  const std::string dir = testing::TestDir("sy_cli_parallel");
+  testing::WriteLayerInputs(dir, kConfig, 1);
+  testing::CommandResult one = RunCommand(Layer(dir, "one.safetensors", ""), dir);
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  testing::CommandResult four =
+      RunCommand(Layer(dir, "four.safetensors", "--ranks 4 --scope per_rank"), dir);
+  ASSERT_EQ(four.exit_code, 0) << four.err;
+  TensorMap a = ReadSafetensors(dir + "/one.safetensors");
+  TensorMap b = ReadSafetensors(dir + "/four.safetensors");
+  EXPECT_GT(a.at("l_aux").At(0), 0);
+  EXPECT_NEAR(b.at("l_aux").At(0), a.at("l_aux").At(0), 1e-6);
+  EXPECT_GT(a.at("z_loss").At(0), 0);
+  EXPECT_NEAR(b.at("z_loss").At(0), a.at("z_loss").At(0), 1e-6);
+  // Three tokens on four ranks: the mean of the three ranks' own values.
+  testing::WriteLayerInputs(dir, kConfig, 3);
+  ASSERT_EQ(RunCommand(Layer(dir, "four.safetensors", "--ranks 4 --scope per_rank"), dir).exit_code,
+            0);
+  const moe::LayerConfig c = moe::LayerConfigFromJson(kConfig);
+  const TensorMap in = ReadSafetensors(dir + "/in.safetensors");
+  moe::MoeLayer layer(c);
+  const moe::LayerParams params = moe::ParamsFromMap(c, in);
+  double l_aux = 0;
+  for (int64_t t = 0; t < 3; ++t) {
+    moe::ForwardOptions fo;
+    fo.global_token_offset = t;
+    l_aux += layer.Forward(params, in.at("x").Slice(t, t + 1), fo).l_aux;
+  }
+  EXPECT_NEAR(ReadSafetensors(dir + "/four.safetensors").at("l_aux").At(0), l_aux / 3, 1e-5);
+}
+
+TEST(CliTraceSvg, OutputNamingTheInputIsRefused) {
+  const std::string dir = testing::TestDir("sy_cli_trace_svg");
+  WriteTextFileAtomic(dir + "/t.json", R"({"traceEvents": []})");
+  testing::CommandResult r =
+      RunCommand(Bin() + " trace-svg " + dir + "/t.json " + dir + "/./t.json", dir);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("names the same file as input '" + dir + "/t.json'"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(ReadAll(dir + "/t.json"), R"({"traceEvents": []})");
 }
 
 TEST(CliGroups, PrintsDeepSpeedGroupsAsJson) {

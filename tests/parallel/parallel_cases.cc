@@ -101,6 +101,7 @@ Reference PerShardReference(const moe::LayerConfig& config, const Inputs& in,
   std::vector<Tensor> y, topk, loc, gates, cw, gx;
   int64_t start = 0;
   double l_aux = 0, z = 0;
+  int holding = 0;
   moe::LayerOutput& o = ref.output;
   o.expert_loads.assign(static_cast<size_t>(config.num_experts), 0);
   o.expert_counts.assign(static_cast<size_t>(config.num_experts), 0);
@@ -123,8 +124,11 @@ Reference PerShardReference(const moe::LayerConfig& config, const Inputs& in,
     }
     o.dropped += out.dropped;
     o.capacity = std::max(o.capacity, out.capacity);
-    l_aux += out.l_aux;
-    z += out.z_loss;
+    if (split[d] > 0) {  // the mean is over the shards that hold tokens
+      l_aux += out.l_aux;
+      z += out.z_loss;
+      ++holding;
+    }
     ref.l_aux_per_shard.push_back(out.l_aux);
     if (d == 0) {
       ref.grads = g.params;
@@ -148,8 +152,8 @@ Reference PerShardReference(const moe::LayerConfig& config, const Inputs& in,
   o.locations = Concat(loc);
   o.gates = Concat(gates);
   o.combine_weights = Concat(cw);
-  o.l_aux = static_cast<float>(l_aux / static_cast<double>(split.size()));
-  o.z_loss = static_cast<float>(z / static_cast<double>(split.size()));
+  o.l_aux = static_cast<float>(l_aux / std::max(holding, 1));
+  o.z_loss = static_cast<float>(z / std::max(holding, 1));
   ref.grad_x = Concat(gx);
   return ref;
 }

@@ -35,6 +35,15 @@ struct EmulationOptions {
   LinkModel inter_node;
 };
 
+// The smallest emulated bandwidth (GB/s) other than 0 (unlimited): 1 KB/s.
+inline constexpr double kMinEmulatedGbps = 1e-6;
+
+// Throws InvalidArgument naming the field ("emulation.intra_node.latency_us: ...") unless every
+// latency is finite, >= 0 and below `deadline` (the collective deadline, InProcessOptions::timeout:
+// a message could never complete before it), and every bandwidth is finite and 0 or at least
+// kMinEmulatedGbps. CreateInProcessWorld and RunInProcess call it.
+void ValidateEmulationOptions(const EmulationOptions& emulation, Milliseconds deadline);
+
 struct InProcessOptions {
   // Default deadline of every collective.
   Milliseconds timeout{60000};

@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <string_view>
@@ -21,9 +22,20 @@
 
 namespace switchyard {
 
+// What an output path may name (docs/formats.md, "Output paths"):
+//   missing            a new regular file is created (its directory must exist)
+//   regular file       replaced atomically; it keeps its permission bits
+//   symbolic link      followed (also a chain of links, also a dangling one): the file the link
+//                      points to is created or replaced atomically; the link stays a link
+//   directory, FIFO, character or block device, socket
+//                      refused with IoError; nothing is written and nothing is changed
+// A file size limit (RLIMIT_FSIZE, `ulimit -f`) that the contents would exceed is an IoError
+// ("file size limit reached writing ...") raised before writing past the limit, so the process
+// gets no SIGXFSZ from these writers; the temporary file is removed.
+
 // Replaces (or creates) `path` with `bytes`, atomically as described above. New files get mode
 // 0666 minus the process umask, as an ordinary open(O_CREAT) would; a replaced file keeps its
-// permission bits. If `path` is a symbolic link, the link itself is replaced by the new file.
+// permission bits.
 void WriteFileAtomic(const std::string& path, std::span<const std::byte> bytes);
 // Text convenience form of WriteFileAtomic (e.g. JSON).
 void WriteTextFileAtomic(const std::string& path, std::string_view text);
@@ -33,6 +45,26 @@ void WriteTextFileAtomic(const std::string& path, std::string_view text);
 std::vector<std::byte> ReadFileBytes(const std::string& path);
 // The whole contents of a regular file as text (no decoding).
 std::string ReadTextFile(const std::string& path);
+
+// Throws the IoError an atomic write to `path` would throw for the kind of path it is (a
+// directory, FIFO, device or socket, also behind symbolic links; a missing or non-directory
+// parent), without creating anything: lets a command refuse a bad output path before it does its
+// work rather than after.
+void CheckOutputPath(const std::string& path);
+
+// A path given for an output or an input, with the name the user knows it by (a flag such as
+// "--out", or "layer.json"), for messages.
+struct NamedPath {
+  std::string_view what;
+  std::string path;
+};
+
+// Throws InvalidArgument when `output` names the same file as one of `inputs`: compared by file
+// identity (device and inode, after following symbolic links), so "x", "./x", "dir/../x", a
+// symbolic link to x and a hard link to x all count as x. Inputs with an empty path, and an
+// output that does not exist yet, never match. Call it before writing any output of a command
+// that reads inputs, so that a mistyped path never overwrites an input.
+void RequireDistinctOutput(const NamedPath& output, std::initializer_list<NamedPath> inputs);
 
 // A file opened for reading at arbitrary offsets (pread), for formats whose header says where
 // the data lies. Thread-safe: ReadAt may be called from several threads at once.
@@ -84,6 +116,7 @@ class AtomicFileWriter {
   void Abort() noexcept;
 
   std::string path_;
+  std::string target_;  // path_ with symbolic links followed: the file that is replaced
   std::string temp_path_;
   int fd_ = -1;
   size_t size_ = 0;

@@ -48,6 +48,11 @@ std::vector<std::pair<std::string, Shape>> ParamShapes(const LayerConfig& config
 // throws InvalidArgument naming the tensor; bfloat16 parameters are converted to float32.
 LayerParams ParamsFromMap(const LayerConfig& config, const NamedTensors& tensors);
 NamedTensors ParamsToMap(const LayerConfig& config, const LayerParams& params);
+
+// For `check_finite`: throws InvalidArgument naming `name` and the first element that is NaN or
+// infinite, e.g. "x: element [1, 1] is nan (check_finite is on)". Float tensors only; others and
+// undefined tensors pass.
+void CheckFinite(std::string_view name, const Tensor& t);
 // Random parameters: PyTorch Linear's default U(-1/sqrt(fan_in), 1/sqrt(fan_in)), keyed by seed.
 LayerParams InitParams(const LayerConfig& config, uint64_t seed);
 

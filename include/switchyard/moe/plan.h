@@ -27,6 +27,15 @@ namespace switchyard::moe {
 //               the ranks of the EP group; used only when capacity_factor <= 0
 int64_t ComputeCapacity(const LayerConfig& config, int64_t num_tokens, int64_t max_load);
 
+// Throws InvalidArgument, before anything is allocated, when the capacity-mode expert buffers of
+// one layer step — rows = num_experts * capacity rows of the dispatched input [E, C, M], the
+// expert output [E, C, M], the hidden activations [E, C, H] (two or three of them) and the plan's
+// per-row indices — do not fit in the memory available (core/limits.h RequireMemory). The
+// message names E, C, M, H and the bytes needed, so a layer.json `capacity` of 1e8 is refused up
+// front instead of being found by the kernel's OOM killer. Also refuses rows above the int32 index
+// range. (MakeDispatchPlan calls it; in dropless mode it checks the routed rows the same way.)
+void RequireExpertBufferMemory(const LayerConfig& config, int64_t num_experts, int64_t capacity);
+
 struct PlanOptions {
   int64_t global_token_offset = 0;  // keys the random drop priority
   uint64_t step = 0;                // keys the random drop priority (with config.seed)

@@ -63,7 +63,8 @@ struct LayerRunResult {
   bool is_root = true;  // false on MPI ranks other than 0 (which hold only `ranks`' own entry)
   // As moe::LayerOutput for the whole batch: y [T, M] (x's dtype), routing [T, k], the
   // expert loads / counts summed over the data shards. kPerRank scope: l_aux and z_loss are the
-  // mean over the data shards (their own values in l_aux_per_shard), capacity the largest.
+  // mean over the data shards that hold tokens (a shard without tokens reports 0 and is left
+  // out; their own values in l_aux_per_shard), capacity the largest.
   moe::LayerOutput output;
   std::vector<float> l_aux_per_shard;
   // With dy: gradients for x [T, M] and the parameters (full shapes, summed over data shards).

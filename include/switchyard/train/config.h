@@ -117,6 +117,8 @@ bool IsLayoutKey(std::string_view key);
 struct ConfigKey {
   std::string name;
   std::string help;
+  // What the value is, for help texts: INT, FLOAT, BOOL, PATH (a file or directory) or NAME.
+  std::string type;
 };
 std::vector<ConfigKey> TrainConfigKeys();
 // Sets one key from command-line text: a JSON value (4, 0.5, true) or, when that does not

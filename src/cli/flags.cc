@@ -1,0 +1,158 @@
+#include "cli/flags.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <set>
+
+#include "cli/command.h"
+#include "cli/parse_numbers.h"
+#include "switchyard/core/error.h"
+#include "switchyard/core/limits.h"
+#include "switchyard/train/config.h"
+
+namespace switchyard::cli {
+
+std::string NormalizeFlagSpelling(std::string_view arg) {
+  std::string out(arg);
+  if (out.size() <= 2 || out.compare(0, 2, "--") != 0) return out;
+  const size_t end = std::min(out.find('='), out.size());
+  for (size_t i = 2; i < end; ++i) {
+    if (out[i] == '_') out[i] = '-';
+  }
+  return out;
+}
+
+void NormalizeFlagSpellings(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--") == 0) return;  // positional arguments follow
+    const std::string fixed = NormalizeFlagSpelling(argv[i]);
+    std::memcpy(argv[i], fixed.data(), fixed.size());  // same length: only '_' -> '-'
+  }
+}
+
+CLI::Validator FiniteIn(double lo, double hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& text) -> std::string {
+        try {
+          ParseFiniteDouble(text, "value", lo, hi);
+        } catch (const InvalidArgument&) {
+          return fmt::format("'{}' is not a finite number in [{:g}, {:g}]", text, lo, hi);
+        }
+        return "";
+      },
+      fmt::format("FLOAT in [{:g}, {:g}]", lo, hi));
+}
+
+void AddEmulationLinkOptions(CLI::App& app, double* intra_latency_us, double* intra_gbps,
+                             double* inter_latency_us, double* inter_gbps) {
+  const double big = 1e12;  // the deadline bounds latencies (RequireEmulationFitsDeadline)
+  app.add_option("--intra-latency-us", *intra_latency_us,
+                 "emulated intra-node latency per message, microseconds (below the collective "
+                 "deadline)")
+      ->check(FiniteIn(0, big));
+  app.add_option("--intra-gbps", *intra_gbps,
+                 "emulated intra-node bandwidth, GB/s (0 = unlimited; else >= 1e-6)")
+      ->check(FiniteIn(0, big));
+  app.add_option("--inter-latency-us", *inter_latency_us,
+                 "emulated inter-node latency per message, microseconds (below the collective "
+                 "deadline)")
+      ->check(FiniteIn(0, big));
+  app.add_option("--inter-gbps", *inter_gbps,
+                 "emulated inter-node bandwidth, GB/s (0 = unlimited; else >= 1e-6)")
+      ->check(FiniteIn(0, big));
+}
+
+void RequireEmulationFitsDeadline(const comm::EmulationOptions& emulation,
+                                  comm::Milliseconds deadline, std::string_view deadline_flag,
+                                  uint64_t largest_message_bytes) {
+  const double deadline_us = static_cast<double>(deadline.count()) * 1e3;
+  const std::string deadline_text =
+      deadline_flag.empty()
+          ? fmt::format("the collective deadline ({} ms, the default)", deadline.count())
+          : fmt::format("the collective deadline ({} {} ms)", deadline_flag, deadline.count());
+  for (const auto& [prefix, link] :
+       {std::pair<const char*, const comm::LinkModel&>{"--intra", emulation.intra_node},
+        std::pair<const char*, const comm::LinkModel&>{"--inter", emulation.inter_node}}) {
+    SY_REQUIRE(std::isfinite(link.latency_us) && link.latency_us >= 0, InvalidArgument,
+               "{}-latency-us: {:g} is not a finite latency >= 0", prefix, link.latency_us);
+    SY_REQUIRE(link.latency_us < deadline_us, InvalidArgument,
+               "{}-latency-us: {:g} us is not below {}: every message would wait past it; "
+               "expected a latency below {:g} us",
+               prefix, link.latency_us, deadline_text, deadline_us);
+    SY_REQUIRE(std::isfinite(link.bandwidth_gbps) &&
+                   (link.bandwidth_gbps == 0 || link.bandwidth_gbps >= comm::kMinEmulatedGbps),
+               InvalidArgument, "{}-gbps: {:g} is not 0 (unlimited) or a bandwidth >= {:g} GB/s",
+               prefix, link.bandwidth_gbps, comm::kMinEmulatedGbps);
+    if (link.bandwidth_gbps > 0) {
+      const double us = link.latency_us + static_cast<double>(largest_message_bytes) /
+                                              (link.bandwidth_gbps * 1e9) * 1e6;
+      SY_REQUIRE(us < deadline_us, InvalidArgument,
+                 "{}-gbps: a message of {} at {:g} GB/s takes {:.3g} s, not below {}", prefix,
+                 FormatBytes(largest_message_bytes), link.bandwidth_gbps, us * 1e-6, deadline_text);
+    }
+  }
+  comm::ValidateEmulationOptions(emulation, deadline);
+}
+
+void AddTrainConfigFlags(CLI::App& app,
+                         std::function<void(const std::string& key, const std::string& text)> set) {
+  auto setter = std::make_shared<decltype(set)>(std::move(set));
+  for (const train::ConfigKey& key : train::TrainConfigKeys()) {
+    std::string flag = "--" + key.name;
+    for (size_t i = 2; i < flag.size(); ++i) {
+      if (flag[i] == '_') flag[i] = '-';
+    }
+    app.add_option_function<std::string>(
+           flag, [setter, name = key.name](const std::string& v) { (*setter)(name, v); }, key.help)
+        ->type_name(key.type);
+  }
+  app.footer(
+      "Flags are spelled with dashes (--batch-size); the underscore spellings (--batch_size) are "
+      "accepted too. The keys of a --config JSON file are the flag names with underscores "
+      "(\"batch_size\").");
+}
+
+namespace {
+
+// What an option's value is when CLI11 only knows it is a string.
+std::string TypeOfTextOption(const std::string& name) {
+  static const std::set<std::string> kPaths = {
+      "config", "tensors", "out", "trace", "resume", "data", "moe-layer-config", "in"};
+  if (kPaths.count(name)) return "PATH";
+  if (name == "sizes") return "SIZES";
+  return "NAME";
+}
+
+void ApplyFlagConventions(CLI::App& app, const std::string& command) {
+  for (CLI::Option* opt : app.get_options()) {
+    for (const std::string& name : opt->get_lnames()) {
+      SY_CHECK(name.find('_') == std::string::npos,
+               "{}: flag --{} is spelled with '_'; the CLI spells flags with dashes (flags.h)",
+               command, name);
+    }
+    // The type alone ("TEXT"), without the validators' descriptions get_type_name() appends.
+    if (opt->get_type_name().rfind("TEXT", 0) == 0 && opt->get_type_size() != 0) {
+      opt->type_name(TypeOfTextOption(opt->get_single_name()));
+    }
+  }
+}
+
+}  // namespace
+
+Command WithFlagConventions(Command command) {
+  auto setup = command.setup;
+  const std::string name =
+      command.parent.empty() ? command.name : command.parent + " " + command.name;
+  command.setup = [setup, name](CLI::App& app) -> Action {
+    Action action = setup(app);
+    ApplyFlagConventions(app, name);
+    return action;
+  };
+  return command;
+}
+
+}  // namespace switchyard::cli
