@@ -686,7 +686,19 @@ RunSummary Trainer::Run(const RunOptions& options) {
       try {
         std::rethrow_exception(save_error);
       } catch (const std::exception& e) {
-        note = fmt::format(" (saving the last completed step {} failed too: {})", step_, e.what());
+        std::string first;
+        try {
+          std::rethrow_exception(error);
+        } catch (const std::exception& original) {
+          first = original.what();
+        } catch (...) {
+        }
+        // The same failure twice (a checkpoint that cannot be written) is said once.
+        note = first == e.what()
+                   ? fmt::format(" (saving the last completed step {} again failed the same way)",
+                                 step_)
+                   : fmt::format(" (saving the last completed step {} failed too: {})", step_,
+                                 e.what());
       }
     }
   } else if (saved_step >= 0 && writer) {
