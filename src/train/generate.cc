@@ -1,5 +1,7 @@
 #include "switchyard/train/generate.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -51,6 +53,52 @@ std::string GenerateText(TransformerLm& model, const SampleOptions& o) {
     if (chosen < 0) chosen = last_possible;  // rounding left u slightly above 0
     context.push_back(chosen);
     out.push_back(static_cast<char>(chosen));
+  }
+  return out;
+}
+
+std::string EscapeForTerminal(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  auto escape = [&](unsigned char ch) { out += fmt::format("\\x{:02x}", ch); };
+  const size_t n = text.size();
+  for (size_t i = 0; i < n;) {
+    const auto ch = static_cast<unsigned char>(text[i]);
+    if (ch < 0x80) {
+      bool control = (ch < 0x20 && ch != '\n' && ch != '\t') || ch == 0x7f;
+      if (control) {
+        escape(ch);
+      } else {
+        out += static_cast<char>(ch);
+      }
+      ++i;
+      continue;
+    }
+    // A well-formed UTF-8 sequence: lead byte, its length, continuation bytes 10xxxxxx, no
+    // overlong forms (C0, C1, E0 80..9F, F0 80..8F), no surrogates (ED A0..BF), <= U+10FFFF.
+    size_t len = ch >= 0xC2 && ch <= 0xDF   ? 2
+                 : ch >= 0xE0 && ch <= 0xEF ? 3
+                 : ch >= 0xF0 && ch <= 0xF4 ? 4
+                                            : 0;
+    bool ok = len > 0 && i + len <= n;
+    for (size_t j = 1; ok && j < len; ++j) {
+      ok = (static_cast<unsigned char>(text[i + j]) & 0xC0) == 0x80;
+    }
+    if (ok) {
+      const auto second = static_cast<unsigned char>(text[i + 1]);
+      if ((ch == 0xE0 && second < 0xA0) || (ch == 0xED && second > 0x9F) ||
+          (ch == 0xF0 && second < 0x90) || (ch == 0xF4 && second > 0x8F) ||
+          (ch == 0xC2 && second < 0xA0)) {  // C1 controls U+0080..U+009F drive terminals too
+        ok = false;
+      }
+    }
+    if (!ok) {
+      escape(ch);
+      ++i;
+      continue;
+    }
+    out.append(text.substr(i, len));
+    i += len;
   }
   return out;
 }

@@ -772,13 +772,8 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
   fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{})\n", run_dir,
              moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "");
   if (c.sample_tokens > 0) {
-    // Control bytes (an untrained model emits any byte) would drive the terminal: escape them.
-    std::string shown;
-    for (unsigned char ch : summary.sample) {
-      bool control = (ch < 0x20 && ch != '\n' && ch != '\t') || ch == 0x7f;
-      shown += control ? fmt::format("\\x{:02x}", ch) : std::string(1, static_cast<char>(ch));
-    }
-    fmt::print(out, "sample (temperature {}):\n{}\n", c.temperature, shown);
+    fmt::print(out, "sample (temperature {}):\n{}\n", c.temperature,
+               EscapeForTerminal(summary.sample));
   }
 }
 

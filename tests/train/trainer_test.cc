@@ -470,3 +470,23 @@ TEST(TrainerTest, DataParallelHooksMatchOneRank) {
 
 }  // namespace
 }  // namespace switchyard::train
+
+namespace switchyard::train {
+namespace {
+
+TEST(EscapeForTerminal, KeepsTextAndUtf8EscapesEverythingElse) {
+  EXPECT_EQ(EscapeForTerminal("plain text\n\tok"), "plain text\n\tok");
+  EXPECT_EQ(EscapeForTerminal("caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"),
+            "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80");
+  EXPECT_EQ(EscapeForTerminal(std::string("a\x1b[2Jb\x7f", 7)), "a\\x1b[2Jb\\x7f");
+  // Stray continuation bytes, truncated sequences, overlong forms, surrogates and C1 controls.
+  EXPECT_EQ(EscapeForTerminal("\x80x"), "\\x80x");
+  EXPECT_EQ(EscapeForTerminal("\xe2\x82"), "\\xe2\\x82");
+  EXPECT_EQ(EscapeForTerminal("\xc0\xaf"), "\\xc0\\xaf");
+  EXPECT_EQ(EscapeForTerminal("\xed\xa0\x80"), "\\xed\\xa0\\x80");
+  EXPECT_EQ(EscapeForTerminal("\xc2\x9b"), "\\xc2\\x9b");
+  EXPECT_EQ(EscapeForTerminal("\xff\xfe"), "\\xff\\xfe");
+}
+
+}  // namespace
+}  // namespace switchyard::train

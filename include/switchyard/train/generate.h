@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "switchyard/train/model.h"
 
@@ -25,5 +26,10 @@ struct SampleOptions {
 // Throws InvalidArgument for temperature <= 0, a model whose vocab is not bytes (256), or
 // negative sizes.
 std::string GenerateText(TransformerLm& model, const SampleOptions& options);
+
+// `text` made safe to print on a terminal: newlines, tabs and well-formed UTF-8 are kept; every
+// other byte (control bytes, C1 controls, bytes of malformed or overlong UTF-8 sequences) becomes
+// "\xNN". A byte-level model emits any byte, and raw ones would drive the terminal.
+std::string EscapeForTerminal(std::string_view text);
 
 }  // namespace switchyard::train
