@@ -14,6 +14,7 @@
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
+#include "switchyard/kernels/gemm_backend.h"
 #include "switchyard/train/generate.h"
 #include "switchyard/train/moe_feed_forward.h"
 #include "switchyard/train/progress.h"
@@ -431,11 +432,13 @@ RunSummary Trainer::Run(const RunOptions& options) {
     WriteTextFileAtomic(run_dir + "/summary.json", s.dump(2) + "\n");
     fmt::print(out,
                "done: {} steps in {}, {} tok/s (median), {:.1f} GFLOP/s of model FLOPs\n"
+               "  GEMM backend: {}{}\n"
                "  train loss {:.4f}, val loss {:.4f} nats/byte; unigram entropy {:.3f} "
                "({:.0f}% of it)\n",
                summary.steps, FormatDuration(summary.seconds), FormatRate(summary.tokens_per_s),
-               summary.tokens_per_s * summary.flops_per_token / 1e9, summary.final_train_loss,
-               summary.final_val_loss, summary.unigram_entropy,
+               summary.tokens_per_s * summary.flops_per_token / 1e9, kernels::GemmBackendName(),
+               kernels::GemmBackendWarning().empty() ? "" : "\n  " + kernels::GemmBackendWarning(),
+               summary.final_train_loss, summary.final_val_loss, summary.unigram_entropy,
                100 * summary.final_val_loss / summary.unigram_entropy);
     if (std::isfinite(summary.moe_time_share)) {
       fmt::print(out,
