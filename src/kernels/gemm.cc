@@ -84,7 +84,8 @@ void OneDnnGemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, f
   const int64_t align = split_rows ? 8 : 16;  // block edges on kernel tile boundaries
   const int64_t units = (extent + align - 1) / align;
   const int parts = static_cast<int>(std::min<int64_t>(threads, units));
-  ParallelFor(parts, parts, 1, [&](int64_t pb, int64_t pe) {
+  // `threads` (not `parts`) names the pool, so the calling thread's pool keeps its size.
+  ParallelFor(parts, threads, 1, [&](int64_t pb, int64_t pe) {
     for (int64_t p = pb; p < pe; ++p) {
       const int64_t begin = std::min(extent, units * p / parts * align);
       const int64_t end = std::min(extent, units * (p + 1) / parts * align);
