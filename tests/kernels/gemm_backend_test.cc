@@ -1,6 +1,7 @@
 // The GEMM backend selector (gemm_backend.h) and every backend against the float64 reference.
 #include "switchyard/kernels/gemm_backend.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -146,6 +147,13 @@ TEST_P(BackendGemmTest, MatchesFloat64Reference) {
   }
 }
 
+std::string BackendGemmName(const ::testing::TestParamInfo<BackendGemmTest::ParamType>& info) {
+  const auto& [backend, shape, ta, tb, threads] = info.param;
+  const auto& [m, n, k] = shape;
+  return fmt::format("{}_{}x{}x{}_{}{}_t{}", GemmBackendKey(backend), m, n, k, ta ? 'T' : 'N',
+                     tb ? 'T' : 'N', threads);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     OddShapes, BackendGemmTest,
     ::testing::Combine(::testing::Values(GemmBackend::kOneDnn, GemmBackend::kOpenBlas),
@@ -153,7 +161,8 @@ INSTANTIATE_TEST_SUITE_P(
                                          Shape{17, 1, 65}, Shape{65, 17, 7}, Shape{7, 65, 17},
                                          Shape{130, 33, 257}, Shape{33, 300, 65},
                                          Shape{7, 2100, 80}),
-                       ::testing::Bool(), ::testing::Bool(), ::testing::Values(1, 2)));
+                       ::testing::Bool(), ::testing::Bool(), ::testing::Values(1, 2)),
+    BackendGemmName);
 
 }  // namespace
 }  // namespace switchyard::kernels
