@@ -1,7 +1,7 @@
 #include "switchyard/kernels/gemm.h"
 
 #include <cblas.h>
-#include <omp.h>
+#include <dlfcn.h>
 #include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
@@ -47,6 +47,16 @@ void OpenBlasGemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k,
               static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
 }
 
+// The OpenMP runtime's omp_set_num_threads, looked up in the process (Debian's libdnnl is built
+// with OpenMP and loads libgomp); null for a oneDNN without OpenMP threads. Looked up at run time
+// so that switchyard needs no OpenMP headers or flags of its own (its clang builds have none).
+using SetNumThreadsFn = void (*)(int);
+SetNumThreadsFn OmpSetNumThreads() {
+  static const SetNumThreadsFn fn =
+      reinterpret_cast<SetNumThreadsFn>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
+  return fn;
+}
+
 // One single-threaded dnnl_sgemm. oneDNN's threads are OpenMP's: the calling thread's OpenMP
 // thread count is set to 1 once (it is per thread in libgomp), so oneDNN never starts a team and
 // each rank thread stays inside its own budget.
@@ -55,7 +65,7 @@ void OneDnnGemm1(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, 
                  int64_t ldc) {
   thread_local bool single = false;
   if (!single) {
-    omp_set_num_threads(1);
+    if (SetNumThreadsFn set = OmpSetNumThreads()) set(1);
     single = true;
   }
   dnnl_status_t st =

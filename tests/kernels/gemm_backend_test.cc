@@ -1,10 +1,12 @@
 // The GEMM backend selector (gemm_backend.h) and every backend against the float64 reference.
 #include "switchyard/kernels/gemm_backend.h"
 
+#include <dlfcn.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <thread>
 #include <tuple>
 
 #include "switchyard/core/error.h"
@@ -113,6 +115,23 @@ TEST(GenericOpenBlasCore, SelectorStillPicksTheFastPath) {
   const std::string w = GenericKernelWarning(f, GemmBackendName(GemmBackend::kOpenBlas),
                                              GemmBackendIsa(GemmBackend::kOpenBlas));
   EXPECT_NE(w.find("Prescott"), std::string::npos) << w;
+}
+
+// The threading policy with oneDNN: a thread that calls Gemm runs oneDNN with one OpenMP thread
+// (the rank's budget is spent by splitting C over its own pool, never by an OpenMP team).
+TEST(OneDnnThreads, CallingThreadUsesOneOpenMpThread) {
+  using GetMaxThreads = int (*)();
+  auto get = reinterpret_cast<GetMaxThreads>(dlsym(RTLD_DEFAULT, "omp_get_max_threads"));
+  if (get == nullptr) GTEST_SKIP() << "oneDNN without an OpenMP runtime";
+  SetGemmBackend(GemmBackend::kOneDnn);
+  int seen = -1;
+  std::thread([&] {
+    std::vector<float> a(64, 1.0f), b(64, 1.0f), c(64, 0.0f);
+    Gemm(Trans::kNo, Trans::kNo, 8, 8, 8, 1.0f, a.data(), 8, b.data(), 8, 0.0f, c.data(), 8);
+    seen = get();
+  }).join();
+  SetGemmBackend(SelectGemmBackend(HostCpuFeatures(), "").backend);
+  EXPECT_EQ(seen, 1);
 }
 
 // Every backend x odd shapes x transposes x padded leading dimensions x beta x threads, against
