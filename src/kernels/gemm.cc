@@ -83,7 +83,8 @@ constexpr double kSplitMinMacs = 1 << 20;
 void OneDnnGemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                 const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
                 int64_t ldc) {
-  const int threads = std::max(1, g_threads.load(std::memory_order_relaxed));
+  // The same budget GroupedGemm reads (OpenBLAS's default until SetBlasThreads is called).
+  const int threads = std::max(1, BlasThreads());
   const double macs = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   if (threads == 1 || macs < kSplitMinMacs) {
     OneDnnGemm1(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
