@@ -6,6 +6,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential g++ cmake ninja-build pkg-config git
   libopenblas-dev            # GEMM (cblas_sgemm); linked explicitly, never the reference BLAS
+  libdnnl-dev                # GEMM on AVX2 / AVX-512 CPUs (oneDNN, kernels by cpuid features)
   libopenmpi-dev openmpi-bin # MPI transport
   libgtest-dev libgmock-dev  # unit tests
   libbenchmark-dev           # Google Benchmark programs in bench/

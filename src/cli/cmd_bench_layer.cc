@@ -18,6 +18,7 @@
 #include "cli/timing.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/kernels/gemm.h"
+#include "switchyard/kernels/gemm_backend.h"
 #include "switchyard/moe/dispatch.h"
 #include "switchyard/moe/gate.h"
 #include "switchyard/moe/grouped_gemm.h"
@@ -289,6 +290,9 @@ int RunBenchLayer(const BenchLayerOptions& o) {
                         {"gated", o.gated},
                         {"threads", o.threads},
                         {"blas_threads", o.blas_threads},
+                        {"gemm_backend", kernels::GemmBackendName()},
+                        {"useful_gflops_per_cpu_s", useful_flop / cpu_step / 1e9},
+                        {"small_gemm_isa", moe::SmallGemmIsaName()},
                         {"capacity", probe.capacity},
                         {"kept_pairs", kept},
                         {"dropped_pairs", probe.dropped},
@@ -331,6 +335,15 @@ int RunBenchLayer(const BenchLayerOptions& o) {
       "  process CPU time: step {:.2f} ms, GEMMs {:.2f} ms (grouped), {:.2f} ms (loop) -> "
       "step / GEMMs = {:.3f}, grouped/loop = {:.3f}\n",
       cpu_step * 1e3, cpu_grouped * 1e3, cpu_loop * 1e3, cpu_ratio, cpu_grouped / cpu_loop);
+  // On a loaded machine the wall time carries other processes' time; per CPU-second of the
+  // process is what the layer does while it holds its cores.
+  fmt::print("  useful GFLOP/s per CPU-second of the step: {:.1f} ({:.2f} of one core's peak)\n",
+             useful_flop / cpu_step / 1e9, useful_flop / cpu_step / 1e9 / peak.gflops);
+  fmt::print("  GEMMs: {}; small-expert kernels {}\n", kernels::GemmBackendName(),
+             moe::SmallGemmIsaName());
+  if (!kernels::GemmBackendWarning().empty()) {
+    fmt::print("  {}\n", kernels::GemmBackendWarning());
+  }
   fmt::print("  FMA peak ({}, measured now) {:.1f} GFLOP/s -> layer at {:.0f}% of peak\n", peak.isa,
              peak_total, 100.0 * useful_flop / s_step.median_s / 1e9 / peak_total);
   if (!breakdown.empty()) {

@@ -1,6 +1,8 @@
 #include "switchyard/kernels/gemm.h"
 
 #include <cblas.h>
+#include <dlfcn.h>
+#include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
 #include <atomic>
@@ -8,6 +10,8 @@
 #include <vector>
 
 #include "switchyard/core/error.h"
+#include "switchyard/core/thread_pool.h"
+#include "switchyard/kernels/gemm_backend.h"
 
 namespace switchyard::kernels {
 namespace {
@@ -32,6 +36,84 @@ void ScaleC(int64_t m, int64_t n, float beta, float* c, int64_t ldc) {
   }
 }
 
+// The process's GEMM thread budget (SetBlasThreads); 0 = not set yet (OpenBLAS's default).
+std::atomic<int> g_threads{0};
+
+void OpenBlasGemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                  const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                  int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, ToCblas(trans_a), ToCblas(trans_b), static_cast<int>(m),
+              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b,
+              static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+}
+
+// The OpenMP runtime's omp_set_num_threads, looked up in the process (Debian's libdnnl is built
+// with OpenMP and loads libgomp); null for a oneDNN without OpenMP threads. Looked up at run time
+// so that switchyard needs no OpenMP headers or flags of its own (its clang builds have none).
+using SetNumThreadsFn = void (*)(int);
+SetNumThreadsFn OmpSetNumThreads() {
+  static const SetNumThreadsFn fn =
+      reinterpret_cast<SetNumThreadsFn>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
+  return fn;
+}
+
+// One single-threaded dnnl_sgemm. oneDNN's threads are OpenMP's: the calling thread's OpenMP
+// thread count is set to 1 once (it is per thread in libgomp), so oneDNN never starts a team and
+// each rank thread stays inside its own budget.
+void OneDnnGemm1(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                 const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                 int64_t ldc) {
+  thread_local bool single = false;
+  if (!single) {
+    if (SetNumThreadsFn set = OmpSetNumThreads()) set(1);
+    single = true;
+  }
+  dnnl_status_t st =
+      dnnl_sgemm(trans_a == Trans::kYes ? 'T' : 'N', trans_b == Trans::kYes ? 'T' : 'N', m, n, k,
+                 alpha, a, lda, b, ldb, beta, c, ldc);
+  SY_CHECK(st == dnnl_success, "dnnl_sgemm({}x{}x{}) failed with status {}", m, n, k,
+           static_cast<int>(st));
+}
+
+// Below this many multiply-adds a GEMM runs on one thread (splitting costs more than it gives).
+constexpr double kSplitMinMacs = 1 << 20;
+
+// oneDNN: C is split into `threads` blocks of rows (or of columns when C is wide and short), one
+// single-threaded dnnl_sgemm each on the calling thread's pool (core/thread_pool.h).
+void OneDnnGemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                int64_t ldc) {
+  // The same budget GroupedGemm reads (OpenBLAS's default until SetBlasThreads is called).
+  const int threads = std::max(1, BlasThreads());
+  const double macs = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  if (threads == 1 || macs < kSplitMinMacs) {
+    OneDnnGemm1(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  const bool split_rows = m >= 8 * threads && m * 2 >= n / 4;
+  const int64_t extent = split_rows ? m : n;
+  const int64_t align = split_rows ? 8 : 16;  // block edges on kernel tile boundaries
+  const int64_t units = (extent + align - 1) / align;
+  const int parts = static_cast<int>(std::min<int64_t>(threads, units));
+  // `threads` (not `parts`) names the pool, so the calling thread's pool keeps its size.
+  ParallelFor(parts, threads, 1, [&](int64_t pb, int64_t pe) {
+    for (int64_t p = pb; p < pe; ++p) {
+      const int64_t begin = std::min(extent, units * p / parts * align);
+      const int64_t end = std::min(extent, units * (p + 1) / parts * align);
+      if (end <= begin) continue;
+      if (split_rows) {
+        const float* ap = trans_a == Trans::kNo ? a + begin * lda : a + begin;
+        OneDnnGemm1(trans_a, trans_b, end - begin, n, k, alpha, ap, lda, b, ldb, beta,
+                    c + begin * ldc, ldc);
+      } else {
+        const float* bp = trans_b == Trans::kNo ? b + begin : b + begin * ldb;
+        OneDnnGemm1(trans_a, trans_b, m, end - begin, k, alpha, a, lda, bp, ldb, beta, c + begin,
+                    ldc);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void Gemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha,
@@ -47,9 +129,11 @@ void Gemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float a
   }
   CheckLeading("A", trans_a, m, k, lda);
   CheckLeading("B", trans_b, k, n, ldb);
-  cblas_sgemm(CblasRowMajor, ToCblas(trans_a), ToCblas(trans_b), static_cast<int>(m),
-              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b,
-              static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+  if (ActiveGemmBackend() == GemmBackend::kOneDnn) {
+    OneDnnGemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else {
+    OpenBlasGemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
 }
 
 void GroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,
@@ -102,8 +186,16 @@ void BatchedGemm(Trans trans_a, Trans trans_b, int64_t batch, int64_t m, int64_t
   GroupedGemm(trans_a, trans_b, alpha, beta, problems, threads);
 }
 
-void SetBlasThreads(int threads) { openblas_set_num_threads(std::max(1, threads)); }
-int BlasThreads() { return openblas_get_num_threads(); }
+void SetBlasThreads(int threads) {
+  threads = std::max(1, threads);
+  g_threads.store(threads);
+  openblas_set_num_threads(threads);
+}
+
+int BlasThreads() {
+  const int t = g_threads.load(std::memory_order_relaxed);
+  return t > 0 ? t : openblas_get_num_threads();
+}
 const char* BlasConfig() { return openblas_get_config(); }
 
 }  // namespace switchyard::kernels

@@ -7,6 +7,7 @@
 #include "moe/activation.h"
 #include "moe/parallel_for.h"
 #include "switchyard/core/error.h"
+#include "switchyard/core/thread_pool.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/moe/grouped_gemm.h"
 
@@ -16,9 +17,15 @@ namespace {
 using kernels::GemmProblem;
 using kernels::Trans;
 
-// Rows handed to one thread at a time by the elementwise steps. Fixed (not derived from the thread
-// count) so that reductions over chunks give the same bits for any thread count.
-constexpr int64_t kChunkRows = 128;
+// Rows of one pipeline task: fc1 -> activation -> fc2 (forward) and fc2' -> activation' -> fc1'
+// (backward) run on one chunk of a group's rows at a time, so the [rows, H] intermediates are read
+// back while they are still in cache instead of in separate passes over the whole [*, H] tensors.
+// A group is split into ceil(rows / kMaxChunkRows) chunks of equal size: many small experts get
+// one chunk each (their [rows, H] block stays in L2), large groups keep GEMMs of >= 512 rows
+// (measured on config A: 256-row chunks cost ~3 % in GEMM rate, more than the traffic they save,
+// docs/PERFORMANCE.md). The chunks depend only on the groups (not on the thread count), so
+// reductions over chunks give the same bits for any thread count.
+constexpr int64_t kMaxChunkRows = 1024;
 
 // The [*, H] intermediates hold only the groups' rows, back to back (compact), so capacity
 // padding costs no memory there: group g starts at compact row CompactBegin(groups)[g].
@@ -44,9 +51,10 @@ std::vector<RowChunk> Chunks(const ExpertGroups& groups) {
   std::vector<RowChunk> chunks;
   const std::vector<int64_t> compact = CompactBegin(groups);
   for (size_t g = 0; g < groups.begin.size(); ++g) {
-    for (int64_t r = 0; r < groups.rows[g]; r += kChunkRows) {
-      chunks.push_back({static_cast<int64_t>(g), groups.begin[g] + r, compact[g] + r,
-                        std::min(kChunkRows, groups.rows[g] - r)});
+    const int64_t n = (groups.rows[g] + kMaxChunkRows - 1) / kMaxChunkRows;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = groups.rows[g] * i / n, end = groups.rows[g] * (i + 1) / n;
+      chunks.push_back({static_cast<int64_t>(g), groups.begin[g] + r, compact[g] + r, end - r});
     }
   }
   return chunks;
@@ -58,6 +66,24 @@ void ForEachChunk(const std::vector<RowChunk>& chunks, int threads, Fn&& fn) {
   ParallelFor(static_cast<int64_t>(chunks.size()), threads, 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) fn(i, chunks[static_cast<size_t>(i)]);
   });
+}
+
+// fn(chunk_index, chunk) for every chunk as one task each, handed out dynamically to the
+// calling thread's pool of `threads` threads. With one thread the tasks run in order on the
+// caller (outside any pool task, so a GEMM inside may still use the process's GEMM threads).
+template <typename Fn>
+void ForEachTask(const std::vector<RowChunk>& chunks, int threads, Fn&& fn) {
+  const int64_t n = static_cast<int64_t>(chunks.size());
+  if (threads <= 1 || n <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i, chunks[static_cast<size_t>(i)]);
+    return;
+  }
+  LocalPool(threads).Run(n, [&](int64_t i) { fn(i, chunks[static_cast<size_t>(i)]); });
+}
+
+// One product through the grouped GEMM's choice of kernel (moe/grouped_gemm.h), alpha = 1.
+void RunOne(Trans trans_a, Trans trans_b, float beta, const GemmProblem& p) {
+  ExpertGroupedGemm(trans_a, trans_b, 1.0f, beta, std::span<const GemmProblem>(&p, 1), 1);
 }
 
 // Zeroes the rows of `t` [rows, cols] that belong to no group.
@@ -78,37 +104,6 @@ void ZeroPadding(const Tensor& t, const ExpertGroups& groups) {
     cursor = std::max(cursor, e);
   }
   zero(cursor, t.size(0));
-}
-
-// Rows of a group's C initialised with a bias row (bias [G, cols]); returns the GEMM beta.
-float FillBias(const Tensor& bias, const Tensor& out, const std::vector<RowChunk>& chunks,
-               int threads) {
-  if (!bias.defined()) return 0.0f;
-  const int64_t cols = out.size(1);
-  const float* b = bias.data<float>();
-  float* o = out.data<float>();
-  ForEachChunk(chunks, threads, [&](int64_t, const RowChunk& c) {
-    for (int64_t r = c.begin; r < c.begin + c.rows; ++r) {
-      std::memcpy(o + r * cols, b + c.group * cols, static_cast<size_t>(cols) * sizeof(float));
-    }
-  });
-  return 1.0f;
-}
-
-// Forward-style problems: C[rows_g, n] (+)= A[rows_g, k] · op(W_g), one per non-empty group;
-// group g's rows start at a_begin[g] in A and c_begin[g] in C.
-std::vector<GemmProblem> RowProblems(const ExpertGroups& groups, const float* a,
-                                     const std::vector<int64_t>& a_begin, int64_t lda,
-                                     const float* w, int64_t w_stride, int64_t ldw, float* c,
-                                     const std::vector<int64_t>& c_begin, int64_t ldc, int64_t n,
-                                     int64_t k) {
-  std::vector<GemmProblem> ps;
-  for (size_t g = 0; g < groups.begin.size(); ++g) {
-    if (groups.rows[g] == 0) continue;
-    ps.push_back({groups.rows[g], n, k, a + a_begin[g] * lda, lda,
-                  w + static_cast<int64_t>(g) * w_stride, ldw, c + c_begin[g] * ldc, ldc});
-  }
-  return ps;
 }
 
 // Weight-gradient problems: dW_g[m, n] = A_g^T [m, rows_g] · B_g [rows_g, n], every group
@@ -232,7 +227,6 @@ Tensor ExpertsForward(const ExpertOptions& options, const ExpertWeights& w, cons
         groups.begin[g], groups.begin[g] + groups.rows[g], rows);
   }
   const auto chunks = Chunks(groups);
-  const std::vector<int64_t> compact = CompactBegin(groups);
   const int64_t used = groups.total_rows();
 
   Tensor pre1 = Tensor::Empty({used, h_dim});
@@ -241,27 +235,39 @@ Tensor ExpertsForward(const ExpertOptions& options, const ExpertWeights& w, cons
   Tensor out = Tensor::Empty({rows, m_dim});
   const float* x = input.data<float>();
 
-  // fc1 bias is added by the activation pass (one pass over [rows, H] instead of two).
-  auto p1 = RowProblems(groups, x, groups.begin, m_dim, w.fc1_weight.data<float>(), h_dim * m_dim,
-                        m_dim, pre1.data<float>(), compact, h_dim, h_dim, m_dim);
-  ExpertGroupedGemm(Trans::kNo, Trans::kYes, 1.0f, 0.0f, p1, threads);
-  if (options.gated) {
-    auto p3 = RowProblems(groups, x, groups.begin, m_dim, w.fc3_weight.data<float>(), h_dim * m_dim,
-                          m_dim, pre3.data<float>(), compact, h_dim, h_dim, m_dim);
-    ExpertGroupedGemm(Trans::kNo, Trans::kYes, 1.0f, 0.0f, p3, threads);
-  }
+  // One task per chunk of a group's rows: fc1 (and fc3) GEMM, bias + activation on the block just
+  // written (still in cache), fc2 bias rows, fc2 GEMM reading the block from cache.
+  const float* w1 = w.fc1_weight.data<float>();
+  const float* w3 = options.gated ? w.fc3_weight.data<float>() : nullptr;
+  const float* w2 = w.fc2_weight.data<float>();
   const float* b1 = w.fc1_bias.defined() ? w.fc1_bias.data<float>() : nullptr;
-  ForEachChunk(chunks, threads, [&](int64_t, const RowChunk& c) {
-    int64_t off = c.compact * h_dim;
+  const float* b2 = w.fc2_bias.defined() ? w.fc2_bias.data<float>() : nullptr;
+  float* o = out.data<float>();
+  ForEachTask(chunks, threads, [&](int64_t, const RowChunk& c) {
+    const int64_t off = c.compact * h_dim;
+    const float* xc = x + c.begin * m_dim;
+    RunOne(Trans::kNo, Trans::kYes, 0.0f,
+           {c.rows, h_dim, m_dim, xc, m_dim, w1 + c.group * h_dim * m_dim, m_dim,
+            pre1.data<float>() + off, h_dim});
+    if (options.gated) {
+      RunOne(Trans::kNo, Trans::kYes, 0.0f,
+             {c.rows, h_dim, m_dim, xc, m_dim, w3 + c.group * h_dim * m_dim, m_dim,
+              pre3.data<float>() + off, h_dim});
+    }
     ActivationForwardRows(options.activation, c.rows, h_dim, b1 ? b1 + c.group * h_dim : nullptr,
                           pre1.data<float>() + off,
                           options.gated ? pre3.data<float>() + off : nullptr,
                           hidden.data<float>() + off);
+    if (b2) {
+      for (int64_t r = c.begin; r < c.begin + c.rows; ++r) {
+        std::memcpy(o + r * m_dim, b2 + c.group * m_dim,
+                    static_cast<size_t>(m_dim) * sizeof(float));
+      }
+    }
+    RunOne(Trans::kNo, Trans::kYes, b2 ? 1.0f : 0.0f,
+           {c.rows, m_dim, h_dim, hidden.data<float>() + off, h_dim, w2 + c.group * m_dim * h_dim,
+            h_dim, o + c.begin * m_dim, m_dim});
   });
-  float beta2 = FillBias(w.fc2_bias, out, chunks, threads);
-  auto p2 = RowProblems(groups, hidden.data<float>(), compact, h_dim, w.fc2_weight.data<float>(),
-                        m_dim * h_dim, h_dim, out.data<float>(), groups.begin, m_dim, m_dim, h_dim);
-  ExpertGroupedGemm(Trans::kNo, Trans::kYes, 1.0f, beta2, p2, threads);
   ZeroPadding(out, groups);
 
   if (saved) {
@@ -297,23 +303,36 @@ ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeight
                                 h_dim, g.weights.fc2_weight.data<float>(), m_dim, h_dim);
   ExpertGroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw2, threads);
   if (w.fc2_bias.defined()) g.weights.fc2_bias = BiasGrad(d_output, chunks, n_groups, threads);
+  // One task per chunk of a group's rows: dh = dY W2 (into d_pre1), the activation's backward on
+  // the block just written (still in cache; gated: d_pre3; the fc1 bias gradient's partial sums),
+  // then dX = d_pre1 W1 (+ d_pre3 W3) reading the block from cache.
   Tensor d_pre1 = Tensor::Empty({used, h_dim});
-  auto ph = RowProblems(groups, dy, groups.begin, m_dim, w.fc2_weight.data<float>(), m_dim * h_dim,
-                        h_dim, d_pre1.data<float>(), compact, h_dim, h_dim, m_dim);
-  ExpertGroupedGemm(Trans::kNo, Trans::kNo, 1.0f, 0.0f, ph, threads);
-
-  // Activation: d_pre1 = act'(pre1) * dh (* pre3); gated: d_pre3 = dh * act(pre1); the fc1
-  // bias gradient is summed in the same pass.
   Tensor d_pre3 = options.gated ? Tensor::Empty({used, h_dim}) : Tensor();
   const bool bias1 = w.fc1_bias.defined();
   std::vector<float> b1_partial(bias1 ? chunks.size() * static_cast<size_t>(h_dim) : 0, 0.0f);
-  ForEachChunk(chunks, threads, [&](int64_t i, const RowChunk& c) {
-    int64_t off = c.compact * h_dim;
+  g.input = Tensor::Empty({rows, m_dim});
+  const float* w1 = w.fc1_weight.data<float>();
+  const float* w2 = w.fc2_weight.data<float>();
+  const float* w3 = options.gated ? w.fc3_weight.data<float>() : nullptr;
+  float* dx = g.input.data<float>();
+  ForEachTask(chunks, threads, [&](int64_t i, const RowChunk& c) {
+    const int64_t off = c.compact * h_dim;
+    float* dp1 = d_pre1.data<float>() + off;
+    float* dp3 = options.gated ? d_pre3.data<float>() + off : nullptr;
+    RunOne(Trans::kNo, Trans::kNo, 0.0f,
+           {c.rows, h_dim, m_dim, dy + c.begin * m_dim, m_dim, w2 + c.group * m_dim * h_dim, h_dim,
+            dp1, h_dim});
     ActivationBackwardRows(options.activation, c.rows, h_dim, s.pre1.data<float>() + off,
-                           options.gated ? s.pre3.data<float>() + off : nullptr,
-                           d_pre1.data<float>() + off,
-                           options.gated ? d_pre3.data<float>() + off : nullptr,
+                           options.gated ? s.pre3.data<float>() + off : nullptr, dp1, dp3,
                            bias1 ? b1_partial.data() + i * h_dim : nullptr);
+    RunOne(Trans::kNo, Trans::kNo, 0.0f,
+           {c.rows, m_dim, h_dim, dp1, h_dim, w1 + c.group * h_dim * m_dim, m_dim,
+            dx + c.begin * m_dim, m_dim});
+    if (options.gated) {
+      RunOne(Trans::kNo, Trans::kNo, 1.0f,
+             {c.rows, m_dim, h_dim, dp3, h_dim, w3 + c.group * h_dim * m_dim, m_dim,
+              dx + c.begin * m_dim, m_dim});
+    }
   });
   if (bias1) g.weights.fc1_bias = ReduceChunkPartials(b1_partial, chunks, n_groups, h_dim);
 
@@ -322,20 +341,11 @@ ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeight
   auto pw1 = WeightGradProblems(groups, d_pre1.data<float>(), compact, h_dim, x, groups.begin,
                                 m_dim, g.weights.fc1_weight.data<float>(), h_dim, m_dim);
   ExpertGroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw1, threads);
-  g.input = Tensor::Empty({rows, m_dim});
-  auto px1 =
-      RowProblems(groups, d_pre1.data<float>(), compact, h_dim, w.fc1_weight.data<float>(),
-                  h_dim * m_dim, m_dim, g.input.data<float>(), groups.begin, m_dim, m_dim, h_dim);
-  ExpertGroupedGemm(Trans::kNo, Trans::kNo, 1.0f, 0.0f, px1, threads);
   if (options.gated) {
     g.weights.fc3_weight = Tensor::Empty(w.fc3_weight.shape());
     auto pw3 = WeightGradProblems(groups, d_pre3.data<float>(), compact, h_dim, x, groups.begin,
                                   m_dim, g.weights.fc3_weight.data<float>(), h_dim, m_dim);
     ExpertGroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw3, threads);
-    auto px3 =
-        RowProblems(groups, d_pre3.data<float>(), compact, h_dim, w.fc3_weight.data<float>(),
-                    h_dim * m_dim, m_dim, g.input.data<float>(), groups.begin, m_dim, m_dim, h_dim);
-    ExpertGroupedGemm(Trans::kNo, Trans::kNo, 1.0f, 1.0f, px3, threads);
   }
   ZeroPadding(g.input, groups);
   return g;

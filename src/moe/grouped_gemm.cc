@@ -6,10 +6,13 @@
 #include <atomic>
 #include <exception>
 #include <numeric>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "switchyard/core/error.h"
+#include "switchyard/kernels/gemm_backend.h"
+#include "switchyard/kernels/small_gemm.h"
 
 // Functions compiled for AVX2 + FMA whatever the build's -march; called only after the run-time
 // check.
@@ -213,9 +216,28 @@ SY_AVX2 void GemmTN(const GemmProblem& p, float alpha, float beta) {
   }
 }
 
-bool IsSmall(Trans trans_a, Trans trans_b, const GemmProblem& p) {
-  if (trans_b == Trans::kYes) return trans_a == Trans::kNo && p.m <= kSmallGemmMaxRows;
-  return trans_a == Trans::kNo ? p.m <= kSmallGemmMaxRows : p.k <= kSmallGemmMaxInner;
+// Which kernel runs a problem: kernels::Gemm (nullopt) or SmallGemm with the given ISA. The
+// limits are the measured crossovers against the active GEMM backend (grouped_gemm.h).
+std::optional<SmallGemmIsa> SmallKernelFor(Trans trans_a, Trans trans_b, const GemmProblem& p) {
+  if (!SmallGemmAvailable()) return std::nullopt;
+  const bool nt = trans_a == Trans::kNo && trans_b == Trans::kYes;
+  if (kernels::ActiveGemmBackend() == kernels::GemmBackend::kOneDnn) {
+    // oneDNN is as fast or faster on NN and TN; on NT its small-m path is slow.
+    if (!nt) return std::nullopt;
+    if (p.m <= kSmallGemmAvx2MaxRowsOneDnn) return SmallGemmIsa::kAvx2;
+    if (p.m <= kSmallGemmAvx512MaxRows && kernels::SmallGemmAvx512Available()) {
+      return SmallGemmIsa::kAvx512;
+    }
+    return std::nullopt;
+  }
+  bool small = false;
+  if (trans_b == Trans::kYes) {
+    small = trans_a == Trans::kNo && p.m <= kSmallGemmMaxRows;
+  } else {
+    small = trans_a == Trans::kNo ? p.m <= kSmallGemmMaxRows : p.k <= kSmallGemmMaxInner;
+  }
+  if (!small) return std::nullopt;
+  return SmallGemmIsa::kAvx2;
 }
 
 }  // namespace
@@ -228,8 +250,16 @@ bool SmallGemmAvailable() {
   return available;
 }
 
-void SmallGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta) {
+const char* SmallGemmIsaName() { return kernels::SmallGemmAvx512Available() ? "avx512" : "avx2"; }
+
+void SmallGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta,
+               SmallGemmIsa isa) {
   SY_CHECK(SmallGemmAvailable(), "SmallGemm needs AVX2 and FMA");
+  if (isa == SmallGemmIsa::kAvx512 ||
+      (isa == SmallGemmIsa::kBest && kernels::SmallGemmAvx512Available())) {
+    kernels::SmallGemmAvx512(trans_a, trans_b, p, alpha, beta);
+    return;
+  }
   SY_REQUIRE(p.m >= 0 && p.n >= 0 && p.k >= 0, InvalidArgument,
              "SmallGemm: negative size m={} n={} k={}", p.m, p.n, p.k);
   if (p.m == 0 || p.n == 0) return;
@@ -251,10 +281,9 @@ void SmallGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, 
 
 void ExpertGroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,
                        std::span<const GemmProblem> problems, int threads) {
-  const bool kernels_ok = SmallGemmAvailable();
   auto run = [&](const GemmProblem& p) {
-    if (kernels_ok && IsSmall(trans_a, trans_b, p)) {
-      SmallGemm(trans_a, trans_b, p, alpha, beta);
+    if (auto isa = SmallKernelFor(trans_a, trans_b, p)) {
+      SmallGemm(trans_a, trans_b, p, alpha, beta, *isa);
     } else {
       kernels::Gemm(trans_a, trans_b, p.m, p.n, p.k, alpha, p.a, p.lda, p.b, p.ldb, beta, p.c,
                     p.ldc);

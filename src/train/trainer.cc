@@ -17,6 +17,7 @@
 #include "switchyard/core/limits.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
+#include "switchyard/kernels/gemm_backend.h"
 #include "switchyard/train/generate.h"
 #include "switchyard/train/moe_feed_forward.h"
 #include "switchyard/train/progress.h"
@@ -746,6 +747,10 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
     done += fmt::format(", {} non-finite step(s) skipped", summary.skipped_steps);
   }
   fmt::print(out, "{}\n", done);
+  fmt::print(out, "  GEMM backend: {}\n", kernels::GemmBackendName());
+  if (std::string warning = kernels::GemmBackendWarning(); !warning.empty()) {
+    fmt::print(out, "  {}\n", warning);
+  }
   std::string losses;
   if (std::isfinite(summary.final_train_ce_loss)) {
     losses += fmt::format("train ce_loss {:.4f}", summary.final_train_ce_loss);

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "switchyard/kernels/reference.h"
+#include "switchyard/kernels/small_gemm.h"
 #include "testing/random.h"
 
 namespace switchyard::moe {
@@ -17,14 +18,21 @@ using switchyard::testing::RandomVector;
 
 // Every form over sizes covering each remainder of the 4 x 3 and 6 x 16 tiles, k with and without
 // an 8-wide tail, padded leading dimensions and beta 0 / 1 / other.
-TEST(SmallGemm, MatchesReference) {
+// Every kernel path (AVX2, and AVX-512 where the CPU has it) against the float64 reference.
+class SmallGemmTest : public ::testing::TestWithParam<SmallGemmIsa> {};
+
+TEST_P(SmallGemmTest, MatchesReference) {
   if (!SmallGemmAvailable()) GTEST_SKIP() << "no AVX2/FMA on this CPU: the kernels are not used";
+  const SmallGemmIsa isa = GetParam();
+  if (isa == SmallGemmIsa::kAvx512 && !kernels::SmallGemmAvx512Available()) {
+    GTEST_SKIP() << "no AVX-512 on this CPU: the AVX-512 kernels are not used";
+  }
   for (int form = 0; form < 3; ++form) {
     const Trans ta = form == 2 ? Trans::kYes : Trans::kNo;
     const Trans tb = form == 0 ? Trans::kYes : Trans::kNo;
-    for (int64_t m : {0, 1, 5, 6, 7, 13, 29}) {
-      for (int64_t n : {1, 3, 4, 15, 16, 17, 40}) {
-        for (int64_t k : {0, 1, 7, 8, 9, 33}) {
+    for (int64_t m : {0, 1, 5, 6, 7, 12, 13, 29, 33, 65}) {
+      for (int64_t n : {1, 3, 4, 15, 16, 17, 40, 65}) {
+        for (int64_t k : {0, 1, 7, 8, 9, 17, 33}) {
           SCOPED_TRACE(::testing::Message()
                        << "form " << form << " m " << m << " n " << n << " k " << k);
           const int64_t lda = (ta == Trans::kNo ? k : m) + 3;
@@ -35,7 +43,7 @@ TEST(SmallGemm, MatchesReference) {
           for (float beta : {0.0f, 1.0f, 0.5f}) {
             auto c = c0, want = c0;
             GemmProblem p{m, n, k, a.data(), lda, b.data(), ldb, c.data(), ldc};
-            SmallGemm(ta, tb, p, 1.25f, beta);
+            SmallGemm(ta, tb, p, 1.25f, beta, isa);
             kernels::ref::Gemm(ta, tb, m, n, k, 1.25f, a.data(), lda, b.data(), ldb, beta,
                                want.data(), ldc);
             ASSERT_TRUE(AllClose(c, want, 1e-5, 1e-5 * (1 + static_cast<double>(k) / 16)))
@@ -46,6 +54,12 @@ TEST(SmallGemm, MatchesReference) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Isa, SmallGemmTest,
+                         ::testing::Values(SmallGemmIsa::kAvx2, SmallGemmIsa::kAvx512),
+                         [](const ::testing::TestParamInfo<SmallGemmIsa>& p) {
+                           return p.param == SmallGemmIsa::kAvx2 ? "avx2" : "avx512";
+                         });
 
 // The grouped entry point (small and large problems mixed, spread over threads) equals a loop
 // of plain GEMMs.

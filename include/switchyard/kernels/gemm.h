@@ -1,4 +1,5 @@
-// Dense matrix products on one rank: float32, row-major, through OpenBLAS.
+// Dense matrix products on one rank: float32, row-major, through the GEMM backend chosen from the
+// CPU's features (kernels/gemm_backend.h: oneDNN on AVX2/AVX-512 CPUs, else OpenBLAS).
 //
 // Three forms:
 //   Gemm         one product C = alpha * op(A) * op(B) + beta * C
@@ -46,11 +47,15 @@ void BatchedGemm(Trans trans_a, Trans trans_b, int64_t batch, int64_t m, int64_t
                  int64_t ldb, int64_t stride_b, float beta, float* c, int64_t ldc, int64_t stride_c,
                  int threads = 1);
 
-// OpenBLAS's thread count is process-global. SetBlasThreads is called once per process by the
-// runtime (see core/threading.h for the policy) and by `switchyard bench gemm --threads`.
+// The GEMM thread budget is process-global. SetBlasThreads is called once per process by the
+// runtime (see core/threading.h for the policy) and by `switchyard bench gemm --threads`. With
+// oneDNN, one Gemm splits C over that many threads of the calling thread's pool (each block one
+// single-threaded oneDNN call); with OpenBLAS it is OpenBLAS's own thread count. BlasThreads()
+// is the budget (OpenBLAS's default before any SetBlasThreads).
 void SetBlasThreads(int threads);
 int BlasThreads();
-// The BLAS library's own description, e.g. "OpenBLAS 0.3.21 ... SkylakeX MAX_THREADS=64".
+// OpenBLAS's own description, e.g. "OpenBLAS 0.3.21 ... SkylakeX MAX_THREADS=64". The backend
+// that runs is kernels::GemmBackendName() (gemm_backend.h).
 const char* BlasConfig();
 
 }  // namespace switchyard::kernels

@@ -6,9 +6,15 @@
 // Weights use PyTorch's Linear layout stacked over experts:
 //   fc1_weight [G, H, M], fc1_bias [G, H], fc2_weight [G, M, H], fc2_bias [G, M],
 //   fc3_weight [G, H, M] (gated only). Biases are optional (undefined = none).
-// Each GEMM step is one grouped GEMM over the G experts (kernels::GroupedGemm): variable-sized
-// groups in dropless mode, the filled part of each expert's capacity in capacity mode. Padding
-// rows are neither read nor computed; their outputs and gradients are zero.
+// The work is split into tasks of up to 256 rows of one group (variable-sized groups in dropless
+// mode, the filled part of each expert's capacity in capacity mode), spread over `threads`. A
+// forward task runs fc1 (fc3) -> bias + activation -> fc2 bias + fc2 on its rows, so the [rows, H]
+// block is read back from cache rather than in separate passes over the whole hidden tensor; a
+// backward task runs dh = dY W2 -> the activation's backward (and fc1 bias partial sums) -> dX.
+// The weight gradients, which reduce over a group's rows, are one grouped GEMM over the experts
+// after that. Each product goes through moe::ExpertGroupedGemm's choice of kernel. Padding rows
+// are neither read nor computed; their outputs and gradients are zero. Results do not depend on
+// the thread count.
 #pragma once
 
 #include <cstdint>

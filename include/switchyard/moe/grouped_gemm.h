@@ -8,9 +8,11 @@
 //   NT  C[m, n] = A[m, k] · B[n, k]^T   dot-product tiles of 4 x 3 (8-wide k steps)
 //   NN  C[m, n] = A[m, k] · B[k, n]     broadcast tiles of 6 x 16 (B rows read in place)
 //   TN  C[m, n] = A[k, m]^T · B[k, n]   the same tiles with A read column-wise
-// They need AVX2 + FMA, checked at run time; without them, or above the size limits below (where
-// OpenBLAS is faster), the products go to kernels::Gemm. Tested against kernels::ref::Gemm; the
-// gain is measured by `switchyard bench layer` (grouped vs a loop of plain GEMMs).
+// They need AVX2 + FMA, checked at run time; on CPUs with AVX-512 F/BW/DQ/VL the AVX-512 kernels
+// of kernels/small_gemm.h (12 x 32 tiles) run instead. Without AVX2, or above the size limits
+// below (where the GEMM backend is faster), the products go to kernels::Gemm. Tested against
+// kernels::ref::Gemm; the gain is measured by `switchyard bench layer` (grouped vs a loop of plain
+// GEMMs).
 #pragma once
 
 #include <cstdint>
@@ -20,18 +22,32 @@
 
 namespace switchyard::moe {
 
-// Size limits of the kernels, measured on AVX2 (Zen 2) against OpenBLAS 0.3.21 at one thread:
-// NT and NN win up to ~40 rows (by 5-25% at 16-32 rows), TN only for very few rows.
+// Size limits of the kernels, measured at one thread against the GEMM backend that runs the other
+// problems (kernels/gemm_backend.h).
+// With OpenBLAS 0.3.21 (AVX2, Zen 2): NT and NN win up to ~40 rows (by 5-25% at 16-32 rows), TN
+// only for very few rows.
 inline constexpr int64_t kSmallGemmMaxRows = 40;   // m of NT / NN problems
 inline constexpr int64_t kSmallGemmMaxInner = 16;  // k of TN problems
+// With oneDNN 2.6.3 (Zen 4, docs/PERFORMANCE.md): only NT wins (oneDNN's small-m NT path is slow,
+// e.g. 32 x 256 x 1024 at ~0.45 of the FMA peak against ~0.8 for the AVX-512 kernel); NN and TN
+// stay with oneDNN. AVX2 NT tiles for m <= 16 (the AVX-512 tile is 32 rows wide), AVX-512 up to
+// 128 rows.
+inline constexpr int64_t kSmallGemmAvx2MaxRowsOneDnn = 16;
+inline constexpr int64_t kSmallGemmAvx512MaxRows = 128;
 
 // True when the CPU has AVX2 and FMA.
 bool SmallGemmAvailable();
 
+// Which kernels SmallGemm runs: kBest = AVX-512 when the CPU has it, else AVX2.
+enum class SmallGemmIsa : uint8_t { kBest, kAvx2, kAvx512 };
+// "avx512" or "avx2": what kBest runs on this CPU.
+const char* SmallGemmIsaName();
+
 // One product with the kernels: C = alpha * op(A) op(B) + beta * C, for (trans_a, trans_b) in
-// {(No, Yes), (No, No), (Yes, No)}. Requires SmallGemmAvailable(). Any size (0 included).
+// {(No, Yes), (No, No), (Yes, No)}. Requires SmallGemmAvailable() (and, for kAvx512,
+// kernels::SmallGemmAvx512Available()). Any size (0 included).
 void SmallGemm(kernels::Trans trans_a, kernels::Trans trans_b, const kernels::GemmProblem& p,
-               float alpha, float beta);
+               float alpha, float beta, SmallGemmIsa isa = SmallGemmIsa::kBest);
 
 // kernels::GroupedGemm's contract; small problems use SmallGemm, the others kernels::Gemm.
 // Problems are spread over `threads` threads when BLAS runs single-threaded.

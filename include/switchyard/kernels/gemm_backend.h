@@ -1,0 +1,74 @@
+// Which library computes kernels::Gemm (and so every grouped and batched GEMM): chosen in ONE
+// place, SelectGemmBackend, from the CPU's features (kernels/cpu_features.h) -- never from a
+// BLAS's list of CPU models, which lags behind new CPUs (OpenBLAS 0.3.21 runs its Prescott SSE3
+// kernels on CPUs it does not know, at ~12 % of the FMA peak).
+//
+// Backends:
+//   kOneDnn    oneDNN's dnnl_sgemm: JIT-generated kernels for the ISA that oneDNN reads from
+//              cpuid (avx2, avx512_core, avx512_core_bf16, avx512_core_amx). Runs single-
+//              threaded per call; kernels::Gemm splits C over the rank's compute threads.
+//   kOpenBlas  OpenBLAS's cblas_sgemm: kernels picked by OpenBLAS from its CPU-model table
+//              (or OPENBLAS_CORETYPE, read when the library loads). Its own thread pool.
+// The measurements behind the choice are in docs/PERFORMANCE.md ("GEMM backends").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "switchyard/kernels/cpu_features.h"
+
+namespace switchyard::kernels {
+
+enum class GemmBackend : uint8_t { kOneDnn, kOpenBlas };
+
+// "onednn" / "openblas".
+const char* GemmBackendKey(GemmBackend backend);
+// Parses "onednn" / "openblas" (case-sensitive); throws InvalidArgument naming `what` and the
+// accepted values otherwise.
+GemmBackend ParseGemmBackend(std::string_view what, std::string_view name);
+
+struct GemmBackendChoice {
+  GemmBackend backend = GemmBackend::kOneDnn;
+  std::string reason;  // one line: why this backend
+};
+
+// The selection rule. `override_name` is the value of SY_GEMM_BACKEND ("" = not set): when set
+// it wins. Otherwise: a CPU with AVX2 + FMA gets oneDNN (its JIT follows the same cpuid
+// features); a CPU without them gets OpenBLAS (nothing faster is available there).
+GemmBackendChoice SelectGemmBackend(const CpuFeatures& cpu, std::string_view override_name);
+
+// The ISA of an OpenBLAS core (openblas_get_corename()): "avx512" (SkylakeX, Cooperlake,
+// SapphireRapids), "avx2" (Haswell, Zen, ...), "avx" (SandyBridge, Bulldozer, ...) or "sse"
+// (Prescott, Nehalem, Core2, Atom, generic cores and any name it does not know).
+const char* OpenBlasCoreIsa(std::string_view core);
+
+// A warning when a backend runs a kernel for a lower ISA (`kernel_isa`: "avx512", "avx2", "avx"
+// or "sse") than `cpu` has -- the failing case: OpenBLAS on its Prescott core on an AVX-512 CPU;
+// "" when there is nothing to warn about. `backend_name` is what the warning calls the backend.
+std::string GenericKernelWarning(const CpuFeatures& cpu, std::string_view backend_name,
+                                 std::string_view kernel_isa);
+
+// The ISA of the kernel `backend` runs on this machine (same spelling as OpenBlasCoreIsa).
+const char* GemmBackendIsa(GemmBackend backend);
+
+// The backend kernels::Gemm uses now: SelectGemmBackend(HostCpuFeatures(), $SY_GEMM_BACKEND) on
+// first use, unless SetGemmBackend chose another. Thread-safe.
+GemmBackend ActiveGemmBackend();
+// Switches the backend for the whole process (benchmarks, tests). Call it while no GEMM runs.
+void SetGemmBackend(GemmBackend backend);
+// Why the active backend was chosen ("SY_GEMM_BACKEND=openblas", "cpu has avx2+fma: ...").
+std::string GemmBackendReason();
+
+// What runs for `backend` on this machine: library, version and kernel, e.g.
+// "oneDNN 2.6.3 (jit: avx512_core_bf16)" or "OpenBLAS 0.3.21 (core: Cooperlake)".
+std::string GemmBackendName(GemmBackend backend);
+// GemmBackendName(ActiveGemmBackend()).
+std::string GemmBackendName();
+// GenericKernelWarning for the active backend on this machine ("" = none).
+std::string GemmBackendWarning();
+
+// OpenBLAS's core name on this machine (openblas_get_corename()), e.g. "Cooperlake".
+std::string OpenBlasCoreName();
+
+}  // namespace switchyard::kernels

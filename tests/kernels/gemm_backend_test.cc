@@ -1,0 +1,187 @@
+// The GEMM backend selector (gemm_backend.h) and every backend against the float64 reference.
+#include "switchyard/kernels/gemm_backend.h"
+
+#include <dlfcn.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <thread>
+#include <tuple>
+
+#include "switchyard/core/error.h"
+#include "switchyard/kernels/gemm.h"
+#include "switchyard/kernels/reference.h"
+#include "testing/random.h"
+
+namespace switchyard::kernels {
+namespace {
+
+using testing::AllClose;
+using testing::RandomVector;
+
+CpuFeatures Avx512Cpu() {
+  CpuFeatures f;
+  f.vendor = "GenuineIntel";
+  f.family = 6;
+  f.model = 207;  // the model OpenBLAS 0.3.21 does not know
+  f.avx2 = f.fma = f.avx512f = f.avx512bw = f.avx512dq = f.avx512vl = true;
+  return f;
+}
+
+CpuFeatures Avx2Cpu() {
+  CpuFeatures f;
+  f.vendor = "AuthenticAMD";
+  f.avx2 = f.fma = true;
+  return f;
+}
+
+TEST(SelectGemmBackend, ChoosesByFeaturesNotModel) {
+  EXPECT_EQ(SelectGemmBackend(Avx512Cpu(), "").backend, GemmBackend::kOneDnn);
+  EXPECT_EQ(SelectGemmBackend(Avx2Cpu(), "").backend, GemmBackend::kOneDnn);
+  // Any family / model with the same features gets the same backend.
+  CpuFeatures other = Avx512Cpu();
+  other.family = 25;
+  other.model = 17;
+  EXPECT_EQ(SelectGemmBackend(other, "").backend, GemmBackend::kOneDnn);
+  EXPECT_EQ(SelectGemmBackend(CpuFeatures{}, "").backend, GemmBackend::kOpenBlas);
+  CpuFeatures avx2_no_fma = Avx2Cpu();
+  avx2_no_fma.fma = false;
+  EXPECT_EQ(SelectGemmBackend(avx2_no_fma, "").backend, GemmBackend::kOpenBlas);
+}
+
+TEST(SelectGemmBackend, OverrideWinsAndBadNamesAreRejected) {
+  GemmBackendChoice c = SelectGemmBackend(Avx512Cpu(), "openblas");
+  EXPECT_EQ(c.backend, GemmBackend::kOpenBlas);
+  EXPECT_NE(c.reason.find("SY_GEMM_BACKEND"), std::string::npos);
+  EXPECT_EQ(SelectGemmBackend(CpuFeatures{}, "onednn").backend, GemmBackend::kOneDnn);
+  try {
+    SelectGemmBackend(Avx512Cpu(), "mkl");
+    FAIL() << "no exception";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'mkl'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("onednn or openblas"), std::string::npos) << e.what();
+  }
+}
+
+TEST(OpenBlasCoreIsa, KnownAndUnknownCores) {
+  EXPECT_STREQ(OpenBlasCoreIsa("SkylakeX"), "avx512");
+  EXPECT_STREQ(OpenBlasCoreIsa("Cooperlake"), "avx512");
+  EXPECT_STREQ(OpenBlasCoreIsa("Haswell"), "avx2");
+  EXPECT_STREQ(OpenBlasCoreIsa("Zen"), "avx2");
+  EXPECT_STREQ(OpenBlasCoreIsa("Sandybridge"), "avx");
+  EXPECT_STREQ(OpenBlasCoreIsa("Prescott"), "sse");
+  EXPECT_STREQ(OpenBlasCoreIsa("Nehalem"), "sse");
+  EXPECT_STREQ(OpenBlasCoreIsa("SomeFutureCore"), "sse");
+}
+
+TEST(GenericKernelWarning, WarnsOnlyBelowTheCpusIsa) {
+  // The failing case of issue 11: Prescott kernels on an AVX-512 CPU.
+  std::string w = GenericKernelWarning(Avx512Cpu(), "OpenBLAS (core: Prescott)", "sse");
+  EXPECT_NE(w.find("OpenBLAS (core: Prescott)"), std::string::npos) << w;
+  EXPECT_NE(w.find("sse kernel on a cpu with avx512"), std::string::npos) << w;
+  EXPECT_FALSE(GenericKernelWarning(Avx512Cpu(), "x", "avx2").empty());
+  EXPECT_EQ(GenericKernelWarning(Avx512Cpu(), "x", "avx512"), "");
+  EXPECT_EQ(GenericKernelWarning(Avx2Cpu(), "x", "avx2"), "");
+  EXPECT_FALSE(GenericKernelWarning(Avx2Cpu(), "x", "sse").empty());
+  EXPECT_EQ(GenericKernelWarning(CpuFeatures{}, "x", "sse"), "");
+}
+
+TEST(HostCpu, ReportsWhatTheBuildNeeds) {
+  const CpuFeatures& f = HostCpuFeatures();
+  // The release build is -march=x86-64-v3: if this test runs there, the CPU has AVX2 and FMA.
+  EXPECT_EQ(f.HasAvx2Fma(), __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+  EXPECT_EQ(f.avx512f, static_cast<bool>(__builtin_cpu_supports("avx512f")));
+  EXPECT_NE(f.ToString().find(f.vendor), std::string::npos);
+  // The active backend on this machine runs a kernel at the CPU's ISA (no warning) unless a user
+  // forced another backend.
+  if (std::getenv("SY_GEMM_BACKEND") == nullptr) {
+    EXPECT_EQ(ActiveGemmBackend(), SelectGemmBackend(f, "").backend);
+    EXPECT_EQ(GemmBackendWarning(), "") << GemmBackendName();
+  }
+}
+
+// Run by CTest with OPENBLAS_CORETYPE=Prescott (tests/kernels/CMakeLists.txt): OpenBLAS runs its
+// generic SSE3 kernels, as it did on the CPU model it did not know. The selector must still pick
+// the fast backend, and a forced OpenBLAS must be reported with a warning.
+TEST(GenericOpenBlasCore, SelectorStillPicksTheFastPath) {
+  const char* expect = std::getenv("SY_EXPECT_OPENBLAS_CORE");
+  if (expect == nullptr) GTEST_SKIP() << "run by ctest with OPENBLAS_CORETYPE=Prescott";
+  ASSERT_EQ(OpenBlasCoreName(), expect);
+  const CpuFeatures& f = HostCpuFeatures();
+  if (!f.HasAvx2Fma()) GTEST_SKIP() << "cpu without avx2+fma: OpenBLAS is the only backend";
+  EXPECT_EQ(ActiveGemmBackend(), GemmBackend::kOneDnn);
+  EXPECT_EQ(GemmBackendWarning(), "");
+  const std::string w = GenericKernelWarning(f, GemmBackendName(GemmBackend::kOpenBlas),
+                                             GemmBackendIsa(GemmBackend::kOpenBlas));
+  EXPECT_NE(w.find("Prescott"), std::string::npos) << w;
+}
+
+// The threading policy with oneDNN: a thread that calls Gemm runs oneDNN with one OpenMP thread
+// (the rank's budget is spent by splitting C over its own pool, never by an OpenMP team).
+TEST(OneDnnThreads, CallingThreadUsesOneOpenMpThread) {
+  using GetMaxThreads = int (*)();
+  auto get = reinterpret_cast<GetMaxThreads>(dlsym(RTLD_DEFAULT, "omp_get_max_threads"));
+  if (get == nullptr) GTEST_SKIP() << "oneDNN without an OpenMP runtime";
+  SetGemmBackend(GemmBackend::kOneDnn);
+  int seen = -1;
+  std::thread([&] {
+    std::vector<float> a(64, 1.0f), b(64, 1.0f), c(64, 0.0f);
+    Gemm(Trans::kNo, Trans::kNo, 8, 8, 8, 1.0f, a.data(), 8, b.data(), 8, 0.0f, c.data(), 8);
+    seen = get();
+  }).join();
+  SetGemmBackend(SelectGemmBackend(HostCpuFeatures(), "").backend);
+  EXPECT_EQ(seen, 1);
+}
+
+// Every backend x odd shapes x transposes x padded leading dimensions x beta x threads, against
+// the float64 reference, with the tolerance of gemm_test.cc.
+using Shape = std::tuple<int, int, int>;
+class BackendGemmTest
+    : public ::testing::TestWithParam<std::tuple<GemmBackend, Shape, bool, bool, int>> {
+ protected:
+  void TearDown() override {
+    SetGemmBackend(SelectGemmBackend(HostCpuFeatures(), "").backend);
+    SetBlasThreads(1);
+  }
+};
+
+TEST_P(BackendGemmTest, MatchesFloat64Reference) {
+  auto [backend, shape, ta, tb, threads] = GetParam();
+  auto [m, n, k] = shape;
+  SetGemmBackend(backend);
+  SetBlasThreads(threads);
+  Trans trans_a = ta ? Trans::kYes : Trans::kNo, trans_b = tb ? Trans::kYes : Trans::kNo;
+  const int64_t lda = (ta ? m : k) + 5, ldb = (tb ? k : n) + 3, ldc = n + 1;
+  auto a = RandomVector(static_cast<size_t>((ta ? k : m) * lda), 11);
+  auto b = RandomVector(static_cast<size_t>((tb ? n : k) * ldb), 12);
+  auto c0 = RandomVector(static_cast<size_t>(m * ldc), 13);
+  for (float beta : {0.0f, 1.0f, -0.5f}) {
+    auto c = c0, want = c0;
+    Gemm(trans_a, trans_b, m, n, k, 0.75f, a.data(), lda, b.data(), ldb, beta, c.data(), ldc);
+    ref::Gemm(trans_a, trans_b, m, n, k, 0.75f, a.data(), lda, b.data(), ldb, beta, want.data(),
+              ldc);
+    EXPECT_TRUE(AllClose(c, want, 1e-5, 1e-4 * std::max(1, k) / 64.0))
+        << GemmBackendName(backend) << " beta " << beta;
+  }
+}
+
+std::string BackendGemmName(const ::testing::TestParamInfo<BackendGemmTest::ParamType>& info) {
+  const auto& [backend, shape, ta, tb, threads] = info.param;
+  const auto& [m, n, k] = shape;
+  return fmt::format("{}_{}x{}x{}_{}{}_t{}", GemmBackendKey(backend), m, n, k, ta ? 'T' : 'N',
+                     tb ? 'T' : 'N', threads);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    OddShapes, BackendGemmTest,
+    ::testing::Combine(::testing::Values(GemmBackend::kOneDnn, GemmBackend::kOpenBlas),
+                       ::testing::Values(Shape{1, 1, 1}, Shape{7, 17, 1}, Shape{1, 65, 7},
+                                         Shape{17, 1, 65}, Shape{65, 17, 7}, Shape{7, 65, 17},
+                                         Shape{130, 33, 257}, Shape{33, 300, 65},
+                                         Shape{7, 2100, 80}),
+                       ::testing::Bool(), ::testing::Bool(), ::testing::Values(1, 2)),
+    BackendGemmName);
+
+}  // namespace
+}  // namespace switchyard::kernels
