@@ -485,12 +485,6 @@ RunSummary Trainer::Run(const RunOptions& options) {
   const int64_t first_step = step_;
   int64_t saved_step = resumes_own_run ? resumed_step : -1;  // newest checkpoint in run_dir
   const int keep = static_cast<int>(std::min<int64_t>(c.keep_checkpoints, INT32_MAX));
-  // A checkpoint of the current state (collective: every rank calls it; the writer saves).
-  auto save_checkpoint = [&] {
-    CheckpointData snap = Snapshot();
-    if (writer) SaveCheckpoint(checkpoints_dir, snap, keep, resumed_step);
-    saved_step = step_;
-  };
   // Whether any rank failed (collective). Only the writer's own work can fail on one rank
   // without the others noticing; this makes every rank stop at the same point.
   const int world = hooks_->world_size();
