@@ -88,7 +88,9 @@ TEST(Tensor, ConversionsToIntegersAreRangeChecked) {
   for (float v : {3e9f, -3e9f, 1e30f, inf, -inf, std::numeric_limits<float>::quiet_NaN()}) {
     Tensor f = Tensor::FromVector<float>({1.0f, v}, {2});
     EXPECT_THROW(f.To(DType::kInt32), InvalidArgument) << v;
-    if (std::fabs(v) >= 1e19f || std::isnan(v)) EXPECT_THROW(f.To(DType::kInt64), InvalidArgument);
+    if (std::fabs(v) >= 1e19f || std::isnan(v)) {
+      EXPECT_THROW(f.To(DType::kInt64), InvalidArgument);
+    }
   }
   try {
     Tensor::FromVector<float>({1.0f, 1e30f}, {2}).To(DType::kInt32);
