@@ -4,14 +4,17 @@
 // gradients) instead of one product: the shapes the MoE layer runs.
 #include <fmt/format.h>
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/parse_numbers.h"
 #include "cli/peak_flops.h"
 #include "cli/timing.h"
 #include "switchyard/core/error.h"
+#include "switchyard/core/limits.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
@@ -94,11 +97,25 @@ int RunBenchGemm(const BenchGemmOptions& o) {
   } else {
     std::vector<int64_t> dims;
     std::stringstream ss(o.expert);
-    for (std::string item; std::getline(ss, item, ',');) dims.push_back(std::stoll(item));
-    SY_REQUIRE(dims.size() == 3 && dims[0] > 0 && dims[1] > 0 && dims[2] > 0, InvalidArgument,
+    for (std::string item; std::getline(ss, item, ',');) {
+      // Whole numbers in [1, 2^20], as --m/--k/--n: no sign, nan, fractions or overflow.
+      const double v = ParseFiniteDouble(item, "--expert", 1, double(int64_t{1} << 20));
+      SY_REQUIRE(v == std::floor(v), InvalidArgument,
+                 "--expert: '{}' is not a whole number; expected C,M,H as three whole sizes", item);
+      dims.push_back(static_cast<int64_t>(v));
+    }
+    SY_REQUIRE(dims.size() == 3, InvalidArgument,
                "--expert: expected C,M,H (three positive sizes), got '{}'", o.expert);
     products = ExpertProducts(dims[0], dims[1], dims[2]);
   }
+  // Refuse up front what cannot fit (the sizes may be up to 2^20 each).
+  uint64_t bytes = 0;
+  for (const auto& p : products) {
+    bytes += sizeof(float) *
+             static_cast<uint64_t>(CheckedMul(p.m, p.k, "A") + CheckedMul(p.k, p.n, "B") +
+                                   CheckedMul(p.m, p.n, "C"));
+  }
+  RequireMemory(bytes, "bench gemm's operands");
   std::vector<Operands> operands;
   for (const auto& p : products) operands.push_back(MakeOperands(p));
   // The products are timed one after another in each repetition (so they share the time window).

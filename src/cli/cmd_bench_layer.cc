@@ -14,8 +14,10 @@
 
 #include "cli/bench_parallel.h"
 #include "cli/command.h"
+#include "cli/flags.h"
 #include "cli/peak_flops.h"
 #include "cli/timing.h"
+#include "switchyard/core/limits.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/gemm_backend.h"
@@ -183,6 +185,11 @@ int RunBenchLayer(const BenchLayerOptions& o) {
   c.activation = kernels::ActivationFromName(o.activation);
   c.gated = o.gated;
   moe::MoeLayer layer(c);
+  // x, dy, y and dx: [T, M] each (the layer checks its own expert buffers and parameters).
+  RequireMemory(
+      4 * sizeof(float) *
+          static_cast<uint64_t>(CheckedMul(o.tokens, o.model_dim, "--tokens x --model-dim")),
+      "bench layer's activations");
   moe::LayerParams params = moe::InitParams(c, 1);
   Tensor x = RandomTensor({o.tokens, o.model_dim}, 10);
   Tensor dy = RandomTensor({o.tokens, o.model_dim}, 11);
@@ -366,7 +373,8 @@ SY_REGISTER_COMMAND(Command{
       app.add_option("--hidden-dim", o->hidden_dim, "H, hidden size of one expert")->check(range);
       app.add_option("--experts", o->experts, "E")->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
       app.add_option("--top-k", o->top_k, "k")->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
-      app.add_option("--capacity-factor", o->capacity_factor, "cf (0: no drops)");
+      app.add_option("--capacity-factor", o->capacity_factor, "cf (0: no drops)")
+          ->check(FiniteIn(-1e6, 1e6));
       app.add_flag("--dropless", o->dropless, "dropless mode (grouped GEMM, no capacity)");
       app.add_option("--activation", o->activation, "relu, gelu or silu");
       app.add_flag("--gated", o->gated, "gated experts (SwiGLU form)");

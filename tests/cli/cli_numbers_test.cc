@@ -154,5 +154,21 @@ TEST(CliBenchOutput, LayerParallelPrintsNoFractionOfNothing) {
   }
 }
 
+// bench gemm and bench layer: sizes and factors from flags are range-checked, and operands that
+// cannot fit are refused up front (--expert went through std::stoll: 'x' was an uncaught
+// std::invalid_argument with exit 1; 2^20-sized operands went to the OOM killer; a NaN
+// capacity factor ran).
+TEST(CliSizes, BenchGemmAndLayerCheckTheirSizes) {
+  ExpectUsageError(RunSwitchyard("bench gemm --expert 1,2,x"), {"--expert", "'x'"});
+  ExpectUsageError(RunSwitchyard("bench gemm --expert 1,-2,3"), {"--expert", "-2"});
+  ExpectUsageError(RunSwitchyard("bench gemm --expert 1.5,2,3"), {"--expert", "whole number"});
+  ExpectUsageError(RunSwitchyard("bench gemm --expert 1,2"), {"--expert", "C,M,H"});
+  ExpectUsageError(RunSwitchyard("bench gemm --m 1048576 --k 1048576 --n 1048576"),
+                   {"bench gemm's operands needs", "TiB", "available"});
+  ExpectUsageError(RunSwitchyard("bench layer --capacity-factor nan"), {"--capacity-factor"});
+  ExpectUsageError(RunSwitchyard("bench layer --tokens 16777216 --model-dim 16777216"),
+                   {"needs", "available"});
+}
+
 }  // namespace
 }  // namespace switchyard
