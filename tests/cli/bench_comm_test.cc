@@ -15,43 +15,18 @@
 #include <thread>
 #include <vector>
 
+#include "cli/run_switchyard.h"
+
 namespace switchyard {
 namespace {
 
-struct Result {
-  int exit_code = -1;
-  std::string out, err;
-};
+using Result = testing::CliResult;
 
 // Runs `switchyard <args>`, capturing stdout and stderr.
-Result Switchyard(const std::string& args) {
-  const std::string err_path = ::testing::TempDir() + "/sy_cli_bench_comm_" +
-                               ::testing::UnitTest::GetInstance()->current_test_info()->name() +
-                               ".stderr";
-  const std::string command = std::string(SY_SWITCHYARD_BIN) + " " + args + " 2> " + err_path;
-  Result r;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return r;
-  char buffer[4096];
-  size_t n = 0;
-  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) r.out.append(buffer, n);
-  int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream err(err_path);
-  std::stringstream ss;
-  ss << err.rdbuf();
-  r.err = ss.str();
-  return r;
-}
+Result Switchyard(const std::string& args) { return testing::RunSwitchyard(args); }
 
 std::vector<nlohmann::json> JsonLines(const std::string& text) {
-  std::vector<nlohmann::json> lines;
-  std::istringstream in(text);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (!line.empty()) lines.push_back(nlohmann::json::parse(line));
-  }
-  return lines;
+  return testing::JsonLinesOf(text);
 }
 
 TEST(CliBenchComm, JsonLinesHaveEveryFieldAndPassTheCheck) {
