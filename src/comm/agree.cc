@@ -127,9 +127,9 @@ void AgreeOnConfig(Communicator& comm, std::string_view what, const ConfigEntrie
   if (comm.rank() != 0) NoteFailureReportedByPeer();
   throw InvalidArgument(fmt::format(
       "{}: the ranks of group '{}' were started with different settings (every rank must get the "
-      "same flags, config file and input files); {} differ: {}",
-      what, comm.name(), differing == 1 ? "1 key" : fmt::format("{} keys", differing),
-      differences));
+      "same flags, config file and input files); {}: {}",
+      what, comm.name(),
+      differing == 1 ? "1 key differs" : fmt::format("{} keys differ", differing), differences));
 }
 
 }  // namespace switchyard::comm
