@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel/cli_helpers.h"
 #include "switchyard/core/file_util.h"
 
 namespace switchyard::train {
@@ -25,18 +26,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-struct CommandResult {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using parallel::testing::CommandResult;
+using parallel::testing::ReadAll;
+using parallel::testing::RunCommand;
 
 bool Contains(const std::string& s, const std::string& needle) {
   return s.find(needle) != std::string::npos;
@@ -60,15 +52,7 @@ class TrainCliSafetyTest : public ::testing::Test {
     WriteTextFileAtomic(dir_ + "/" + name, text);
   }
 
-  CommandResult Run(const std::string& command) const {
-    const std::string out = dir_ + "/stdout.txt", err = dir_ + "/stderr.txt";
-    int status = std::system((command + " > " + out + " 2> " + err).c_str());
-    CommandResult r;
-    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    r.out = ReadAll(out);
-    r.err = ReadAll(err);
-    return r;
-  }
+  CommandResult Run(const std::string& command) const { return RunCommand(command, dir_); }
 
   // `defaults` ("--key value" pairs) without the keys that `extra` sets, then `extra`.
   static std::string Merge(const std::string& defaults, const std::string& extra) {

@@ -16,34 +16,16 @@
 #include <string>
 #include <vector>
 
+#include "parallel/cli_helpers.h"
 #include "switchyard/core/file_util.h"
 
 namespace switchyard::train {
 namespace {
 
 namespace fs = std::filesystem;
-
-struct CommandResult {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-CommandResult RunShell(const std::string& command, const std::string& dir) {
-  const std::string out = dir + "/stdout.txt", err = dir + "/stderr.txt";
-  int status = std::system((command + " > " + out + " 2> " + err).c_str());
-  CommandResult r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = ReadAll(out);
-  r.err = ReadAll(err);
-  return r;
-}
+using parallel::testing::CommandResult;
+using parallel::testing::ReadAll;
+using parallel::testing::RunCommand;
 
 class TrainCliTest : public ::testing::Test {
  protected:
@@ -109,7 +91,7 @@ class TrainCliTest : public ::testing::Test {
 };
 
 TEST_F(TrainCliTest, RunDirectoryAndResumeUnderAnotherLayout) {
-  CommandResult a = RunShell(Command("a", "--ranks 4 --steps 4 --checkpoint_every 2"), dir_);
+  CommandResult a = RunCommand(Command("a", "--ranks 4 --steps 4 --checkpoint_every 2"), dir_);
   ASSERT_EQ(a.exit_code, 0) << a.out << a.err;
   for (const char* f : {"config.json", "metrics.jsonl", "loss.svg", "expert_load.svg",
                         "summary.json", "sample.txt", "checkpoints/latest"}) {
@@ -128,7 +110,7 @@ TEST_F(TrainCliTest, RunDirectoryAndResumeUnderAnotherLayout) {
   std::string step2 = dir_ + "/b/checkpoints/step_00000002";
   ASSERT_TRUE(fs::exists(step2));
   CommandResult b =
-      RunShell(Command("c", "--ranks 2 --ep 2 --zero_stage 2 --steps 4 --resume " + step2), dir_);
+      RunCommand(Command("c", "--ranks 2 --ep 2 --zero_stage 2 --steps 4 --resume " + step2), dir_);
   ASSERT_EQ(b.exit_code, 0) << b.out << b.err;
   const std::vector<double> resumed = Losses("c");
   ASSERT_EQ(resumed.size(), 2u);
@@ -140,7 +122,7 @@ TEST_F(TrainCliTest, RunDirectoryAndResumeUnderAnotherLayout) {
 // No layout flags: the embedded default layout, 4 ranks as threads with EP 4 (and MoE in every
 // other block, 4 experts, top-2).
 TEST_F(TrainCliTest, NoLayoutFlagsRunTheEmbeddedDefault) {
-  CommandResult r = RunShell(Command("default", "--steps 1"), dir_);
+  CommandResult r = RunCommand(Command("default", "--steps 1"), dir_);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   auto config = nlohmann::json::parse(ReadAll(dir_ + "/default/config.json"));
   EXPECT_EQ(config.at("ranks"), 4);
@@ -158,9 +140,10 @@ TEST_F(TrainCliTest, NoLayoutFlagsRunTheEmbeddedDefault) {
 TEST_F(TrainCliTest, ResumeWithoutOutContinuesTheResumedRunInItsDirectory) {
   const std::string cd = "cd " + dir_ + " && ";
   CommandResult other =
-      RunShell(Command("runs/train", "--ranks 2 --steps 2 --checkpoint_every 1"), dir_);
+      RunCommand(Command("runs/train", "--ranks 2 --steps 2 --checkpoint_every 1"), dir_);
   ASSERT_EQ(other.exit_code, 0) << other.out << other.err;
-  CommandResult mine = RunShell(Command("mine", "--ranks 2 --steps 2 --checkpoint_every 1"), dir_);
+  CommandResult mine =
+      RunCommand(Command("mine", "--ranks 2 --steps 2 --checkpoint_every 1"), dir_);
   ASSERT_EQ(mine.exit_code, 0) << mine.out << mine.err;
   const std::map<std::string, size_t> other_files = Files("runs/train");
   ASSERT_TRUE(other_files.count("checkpoints/latest"));
@@ -169,7 +152,7 @@ TEST_F(TrainCliTest, ResumeWithoutOutContinuesTheResumedRunInItsDirectory) {
                                  dir_ + "/mine/checkpoints/step_00000004/"};
   for (int i = 0; i < 3; ++i) {
     const int64_t steps = 3 + i;
-    CommandResult r = RunShell(
+    CommandResult r = RunCommand(
         cd + CommandWithoutOut(fmt::format("--ranks 2 --steps {} --checkpoint_every 1 --resume {}",
                                            steps, resumes[i])),
         dir_);
@@ -183,20 +166,20 @@ TEST_F(TrainCliTest, ResumeWithoutOutContinuesTheResumedRunInItsDirectory) {
   }
   // A checkpoint outside a run's checkpoints directory: which run it continues is unknown.
   fs::copy(dir_ + "/mine/checkpoints/step_00000005", dir_ + "/loose");
-  CommandResult r = RunShell(cd + CommandWithoutOut("--ranks 2 --steps 6 --resume loose"), dir_);
+  CommandResult r = RunCommand(cd + CommandWithoutOut("--ranks 2 --steps 6 --resume loose"), dir_);
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
   EXPECT_NE(r.err.find("--out"), std::string::npos) << r.err;
   EXPECT_EQ(Files("runs/train"), other_files);
 }
 
 TEST_F(TrainCliTest, BadFlagsAreOneLineErrors) {
-  CommandResult r = RunShell(Command("x", "--ranks 4 --ep 3"), dir_);
+  CommandResult r = RunCommand(Command("x", "--ranks 4 --ep 3"), dir_);
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
   EXPECT_NE(r.err.find("'ep' 3 must divide the number of ranks 4"), std::string::npos) << r.err;
-  r = RunShell(Command("y", "--zero_stage 5"), dir_);
+  r = RunCommand(Command("y", "--zero_stage 5"), dir_);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("zero_stage"), std::string::npos) << r.err;
-  r = RunShell(Command("z", "--steps ten"), dir_);
+  r = RunCommand(Command("z", "--steps ten"), dir_);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("'steps'"), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(dir_ + "/x/checkpoints"));
@@ -204,9 +187,9 @@ TEST_F(TrainCliTest, BadFlagsAreOneLineErrors) {
 
 #ifdef SY_MPIRUN_SCRIPT
 TEST_F(TrainCliTest, MpiProcessesGiveTheThreadRanksLosses) {
-  CommandResult t = RunShell(Command("threads", "--ranks 2 --steps 3"), dir_);
+  CommandResult t = RunCommand(Command("threads", "--ranks 2 --steps 3"), dir_);
   ASSERT_EQ(t.exit_code, 0) << t.out << t.err;
-  CommandResult m = RunShell(
+  CommandResult m = RunCommand(
       std::string("bash ") + SY_MPIRUN_SCRIPT + " -np 2 " + Command("mpi", "--steps 3"), dir_);
   ASSERT_EQ(m.exit_code, 0) << m.out << m.err;
   auto config = nlohmann::json::parse(ReadAll(dir_ + "/mpi/config.json"));
