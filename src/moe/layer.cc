@@ -178,7 +178,6 @@ void AddInto(const Tensor& dst, const Tensor& src) {
 void CheckFinite(std::string_view name, const Tensor& t) {
   if (!t.defined() || t.numel() == 0) return;
   auto report = [&](int64_t i, double v) {
-    std::string where;
     int64_t rest = i;
     std::vector<int64_t> idx(t.shape().size());
     for (size_t d = t.shape().size(); d-- > 0;) {

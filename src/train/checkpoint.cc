@@ -123,8 +123,8 @@ void LinkCheckpointCopy(const std::string& from, const std::string& to) {
 
 }  // namespace
 
-uint64_t Fnv1a64(std::span<const std::byte> bytes) {
-  uint64_t h = 1469598103934665603ull;
+uint64_t Fnv1a64(std::span<const std::byte> bytes, uint64_t state) {
+  uint64_t h = state;
   for (std::byte b : bytes) {
     h ^= static_cast<uint64_t>(b);
     h *= 1099511628211ull;

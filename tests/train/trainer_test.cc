@@ -490,3 +490,20 @@ TEST(EscapeForTerminal, KeepsTextAndUtf8EscapesEverythingElse) {
 
 }  // namespace
 }  // namespace switchyard::train
+
+namespace switchyard::train {
+namespace {
+
+// Fnv1a64 continued from a state hashes the concatenation (the run's data identity hashes the
+// training and held-out bytes without joining them).
+TEST(Fnv1a64, ContinuingEqualsHashingTheConcatenation) {
+  const std::string a = "the cat sat", b = " on the mat";
+  const std::string ab = a + b;
+  auto bytes = [](const std::string& s) { return std::as_bytes(std::span(s.data(), s.size())); };
+  EXPECT_EQ(Fnv1a64(bytes(b), Fnv1a64(bytes(a))), Fnv1a64(bytes(ab)));
+  EXPECT_NE(Fnv1a64(bytes(a), Fnv1a64(bytes(b))), Fnv1a64(bytes(ab)));
+  EXPECT_EQ(Fnv1a64({}), kFnv1a64Start);
+}
+
+}  // namespace
+}  // namespace switchyard::train
