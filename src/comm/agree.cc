@@ -9,6 +9,7 @@
 
 #include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
+#include "switchyard/core/hash.h"
 
 namespace switchyard::comm {
 namespace {
@@ -61,12 +62,7 @@ std::string RankList(const std::vector<int>& ranks) {
 }  // namespace
 
 std::string ContentDigest(const void* data, size_t bytes) {
-  uint64_t h = 14695981039346656037ull;  // FNV-1a, 64 bits
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < bytes; ++i) {
-    h ^= p[i];
-    h *= 1099511628211ull;
-  }
+  const uint64_t h = FnvHash(std::span(static_cast<const std::byte*>(data), bytes));
   return fmt::format("fnv1a64:{:016x}/{}", h, bytes);
 }
 

@@ -13,6 +13,7 @@
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
+#include "switchyard/core/hash.h"
 #include "switchyard/core/json.h"
 
 namespace switchyard::train {
@@ -123,14 +124,7 @@ void LinkCheckpointCopy(const std::string& from, const std::string& to) {
 
 }  // namespace
 
-uint64_t Fnv1a64(std::span<const std::byte> bytes, uint64_t state) {
-  uint64_t h = state;
-  for (std::byte b : bytes) {
-    h ^= static_cast<uint64_t>(b);
-    h *= 1099511628211ull;
-  }
-  return h;
-}
+uint64_t Fnv1a64(std::span<const std::byte> bytes, uint64_t state) { return FnvHash(bytes, state); }
 
 std::vector<std::string> ListCheckpoints(const std::string& checkpoints_dir) {
   std::vector<std::string> out;

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "switchyard/core/error.h"
+#include "switchyard/core/hash.h"
 
 namespace switchyard::train {
 namespace {
@@ -15,8 +16,7 @@ namespace {
 class Fingerprint {
  public:
   void Add(const void* data, size_t n) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    for (size_t i = 0; i < n; ++i) hash_ = (hash_ ^ p[i]) * 1099511628211ull;
+    hash_ = FnvHash(std::span(static_cast<const std::byte*>(data), n), hash_);
   }
   template <typename T>
   void AddValue(T v) {
@@ -25,7 +25,7 @@ class Fingerprint {
   int64_t value() const { return static_cast<int64_t>(hash_); }
 
  private:
-  uint64_t hash_ = 14695981039346656037ull;
+  uint64_t hash_ = kFnv1a64Basis;
 };
 
 constexpr float kPoison = std::numeric_limits<float>::quiet_NaN();

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "switchyard/core/error.h"
+#include "switchyard/core/hash.h"
 
 namespace switchyard {
 namespace {
@@ -59,6 +60,14 @@ TEST(FormatBytes, Units) {
   EXPECT_EQ(FormatBytes(512), "512 B");
   EXPECT_EQ(FormatBytes(1536), "1.5 KiB");
   EXPECT_EQ(FormatBytes(uint64_t{3} << 30), "3.0 GiB");
+}
+
+TEST(FnvHash, StandardVectorsAndContinuation) {
+  auto bytes = [](std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); };
+  EXPECT_EQ(FnvHash({}), kFnv1a64Basis);
+  EXPECT_EQ(FnvHash(bytes("a")), 0xaf63dc4c8601ec8cull);  // published FNV-1a 64 vectors
+  EXPECT_EQ(FnvHash(bytes("foobar")), 0x85944171f73967e8ull);
+  EXPECT_EQ(FnvHash(bytes("bar"), FnvHash(bytes("foo"))), FnvHash(bytes("foobar")));
 }
 
 }  // namespace

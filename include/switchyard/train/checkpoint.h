@@ -88,9 +88,9 @@ std::vector<std::string> ListCheckpoints(const std::string& checkpoints_dir);
 // it. Not thread-safe: set it before saving.
 void SetCheckpointSaveProbeForTesting(void (*probe)(int point));
 
-// The checkpoint checksum: FNV-1a 64 of bytes, continuing from `state` (the hash of bytes that
-// came before; the default starts a new hash), so that Fnv1a64(b, Fnv1a64(a)) hashes a then b
-// without joining them.
+// The checkpoint checksum: core/hash.h's FnvHash continuing from `state`. Checkpoints have always
+// started from this value (not the standard basis, one digit short); it stays so that existing
+// checkpoints still verify.
 inline constexpr uint64_t kFnv1a64Start = 1469598103934665603ull;
 uint64_t Fnv1a64(std::span<const std::byte> bytes, uint64_t state = kFnv1a64Start);
 
