@@ -34,7 +34,8 @@ void AddEmulationLinkOptions(CLI::App& app, double* intra_latency_us, double* in
 // Throws InvalidArgument naming the flag when an emulated link cannot complete a message before
 // the collective deadline `deadline` (set by `deadline_flag`, or the default when empty): a
 // latency at or above the deadline, or `largest_message_bytes` at the link's bandwidth taking
-// that long. Also the library's checks (comm::ValidateEmulationOptions), named by flag.
+// that long, or a bandwidth below the library's minimum. The values come from
+// AddEmulationLinkOptions (finite and >= 0 by then); comm::ValidateEmulationOptions runs last.
 void RequireEmulationFitsDeadline(const comm::EmulationOptions& emulation,
                                   comm::Milliseconds deadline, std::string_view deadline_flag,
                                   uint64_t largest_message_bytes);
