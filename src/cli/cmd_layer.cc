@@ -57,7 +57,7 @@ std::string ResolvedTransport(const LayerOptions& o) {
 
 // The layer on o.ranks ranks (parallel/driver.h); the same outputs as the single-rank layer.
 // Returns false on MPI ranks other than 0, which write nothing.
-bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config,
+bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config, bool training,
                  const moe::LayerParams& params, const Tensor& x, const Tensor& dy,
                  moe::LayerOutput* out, moe::LayerGradients* grads) {
   parallel::DriverOptions d;
@@ -78,6 +78,7 @@ bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config,
   d.transport = parallel::TransportFromName(transport);
   d.threads = o.threads;
   d.global_token_offset = o.global_token_offset;
+  d.training = training;
   d.step = o.step;
   parallel::Tracer tracer;
   if (!o.trace_path.empty()) d.tracer = &tracer;
@@ -148,8 +149,11 @@ int RunLayer(const LayerOptions& o) {
     if (!o.trace_path.empty()) CheckOutputPath(o.trace_path);
   }
   moe::LayerConfig config;
+  bool training = true;  // the file's "training" key: the mode of the calls
   try {
-    config = moe::LayerConfigFromJson(ReadTextFile(o.config_path));
+    moe::LayerFile file = moe::LayerFileFromJson(ReadTextFile(o.config_path));
+    config = file.config;
+    training = file.training.value_or(true);
   } catch (const InvalidArgument& e) {
     // LayerConfigFromJson says "layer.json: ..."; name the actual file instead.
     std::string_view msg = e.what();
@@ -177,6 +181,7 @@ int RunLayer(const LayerOptions& o) {
   fo.global_token_offset = o.global_token_offset;
   fo.step = o.step;
   fo.threads = threads;
+  fo.training = training;
   auto dy_it = in.find("dy");
   fo.save_for_backward = dy_it != in.end();
   moe::LayerOutput out;
@@ -185,8 +190,8 @@ int RunLayer(const LayerOptions& o) {
                         o.overlap_degree > 1 || o.smart != "off" || o.shadow != "none";
   try {
     if (parallel) {
-      if (!RunParallel(o, config, params, x, dy_it != in.end() ? dy_it->second : Tensor(), &out,
-                       &parallel_grads)) {
+      if (!RunParallel(o, config, training, params, x, dy_it != in.end() ? dy_it->second : Tensor(),
+                       &out, &parallel_grads)) {
         return 0;
       }
     } else {
@@ -217,7 +222,8 @@ int RunLayer(const LayerOptions& o) {
     result["grad.x"] = g.x;
     for (auto& [name, t] : moe::ParamsToMap(config, g.params)) result["grad." + name] = t;
   }
-  WriteSafetensors(o.out_path, result, {{"switchyard.layer_config", moe::ToJson(config)}});
+  WriteSafetensors(o.out_path, result,
+                   {{"switchyard.layer_config", moe::ToJson(config, training)}});
   if (!o.quiet) {
     int64_t kept = 0;
     for (int64_t n : out.expert_counts) kept += n;

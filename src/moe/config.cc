@@ -149,7 +149,6 @@ const std::map<std::string, Setter, std::less<>>& Setters() {
       {"random_routing", [](LayerConfig& c, auto k, const Json& v) { c.random_routing = GetBool(k, v); }},
       {"expert_bias", [](LayerConfig& c, auto k, const Json& v) { c.expert_bias = GetBool(k, v); }},
       {"expert_bias_update_rate", [](LayerConfig& c, auto k, const Json& v) { c.expert_bias_update_rate = GetFloat(k, v, 0); }},
-      {"training", [](LayerConfig& c, auto k, const Json& v) { c.training = GetBool(k, v); }},
       {"capacity_factor", [](LayerConfig& c, auto k, const Json& v) { c.capacity_factor = GetFloat(k, v); }},
       {"min_capacity", [](LayerConfig& c, auto k, const Json& v) { c.min_capacity = GetInt(k, v, 0, std::numeric_limits<int32_t>::max()); }},
       {"alignment", [](LayerConfig& c, auto k, const Json& v) { c.alignment = GetInt(k, v, 1, kMaxDim); }},
@@ -308,7 +307,11 @@ LayerConfig PresetConfig(std::string_view preset, int64_t top_k) {
   return c;
 }
 
-LayerConfig LayerConfigFromJson(std::string_view json_text) {
+namespace {
+
+// layer.json's keys into a LayerConfig; `training`, if not null, receives the "training" key (the
+// mode of the calls, which is not a layer option), which is otherwise refused.
+LayerConfig ParseLayerJson(std::string_view json_text, std::optional<bool>* training) {
   Json j = ParseJsonStrict(json_text, "layer.json");
   SY_REQUIRE(j.is_object(), InvalidArgument, "layer.json: expected a JSON object, got {}",
              JsonTypeName(j));
@@ -323,6 +326,14 @@ LayerConfig LayerConfigFromJson(std::string_view json_text) {
   LayerConfig c = PresetConfig(preset, top_k);
   const auto& setters = Setters();
   for (const auto& [key, value] : j.items()) {
+    if (key == "training") {
+      SY_REQUIRE(training != nullptr, InvalidArgument,
+                 "layer.json: key 'training' is not a layer option: whether a forward pass trains "
+                 "(gate noise, random routing) is chosen for each call, not by the layer config; "
+                 "remove the key");
+      *training = GetBool(key, value);
+      continue;
+    }
     auto it = setters.find(key);
     if (it == setters.end()) throw InvalidArgument(UnknownKeyMessage(key));
     it->second(c, key, value);
@@ -335,7 +346,19 @@ LayerConfig LayerConfigFromJson(std::string_view json_text) {
   return c;
 }
 
-std::string ToJson(const LayerConfig& c) {
+}  // namespace
+
+LayerConfig LayerConfigFromJson(std::string_view json_text) {
+  return ParseLayerJson(json_text, nullptr);
+}
+
+LayerFile LayerFileFromJson(std::string_view json_text) {
+  LayerFile f;
+  f.config = ParseLayerJson(json_text, &f.training);
+  return f;
+}
+
+std::string ToJson(const LayerConfig& c, std::optional<bool> training) {
   Json j = {
       {"model_dim", c.model_dim},
       {"hidden_dim", c.hidden_dim},
@@ -349,7 +372,6 @@ std::string ToJson(const LayerConfig& c) {
       {"random_routing", c.random_routing},
       {"expert_bias", c.expert_bias},
       {"expert_bias_update_rate", c.expert_bias_update_rate},
-      {"training", c.training},
       {"capacity_factor", c.capacity_factor},
       {"min_capacity", c.min_capacity},
       {"alignment", c.alignment},
@@ -373,6 +395,7 @@ std::string ToJson(const LayerConfig& c) {
       {"check_finite", c.check_finite},
       {"preset", c.preset},
   };
+  if (training) j["training"] = *training;
   return j.dump(2);
 }
 

@@ -16,14 +16,14 @@ namespace {
 
 using kernels::Trans;
 
-bool HasTutelNoise(const LayerConfig& c) {
-  return c.training && c.noise == NoiseKind::kTutelNormal && c.noise_std > 0;
+bool HasTutelNoise(const LayerConfig& c, bool training) {
+  return training && c.noise == NoiseKind::kTutelNormal && c.noise_std > 0;
 }
-bool HasJitter(const LayerConfig& c) {
-  return c.training && c.noise == NoiseKind::kJitter && c.jitter_eps > 0;
+bool HasJitter(const LayerConfig& c, bool training) {
+  return training && c.noise == NoiseKind::kJitter && c.jitter_eps > 0;
 }
-bool HasGumbel(const LayerConfig& c, int64_t k) {
-  return c.training && c.noise == NoiseKind::kGumbelSecond && k >= 2;
+bool HasGumbel(const LayerConfig& c, bool training, int64_t k) {
+  return training && c.noise == NoiseKind::kGumbelSecond && k >= 2;
 }
 
 // Multiplicative jitter U(1 - eps, 1 + eps) for element (g, m): lane m % 4 of the Philox draw
@@ -78,7 +78,7 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
 
   // Gate input and logits, float32.
   Tensor gate_input = x;
-  if (HasJitter(c)) {
+  if (HasJitter(c, options.training)) {
     r.jitter = JitterFactors(c, key, offset, t_num);
     gate_input = Tensor::Empty({t_num, m_dim});
     const float* xp = x.data<float>();
@@ -90,7 +90,7 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
   kernels::Gemm(Trans::kNo, Trans::kYes, t_num, e_num, m_dim, 1.0f, gate_input.data<float>(), m_dim,
                 gate_weight.data<float>(), m_dim, 0.0f, r.logits.data<float>(), e_num);
   r.noisy_logits = r.logits;
-  if (HasTutelNoise(c)) {
+  if (HasTutelNoise(c, options.training)) {
     r.noisy_logits = r.logits.Clone();
     float* nl = r.noisy_logits.data<float>();
     CounterRng rng(key, kStreamGateNoise);
@@ -139,7 +139,7 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
   const size_t tk = static_cast<size_t>(t_num * k);
   r.experts.resize(tk);
   std::vector<float> topv(tk);
-  if (HasGumbel(c, k)) {
+  if (HasGumbel(c, options.training, k)) {
     // 1st choice as usual; the others are the top-(k-1) of logits + Gumbel, 1st masked out.
     std::vector<int32_t> first(static_cast<size_t>(t_num));
     std::vector<float> firstv(static_cast<size_t>(t_num));
@@ -198,7 +198,7 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
 
   // GShard random routing: keep the 2nd choice only if 2 * g_2 > U(0, 1).
   r.routed.assign(tk, 1);
-  if (c.random_routing && c.training && k >= 2) {
+  if (c.random_routing && options.training && k >= 2) {
     CounterRng rng(key, kStreamRandomRouting);
     for (int64_t t = 0; t < t_num; ++t) {
       float u = rng.Uniform(static_cast<uint64_t>(offset + t));

@@ -276,7 +276,7 @@ LayerOutput MoeLayer::Forward(const LayerParams& params, const Tensor& x,
   s.x_dtype = x.dtype();
   s.x = ToFloat32(x, threads);
   s.gate = GateForward(c, s.x, params.gate_weight, params.expert_bias,
-                       {options.global_token_offset, options.step});
+                       {options.global_token_offset, options.step, options.training});
   GateLosses losses = ComputeGateLosses(c, s.gate);
   s.plan = MakeDispatchPlan(c, s.gate,
                             {options.global_token_offset, options.step, options.global_max_load});

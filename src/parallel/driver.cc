@@ -71,7 +71,7 @@ RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
       po.cost_model.link_latency_us = link.latency_us;
     }
   }
-  ParallelMoeLayer layer(config, po, world);
+  ParallelMoeLayer layer(config, po, MakeLayerGroups(world, config, po));
   const RankCoords& c = layer.coords();
   SY_REQUIRE(static_cast<int>(split.size()) == layer.mesh().data_shards(), InvalidArgument,
              "token split: expected {} parts (the data shards of the layout), got {}",
@@ -86,6 +86,7 @@ RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
   fo.step = o.step;
   fo.threads = threads;
   fo.save_for_backward = dy.defined();
+  fo.training = o.training;
   RankResult r;
   r.report.coords = c;
   r.report.tokens = t_num;

@@ -146,20 +146,63 @@ void Accumulate(moe::ExpertWeights* sum, const moe::ExpertWeights& g) {
 
 }  // namespace
 
+Mesh LayerMesh(const moe::LayerConfig& config, const ParallelOptions& options, int world_size) {
+  MeshConfig mc = options.mesh;
+  if (mc.world_size == 0 || mc.world_size == 1) mc.world_size = world_size;
+  SY_REQUIRE(mc.world_size == world_size, InvalidArgument,
+             "mesh world size {} differs from the communicator's {} ranks", mc.world_size,
+             world_size);
+  return Mesh(mc, config.num_experts, config.hidden_dim);
+}
+
+std::shared_ptr<ProcessGroups> MakeLayerGroups(comm::Communicator& world,
+                                               const moe::LayerConfig& config,
+                                               const ParallelOptions& options) {
+  return std::make_shared<ProcessGroups>(world, LayerMesh(config, options, world.size()));
+}
+
+namespace {
+
+// Whether groups built for `have` serve a layer whose options give `want`: the same ranks in every
+// group (world, tp, ep, etp, arrangement and the H-shards per expert).
+void RequireSameGroups(const Mesh& want, const Mesh& have) {
+  auto describe = [](const Mesh& m) {
+    return fmt::format("world {}, tp {}, ep {}, etp {}, arrangement {}, {} H-shard(s) per expert",
+                       m.world_size(), m.tp(), m.ep(), m.config().etp,
+                       ArrangementName(m.arrangement()), m.shards());
+  };
+  const bool same = want.world_size() == have.world_size() && want.tp() == have.tp() &&
+                    want.ep() == have.ep() && want.config().etp == have.config().etp &&
+                    want.arrangement() == have.arrangement() && want.shards() == have.shards();
+  SY_REQUIRE(same, InvalidArgument,
+             "process groups: built for the mesh ({}), but the layer's options ask for ({})",
+             describe(have), describe(want));
+}
+
+// The layer's mesh, after checking the config and that `groups` serve it.
+Mesh ValidatedMesh(const moe::LayerConfig& config, const ParallelOptions& options,
+                   const ProcessGroups* groups) {
+  moe::ValidateConfig(config);
+  SY_REQUIRE(groups != nullptr, InvalidArgument, "ParallelMoeLayer: the process groups are null");
+  Mesh mesh = LayerMesh(config, options, groups->world().size());
+  RequireSameGroups(mesh, groups->mesh());
+  return mesh;
+}
+
+}  // namespace
+
 ParallelMoeLayer::ParallelMoeLayer(moe::LayerConfig config, ParallelOptions options,
-                                   comm::Communicator& world)
-    : config_(std::move(config)), options_(std::move(options)) {
-  moe::ValidateConfig(config_);
+                                   std::shared_ptr<ProcessGroups> groups)
+    : config_(std::move(config)),
+      options_(std::move(options)),
+      groups_(std::move(groups)),
+      mesh_(ValidatedMesh(config_, options_, groups_.get())),
+      coords_(mesh_.Coords(groups_->world().rank())) {
   SY_REQUIRE(!config_.residual_moe && config_.shared_expert_hidden == 0, InvalidArgument,
              "the parallel layer does not support residual_moe or shared experts yet (run them "
              "as dense layers around it)");
-  MeshConfig mc = options_.mesh;
-  if (mc.world_size == 0 || mc.world_size == 1) mc.world_size = world.size();
-  SY_REQUIRE(mc.world_size == world.size(), InvalidArgument,
-             "mesh world size {} differs from the communicator's {} ranks", mc.world_size,
-             world.size());
-  options_.mesh = mc;
-  Mesh mesh(mc, config_.num_experts, config_.hidden_dim);
+  const Mesh& mesh = mesh_;
+  options_.mesh = mesh.config();
   const int n = mesh.shards();
   const int r = options_.adaptive_r;
   SY_REQUIRE(r == kAdaptiveRDefault || r == kAdaptiveRAuto || r == 0 || (r >= 1 && n % r == 0),
@@ -169,7 +212,7 @@ ParallelMoeLayer::ParallelMoeLayer(moe::LayerConfig config, ParallelOptions opti
   const int per_node = options_.hierarchical_ranks_per_node;
   if (per_node > 0) {
     SY_REQUIRE(options_.dispatch == DispatchKind::kAllToAll, InvalidArgument,
-               "the hierarchical (2DH) all-to-all applies to --dispatch alltoall, not {}",
+               "the hierarchical (2DH) all-to-all applies to dispatch alltoall, not {}",
                DispatchKindName(options_.dispatch));
     SY_REQUIRE(mesh.expert_group_size() % per_node == 0, InvalidArgument,
                "2DH: {} ranks per node does not divide the expert group of {} ranks", per_node,
@@ -181,12 +224,12 @@ ParallelMoeLayer::ParallelMoeLayer(moe::LayerConfig config, ParallelOptions opti
   SY_REQUIRE(options_.overlap_degree >= 1, InvalidArgument, "overlap degree: expected >= 1, got {}",
              options_.overlap_degree);
   SY_REQUIRE(options_.overlap_degree == 1 || exchange, InvalidArgument,
-             "overlap degree {} applies to --dispatch alltoall or alltoallv, not allgather",
+             "overlap degree {} applies to dispatch alltoall or alltoallv, not allgather",
              options_.overlap_degree);
   const int g = options_.smart_group;
   if (g != kSmartOff) {
     SY_REQUIRE(exchange, InvalidArgument,
-               "the smart schedule applies to --dispatch alltoall or alltoallv, not allgather");
+               "the smart schedule applies to dispatch alltoall or alltoallv, not allgather");
     SY_REQUIRE(per_node == 0, InvalidArgument,
                "the smart schedule (pair-wise steps) and the 2DH all-to-all are alternatives");
     SY_REQUIRE(g == kSmartAuto || (g >= 1 && mesh.expert_group_size() % g == 0), InvalidArgument,
@@ -196,7 +239,7 @@ ParallelMoeLayer::ParallelMoeLayer(moe::LayerConfig config, ParallelOptions opti
   }
   if (options_.shadow.policy != ShadowPolicy::kNone) {
     SY_REQUIRE(exchange && n == 1 && !dedup_, InvalidArgument,
-               "shadow experts need --dispatch alltoall or alltoallv, unsharded experts (E >= the "
+               "shadow experts need dispatch alltoall or alltoallv, unsharded experts (E >= the "
                "expert group size) and no TP de-duplication");
     for (int64_t e : options_.shadow.experts) {
       SY_REQUIRE(e >= 0 && e < config_.num_experts, InvalidArgument,
@@ -204,8 +247,7 @@ ParallelMoeLayer::ParallelMoeLayer(moe::LayerConfig config, ParallelOptions opti
     }
   }
   cost_ = options_.cost_model;
-  groups_ = std::make_unique<ProcessGroups>(world, mesh);
-  spec_ = ShardOf(mesh, world.rank(), config_.model_dim);
+  spec_ = ShardOf(mesh, groups_->world().rank(), config_.model_dim);
 }
 
 ParallelMoeLayer::~ParallelMoeLayer() = default;
@@ -317,7 +359,7 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   {
     internal::TraceSpan span("gate");
     s.gate = moe::GateForward(c, s.x, params.gate_weight, params.expert_bias,
-                              {options.global_token_offset, options.step});
+                              {options.global_token_offset, options.step, options.training});
   }
   const int64_t k = s.gate.top_k;
 

@@ -251,6 +251,11 @@ moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
       throw InvalidArgument(fmt::format("{}: not valid JSON: {}", c.moe_layer_config, e.what()));
     }
     SY_REQUIRE(j.is_object(), InvalidArgument, "{}: expected a JSON object", c.moe_layer_config);
+    SY_REQUIRE(!j.contains("training"), InvalidArgument,
+               "{}: key 'training' is not allowed in a training run's MoE layer config: the "
+               "trainer runs its training steps with the config's gate noise and random routing "
+               "and its evaluations without them; remove the key",
+               c.moe_layer_config);
   }
   j["model_dim"] = c.model.model_dim;
   j["hidden_dim"] = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : c.model.hidden_dim;

@@ -47,11 +47,6 @@ Shape FullShape(const moe::LayerConfig& config, const std::string& name) {
   return {};
 }
 
-moe::LayerConfig EvalConfig(moe::LayerConfig c) {
-  c.training = false;
-  return c;
-}
-
 void Scale(const Tensor& t, float factor) {
   float* p = t.data<float>();
   for (int64_t i = 0; i < t.numel(); ++i) p[i] *= factor;
@@ -59,7 +54,6 @@ void Scale(const Tensor& t, float factor) {
 
 struct ParallelMoeState {
   parallel::ParallelOutput out;
-  bool training = true;
 };
 
 // What every rank of an MPI run must agree on (comm/agree.h): every key of the config but those
@@ -119,15 +113,15 @@ parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int wo
 ParallelMoeFeedForward::ParallelMoeFeedForward(ParameterSet& params, const std::string& prefix,
                                                moe::LayerConfig config,
                                                const parallel::ParallelOptions& options,
-                                               comm::Communicator& world, uint64_t seed)
-    : train_layer_(config, options, world),
-      eval_layer_(EvalConfig(config), options, world),
+                                               std::shared_ptr<parallel::ProcessGroups> groups,
+                                               uint64_t seed)
+    : layer_(config, options, std::move(groups)),
       prefix_(prefix),
       params_(&params),
-      data_shards_(train_layer_.mesh().data_shards()) {
+      data_shards_(layer_.mesh().data_shards()) {
   // The single-rank MoeFeedForward's initial values (same seed derivation), then this rank's part.
   moe::LayerParams full = moe::InitParams(config, seed ^ (InitStream(prefix) - kStreamInit));
-  shard_ = train_layer_.ShardParams(full);
+  shard_ = layer_.ShardParams(full);
   for (const auto& [name, tensor] : moe::ParamsToMap(config, shard_)) {
     ParamOptions o;
     o.group = name.starts_with("experts.") ? ParamGroup::kExpert : ParamGroup::kDense;
@@ -145,7 +139,8 @@ FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
   o.step = context.step;
   o.threads = context.threads;
   o.save_for_backward = context.save_for_backward;
-  parallel::ParallelMoeLayer& layer = context.training ? train_layer_ : eval_layer_;
+  o.training = context.training;
+  parallel::ParallelMoeLayer& layer = layer_;
   int64_t nonfinite = 0;
   if (layer.config().check_finite && x.dtype() == DType::kFloat32) {
     const float* p = x.data<float>();
@@ -153,7 +148,6 @@ FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
   }
   auto state = std::make_shared<ParallelMoeState>();
   state->out = layer.Forward(shard_, x, o);
-  state->training = context.training;
   const moe::LayerOutput& out = state->out.layer;
   const moe::LayerConfig& c = layer.config();
   FeedForwardOutput r;
@@ -180,7 +174,7 @@ Tensor ParallelMoeFeedForward::Backward(const FeedForwardOutput& forward, const 
              "ParallelMoeFeedForward: loss_scale must not be 0");
   const double t0 = Now();
   const auto& s = *static_cast<const ParallelMoeState*>(forward.state.get());
-  parallel::ParallelMoeLayer& layer = s.training ? train_layer_ : eval_layer_;
+  parallel::ParallelMoeLayer& layer = layer_;
   // The layer differentiates sum(y * d) + (this rank's share of) the loss terms. This rank must
   // contribute sum(y * dy) + D * loss_scale * share (distributed.h: gradients are summed over the
   // ranks and divided by D), so pass d = dy / (D * loss_scale) and scale the results back.
@@ -211,31 +205,24 @@ FeedForwardTimes ParallelMoeFeedForward::TakeTimes() {
 }
 
 void ParallelMoeFeedForward::EndStep(std::span<const int64_t> global_expert_loads) {
-  const moe::LayerConfig& c = train_layer_.config();
+  const moe::LayerConfig& c = layer_.config();
   if (!c.expert_bias) return;
   moe::UpdateExpertBias(global_expert_loads, c.expert_bias_update_rate, shard_.expert_bias);
 }
 
 // ---- DistributedHooks ----
 
-DistributedHooks::DistributedHooks(comm::Communicator& world, const parallel::Mesh& mesh,
-                                   int zero_stage, int ranks_in_process, const ZeroOptions& zero)
-    : world_(world),
-      mesh_(mesh),
+DistributedHooks::DistributedHooks(std::shared_ptr<parallel::ProcessGroups> groups, int zero_stage,
+                                   int ranks_in_process, const ZeroOptions& zero)
+    : groups_(std::move(groups)),
+      world_(groups_->world()),
+      mesh_(groups_->mesh()),
       zero_stage_(zero_stage),
       ranks_in_process_(ranks_in_process),
-      poison_non_owned_(zero.poison_non_owned) {
+      poison_non_owned_(zero.poison_non_owned),
+      expert_data_(groups_->Get(parallel::GroupKind::kExpertData)) {
   SY_REQUIRE(zero_stage >= 0 && zero_stage <= 3, InvalidArgument,
              "config: 'zero_stage' must be 0, 1, 2 or 3, got {}", zero_stage);
-  SY_REQUIRE(mesh.world_size() == world.size(), InvalidArgument,
-             "DistributedHooks: the mesh is for {} ranks, the world has {}", mesh.world_size(),
-             world.size());
-  // Color: the group's smallest rank; key: the position in it.
-  const std::vector<int> group = mesh_.GroupOf(parallel::GroupKind::kExpertData, world.rank());
-  const int key =
-      static_cast<int>(std::find(group.begin(), group.end(), world.rank()) - group.begin());
-  expert_data_ = world.Split(*std::min_element(group.begin(), group.end()), key,
-                             world.name() + ".expert_data");
 }
 
 DistributedHooks::~DistributedHooks() = default;
@@ -262,8 +249,8 @@ void DistributedHooks::Prepare(ParameterSet& params, const AdamW& optimizer) {
   const ZeroOptions zero{.poison_non_owned = poison_non_owned_};
   dense_opt_ =
       std::make_unique<ShardedAdamW>(dense, world_, zero_stage_, optimizer.options(), zero);
-  expert_opt_ = std::make_unique<ShardedAdamW>(experts, *expert_data_, zero_stage_,
-                                               optimizer.options(), zero);
+  expert_opt_ =
+      std::make_unique<ShardedAdamW>(experts, expert_data_, zero_stage_, optimizer.options(), zero);
 }
 
 void DistributedHooks::ReduceGradients(ParameterSet& params) {
@@ -410,16 +397,17 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
                          const ZeroOptions& zero) {
   const parallel::ParallelOptions options = TrainParallelOptions(config, world.size());
   const moe::LayerConfig layer = MoeLayerConfig(config);
-  const parallel::Mesh mesh(options.mesh, layer.num_experts, layer.hidden_dim);
-  hooks_ = std::make_unique<DistributedHooks>(world, mesh, static_cast<int>(config.zero_stage),
+  // The run's process groups: built once, shared by every MoE block and the optimizer.
+  groups_ = parallel::MakeLayerGroups(world, layer, options);
+  hooks_ = std::make_unique<DistributedHooks>(groups_, static_cast<int>(config.zero_stage),
                                               ranks_in_process, zero);
   DistributedHooks* hooks = hooks_.get();
   FeedForwardFactory factory;
   if (config.model.moe_every > 0) {
-    factory = [hooks, layer, options, &world](int64_t, const std::string& prefix,
-                                              ParameterSet& params, uint64_t seed) {
+    factory = [hooks, layer, options, groups = groups_](int64_t, const std::string& prefix,
+                                                        ParameterSet& params, uint64_t seed) {
       hooks->AddMoeBlock(prefix, layer);
-      return std::make_unique<ParallelMoeFeedForward>(params, prefix, layer, options, world, seed);
+      return std::make_unique<ParallelMoeFeedForward>(params, prefix, layer, options, groups, seed);
     };
   }
   trainer_ = std::make_unique<Trainer>(config, std::move(factory), hooks);

@@ -13,22 +13,16 @@ double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-moe::LayerConfig EvalConfig(moe::LayerConfig c) {
-  c.training = false;
-  return c;
-}
-
 // What the backward needs besides the layer's own state.
 struct MoeState {
   moe::LayerOutput out;
-  bool training = true;
 };
 
 }  // namespace
 
 MoeFeedForward::MoeFeedForward(ParameterSet& params, const std::string& prefix,
                                moe::LayerConfig config, uint64_t seed)
-    : train_layer_(config), eval_layer_(EvalConfig(config)), prefix_(prefix), params_(&params) {
+    : layer_(config), prefix_(prefix), params_(&params) {
   layer_params_ = moe::InitParams(config, seed ^ (InitStream(prefix) - kStreamInit));
   for (const auto& [name, tensor] : moe::ParamsToMap(config, layer_params_)) {
     ParamOptions o;
@@ -46,10 +40,10 @@ FeedForwardOutput MoeFeedForward::Forward(const Tensor& x, const FeedForwardCont
   o.step = context.step;
   o.threads = context.threads;
   o.save_for_backward = context.save_for_backward;
-  const moe::MoeLayer& layer = context.training ? train_layer_ : eval_layer_;
+  o.training = context.training;
+  const moe::MoeLayer& layer = layer_;
   auto state = std::make_shared<MoeState>();
   state->out = layer.Forward(layer_params_, x, o);
-  state->training = context.training;
   const moe::LayerOutput& out = state->out;
   const moe::LayerConfig& c = layer.config();
   FeedForwardOutput r;
@@ -72,7 +66,7 @@ Tensor MoeFeedForward::Backward(const FeedForwardOutput& forward, const Tensor& 
   SY_CHECK(forward.state != nullptr, "MoeFeedForward::Backward needs save_for_backward");
   const double t0 = Now();
   const auto& s = *static_cast<const MoeState*>(forward.state.get());
-  const moe::MoeLayer& layer = s.training ? train_layer_ : eval_layer_;
+  const moe::MoeLayer& layer = layer_;
   // The layer differentiates sum(y * dy) + loss. For sum(y * dy) + loss_scale * loss, pass
   // dy / loss_scale and scale every gradient by loss_scale.
   Tensor d = dy;
@@ -103,7 +97,7 @@ Tensor MoeFeedForward::Backward(const FeedForwardOutput& forward, const Tensor& 
 FeedForwardTimes MoeFeedForward::TakeTimes() { return std::exchange(times_, FeedForwardTimes{}); }
 
 void MoeFeedForward::EndStep(std::span<const int64_t> global_expert_loads) {
-  const moe::LayerConfig& c = train_layer_.config();
+  const moe::LayerConfig& c = layer_.config();
   if (!c.expert_bias) return;
   moe::UpdateExpertBias(global_expert_loads, c.expert_bias_update_rate, layer_params_.expert_bias);
 }

@@ -39,7 +39,7 @@ TEST(LayerConfigJson, EveryKeyIsRead) {
     "model_dim": 8, "hidden_dim": 16, "num_experts": 4, "top_k": 3,
     "score_function": "softmax_after_topk", "normalize_gate": false, "noise": "jitter",
     "noise_std": 0.5, "jitter_eps": 0.02, "random_routing": true, "expert_bias": true,
-    "expert_bias_update_rate": 0.01, "training": false, "capacity_factor": -1.5,
+    "expert_bias_update_rate": 0.01, "capacity_factor": -1.5,
     "min_capacity": 3, "alignment": 2, "capacity": 7, "capacity_formula": "deepspeed",
     "drop_policy": "probs", "slot_order": "token_order", "batch_prioritized_routing": true,
     "renormalize_after_drop": true, "dropless": false, "prescore": true, "activation": "silu",
@@ -55,7 +55,6 @@ TEST(LayerConfigJson, EveryKeyIsRead) {
   EXPECT_TRUE(c.random_routing);
   EXPECT_TRUE(c.expert_bias);
   EXPECT_FLOAT_EQ(c.expert_bias_update_rate, 0.01f);
-  EXPECT_FALSE(c.training);
   EXPECT_FLOAT_EQ(c.capacity_factor, -1.5f);
   EXPECT_EQ(c.min_capacity, 3);
   EXPECT_EQ(c.alignment, 2);
@@ -76,6 +75,32 @@ TEST(LayerConfigJson, EveryKeyIsRead) {
   EXPECT_EQ(c.shared_expert_hidden, 32);
   EXPECT_EQ(c.seed, 99u);
   EXPECT_TRUE(c.check_finite);
+}
+
+// "training" is the mode of the calls, not a layer option: the layer file reader takes it (and
+// round-trips it through ToJson), the layer config reader refuses it with a message naming it.
+TEST(LayerConfigJson, TrainingIsAKeyOfTheFileNotOfTheLayer) {
+  const std::string eval =
+      R"({"model_dim": 8, "hidden_dim": 16, "num_experts": 4, "training": false})";
+  LayerFile f = LayerFileFromJson(eval);
+  ASSERT_TRUE(f.training.has_value());
+  EXPECT_FALSE(*f.training);
+  EXPECT_EQ(f.config.num_experts, 4);
+  EXPECT_FALSE(LayerFileFromJson(kMinimal).training.has_value());
+  LayerFile again = LayerFileFromJson(ToJson(f.config, f.training));
+  EXPECT_EQ(again.training, f.training);
+  EXPECT_EQ(ToJson(again.config), ToJson(f.config));
+  EXPECT_EQ(ToJson(f.config).find("training"), std::string::npos);
+  EXPECT_NE(ParseError(eval).find("key 'training' is not a layer option"), std::string::npos)
+      << ParseError(eval);
+  EXPECT_NE(ParseError(R"({"model_dim": 8, "hidden_dim": 16, "num_experts": 4, "training": 1})"),
+            "");
+  try {
+    LayerFileFromJson(R"({"model_dim": 8, "hidden_dim": 16, "num_experts": 4, "training": 1})");
+    ADD_FAILURE() << "a non-bool training was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'training'"), std::string::npos) << e.what();
+  }
 }
 
 TEST(LayerConfigJson, DeepSpeedPresetDependsOnK) {

@@ -33,7 +33,8 @@ struct Variant {
   // Adjusts the random parameters.
   std::function<void(const LayerConfig&, LayerParams&)> edit_params = nullptr;
   int64_t global_token_offset = 0;
-  bool skew = false;  // every token prefers expert 0 (extreme imbalance)
+  bool skew = false;     // every token prefers expert 0 (extreme imbalance)
+  bool training = true;  // the calls' mode (ForwardOptions::training)
 };
 
 // gtest prints the parameter of a failing test with this.
@@ -96,11 +97,9 @@ std::vector<Variant> Variants() {
          c.noise = NoiseKind::kGumbelSecond;
          c.top_k = 3;
        }},
-      {"noise_off_when_not_training",
-       [](C& c) {
-         c.noise = NoiseKind::kTutelNormal;
-         c.training = false;
-       }},
+      {"noise_off_when_not_training", [](C& c) { c.noise = NoiseKind::kTutelNormal; }, 13, nullptr,
+       0, false,
+       /*training=*/false},
       {"random_routing", [](C& c) { c.random_routing = true; }},
       // Removed 2nd choices free slots for later pairs; survivors are renormalized.
       {"random_routing_drops_renormalize",
@@ -298,6 +297,8 @@ class LayerVsReference : public ::testing::TestWithParam<Variant> {
     x_ = Tensor::FromVector(xv, {tokens_, config_.model_dim});
     opt_.global_token_offset = v.global_token_offset;
     ref_opt_.global_token_offset = v.global_token_offset;
+    opt_.training = v.training;
+    ref_opt_.training = v.training;
   }
 
   LayerConfig config_;
@@ -331,7 +332,7 @@ TEST_P(LayerVsReference, ForwardMatchesReference) {
   if (name.find("drops") != std::string::npos || name == "every_token_dropped") {
     EXPECT_GT(out.dropped, 0) << "the variant is meant to drop";
   }
-  if (config_.random_routing && config_.training && k >= 2) {
+  if (config_.random_routing && opt_.training && k >= 2) {
     ExpectSomeSecondChoicesRemoved(config_, out, tokens_, k, opt_);
   }
   if (config_.expert_bias) {

@@ -112,7 +112,7 @@ RefOutput ReferenceForward(const LayerConfig& c, const RefParams& p, const std::
   const auto& wg = p.at("gate.weight");
   for (int64_t t = 0; t < T; ++t) {
     std::vector<double> xin(x.begin() + t * M, x.begin() + (t + 1) * M);
-    if (c.training && c.noise == NoiseKind::kJitter) {
+    if (o.training && c.noise == NoiseKind::kJitter) {
       // Jitter element m of token g: lane m % 4 of draw g * ceil(M / 4) + m / 4.
       CounterRng rng(key, kStreamGateJitter);
       int64_t quads = (M + 3) / 4;
@@ -126,7 +126,7 @@ RefOutput ReferenceForward(const LayerConfig& c, const RefParams& p, const std::
       double l = 0;
       for (int64_t m = 0; m < M; ++m) l += xin[m] * wg[e * M + m];
       logits[t][e] = noisy[t][e] = l;
-      if (c.training && c.noise == NoiseKind::kTutelNormal) {
+      if (o.training && c.noise == NoiseKind::kTutelNormal) {
         CounterRng rng(key, kStreamGateNoise);
         noisy[t][e] += c.noise_std * rng.Normal(gidx(t) * E + e) / static_cast<double>(E);
       }
@@ -145,7 +145,7 @@ RefOutput ReferenceForward(const LayerConfig& c, const RefParams& p, const std::
     if (c.expert_bias) {
       for (int64_t e = 0; e < E; ++e) sel[e] += p.at("gate.expert_bias")[e];
     }
-    if (c.training && c.noise == NoiseKind::kGumbelSecond && k >= 2) {
+    if (o.training && c.noise == NoiseKind::kGumbelSecond && k >= 2) {
       int32_t first = TopIndices(sel, 1)[0];
       std::vector<double> gum(E);
       CounterRng rng(key, kStreamGumbel);
@@ -168,7 +168,7 @@ RefOutput ReferenceForward(const LayerConfig& c, const RefParams& p, const std::
       double sum = std::accumulate(s[t].begin(), s[t].end(), 0.0);
       for (double& v : g[t]) v /= std::max(sum, kEps);
     }
-    if (c.random_routing && c.training && k >= 2) {
+    if (c.random_routing && o.training && k >= 2) {
       CounterRng rng(key, kStreamRandomRouting);
       routed[t][1] = 2 * g[t][1] > rng.Uniform(gidx(t));
     }

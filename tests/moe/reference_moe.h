@@ -33,6 +33,7 @@ struct RefOptions {
   int64_t global_token_offset = 0;
   uint64_t step = 0;
   std::optional<int64_t> global_max_load;
+  bool training = true;  // as moe::ForwardOptions::training
 };
 
 RefOutput ReferenceForward(const LayerConfig& config, const RefParams& params,

@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "parallel/parallel_cases.h"
 #include "switchyard/comm/inprocess.h"
@@ -23,6 +26,11 @@ using testing::Layout;
 using testing::MakeInputs;
 using testing::MatchesReference;
 using testing::SmallConfig;
+
+std::vector<float> Floats(const Tensor& t) {
+  const Tensor f = t.dtype() == DType::kFloat32 ? t : t.To(DType::kFloat32);
+  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
+}
 
 struct ConfigCase {
   std::string name;
@@ -196,7 +204,7 @@ void OnRanks(int w, const moe::LayerConfig& config, const ParallelOptions& optio
              const std::function<void(ParallelMoeLayer&, const moe::LayerParams&, const Tensor&,
                                       const Tensor&)>& fn) {
   comm::RunInProcess(w, [&](comm::Communicator& world) {
-    ParallelMoeLayer layer(config, options, world);
+    ParallelMoeLayer layer(config, options, MakeLayerGroups(world, config, options));
     Mesh mesh = layer.mesh();
     std::vector<int64_t> split = EvenSplit(in.x.size(0), mesh.data_shards());
     int64_t start = 0;
@@ -458,6 +466,81 @@ TEST(ParallelLayer, ClearErrors) {
   EXPECT_EQ(AdaptiveRFromString("auto"), kAdaptiveRAuto);
   EXPECT_EQ(AdaptiveRFromString("2"), 2);
   EXPECT_THROW(AdaptiveRFromString("two"), InvalidArgument);
+}
+
+// Whether a call trains is its own flag: an evaluation call on 4 ranks equals the single-rank
+// layer's evaluation call (no noise, no random routing), and differs from a training call.
+TEST(ParallelLayer, EvaluationCallsEqualTheSingleRankLayersEvaluation) {
+  moe::LayerConfig config = SmallConfig(4, false, 0.75f);
+  config.noise = moe::NoiseKind::kTutelNormal;
+  config.noise_std = 4.0f;
+  config.random_routing = true;
+  const Inputs in = MakeInputs(config, 29, 23);
+  moe::MoeLayer single(config);
+  moe::ForwardOptions fo;
+  fo.step = 2;
+  fo.training = false;
+  testing::Reference ref;
+  ref.output = single.Forward(in.params, in.x, fo);
+  moe::LayerGradients g = single.Backward(in.params, ref.output, in.dy);
+  ref.grad_x = g.x;
+  ref.grads = g.params;
+  fo.training = true;
+  const moe::LayerOutput trained = single.Forward(in.params, in.x, fo);
+  ASSERT_NE(Floats(trained.gates), Floats(ref.output.gates)) << "the noise changes no gate value";
+  for (const Layout& layout : MainLayouts(4, 4)) {
+    DriverOptions o;
+    o.parallel = layout.options;
+    o.step = 2;
+    o.training = false;
+    LayerRunResult run;
+    ASSERT_NO_THROW(run = RunLayerOnRanks(config, in.params, in.x, in.dy, o)) << layout.name;
+    EXPECT_TRUE(MatchesReference(run, ref)) << layout.name;
+  }
+}
+
+// One set of process groups serves every layer of its mesh: two layers with other expert counts
+// (the same H-shards per expert) on the same groups each equal their single-rank layer, and a
+// layer whose options ask for another mesh is refused with both meshes named.
+TEST(ParallelLayer, LayersShareOneSetOfProcessGroups) {
+  const moe::LayerConfig four = SmallConfig(4, true), eight = SmallConfig(8, true);
+  const Inputs in4 = MakeInputs(four, 16, 41), in8 = MakeInputs(eight, 16, 42);
+  const moe::LayerOutput want4 = moe::MoeLayer(four).Forward(in4.params, in4.x);
+  const moe::LayerOutput want8 = moe::MoeLayer(eight).Forward(in8.params, in8.x);
+  ParallelOptions options;
+  options.mesh.world_size = 4;
+  std::vector<std::string> errors(4);
+  comm::RunInProcess(4, [&](comm::Communicator& world) {
+    std::shared_ptr<ProcessGroups> groups = MakeLayerGroups(world, four, options);
+    ParallelMoeLayer a(four, options, groups), b(eight, options, groups);
+    EXPECT_EQ(&a.groups(), &b.groups());
+    const int r = world.rank();
+    ParallelForwardOptions fo;
+    fo.global_token_offset = 4 * r;
+    fo.save_for_backward = false;
+    const ParallelOutput ya =
+        a.Forward(a.ShardParams(in4.params), in4.x.Slice(4 * r, 4 * r + 4), fo);
+    const ParallelOutput yb =
+        b.Forward(b.ShardParams(in8.params), in8.x.Slice(4 * r, 4 * r + 4), fo);
+    const std::vector<float> got_a = Floats(ya.layer.y), got_b = Floats(yb.layer.y);
+    const std::vector<float> all_a = Floats(want4.y), all_b = Floats(want8.y);
+    for (size_t i = 0; i < got_a.size(); ++i) {
+      EXPECT_NEAR(got_a[i], all_a[64 * static_cast<size_t>(r) + i], 2e-5) << "rank " << r;
+      EXPECT_NEAR(got_b[i], all_b[64 * static_cast<size_t>(r) + i], 2e-5) << "rank " << r;
+    }
+    try {
+      ParallelMoeLayer sharded(SmallConfig(2, true), options, groups);  // 2 H-shards per expert
+    } catch (const InvalidArgument& e) {
+      errors[static_cast<size_t>(r)] = e.what();
+    }
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("process groups: built for the mesh (world 4, tp 1, ep 4, etp 1, "
+                     "arrangement deepspeed, 1 H-shard(s) per expert), but the layer's options "
+                     "ask for (world 4, tp 1, ep 4, etp 1, arrangement deepspeed, 2 H-shard(s)"),
+              std::string::npos)
+        << e;
+  }
 }
 
 TEST(AdaptiveR, AutoPicksTheCheapestBySpecFormula) {

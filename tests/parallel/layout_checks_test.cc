@@ -111,7 +111,7 @@ TEST(PerRankCapacity, MaxLoadIsTakenOverTheExpertGroupNotTheWorld) {
     options.batch_scope = BatchScope::kPerRank;
     std::vector<int64_t> capacity(w, -1), wire_rows(w, -1), shard_of(w, -1);
     comm::RunInProcess(w, [&](comm::Communicator& world) {
-      ParallelMoeLayer layer(config, options, world);
+      ParallelMoeLayer layer(config, options, MakeLayerGroups(world, config, options));
       const RankCoords& c = layer.coords();
       const auto d = static_cast<size_t>(c.token_shard);
       ParallelForwardOptions fo;
@@ -419,7 +419,7 @@ std::vector<AllToAllCalls> RecordAllToAlls(int w, const moe::LayerConfig& config
   comm::RunInProcess(w, [&](comm::Communicator& world) {
     auto log = std::make_shared<CallLog>();
     RecordingCommunicator recording(world, nullptr, log);
-    ParallelMoeLayer layer(config, options, recording);
+    ParallelMoeLayer layer(config, options, MakeLayerGroups(recording, config, options));
     const std::vector<int64_t> split = EvenSplit(in.x.size(0), layer.mesh().data_shards());
     const auto d = static_cast<size_t>(layer.coords().token_shard);
     const int64_t start = Offsets(split)[d];

@@ -57,7 +57,7 @@ TEST(OverlapConcurrency, RanksDisagreeingOnTheScheduleFailInsteadOfHanging) {
                      p.mesh.world_size = 4;
                      p.dispatch = DispatchKind::kAllToAllV;
                      p.overlap_degree = world.rank() == 0 ? 3 : 1;
-                     ParallelMoeLayer layer(config, p, world);
+                     ParallelMoeLayer layer(config, p, MakeLayerGroups(world, config, p));
                      const moe::LayerParams params = layer.ShardParams(in.params);
                      const Tensor x = in.x.Slice(4 * world.rank(), 4 * world.rank() + 4);
                      try {

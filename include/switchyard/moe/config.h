@@ -53,13 +53,13 @@ struct LayerConfig {
   // ---- gate ----
   ScoreFunction score_function = ScoreFunction::kSoftmax;
   bool normalize_gate = true;  // g_j /= max(sum_j g_j, eps) (k > 1)
+  // Noise and random routing apply to training calls only (ForwardOptions::training, layer.h).
   NoiseKind noise = NoiseKind::kNone;
   float noise_std = 1.0f;       // kTutelNormal (and the sigma of the importance_load loss)
   float jitter_eps = 1e-2f;     // kJitter
   bool random_routing = false;  // GShard: keep 2nd choice only if 2 * g_2 > U(0,1)
   bool expert_bias = false;     // aux-loss-free balancing (DeepSeek-V3): bias for choice only
   float expert_bias_update_rate = 1e-3f;
-  bool training = true;  // noise and random routing only when training
 
   // ---- capacity and slots ----
   float capacity_factor = 1.0f;  // > 0, == 0 (no drops), < 0 (capped)
@@ -118,12 +118,22 @@ LayerConfig PresetConfig(std::string_view preset, int64_t top_k);
 // other key overrides them. An unknown key, a value of the wrong type or out of range, or an
 // unknown enum name throws InvalidArgument with one line naming the key and what was expected,
 // e.g. "layer.json: key 'top_k': expected an integer >= 1, got 0". The result is validated
-// (ValidateConfig), so model_dim, hidden_dim and num_experts are required.
+// (ValidateConfig), so model_dim, hidden_dim and num_experts are required. The key "training" is
+// refused (it belongs to the call; LayerFileFromJson reads it).
 LayerConfig LayerConfigFromJson(std::string_view json_text);
 
+// A layer file as a program that runs single calls reads it (the `layer` command): the layer's
+// options and, optionally, "training": true | false, the mode of the calls made with it (not a
+// layer option: see ForwardOptions::training in layer.h). LayerConfigFromJson refuses that key.
+struct LayerFile {
+  LayerConfig config;
+  std::optional<bool> training;  // the file's "training" key, if it has one
+};
+LayerFile LayerFileFromJson(std::string_view json_text);
+
 // The configuration as a JSON object with every key (enums by name), parseable by
-// LayerConfigFromJson.
-std::string ToJson(const LayerConfig& config);
+// LayerConfigFromJson; with `training` given, the object also has that key (a LayerFile).
+std::string ToJson(const LayerConfig& config, std::optional<bool> training = std::nullopt);
 
 // Names used in layer.json for the enums.
 std::string_view ScoreFunctionName(ScoreFunction v);

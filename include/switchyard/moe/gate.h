@@ -24,6 +24,8 @@ inline constexpr float kGateEps = 1.1920928955078125e-07f;
 struct GateOptions {
   int64_t global_token_offset = 0;  // global index of local token 0 (keys the random draws)
   uint64_t step = 0;                // training step: a new step draws new noise (StepSeed)
+  // false (evaluation, inference): no noise and no GShard random routing, whatever the config.
+  bool training = true;
 };
 
 // What the gate decided, and what its backward needs. Per-(token, choice) arrays are [T, k]

@@ -62,6 +62,9 @@ struct ForwardOptions {
   std::optional<int64_t> global_max_load;  // capacity_factor <= 0: max load over the EP group
   int threads = 1;
   bool save_for_backward = true;  // false: inference, Backward cannot be called
+  // true: a training call (gate noise and GShard random routing as the config says); false:
+  // evaluation, neither. Everything else (capacity, drops, losses) is the same in both.
+  bool training = true;
 };
 
 struct LayerState;  // what the backward needs (opaque)

@@ -38,6 +38,7 @@ struct DriverOptions {
   std::vector<int64_t> token_split;
   int64_t global_token_offset = 0;  // global index of x's first token
   uint64_t step = 0;
+  bool training = true;  // the calls' mode (ParallelForwardOptions::training)
   // Compute threads per rank; 0: ComputeThreadsPerRank(ranks in this process, usable cores).
   int threads = 0;
   // Forward+backward(+sync) repetitions: `warmup` untimed, then `repeat` timed (the last one is

@@ -123,6 +123,8 @@ struct ParallelForwardOptions {
   int adaptive_r = kAdaptiveRDefault;  // kAdaptiveRDefault: the layer's option
   int threads = 1;
   bool save_for_backward = true;
+  // As moe::ForwardOptions::training: false (evaluation) turns gate noise and random routing off.
+  bool training = true;
 };
 
 struct ParallelState;  // what the backward needs (opaque)
@@ -148,18 +150,31 @@ struct ParallelGradients {
   CommStats stats;
 };
 
+// The mesh that `options` ask for with `config`'s experts on a world of `world_size` ranks
+// (options.mesh.world_size 0 or 1 means `world_size`). Throws InvalidArgument as Mesh does.
+Mesh LayerMesh(const moe::LayerConfig& config, const ParallelOptions& options, int world_size);
+// The process groups of that mesh over `world`: collective over `world`, which must outlive them.
+// Build them once per run and share them between every layer with the same mesh.
+std::shared_ptr<ProcessGroups> MakeLayerGroups(comm::Communicator& world,
+                                               const moe::LayerConfig& config,
+                                               const ParallelOptions& options);
+
 class ParallelMoeLayer {
  public:
   // Validates config and options (InvalidArgument, e.g. a number of experts that the EP size does
-  // not divide) and splits `world` into the process groups: collective over `world`, which must
-  // outlive the layer.
-  ParallelMoeLayer(moe::LayerConfig config, ParallelOptions options, comm::Communicator& world);
+  // not divide) and checks that `groups` were built for the mesh the options ask for (the same
+  // world, tp, ep, etp, arrangement and H-shards per expert). Not collective: the layer uses the
+  // shared groups and splits no communicator of its own (except Tutel's adaptive-r subgroups,
+  // which ProcessGroups splits once on first use).
+  ParallelMoeLayer(moe::LayerConfig config, ParallelOptions options,
+                   std::shared_ptr<ProcessGroups> groups);
   ~ParallelMoeLayer();
 
   const moe::LayerConfig& config() const { return config_; }
   const ParallelOptions& options() const { return options_; }
-  const Mesh& mesh() const { return groups_->mesh(); }
-  const RankCoords& coords() const { return groups_->coords(); }
+  // The layer's own mesh (its expert count); the groups' mesh has the same groups.
+  const Mesh& mesh() const { return mesh_; }
+  const RankCoords& coords() const { return coords_; }
   const ShardSpec& shard_spec() const { return spec_; }
   ProcessGroups& groups() { return *groups_; }
 
@@ -197,7 +212,9 @@ class ParallelMoeLayer {
  private:
   moe::LayerConfig config_;
   ParallelOptions options_;
-  std::unique_ptr<ProcessGroups> groups_;
+  std::shared_ptr<ProcessGroups> groups_;
+  Mesh mesh_;
+  RankCoords coords_;
   // Resolves the cost model (measuring what is missing, once). Collective over the expert group.
   const CostModel& ResolvedCostModel(int threads);
   // The smart-schedule group size of this step (auto: from the cost model). Collective when auto.

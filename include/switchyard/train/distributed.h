@@ -57,14 +57,15 @@ parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int wo
 // are the single-rank MoeFeedForward's (the full tensors are drawn, then sliced).
 class ParallelMoeFeedForward : public FeedForward {
  public:
-  // `world` must outlive the FFN; collective over it (splits the process groups).
+  // `groups`: the run's process groups (shared by every block and the hooks), built for the
+  // mesh `options` ask for. Not collective: the FFN splits no communicator.
   ParallelMoeFeedForward(ParameterSet& params, const std::string& prefix, moe::LayerConfig config,
-                         const parallel::ParallelOptions& options, comm::Communicator& world,
-                         uint64_t seed);
+                         const parallel::ParallelOptions& options,
+                         std::shared_ptr<parallel::ProcessGroups> groups, uint64_t seed);
 
   bool is_moe() const override { return true; }
-  int64_t num_experts() const override { return train_layer_.config().num_experts; }
-  const parallel::ParallelMoeLayer& layer() const { return train_layer_; }
+  int64_t num_experts() const override { return layer_.config().num_experts; }
+  const parallel::ParallelMoeLayer& layer() const { return layer_; }
 
   FeedForwardOutput Forward(const Tensor& x, const FeedForwardContext& context) override;
   Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
@@ -74,9 +75,8 @@ class ParallelMoeFeedForward : public FeedForward {
   FeedForwardTimes TakeTimes() override;
 
  private:
-  parallel::ParallelMoeLayer train_layer_;
-  parallel::ParallelMoeLayer eval_layer_;  // config.training = false
-  moe::LayerParams shard_;                 // gate (full) and this rank's experts
+  parallel::ParallelMoeLayer layer_;  // training and evaluation passes (the call's flag)
+  moe::LayerParams shard_;            // gate (full) and this rank's experts
   std::string prefix_;
   ParameterSet* params_;
   int data_shards_ = 1;
@@ -86,10 +86,10 @@ class ParallelMoeFeedForward : public FeedForward {
 // Data parallelism, ZeRO and expert-parallel checkpoints as TrainHooks (trainer.h).
 class DistributedHooks : public TrainHooks {
  public:
-  // `world` must outlive the hooks. `mesh` is that of the MoE blocks (every block the same).
-  // Collective over `world` (splits the expert-data-parallel group).
-  // `zero` holds ShardedAdamW's checking options (poison_non_owned).
-  DistributedHooks(comm::Communicator& world, const parallel::Mesh& mesh, int zero_stage,
+  // `groups`: the run's process groups, those of the MoE blocks (every block the same mesh); the
+  // dense optimizer works over their world, the experts' over their expert-data-parallel group.
+  // Not collective. `zero` holds ShardedAdamW's checking options (poison_non_owned).
+  DistributedHooks(std::shared_ptr<parallel::ProcessGroups> groups, int zero_stage,
                    int ranks_in_process, const ZeroOptions& zero);
   ~DistributedHooks() override;
 
@@ -132,19 +132,21 @@ class DistributedHooks : public TrainHooks {
   void GatherExperts(TensorMap& map, const std::string& suffix);
   void SliceExperts(TensorMap& map, const std::string& suffix) const;
 
+  std::shared_ptr<parallel::ProcessGroups> groups_;
   comm::Communicator& world_;
-  parallel::Mesh mesh_;
+  const parallel::Mesh& mesh_;
   int zero_stage_;
   int ranks_in_process_;
   bool poison_non_owned_ = false;
-  std::unique_ptr<comm::Communicator> expert_data_;  // ranks holding the same expert shard
+  comm::Communicator& expert_data_;  // ranks holding the same expert shard
   std::vector<MoeBlock> moe_blocks_;
   std::unique_ptr<ShardedAdamW> dense_opt_;   // over the world
   std::unique_ptr<ShardedAdamW> expert_opt_;  // over expert_data_
   bool gathered_ = true;
 };
 
-// One rank of a distributed run: hooks, the MoE factory and the Trainer. Collective over `world`.
+// One rank of a distributed run: the process groups (built once, here), hooks, the MoE factory
+// and the Trainer. Collective over `world`.
 class RankTrainer {
  public:
   // `zero`: ShardedAdamW's checking options (tests poison non-owned values with NaN).
@@ -155,8 +157,10 @@ class RankTrainer {
 
   Trainer& trainer() { return *trainer_; }
   DistributedHooks& hooks() { return *hooks_; }
+  parallel::ProcessGroups& groups() { return *groups_; }
 
  private:
+  std::shared_ptr<parallel::ProcessGroups> groups_;
   std::unique_ptr<DistributedHooks> hooks_;
   std::unique_ptr<Trainer> trainer_;
 };

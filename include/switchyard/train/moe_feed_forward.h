@@ -7,7 +7,8 @@
 // buffer, updated by EndStep from the step's global expert loads.
 //
 // The objective term is aux_loss_coef * l_aux + z_loss_coef * z_loss (the layer's config).
-// Evaluation passes (context.training = false) run without gate noise or random routing.
+// Evaluation passes (context.training = false) run the same layer without gate noise or random
+// routing (moe::ForwardOptions::training).
 #pragma once
 
 #include <cstdint>
@@ -28,8 +29,8 @@ class MoeFeedForward : public FeedForward {
                  uint64_t seed);
 
   bool is_moe() const override { return true; }
-  int64_t num_experts() const override { return train_layer_.config().num_experts; }
-  const moe::LayerConfig& config() const { return train_layer_.config(); }
+  int64_t num_experts() const override { return layer_.config().num_experts; }
+  const moe::LayerConfig& config() const { return layer_.config(); }
 
   FeedForwardOutput Forward(const Tensor& x, const FeedForwardContext& context) override;
   Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
@@ -38,8 +39,7 @@ class MoeFeedForward : public FeedForward {
   FeedForwardTimes TakeTimes() override;
 
  private:
-  moe::MoeLayer train_layer_;
-  moe::MoeLayer eval_layer_;  // config.training = false
+  moe::MoeLayer layer_;  // training and evaluation passes (the call's flag)
   moe::LayerParams layer_params_;
   std::string prefix_;
   ParameterSet* params_;
