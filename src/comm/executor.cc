@@ -2,10 +2,15 @@
 
 #include "switchyard/comm/communicator.h"
 #include "switchyard/core/error.h"
+#include "switchyard/core/thread_pool.h"
 
 namespace switchyard::comm {
 
-Executor::Executor() : thread_([this] { Loop(); }) {}
+Executor::Executor()
+    : thread_([this] {
+        SetThreadName("sy-progress");
+        Loop();
+      }) {}
 
 Executor::~Executor() { Shutdown(); }
 

@@ -1,7 +1,10 @@
 #include "switchyard/core/thread_pool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <memory>
+#include <string>
 
 namespace switchyard {
 
@@ -16,8 +19,18 @@ struct InTaskScope {
 };
 }  // namespace
 
+void SetThreadName(std::string_view name) {
+  const std::string cut(name.substr(0, 15));
+  pthread_setname_np(pthread_self(), cut.c_str());
+}
+
 WorkerPool::WorkerPool(int threads) {
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (int i = 1; i < threads; ++i) {
+    workers_.emplace_back([this] {
+      SetThreadName("sy-pool");
+      WorkerLoop();
+    });
+  }
 }
 
 WorkerPool::~WorkerPool() {

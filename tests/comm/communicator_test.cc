@@ -24,7 +24,8 @@ std::vector<int64_t> GroupWorldRanks(Communicator& group, int world_rank) {
   return all;
 }
 
-// DeepSpeed's example (SPEC §2.1): 16 ranks, ep_size 4.
+// DeepSpeed's expert-parallel layout: 16 ranks, ep_size 4 (expert groups of 4 consecutive
+// ranks, expert-data-parallel groups of the ranks with equal index in them).
 TEST(Communicator, SplitBuildsDeepSpeedExpertGroups) {
   std::mutex mu;
   std::vector<std::vector<int64_t>> ep(16), ep_dp(16);
