@@ -6,11 +6,7 @@
 
 namespace switchyard::comm {
 
-Executor::Executor()
-    : thread_([this] {
-        SetThreadName("sy-progress");
-        Loop();
-      }) {}
+Executor::Executor() : thread_([this] { Loop(); }) { SetThreadName(thread_, "sy-progress"); }
 
 Executor::~Executor() { Shutdown(); }
 

@@ -19,17 +19,23 @@ struct InTaskScope {
 };
 }  // namespace
 
-void SetThreadName(std::string_view name) {
+namespace {
+void SetName(pthread_t thread, std::string_view name) {
   const std::string cut(name.substr(0, 15));
-  pthread_setname_np(pthread_self(), cut.c_str());
+  pthread_setname_np(thread, cut.c_str());
+}
+}  // namespace
+
+void SetThreadName(std::string_view name) { SetName(pthread_self(), name); }
+
+void SetThreadName(std::thread& thread, std::string_view name) {
+  SetName(thread.native_handle(), name);
 }
 
 WorkerPool::WorkerPool(int threads) {
   for (int i = 1; i < threads; ++i) {
-    workers_.emplace_back([this] {
-      SetThreadName("sy-pool");
-      WorkerLoop();
-    });
+    workers_.emplace_back([this] { WorkerLoop(); });
+    SetThreadName(workers_.back(), "sy-pool");
   }
 }
 
