@@ -1,5 +1,6 @@
-// Algorithm choice, made here and nowhere else (as NCCL's tuning tables). The thresholds come
-// from `switchyard bench comm` on the in-process and MPI transports (docs/algorithms.md).
+// Algorithm choice and the launch table, here and nowhere else (as NCCL's tuning tables). The
+// thresholds come from `switchyard bench comm` on the in-process and MPI transports
+// (docs/algorithms.md).
 #include <algorithm>
 #include <string>
 #include <string_view>
@@ -11,33 +12,168 @@
 namespace switchyard::comm {
 namespace {
 
+using A = Algorithm;
+using K = CollectiveKind;
+
+NativeCollectives& Native(OpContext& ctx) { return *ctx.transport().native(); }
+
+void PrepareHierarchical(CollectiveArgs& args, int group_size, const Topology& topology) {
+  const int per = args.ranks_per_node > 0 ? args.ranks_per_node : topology.ranks_per_node;
+  SY_REQUIRE(per >= 1 && group_size % per == 0, InvalidArgument,
+             "alltoall (hierarchical): ranks_per_node {} must divide the group size {}", per,
+             group_size);
+  args.ranks_per_node = per;
+}
+
+// Elements to and from each peer (for MPI's all-to-all-v) from the byte layout.
+std::vector<int64_t> Elements(const std::vector<size_t>& bytes, size_t elem) {
+  std::vector<int64_t> out;
+  out.reserve(bytes.size());
+  for (size_t b : bytes) out.push_back(static_cast<int64_t>(b / elem));
+  return out;
+}
+
+// The launch table: every algorithm of every collective, one row each, in the order
+// SelectAlgorithm lists them when it refuses a name. Adding an algorithm is adding its row (and,
+// if `auto` should ever pick it, its rule in SelectAlgorithm). Each function is in its own file
+// (docs/algorithms.md); kNative rows hand the call to the transport's own collectives.
+const AlgorithmEntry kTable[] = {
+    {K::kBarrier, A::kDissemination,
+     [](OpContext& c, const CollectiveArgs&) { BarrierDissemination(c); }},
+    {K::kBarrier, A::kNative,
+     [](OpContext& c, const CollectiveArgs&) { Native(c).Barrier(c.deadline()); }},
+
+    {K::kBroadcast, A::kTree,
+     [](OpContext& c, const CollectiveArgs& a) { BroadcastTree(c, a.recv, a.count, a.root); }},
+    {K::kBroadcast, A::kScatterAllGather,
+     [](OpContext& c, const CollectiveArgs& a) {
+       BroadcastScatterAllGather(c, a.recv, a.count, a.root);
+     }},
+    {K::kBroadcast, A::kNative,
+     [](OpContext& c, const CollectiveArgs& a) {
+       Native(c).Broadcast(a.recv, a.count, c.work_dtype(), a.root, c.deadline());
+     }},
+
+    {K::kReduce, A::kTree,
+     [](OpContext& c, const CollectiveArgs& a) { ReduceTree(c, a.send, a.recv, a.count, a.root); }},
+    {K::kReduce, A::kReduceScatterGather,
+     [](OpContext& c, const CollectiveArgs& a) {
+       ReduceScatterGather(c, a.send, a.recv, a.count, a.root);
+     }},
+    {K::kReduce, A::kNative,
+     [](OpContext& c, const CollectiveArgs& a) {
+       Native(c).Reduce(a.send, a.recv, a.count, c.work_dtype(), a.reduce_op, a.root, c.deadline());
+     }},
+
+    {K::kAllReduce, A::kRing,
+     [](OpContext& c, const CollectiveArgs& a) { AllReduceRing(c, a.send, a.recv, a.count); }},
+    {K::kAllReduce, A::kTree,
+     [](OpContext& c, const CollectiveArgs& a) { AllReduceTree(c, a.send, a.recv, a.count); }},
+    {K::kAllReduce, A::kNative,
+     [](OpContext& c, const CollectiveArgs& a) {
+       Native(c).AllReduce(a.send, a.recv, a.count, c.work_dtype(), a.reduce_op, c.deadline());
+     }},
+
+    {K::kAllGather, A::kRing,
+     [](OpContext& c, const CollectiveArgs& a) { AllGatherRing(c, a.send, a.recv, a.count); }},
+    {K::kAllGather, A::kLinear,
+     [](OpContext& c, const CollectiveArgs& a) { AllGatherLinear(c, a.send, a.recv, a.count); }},
+    {K::kAllGather, A::kNative,
+     [](OpContext& c, const CollectiveArgs& a) {
+       Native(c).AllGather(a.send, a.recv, a.count, c.work_dtype(), c.deadline());
+     }},
+
+    {K::kReduceScatter, A::kRing,
+     [](OpContext& c, const CollectiveArgs& a) { ReduceScatterRing(c, a.send, a.recv, a.count); }},
+    {K::kReduceScatter, A::kNative,
+     [](OpContext& c, const CollectiveArgs& a) {
+       Native(c).ReduceScatter(a.send, a.recv, a.count, c.work_dtype(), a.reduce_op, c.deadline());
+     }},
+
+    {K::kAllToAll, A::kPairwise,
+     [](OpContext& c, const CollectiveArgs& a) { AllToAllPairwise(c, a.send, a.recv, a.layout); }},
+    {K::kAllToAll, A::kLinear,
+     [](OpContext& c, const CollectiveArgs& a) { AllToAllLinear(c, a.send, a.recv, a.layout); }},
+    {K::kAllToAll, A::kHierarchical,
+     [](OpContext& c, const CollectiveArgs& a) {
+       AllToAllHierarchical(c, a.send, a.recv, a.count, a.ranks_per_node);
+     },
+     PrepareHierarchical},
+    {K::kAllToAll, A::kNative,
+     [](OpContext& c, const CollectiveArgs& a) {
+       Native(c).AllToAll(a.send, a.recv, a.count, c.work_dtype(), c.deadline());
+     }},
+
+    {K::kAllToAllV, A::kPairwise,
+     [](OpContext& c, const CollectiveArgs& a) { AllToAllPairwise(c, a.send, a.recv, a.layout); }},
+    {K::kAllToAllV, A::kLinear,
+     [](OpContext& c, const CollectiveArgs& a) { AllToAllLinear(c, a.send, a.recv, a.layout); }},
+    {K::kAllToAllV, A::kNative,
+     [](OpContext& c, const CollectiveArgs& a) {
+       const AllToAllLayout& l = a.layout;
+       const size_t e = c.elem_size();
+       Native(c).AllToAllV(a.send, Elements(l.send_bytes, e), Elements(l.send_offsets, e), a.recv,
+                           Elements(l.recv_bytes, e), Elements(l.recv_offsets, e), c.work_dtype(),
+                           c.deadline());
+     }},
+
+    {K::kAllToAllVDynamic, A::kPairwise,
+     [](OpContext& c, const CollectiveArgs& a) { AllToAllVDynamicTwoPhase(c, a, A::kPairwise); }},
+    {K::kAllToAllVDynamic, A::kLinear,
+     [](OpContext& c, const CollectiveArgs& a) { AllToAllVDynamicTwoPhase(c, a, A::kLinear); }},
+    {K::kAllToAllVDynamic, A::kNative, AllToAllVDynamicNative},
+
+    {K::kScatter, A::kLinear,
+     [](OpContext& c, const CollectiveArgs& a) {
+       ScatterLinear(c, a.send, a.recv, a.count, a.root);
+     }},
+    {K::kScatter, A::kNative,
+     [](OpContext& c, const CollectiveArgs& a) {
+       Native(c).Scatter(a.send, a.recv, a.count, c.work_dtype(), a.root, c.deadline());
+     }},
+
+    {K::kGather, A::kLinear,
+     [](OpContext& c, const CollectiveArgs& a) {
+       GatherLinear(c, a.send, a.recv, a.count, a.root);
+     }},
+    {K::kGather, A::kNative,
+     [](OpContext& c, const CollectiveArgs& a) {
+       Native(c).Gather(a.send, a.recv, a.count, c.work_dtype(), a.root, c.deadline());
+     }},
+};
+
+// The algorithms of `kind`: its rows of the table, in table order.
 std::vector<Algorithm> Offered(CollectiveKind kind) {
-  using A = Algorithm;
-  switch (kind) {
-    case CollectiveKind::kBarrier: return {A::kDissemination, A::kNative};
-    case CollectiveKind::kBroadcast: return {A::kTree, A::kScatterAllGather, A::kNative};
-    case CollectiveKind::kReduce: return {A::kTree, A::kReduceScatterGather, A::kNative};
-    case CollectiveKind::kAllReduce: return {A::kRing, A::kTree, A::kNative};
-    case CollectiveKind::kAllGather: return {A::kRing, A::kLinear, A::kNative};
-    case CollectiveKind::kReduceScatter: return {A::kRing, A::kNative};
-    case CollectiveKind::kAllToAll: return {A::kPairwise, A::kLinear, A::kHierarchical, A::kNative};
-    case CollectiveKind::kAllToAllV: return {A::kPairwise, A::kLinear, A::kNative};
-    case CollectiveKind::kAllToAllVDynamic: return {A::kPairwise, A::kLinear, A::kNative};
-    case CollectiveKind::kScatter: return {A::kLinear, A::kNative};
-    case CollectiveKind::kGather: return {A::kLinear, A::kNative};
-    case CollectiveKind::kSplit: return {A::kAuto};
+  std::vector<Algorithm> offered;
+  for (const AlgorithmEntry& e : kTable) {
+    if (e.kind == kind) offered.push_back(e.algorithm);
   }
-  return {};
+  return offered;
 }
 
 constexpr size_t kKiB = 1024;
 
 }  // namespace
 
+const AlgorithmEntry& FindAlgorithm(CollectiveKind kind, Algorithm algorithm) {
+  for (const AlgorithmEntry& e : kTable) {
+    if (e.kind == kind && e.algorithm == algorithm) return e;
+  }
+  throw InternalError(fmt::format("the launch table has no row for {} ({})", CollectiveName(kind),
+                                  AlgorithmName(algorithm)));
+}
+
+bool HasRoot(CollectiveKind kind) {
+  return kind == K::kBroadcast || kind == K::kReduce || kind == K::kScatter || kind == K::kGather;
+}
+
+bool IsReduction(CollectiveKind kind) {
+  return kind == K::kReduce || kind == K::kAllReduce || kind == K::kReduceScatter;
+}
+
 Algorithm SelectAlgorithm(CollectiveKind kind, Algorithm requested, size_t bytes, int group_size,
                           const Topology& topology, bool has_native,
                           std::string_view transport_kind) {
-  using A = Algorithm;
   std::vector<Algorithm> offered = Offered(kind);
   if (requested != A::kAuto) {
     if (std::find(offered.begin(), offered.end(), requested) == offered.end()) {
@@ -48,8 +184,10 @@ Algorithm SelectAlgorithm(CollectiveKind kind, Algorithm requested, size_t bytes
                                         CollectiveName(kind), AlgorithmName(requested), names));
     }
     SY_REQUIRE(requested != A::kNative || has_native, InvalidArgument,
-               "algorithm 'native' delegates to MPI's own collectives: it needs the MPI "
-               "transport (run under mpirun with --transport mpi)");
+               "{}: algorithm 'native' delegates to the transport's own collectives, and this "
+               "communicator's transport ('{}') has none; use a communicator on the MPI transport "
+               "(CreateMpiWorld) or another algorithm",
+               CollectiveName(kind), transport_kind);
     return requested;
   }
   const int w = group_size;

@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "comm/op_context.h"
+#include "switchyard/comm/communicator.h"
+#include "switchyard/core/tensor.h"
 
 namespace switchyard::comm {
 
@@ -55,7 +57,8 @@ void AllToAllPairwise(OpContext& ctx, const void* send, void* recv, const AllToA
                       uint32_t phase = 0);
 void AllToAllLinear(OpContext& ctx, const void* send, void* recv, const AllToAllLayout& layout,
                     uint32_t phase = 0);
-// 2DH (SPEC §2.4): count elements per peer, ranks_per_node L dividing W.
+// Hierarchical (2DH) all-to-all, intra-node then inter-node (docs/algorithms.md): count elements
+// per peer, ranks_per_node L dividing W.
 void AllToAllHierarchical(OpContext& ctx, const void* send, void* recv, size_t count,
                           int ranks_per_node);
 
@@ -70,10 +73,62 @@ std::vector<int64_t> AllToAllVTwoPhase(OpContext& ctx, const void* send,
 void ScatterLinear(OpContext& ctx, const void* send, void* recv, size_t count, int root);
 void GatherLinear(OpContext& ctx, const void* send, void* recv, size_t count, int root);
 
+// ---- The launch table ----
+
+// One collective call as the launch table passes it to an algorithm. Which fields a collective
+// uses follows its Communicator method (switchyard/comm/communicator.h); counts are elements.
+struct CollectiveArgs {
+  const void* send = nullptr;
+  void* recv = nullptr;  // broadcast: the buffer
+  size_t count = 0;      // per rank or per block, as the collective defines; 0 for the -v forms
+  DType dtype = DType::kFloat32;
+  ReduceOp reduce_op = ReduceOp::kSum;
+  int root = 0;
+  int ranks_per_node = 0;   // alltoall (hierarchical): 0 = the group's topology
+  AllToAllLayout layout{};  // alltoall, alltoallv: bytes to and from each peer
+  // alltoallv_dynamic: rows sent to each peer, elements per row, the shape of one row, and where
+  // the received rows and counts go.
+  std::vector<int64_t> send_rows{};
+  int64_t row_elems = 1;
+  Shape row_shape{};
+  AllToAllVResult* result = nullptr;
+};
+
+// Runs one algorithm of one collective on this rank. Reductions compute in ctx.work_dtype()
+// (float32 for bfloat16 input, see AccumulateInFloat32 in group_communicator.cc).
+using AlgorithmFn = void (*)(OpContext& ctx, const CollectiveArgs& args);
+// Runs at the call, on the caller's thread, after selection: checks the algorithm's own
+// preconditions (InvalidArgument) and may complete `args`.
+using AlgorithmPrepare = void (*)(CollectiveArgs& args, int group_size, const Topology& topology);
+
+// One row of the launch table: the function that runs `algorithm` for `kind`.
+struct AlgorithmEntry {
+  CollectiveKind kind;
+  Algorithm algorithm;
+  AlgorithmFn run;
+  AlgorithmPrepare prepare = nullptr;
+};
+
+// The row of (kind, algorithm); InternalError if the table has none (SelectAlgorithm only
+// returns algorithms the table offers).
+const AlgorithmEntry& FindAlgorithm(CollectiveKind kind, Algorithm algorithm);
+
+// Collectives with a root (broadcast, reduce, scatter, gather) and with a reduce op (reduce,
+// allreduce, reduce_scatter).
+bool HasRoot(CollectiveKind kind);
+bool IsReduction(CollectiveKind kind);
+
+// alltoallv_dynamic on the rows of `args` (two-phase with `data_algorithm` kPairwise or kLinear,
+// or the transport's own all-to-all and all-to-all-v): allocates args.result->output as
+// [received rows, row_shape...] of ctx.info().dtype and fills its counts and displacements.
+void AllToAllVDynamicTwoPhase(OpContext& ctx, const CollectiveArgs& args, Algorithm data_algorithm);
+void AllToAllVDynamicNative(OpContext& ctx, const CollectiveArgs& args);
+
 // The one place where algorithms are chosen. Checks that `requested` is one the collective
-// offers (InvalidArgument listing them otherwise) and resolves kAuto from the message size in
-// bytes (equal on every rank), the group size, the topology and the transport ("inprocess",
-// "mpi"). has_native: the transport has MPI's own collectives.
+// offers -- a row of the launch table (InvalidArgument listing them otherwise) -- and resolves
+// kAuto from the message size in bytes (equal on every rank), the group size, the topology and
+// the transport's kind() ("inprocess", "mpi", or a user transport's name). has_native: the
+// transport has its own collectives (Transport::native()).
 Algorithm SelectAlgorithm(CollectiveKind kind, Algorithm requested, size_t bytes, int group_size,
                           const Topology& topology, bool has_native,
                           std::string_view transport_kind);

@@ -1,5 +1,5 @@
-// Hierarchical (2DH) all-to-all, Tutel / SPEC §2.4, for W = N nodes x L ranks per node (rank
-// r = node n * L + local l):
+// Hierarchical (2DH) all-to-all (Tutel; docs/algorithms.md), for W = N nodes x L ranks per node
+// (rank r = node n * L + local l):
 //   1. stride copy: the blocks for local rank j of every node become contiguous,
 //      a[j][m] = send[m L + j]
 //   2. all-to-all inside the node (L ranks, linear): b[j][m] = block from (n, j) for (m, l)

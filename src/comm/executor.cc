@@ -2,10 +2,11 @@
 
 #include "switchyard/comm/communicator.h"
 #include "switchyard/core/error.h"
+#include "switchyard/core/thread_pool.h"
 
 namespace switchyard::comm {
 
-Executor::Executor() : thread_([this] { Loop(); }) {}
+Executor::Executor() : thread_([this] { Loop(); }) { SetThreadName(thread_, "sy-progress"); }
 
 Executor::~Executor() { Shutdown(); }
 

@@ -1,8 +1,6 @@
 #include "comm/group_communicator.h"
 
 #include <cstring>
-#include <functional>
-#include <numeric>
 #include <vector>
 
 #include "comm/algorithms.h"
@@ -70,23 +68,25 @@ void NarrowToBFloat16(const float* src, void* dst, size_t n) {
   for (size_t i = 0; i < n; ++i) d[i] = BFloat16(src[i]);
 }
 
-// A reduction algorithm on (send, recv) in `dtype` (float32 when called by AccumulateInFloat32).
-using ReductionRun = std::function<void(OpContext& ctx, const void* send, void* recv, DType dtype)>;
-
-// Runs the float32 form of a bfloat16 reduction: send (send_count elements) is widened into
-// float32 scratch, `run` reduces it in float32 -- partial sums stay float32, on the wire too,
-// which doubles the bytes -- into recv32 (the same scratch if in_place, else its own), and
-// recv32 is rounded to bfloat16 into recv (recv_count elements; null = nothing to write) once.
-// A sum over W ranks is thus rounded once, not at every step of a ring.
-void AccumulateInFloat32(OpContext& ctx, const ReductionRun& run, const void* send,
-                         size_t send_count, void* recv, size_t recv_count, bool in_place) {
+// Runs the float32 form of a bfloat16 reduction: the input (count elements, W blocks of count for
+// reduce_scatter) is widened into float32 scratch, `run` reduces it in float32 -- partial sums
+// stay float32, on the wire too, which doubles the bytes -- in place (reduce_scatter: into a
+// second scratch), and the result is rounded to bfloat16 into recv once (reduce: at the root
+// only). A sum over W ranks is thus rounded once, not at every step of a ring.
+void AccumulateInFloat32(OpContext& ctx, AlgorithmFn run, const CollectiveArgs& args) {
+  const bool scatter = ctx.info().kind == CollectiveKind::kReduceScatter;
+  const size_t send_count = scatter ? args.count * static_cast<size_t>(ctx.size()) : args.count;
   ctx.set_work_dtype(DType::kFloat32);
   auto* send32 = reinterpret_cast<float*>(Scratch(2, send_count * sizeof(float)));
   float* recv32 =
-      in_place ? send32 : reinterpret_cast<float*>(Scratch(3, recv_count * sizeof(float)));
-  WidenBFloat16(send, send32, send_count);
-  run(ctx, send32, recv32, DType::kFloat32);
-  if (recv != nullptr) NarrowToBFloat16(recv32, recv, recv_count);
+      scatter ? reinterpret_cast<float*>(Scratch(3, args.count * sizeof(float))) : send32;
+  WidenBFloat16(args.send, send32, send_count);
+  CollectiveArgs wide = args;
+  wide.send = send32;
+  wide.recv = recv32;
+  run(ctx, wide);
+  const bool writes = ctx.info().kind != CollectiveKind::kReduce || ctx.rank() == args.root;
+  if (writes) NarrowToBFloat16(recv32, args.recv, args.count);
 }
 
 }  // namespace
@@ -136,15 +136,38 @@ void GroupCommunicator::Execute(const OpInfo& info, Milliseconds timeout, uint64
   }
 }
 
-Algorithm GroupCommunicator::Select(CollectiveKind kind, Algorithm requested, size_t bytes) const {
-  return SelectAlgorithm(kind, requested, bytes, size(), transport_->topology(),
-                         transport_->native() != nullptr, transport_->kind());
-}
-
 void GroupCommunicator::CheckRoot(CollectiveKind kind, int root) const {
   SY_REQUIRE(root >= 0 && root < size(), InvalidArgument,
              "{}: root {} is not a rank of group '{}' of {} ranks", CollectiveName(kind), root,
              name_, size());
+}
+
+Work GroupCommunicator::Launch(CollectiveKind kind, size_t bytes, CollectiveArgs args,
+                               const LaunchOptions& options) {
+  const Algorithm algorithm =
+      SelectAlgorithm(kind, options.algorithm, bytes, size(), transport_->topology(),
+                      transport_->native() != nullptr, transport_->kind());
+  const AlgorithmEntry& entry = FindAlgorithm(kind, algorithm);
+  if (entry.prepare != nullptr) entry.prepare(args, size(), transport_->topology());
+  OpInfo info{kind, algorithm, args.dtype};
+  info.count = args.count;
+  info.user_tag = options.tag;
+  if (HasRoot(kind)) {
+    info.root = args.root;
+    info.has_root = true;
+  }
+  if (IsReduction(kind)) {
+    info.reduce_op = args.reduce_op;
+    info.has_reduce_op = true;
+  }
+  AlgorithmFn run = entry.run;
+  if (IsReduction(kind) && args.dtype == DType::kBFloat16) {
+    return Submit(info, options.timeout, [run, args = std::move(args)](OpContext& ctx) {
+      AccumulateInFloat32(ctx, run, args);
+    });
+  }
+  return Submit(info, options.timeout,
+                [run, args = std::move(args)](OpContext& ctx) { run(ctx, args); });
 }
 
 std::unique_ptr<Communicator> GroupCommunicator::Split(int color, int key, std::string name) {
@@ -162,13 +185,7 @@ std::unique_ptr<Communicator> GroupCommunicator::Split(int color, int key, std::
 }
 
 Work GroupCommunicator::Barrier(const BarrierOptions& options) {
-  OpInfo info{CollectiveKind::kBarrier, Select(CollectiveKind::kBarrier, options.algorithm, 0)};
-  info.user_tag = options.tag;
-  if (info.algorithm == Algorithm::kNative) {
-    return Submit(info, options.timeout,
-                  [this](OpContext& ctx) { transport_->native()->Barrier(ctx.deadline()); });
-  }
-  return Submit(info, options.timeout, [](OpContext& ctx) { BarrierDissemination(ctx); });
+  return Launch(CollectiveKind::kBarrier, 0, {}, options);
 }
 
 Work GroupCommunicator::Broadcast(void* buffer, size_t count, DType dtype,
@@ -176,24 +193,8 @@ Work GroupCommunicator::Broadcast(void* buffer, size_t count, DType dtype,
   const auto kind = CollectiveKind::kBroadcast;
   CheckRoot(kind, options.root);
   CheckBuffer(kind, "buffer", buffer, count);
-  OpInfo info{kind, Select(kind, options.algorithm, count * DTypeSize(dtype)), dtype};
-  info.count = count;
-  info.root = options.root;
-  info.has_root = true;
-  info.user_tag = options.tag;
-  int root = options.root;
-  switch (info.algorithm) {
-    case Algorithm::kNative:
-      return Submit(info, options.timeout, [=, this](OpContext& ctx) {
-        transport_->native()->Broadcast(buffer, count, dtype, root, ctx.deadline());
-      });
-    case Algorithm::kScatterAllGather:
-      return Submit(info, options.timeout,
-                    [=](OpContext& ctx) { BroadcastScatterAllGather(ctx, buffer, count, root); });
-    default:
-      return Submit(info, options.timeout,
-                    [=](OpContext& ctx) { BroadcastTree(ctx, buffer, count, root); });
-  }
+  return Launch(kind, count * DTypeSize(dtype),
+                {.recv = buffer, .count = count, .dtype = dtype, .root = options.root}, options);
 }
 
 Work GroupCommunicator::Reduce(const void* send, void* recv, size_t count, DType dtype,
@@ -202,40 +203,14 @@ Work GroupCommunicator::Reduce(const void* send, void* recv, size_t count, DType
   CheckRoot(kind, options.root);
   CheckBuffer(kind, "send", send, count);
   if (rank() == options.root) CheckBuffer(kind, "recv (at root)", recv, count);
-  OpInfo info{kind, Select(kind, options.algorithm, count * DTypeSize(dtype)), dtype,
-              options.reduce_op};
-  info.count = count;
-  info.root = options.root;
-  info.has_root = true;
-  info.has_reduce_op = true;
-  info.user_tag = options.tag;
-  int root = options.root;
-  ReduceOp op = options.reduce_op;
-  ReductionRun run;
-  switch (info.algorithm) {
-    case Algorithm::kNative:
-      run = [=, this](OpContext& ctx, const void* s, void* r, DType t) {
-        transport_->native()->Reduce(s, r, count, t, op, root, ctx.deadline());
-      };
-      break;
-    case Algorithm::kReduceScatterGather:
-      run = [=](OpContext& ctx, const void* s, void* r, DType) {
-        ReduceScatterGather(ctx, s, r, count, root);
-      };
-      break;
-    default:
-      run = [=](OpContext& ctx, const void* s, void* r, DType) {
-        ReduceTree(ctx, s, r, count, root);
-      };
-  }
-  if (dtype == DType::kBFloat16) {
-    // In place on the float32 copy; only the root writes recv.
-    return Submit(info, options.timeout, [=](OpContext& ctx) {
-      AccumulateInFloat32(ctx, run, send, count, ctx.rank() == root ? recv : nullptr, count,
-                          /*in_place=*/true);
-    });
-  }
-  return Submit(info, options.timeout, [=](OpContext& ctx) { run(ctx, send, recv, dtype); });
+  return Launch(kind, count * DTypeSize(dtype),
+                {.send = send,
+                 .recv = recv,
+                 .count = count,
+                 .dtype = dtype,
+                 .reduce_op = options.reduce_op,
+                 .root = options.root},
+                options);
 }
 
 Work GroupCommunicator::AllReduce(const void* send, void* recv, size_t count, DType dtype,
@@ -243,31 +218,10 @@ Work GroupCommunicator::AllReduce(const void* send, void* recv, size_t count, DT
   const auto kind = CollectiveKind::kAllReduce;
   CheckBuffer(kind, "send", send, count);
   CheckBuffer(kind, "recv", recv, count);
-  OpInfo info{kind, Select(kind, options.algorithm, count * DTypeSize(dtype)), dtype,
-              options.reduce_op};
-  info.count = count;
-  info.has_reduce_op = true;
-  info.user_tag = options.tag;
-  ReduceOp op = options.reduce_op;
-  ReductionRun run;
-  switch (info.algorithm) {
-    case Algorithm::kNative:
-      run = [=, this](OpContext& ctx, const void* s, void* r, DType t) {
-        transport_->native()->AllReduce(s, r, count, t, op, ctx.deadline());
-      };
-      break;
-    case Algorithm::kTree:
-      run = [=](OpContext& ctx, const void* s, void* r, DType) { AllReduceTree(ctx, s, r, count); };
-      break;
-    default:
-      run = [=](OpContext& ctx, const void* s, void* r, DType) { AllReduceRing(ctx, s, r, count); };
-  }
-  if (dtype == DType::kBFloat16) {
-    return Submit(info, options.timeout, [=](OpContext& ctx) {
-      AccumulateInFloat32(ctx, run, send, count, recv, count, /*in_place=*/true);
-    });
-  }
-  return Submit(info, options.timeout, [=](OpContext& ctx) { run(ctx, send, recv, dtype); });
+  return Launch(
+      kind, count * DTypeSize(dtype),
+      {.send = send, .recv = recv, .count = count, .dtype = dtype, .reduce_op = options.reduce_op},
+      options);
 }
 
 Work GroupCommunicator::AllGather(const void* send, void* recv, size_t count, DType dtype,
@@ -275,20 +229,8 @@ Work GroupCommunicator::AllGather(const void* send, void* recv, size_t count, DT
   const auto kind = CollectiveKind::kAllGather;
   CheckBuffer(kind, "send", send, count);
   CheckBuffer(kind, "recv", recv, count);
-  OpInfo info{kind, Select(kind, options.algorithm, count * DTypeSize(dtype) * size()), dtype};
-  info.count = count;
-  info.user_tag = options.tag;
-  if (info.algorithm == Algorithm::kNative) {
-    return Submit(info, options.timeout, [=, this](OpContext& ctx) {
-      transport_->native()->AllGather(send, recv, count, dtype, ctx.deadline());
-    });
-  }
-  if (info.algorithm == Algorithm::kLinear) {
-    return Submit(info, options.timeout,
-                  [=](OpContext& ctx) { AllGatherLinear(ctx, send, recv, count); });
-  }
-  return Submit(info, options.timeout,
-                [=](OpContext& ctx) { AllGatherRing(ctx, send, recv, count); });
+  return Launch(kind, count * DTypeSize(dtype) * size(),
+                {.send = send, .recv = recv, .count = count, .dtype = dtype}, options);
 }
 
 Work GroupCommunicator::ReduceScatter(const void* send, void* recv, size_t count, DType dtype,
@@ -296,29 +238,10 @@ Work GroupCommunicator::ReduceScatter(const void* send, void* recv, size_t count
   const auto kind = CollectiveKind::kReduceScatter;
   CheckBuffer(kind, "send", send, count);
   CheckBuffer(kind, "recv", recv, count);
-  OpInfo info{kind, Select(kind, options.algorithm, count * DTypeSize(dtype) * size()), dtype,
-              options.reduce_op};
-  info.count = count;
-  info.has_reduce_op = true;
-  info.user_tag = options.tag;
-  ReduceOp op = options.reduce_op;
-  ReductionRun run;
-  if (info.algorithm == Algorithm::kNative) {
-    run = [=, this](OpContext& ctx, const void* s, void* r, DType t) {
-      transport_->native()->ReduceScatter(s, r, count, t, op, ctx.deadline());
-    };
-  } else {
-    run = [=](OpContext& ctx, const void* s, void* r, DType) {
-      ReduceScatterRing(ctx, s, r, count);
-    };
-  }
-  if (dtype == DType::kBFloat16) {
-    const size_t send_count = count * static_cast<size_t>(size());
-    return Submit(info, options.timeout, [=](OpContext& ctx) {
-      AccumulateInFloat32(ctx, run, send, send_count, recv, count, /*in_place=*/false);
-    });
-  }
-  return Submit(info, options.timeout, [=](OpContext& ctx) { run(ctx, send, recv, dtype); });
+  return Launch(
+      kind, count * DTypeSize(dtype) * size(),
+      {.send = send, .recv = recv, .count = count, .dtype = dtype, .reduce_op = options.reduce_op},
+      options);
 }
 
 Work GroupCommunicator::AllToAll(const void* send, void* recv, size_t count, DType dtype,
@@ -327,35 +250,15 @@ Work GroupCommunicator::AllToAll(const void* send, void* recv, size_t count, DTy
   CheckBuffer(kind, "send", send, count);
   CheckBuffer(kind, "recv", recv, count);
   const int w = size();
-  OpInfo info{kind, Select(kind, options.algorithm, count * DTypeSize(dtype) * w), dtype};
-  info.count = count;
-  info.user_tag = options.tag;
-  switch (info.algorithm) {
-    case Algorithm::kNative:
-      return Submit(info, options.timeout, [=, this](OpContext& ctx) {
-        transport_->native()->AllToAll(send, recv, count, dtype, ctx.deadline());
-      });
-    case Algorithm::kHierarchical: {
-      int per = options.ranks_per_node > 0 ? options.ranks_per_node : topology().ranks_per_node;
-      SY_REQUIRE(per >= 1 && w % per == 0, InvalidArgument,
-                 "alltoall (hierarchical): ranks_per_node {} must divide the group size {}", per,
-                 w);
-      return Submit(info, options.timeout,
-                    [=](OpContext& ctx) { AllToAllHierarchical(ctx, send, recv, count, per); });
-    }
-    default: {
-      std::vector<int64_t> counts(static_cast<size_t>(w), static_cast<int64_t>(count));
-      AllToAllLayout layout = MakeLayout(kind, w, counts, {}, counts, {}, DTypeSize(dtype));
-      bool linear = info.algorithm == Algorithm::kLinear;
-      return Submit(info, options.timeout, [=](OpContext& ctx) {
-        if (linear) {
-          AllToAllLinear(ctx, send, recv, layout);
-        } else {
-          AllToAllPairwise(ctx, send, recv, layout);
-        }
-      });
-    }
-  }
+  std::vector<int64_t> counts(static_cast<size_t>(w), static_cast<int64_t>(count));
+  return Launch(kind, count * DTypeSize(dtype) * w,
+                {.send = send,
+                 .recv = recv,
+                 .count = count,
+                 .dtype = dtype,
+                 .ranks_per_node = options.ranks_per_node,
+                 .layout = MakeLayout(kind, w, counts, {}, counts, {}, DTypeSize(dtype))},
+                options);
 }
 
 Work GroupCommunicator::AllToAllV(const void* send, std::span<const int64_t> send_counts,
@@ -365,9 +268,8 @@ Work GroupCommunicator::AllToAllV(const void* send, std::span<const int64_t> sen
                                   const AllToAllOptions& options) {
   const auto kind = CollectiveKind::kAllToAllV;
   const int w = size();
-  const size_t elem = DTypeSize(dtype);
   AllToAllLayout layout =
-      MakeLayout(kind, w, send_counts, send_displs, recv_counts, recv_displs, elem);
+      MakeLayout(kind, w, send_counts, send_displs, recv_counts, recv_displs, DTypeSize(dtype));
   // The block a rank sends itself is a local copy, so a disagreement there is this caller's.
   const auto me = static_cast<size_t>(rank());
   SY_REQUIRE(send_counts[me] == recv_counts[me], InvalidArgument,
@@ -381,28 +283,8 @@ Work GroupCommunicator::AllToAllV(const void* send, std::span<const int64_t> sen
   }
   CheckBuffer(kind, "send", send, send_total);
   CheckBuffer(kind, "recv", recv, recv_total);
-  OpInfo info{kind, Select(kind, options.algorithm, 0), dtype};
-  info.user_tag = options.tag;
-  switch (info.algorithm) {
-    case Algorithm::kNative: {
-      std::vector<int64_t> sc(send_counts.begin(), send_counts.end());
-      std::vector<int64_t> rc(recv_counts.begin(), recv_counts.end());
-      std::vector<int64_t> sd, rd;
-      for (size_t p = 0; p < static_cast<size_t>(w); ++p) {
-        sd.push_back(static_cast<int64_t>(layout.send_offsets[p] / elem));
-        rd.push_back(static_cast<int64_t>(layout.recv_offsets[p] / elem));
-      }
-      return Submit(info, options.timeout, [=, this](OpContext& ctx) {
-        transport_->native()->AllToAllV(send, sc, sd, recv, rc, rd, dtype, ctx.deadline());
-      });
-    }
-    case Algorithm::kLinear:
-      return Submit(info, options.timeout,
-                    [=](OpContext& ctx) { AllToAllLinear(ctx, send, recv, layout); });
-    default:
-      return Submit(info, options.timeout,
-                    [=](OpContext& ctx) { AllToAllPairwise(ctx, send, recv, layout); });
-  }
+  return Launch(kind, 0, {.send = send, .recv = recv, .dtype = dtype, .layout = std::move(layout)},
+                options);
 }
 
 Work GroupCommunicator::AllToAllVDynamicRows(const void* send, std::span<const int64_t> send_rows,
@@ -422,45 +304,14 @@ Work GroupCommunicator::AllToAllVDynamicRows(const void* send, std::span<const i
     total += send_rows[p];
   }
   CheckBuffer(kind, "send", send, static_cast<size_t>(total * row_elems));
-  OpInfo info{kind, Select(kind, options.algorithm, 0), dtype};
-  info.user_tag = options.tag;
-  std::vector<int64_t> rows(send_rows.begin(), send_rows.end());
-  const size_t row_bytes = static_cast<size_t>(row_elems) * DTypeSize(dtype);
-  Algorithm algorithm = info.algorithm;
-  NativeCollectives* native = transport_->native();
-  return Submit(info, options.timeout, [=](OpContext& ctx) {
-    auto allocate = [&](int64_t total_rows) -> void* {
-      Shape shape{total_rows};
-      shape.insert(shape.end(), row_shape.begin(), row_shape.end());
-      result->output = Tensor::Empty(shape, dtype);
-      return result->output.raw();
-    };
-    std::vector<int64_t> recv_rows;
-    if (algorithm == Algorithm::kNative) {
-      // Counts through MPI_Alltoall, rows through MPI_Alltoallv (in elements).
-      recv_rows.assign(static_cast<size_t>(w), 0);
-      native->AllToAll(rows.data(), recv_rows.data(), 1, DType::kInt64, ctx.deadline());
-      std::vector<int64_t> sc, sd, rc, rd;
-      int64_t s_off = 0, r_off = 0;
-      for (size_t p = 0; p < static_cast<size_t>(w); ++p) {
-        sc.push_back(rows[p] * row_elems);
-        sd.push_back(s_off);
-        s_off += sc.back();
-        rc.push_back(recv_rows[p] * row_elems);
-        rd.push_back(r_off);
-        r_off += rc.back();
-      }
-      void* recv = allocate(r_off / std::max<int64_t>(row_elems, 1));
-      native->AllToAllV(send, sc, sd, recv, rc, rd, dtype, ctx.deadline());
-    } else {
-      recv_rows = AllToAllVTwoPhase(ctx, send, rows, row_bytes, algorithm, allocate);
-    }
-    result->recv_counts = recv_rows;
-    result->recv_displs.assign(static_cast<size_t>(w), 0);
-    for (size_t p = 1; p < static_cast<size_t>(w); ++p) {
-      result->recv_displs[p] = result->recv_displs[p - 1] + recv_rows[p - 1];
-    }
-  });
+  return Launch(kind, 0,
+                {.send = send,
+                 .dtype = dtype,
+                 .send_rows = std::vector<int64_t>(send_rows.begin(), send_rows.end()),
+                 .row_elems = row_elems,
+                 .row_shape = row_shape,
+                 .result = result},
+                options);
 }
 
 Work GroupCommunicator::Scatter(const void* send, void* recv, size_t count, DType dtype,
@@ -469,19 +320,9 @@ Work GroupCommunicator::Scatter(const void* send, void* recv, size_t count, DTyp
   CheckRoot(kind, options.root);
   if (rank() == options.root) CheckBuffer(kind, "send (at root)", send, count);
   CheckBuffer(kind, "recv", recv, count);
-  OpInfo info{kind, Select(kind, options.algorithm, count * DTypeSize(dtype)), dtype};
-  info.count = count;
-  info.root = options.root;
-  info.has_root = true;
-  info.user_tag = options.tag;
-  int root = options.root;
-  if (info.algorithm == Algorithm::kNative) {
-    return Submit(info, options.timeout, [=, this](OpContext& ctx) {
-      transport_->native()->Scatter(send, recv, count, dtype, root, ctx.deadline());
-    });
-  }
-  return Submit(info, options.timeout,
-                [=](OpContext& ctx) { ScatterLinear(ctx, send, recv, count, root); });
+  return Launch(kind, count * DTypeSize(dtype),
+                {.send = send, .recv = recv, .count = count, .dtype = dtype, .root = options.root},
+                options);
 }
 
 Work GroupCommunicator::Gather(const void* send, void* recv, size_t count, DType dtype,
@@ -490,19 +331,15 @@ Work GroupCommunicator::Gather(const void* send, void* recv, size_t count, DType
   CheckRoot(kind, options.root);
   CheckBuffer(kind, "send", send, count);
   if (rank() == options.root) CheckBuffer(kind, "recv (at root)", recv, count);
-  OpInfo info{kind, Select(kind, options.algorithm, count * DTypeSize(dtype)), dtype};
-  info.count = count;
-  info.root = options.root;
-  info.has_root = true;
-  info.user_tag = options.tag;
-  int root = options.root;
-  if (info.algorithm == Algorithm::kNative) {
-    return Submit(info, options.timeout, [=, this](OpContext& ctx) {
-      transport_->native()->Gather(send, recv, count, dtype, root, ctx.deadline());
-    });
-  }
-  return Submit(info, options.timeout,
-                [=](OpContext& ctx) { GatherLinear(ctx, send, recv, count, root); });
+  return Launch(kind, count * DTypeSize(dtype),
+                {.send = send, .recv = recv, .count = count, .dtype = dtype, .root = options.root},
+                options);
+}
+
+std::unique_ptr<Communicator> CreateCommunicator(std::unique_ptr<Transport> transport,
+                                                 const CommunicatorOptions& options) {
+  SY_REQUIRE(transport != nullptr, InvalidArgument, "CreateCommunicator: transport is null");
+  return std::make_unique<GroupCommunicator>(std::move(transport), options.name, options.timeout);
 }
 
 }  // namespace switchyard::comm

@@ -1,5 +1,7 @@
 // The Communicator of switchyard: collectives as algorithms over any Transport, run in order on
-// a progress thread (Executor).
+// a progress thread (Executor). Every collective takes one path: its method checks the
+// arguments and packs them into CollectiveArgs, Launch selects the algorithm, looks up its row
+// of the launch table (algorithm_select.cc) and submits it.
 #pragma once
 
 #include <functional>
@@ -7,6 +9,7 @@
 #include <mutex>
 #include <string>
 
+#include "comm/algorithms.h"
 #include "comm/executor.h"
 #include "comm/op_context.h"
 #include "switchyard/comm/communicator.h"
@@ -62,12 +65,24 @@ class GroupCommunicator final : public Communicator {
                             const AllToAllOptions& options) override;
 
  private:
+  // The fields every options struct of communicator.h has.
+  struct LaunchOptions {
+    template <typename Options>
+    LaunchOptions(const Options& options)  // NOLINT(google-explicit-constructor)
+        : algorithm(options.algorithm), timeout(options.timeout), tag(options.tag) {}
+    Algorithm algorithm;
+    Milliseconds timeout;
+    uint32_t tag;
+  };
+  // The one launch path: selects the algorithm of `kind` for a message of `bytes` (equal on every
+  // rank), runs its prepare step and queues its run on `args`.
+  Work Launch(CollectiveKind kind, size_t bytes, CollectiveArgs args, const LaunchOptions& options);
+
   using Body = std::function<void(OpContext&)>;
   // Queues `body` as collective `info`; timeout 0 = the default.
   Work Submit(const OpInfo& info, Milliseconds timeout, Body body);
   // Runs on the progress thread (or inline in Work::Wait).
   void Execute(const OpInfo& info, Milliseconds timeout, uint64_t seq, const Body& body);
-  Algorithm Select(CollectiveKind kind, Algorithm requested, size_t bytes) const;
   void CheckRoot(CollectiveKind kind, int root) const;
 
   std::unique_ptr<Transport> transport_;

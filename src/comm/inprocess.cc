@@ -10,6 +10,7 @@
 #include "comm/group_communicator.h"
 #include "comm/inprocess_transport.h"
 #include "switchyard/core/error.h"
+#include "switchyard/core/thread_pool.h"
 
 namespace switchyard::comm {
 
@@ -59,6 +60,7 @@ void RunInProcess(int world_size, const std::function<void(Communicator&)>& fn,
   threads.reserve(static_cast<size_t>(world_size));
   for (int r = 0; r < world_size; ++r) {
     threads.emplace_back([&, r] {
+      SetThreadName(fmt::format("sy-rank{}", r));
       std::unique_ptr<Communicator>& comm = comms[static_cast<size_t>(r)];
       try {
         fn(*comm);

@@ -5,7 +5,8 @@
 // tag 2t + 1, always both (the payload may be empty). MPI never lets messages with one (source,
 // tag) overtake each other, so headers and payloads pair up in order; a payload longer than the
 // receive is truncated by MPI (MPI_ERR_TRUNCATE, never written past the buffer) and reported.
-// The communicator uses MPI_ERRORS_RETURN, so MPI errors become exceptions, not aborts.
+// The communicator uses MPI_ERRORS_RETURN, so MPI errors become exceptions, not aborts. MPI's own
+// collectives (Algorithm::kNative) are in mpi_collectives.cc; this file waits for them.
 #include <mpi.h>
 #include <sched.h>
 
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "comm/group_communicator.h"
+#include "comm/mpi_collectives.h"
 #include "switchyard/comm/mpi.h"
 #include "switchyard/comm/reduce.h"
 #include "switchyard/comm/transport.h"
@@ -29,27 +31,6 @@
 
 namespace switchyard::comm {
 namespace {
-
-std::string MpiErrorString(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(code, text, &len);
-  return std::string(text, static_cast<size_t>(len));
-}
-
-#define SY_MPI_CALL(call)                                                              \
-  do {                                                                                 \
-    int sy_mpi_rc = (call);                                                            \
-    if (sy_mpi_rc != MPI_SUCCESS) {                                                    \
-      throw PeerError(fmt::format("{} failed: {}", #call, MpiErrorString(sy_mpi_rc))); \
-    }                                                                                  \
-  } while (0)
-
-// bfloat16 reductions for MPI's own collectives: MPI has no bfloat16.
-template <ReduceOp kOp>
-void BFloat16Op(void* in, void* inout, int* len, MPI_Datatype*) {
-  ReduceInto(inout, in, inout, static_cast<size_t>(*len), DType::kBFloat16, kOp);
-}
 
 class MpiRuntime {
  public:
@@ -75,11 +56,7 @@ class MpiRuntime {
                "MPI provides thread level {}, switchyard needs MPI_THREAD_MULTIPLE ({}): "
                "communicators make progress on their own threads",
                provided, MPI_THREAD_MULTIPLE);
-    if (bf16_ops_[0] == MPI_OP_NULL) {
-      MPI_Op_create(&BFloat16Op<ReduceOp::kSum>, 1, &bf16_ops_[0]);
-      MPI_Op_create(&BFloat16Op<ReduceOp::kMax>, 1, &bf16_ops_[1]);
-      MPI_Op_create(&BFloat16Op<ReduceOp::kMin>, 1, &bf16_ops_[2]);
-    }
+    mpi::CreateBFloat16Ops();
   }
 
   void Finalize() {
@@ -88,9 +65,7 @@ class MpiRuntime {
     int done = 0;
     MPI_Finalized(&done);
     if (!done) {
-      for (MPI_Op& op : bf16_ops_) {
-        if (op != MPI_OP_NULL) MPI_Op_free(&op);
-      }
+      mpi::FreeBFloat16Ops();
       MPI_Finalize();
     }
     finalized_ = true;
@@ -103,40 +78,11 @@ class MpiRuntime {
     return initialized && !finalized;
   }
 
-  MPI_Op Bf16Op(ReduceOp op) const { return bf16_ops_[static_cast<size_t>(op)]; }
-
  private:
   std::mutex mu_;
   bool initialized_by_us_ = false;
   bool finalized_ = false;
-  MPI_Op bf16_ops_[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
 };
-
-MPI_Datatype ToMpi(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return MPI_FLOAT;
-    case DType::kBFloat16: return MPI_UINT16_T;
-    case DType::kInt32: return MPI_INT32_T;
-    case DType::kInt64: return MPI_INT64_T;
-  }
-  return MPI_BYTE;
-}
-
-MPI_Op ToMpi(ReduceOp op, DType dtype) {
-  if (dtype == DType::kBFloat16) return MpiRuntime::Get().Bf16Op(op);
-  switch (op) {
-    case ReduceOp::kSum: return MPI_SUM;
-    case ReduceOp::kMax: return MPI_MAX;
-    case ReduceOp::kMin: return MPI_MIN;
-  }
-  return MPI_OP_NULL;
-}
-
-int ToInt(size_t n, const char* what) {
-  SY_REQUIRE(n <= static_cast<size_t>(INT_MAX), InvalidArgument,
-             "MPI transport: {} of {} exceeds INT_MAX (split the message)", what, n);
-  return static_cast<int>(n);
-}
 
 struct WireHeader {
   MessageHeader user;
@@ -187,7 +133,7 @@ class MpiRequest final : public Request {
         if (failed.empty()) {
           failed = fmt::format("{} rank {} (world rank {}) failed: {}",
                                is_send() ? "send to" : "receive from", peer(), peer_world,
-                               MpiErrorString(rc));
+                               mpi::ErrorString(rc));
         }
       } else if (flag && !is_send()) {
         int n = 0;
@@ -223,7 +169,7 @@ class MpiRequest final : public Request {
 // World ranks -> node index, shared by a world and its splits.
 using NodeMap = std::shared_ptr<const std::vector<int>>;
 
-class MpiTransport final : public Transport, public NativeCollectives {
+class MpiTransport final : public Transport {
  public:
   MpiTransport(MPI_Comm comm, NodeMap nodes) : comm_(comm), nodes_(std::move(nodes)) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
@@ -255,6 +201,9 @@ class MpiTransport final : public Transport, public NativeCollectives {
       uniform = node(i) == node(i / per * per) && (i < per || node(i) != node(i - per));
     }
     topology_ = uniform ? Topology{size_ / per, per} : Topology{1, size_};
+    native_ = mpi::CreateMpiCollectives(
+        comm_,
+        [this](MPI_Request& r, Deadline deadline, const char* what) { Poll(r, deadline, what); });
   }
 
   // A communicator that saw a failure may still have unmatched messages in flight. OpenMPI
@@ -271,7 +220,7 @@ class MpiTransport final : public Transport, public NativeCollectives {
     return world_ranks_[static_cast<size_t>(group_rank)];
   }
   Topology topology() const override { return topology_; }
-  NativeCollectives* native() override { return this; }
+  NativeCollectives* native() override { return native_.get(); }
 
   RequestPtr Isend(int peer, uint64_t tag, const void* data, size_t bytes,
                    const MessageHeader& header) override {
@@ -281,7 +230,7 @@ class MpiTransport final : public Transport, public NativeCollectives {
     req->wire.bytes = bytes;
     SY_MPI_CALL(MPI_Isend(&req->wire, sizeof(WireHeader), MPI_BYTE, peer, HeaderTag(tag), comm_,
                           &req->header_req));
-    SY_MPI_CALL(MPI_Isend(data, ToInt(bytes, "message size"), MPI_BYTE, peer, PayloadTag(tag),
+    SY_MPI_CALL(MPI_Isend(data, mpi::ToInt(bytes, "message size"), MPI_BYTE, peer, PayloadTag(tag),
                           comm_, &req->payload_req));
     return req;
   }
@@ -300,8 +249,8 @@ class MpiTransport final : public Transport, public NativeCollectives {
     }
     SY_MPI_CALL(MPI_Irecv(&req->wire, sizeof(WireHeader), MPI_BYTE, peer, HeaderTag(tag), comm_,
                           &req->header_req));
-    SY_MPI_CALL(MPI_Irecv(target, ToInt(capacity, "receive size"), MPI_BYTE, peer, PayloadTag(tag),
-                          comm_, &req->payload_req));
+    SY_MPI_CALL(MPI_Irecv(target, mpi::ToInt(capacity, "receive size"), MPI_BYTE, peer,
+                          PayloadTag(tag), comm_, &req->payload_req));
     return req;
   }
 
@@ -374,89 +323,6 @@ class MpiTransport final : public Transport, public NativeCollectives {
     return std::make_unique<MpiTransport>(sub, nodes_);
   }
 
-  // ---- NativeCollectives: MPI's own non-blocking collectives, polled against the deadline. ----
-
-  void Barrier(Deadline deadline) override {
-    MPI_Request r;
-    SY_MPI_CALL(MPI_Ibarrier(comm_, &r));
-    Poll(r, deadline, "MPI_Ibarrier");
-  }
-  void Broadcast(void* buffer, size_t count, DType dtype, int root, Deadline deadline) override {
-    MPI_Request r;
-    SY_MPI_CALL(MPI_Ibcast(buffer, ToInt(count, "count"), ToMpi(dtype), root, comm_, &r));
-    Poll(r, deadline, "MPI_Ibcast");
-  }
-  void Reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, int root,
-              Deadline deadline) override {
-    MPI_Request r;
-    const void* s = (rank_ == root && send == recv) ? MPI_IN_PLACE : send;
-    SY_MPI_CALL(MPI_Ireduce(s, recv, ToInt(count, "count"), ToMpi(dtype), ToMpi(op, dtype), root,
-                            comm_, &r));
-    Poll(r, deadline, "MPI_Ireduce");
-  }
-  void AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
-                 Deadline deadline) override {
-    MPI_Request r;
-    const void* s = send == recv ? MPI_IN_PLACE : send;
-    SY_MPI_CALL(
-        MPI_Iallreduce(s, recv, ToInt(count, "count"), ToMpi(dtype), ToMpi(op, dtype), comm_, &r));
-    Poll(r, deadline, "MPI_Iallreduce");
-  }
-  void AllGather(const void* send, void* recv, size_t count, DType dtype,
-                 Deadline deadline) override {
-    MPI_Request r;
-    int n = ToInt(count, "count");
-    const void* s = send == static_cast<const std::byte*>(recv) + count * DTypeSize(dtype) * rank_
-                        ? MPI_IN_PLACE
-                        : send;
-    SY_MPI_CALL(MPI_Iallgather(s, n, ToMpi(dtype), recv, n, ToMpi(dtype), comm_, &r));
-    Poll(r, deadline, "MPI_Iallgather");
-  }
-  void ReduceScatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
-                     Deadline deadline) override {
-    MPI_Request r;
-    SY_MPI_CALL(MPI_Ireduce_scatter_block(send, recv, ToInt(count, "count"), ToMpi(dtype),
-                                          ToMpi(op, dtype), comm_, &r));
-    Poll(r, deadline, "MPI_Ireduce_scatter_block");
-  }
-  void AllToAll(const void* send, void* recv, size_t count, DType dtype,
-                Deadline deadline) override {
-    MPI_Request r;
-    int n = ToInt(count, "count");
-    SY_MPI_CALL(MPI_Ialltoall(send, n, ToMpi(dtype), recv, n, ToMpi(dtype), comm_, &r));
-    Poll(r, deadline, "MPI_Ialltoall");
-  }
-  void AllToAllV(const void* send, std::span<const int64_t> send_counts,
-                 std::span<const int64_t> send_displs, void* recv,
-                 std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
-                 DType dtype, Deadline deadline) override {
-    auto to_int = [](std::span<const int64_t> v) {
-      std::vector<int> out;
-      for (int64_t x : v) out.push_back(ToInt(static_cast<size_t>(x), "count or displacement"));
-      return out;
-    };
-    std::vector<int> sc = to_int(send_counts), sd = to_int(send_displs);
-    std::vector<int> rc = to_int(recv_counts), rd = to_int(recv_displs);
-    MPI_Request r;
-    SY_MPI_CALL(MPI_Ialltoallv(send, sc.data(), sd.data(), ToMpi(dtype), recv, rc.data(), rd.data(),
-                               ToMpi(dtype), comm_, &r));
-    Poll(r, deadline, "MPI_Ialltoallv");
-  }
-  void Scatter(const void* send, void* recv, size_t count, DType dtype, int root,
-               Deadline deadline) override {
-    MPI_Request r;
-    int n = ToInt(count, "count");
-    SY_MPI_CALL(MPI_Iscatter(send, n, ToMpi(dtype), recv, n, ToMpi(dtype), root, comm_, &r));
-    Poll(r, deadline, "MPI_Iscatter");
-  }
-  void Gather(const void* send, void* recv, size_t count, DType dtype, int root,
-              Deadline deadline) override {
-    MPI_Request r;
-    int n = ToInt(count, "count");
-    SY_MPI_CALL(MPI_Igather(send, n, ToMpi(dtype), recv, n, ToMpi(dtype), root, comm_, &r));
-    Poll(r, deadline, "MPI_Igather");
-  }
-
  private:
   int HeaderTag(uint64_t tag) const { return static_cast<int>((tag % tag_space_) * 2); }
   int PayloadTag(uint64_t tag) const { return HeaderTag(tag) + 1; }
@@ -466,7 +332,8 @@ class MpiTransport final : public Transport, public NativeCollectives {
                "peer {} is not a rank of this group of {} ranks", peer, size_);
   }
 
-  // MPI offers no way to abandon a non-blocking collective: after a timeout it stays posted and
+  // Waits for one of MPI's own collectives (mpi_collectives.cc). MPI offers no way to abandon a
+  // non-blocking collective: after a timeout it stays posted and
   // the communicator is unusable (as the Communicator contract says).
   void Poll(MPI_Request& r, Deadline deadline, const char* what) {
     for (int spins = 0;; ++spins) {
@@ -630,6 +497,7 @@ class MpiTransport final : public Transport, public NativeCollectives {
   uint64_t tag_space_ = 16384;
   std::vector<int> world_ranks_;
   Topology topology_;
+  std::unique_ptr<NativeCollectives> native_;  // MPI's own collectives on comm_
 };
 
 }  // namespace

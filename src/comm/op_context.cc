@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "comm/algorithms.h"
 #include "switchyard/comm/reduce.h"
 #include "switchyard/core/error.h"
 
@@ -25,9 +26,7 @@ OpInfo DecodeInfo(const MessageHeader& h) {
   uint64_t root = (h[3] >> 48) & 0x7fff;
   info.has_root = root != 0;
   info.root = static_cast<int>(root) - 1;
-  info.has_reduce_op = info.kind == CollectiveKind::kReduce ||
-                       info.kind == CollectiveKind::kAllReduce ||
-                       info.kind == CollectiveKind::kReduceScatter;
+  info.has_reduce_op = IsReduction(info.kind);
   return info;
 }
 

@@ -1,7 +1,10 @@
 #include "switchyard/core/thread_pool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <memory>
+#include <string>
 
 namespace switchyard {
 
@@ -16,8 +19,24 @@ struct InTaskScope {
 };
 }  // namespace
 
+namespace {
+void SetName(pthread_t thread, std::string_view name) {
+  const std::string cut(name.substr(0, 15));
+  pthread_setname_np(thread, cut.c_str());
+}
+}  // namespace
+
+void SetThreadName(std::string_view name) { SetName(pthread_self(), name); }
+
+void SetThreadName(std::thread& thread, std::string_view name) {
+  SetName(thread.native_handle(), name);
+}
+
 WorkerPool::WorkerPool(int threads) {
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (int i = 1; i < threads; ++i) {
+    workers_.emplace_back([this] { WorkerLoop(); });
+    SetThreadName(workers_.back(), "sy-pool");
+  }
 }
 
 WorkerPool::~WorkerPool() {

@@ -3,11 +3,15 @@
 #include "switchyard/comm/communicator.h"
 
 #include <gtest/gtest.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <numeric>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -24,7 +28,8 @@ std::vector<int64_t> GroupWorldRanks(Communicator& group, int world_rank) {
   return all;
 }
 
-// DeepSpeed's example (SPEC §2.1): 16 ranks, ep_size 4.
+// DeepSpeed's expert-parallel layout: 16 ranks, ep_size 4 (expert groups of 4 consecutive
+// ranks, expert-data-parallel groups of the ranks with equal index in them).
 TEST(Communicator, SplitBuildsDeepSpeedExpertGroups) {
   std::mutex mu;
   std::vector<std::vector<int64_t>> ep(16), ep_dp(16);
@@ -207,6 +212,33 @@ TEST(Communicator, RunsUnderEmulatedTopology) {
         EXPECT_EQ(x[9999], 4.0f);
       },
       options);
+}
+
+// Threads carry names that /proc/PID/task/*/comm (top -H, gdb) shows: rank threads "sy-rank<r>",
+// each communicator's progress thread "sy-progress".
+TEST(Communicator, ThreadsAreNamedForTools) {
+  auto count_named = [](const std::string& name) {
+    int n = 0;
+    for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+      std::ifstream in(task.path() / "comm");
+      std::string comm;
+      std::getline(in, comm);
+      n += comm == name ? 1 : 0;
+    }
+    return n;
+  };
+  const int before = count_named("sy-progress");
+  std::atomic<int> during{0};
+  RunInProcess(3, [&](Communicator& comm) {
+    char name[16] = {};
+    pthread_getname_np(pthread_self(), name, sizeof(name));
+    EXPECT_EQ(std::string(name), "sy-rank" + std::to_string(comm.rank()));
+    auto sub = comm.Split(0, comm.rank());
+    sub->Barrier().Wait();  // every rank holds two communicators now
+    if (comm.rank() == 0) during = count_named("sy-progress");
+    sub->Barrier().Wait();
+  });
+  EXPECT_GE(during.load() - before, 6);
 }
 
 }  // namespace

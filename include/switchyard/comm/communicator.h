@@ -44,6 +44,8 @@ namespace detail {
 struct WorkState;
 }  // namespace detail
 
+class Transport;
+
 // Handle to one asynchronous collective; copies share it. A default-constructed Work is a
 // completed no-op.
 class Work {
@@ -140,7 +142,7 @@ class Communicator {
   virtual const std::string& name() const = 0;
   // Node layout of the group (used by the hierarchical all-to-all).
   virtual Topology topology() const = 0;
-  // "inprocess" or "mpi".
+  // The transport's kind(): "inprocess", "mpi", or a user transport's name.
   virtual std::string_view transport_kind() const = 0;
   virtual Milliseconds default_timeout() const = 0;
 
@@ -214,5 +216,22 @@ class Communicator {
                                     int64_t row_elems, const Shape& row_shape, DType dtype,
                                     AllToAllVResult* result, const AllToAllOptions& options) = 0;
 };
+
+// ---- A communicator over any transport ----
+
+struct CommunicatorOptions {
+  // Default deadline of every collective (> 0).
+  Milliseconds timeout{60000};
+  // The group's name in error messages; splits are named "<name>.<color>" unless given one.
+  std::string name = "world";
+};
+
+// The communicator of the calling rank over `transport` (this rank's endpoint in its group; see
+// switchyard/comm/transport.h for what a transport must provide). Every collective algorithm
+// runs over the transport's point-to-point interface; Algorithm::kNative needs
+// Transport::native(). The communicator owns the transport and starts one progress thread.
+// Throws InvalidArgument for a null transport or a timeout <= 0.
+std::unique_ptr<Communicator> CreateCommunicator(std::unique_ptr<Transport> transport,
+                                                 const CommunicatorOptions& options = {});
 
 }  // namespace switchyard::comm

@@ -1,20 +1,42 @@
 // Transports move bytes between the ranks of a group; they know nothing of collectives.
 //
 // A Transport is one rank's endpoint in a group: tagged asynchronous point-to-point send/receive,
-// waits with a deadline, a barrier, and Split into subgroups. Two implementations:
+// waits with a deadline, a barrier, and Split into subgroups. Two implementations come with
+// switchyard:
 //   in-process (inprocess.h)  ranks are threads of one process; a message is copied once, straight
 //                             from the sender's buffer into the receiver's (no staging), by the
 //                             threads of the two ranks together; optional emulated topology.
 //   MPI (mpi.h)               ranks are processes under mpirun/srun (MPI_Isend/MPI_Irecv/MPI_Test).
-// Collectives (communicator.h) are algorithms over this interface, so they run on either.
+// Collectives (communicator.h) are algorithms over this interface, so they run on either -- and
+// on a user's own: implement Transport (and Request) and pass it to CreateCommunicator
+// (communicator.h). tests/comm/custom_transport_test.cc is a complete, small example.
 //
-// Matching: a receive matches the oldest unmatched send from `peer` with the same tag (messages
-// between two ranks with one tag never overtake each other). Every message carries a 32-byte
-// header that the transport delivers untouched; collectives use it to check that both sides run
-// the same operation on the same sizes.
+// What an implementation must provide (the collectives rely on each point):
+//   - Matching: a receive matches the oldest unmatched send from `peer` with the same tag
+//     (messages between two ranks with one tag never overtake each other); tags are 64-bit and
+//     a collective uses many, so they may not be assumed small. Sends to rank() itself happen.
+//   - Headers: every message carries a 32-byte MessageHeader that the transport delivers
+//     untouched with the payload; a completed receive exposes it (Request::header()) and the
+//     number of bytes that arrived (received_bytes()). Collectives compare it with their own
+//     call, which is how a peer running another collective or other sizes is reported.
+//   - Sizes: a message longer than the receive's capacity fails that receive (PeerError from
+//     Wait/Test) without writing past the buffer.
+//   - Reductions: a receive with a RecvReduction writes dst[i] = op(local[i], incoming[i])
+//     (ReduceInto of reduce.h does the arithmetic) instead of copying.
+//   - Deadlines: Wait never blocks past its deadline; it throws TimeoutError naming what it
+//     still waits for. A failed peer becomes PeerError, never a hang.
+//   - Cancellation: destroying an incomplete Request cancels it; afterwards the transport
+//     no longer touches its buffer.
+//   - Split: a collective over the group; ExchangeSplitKeys (below) does the exchange over
+//     Isend/Irecv, so an implementation only builds the subgroup's endpoint from the keys.
+//     Messages of a subgroup must never match those of its parent or siblings.
+// Optional: Barrier (default: dissemination over Isend/Irecv), Abort (tell peers this rank
+// failed, so they fail fast; default: nothing, they reach their deadline), native() (the
+// transport's own collectives for Algorithm::kNative; default: none).
 //
-// Thread-safety: a Transport may be used from several threads at once; a Request belongs to the
-// thread that waits on it.
+// Thread-safety: a Transport may be used from several threads at once (a communicator's progress
+// thread and the threads that wait on its collectives); a Request belongs to the thread that
+// waits on it.
 #pragma once
 
 #include <array>
@@ -44,7 +66,8 @@ struct RecvReduction {
 };
 
 // One posted send or receive. Destroying an incomplete request cancels it: once the destructor
-// returns, the transport no longer touches the request's buffer.
+// returns, the transport no longer touches the request's buffer. A transport subclasses it and
+// sets header_ and received_bytes_ when a receive completes.
 class Request {
  public:
   virtual ~Request() = default;
@@ -112,11 +135,12 @@ class Transport {
   // This rank's index in the group, 0 <= rank() < size().
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  // "inprocess" or "mpi".
+  // "inprocess", "mpi", or a user transport's own name. Algorithm selection treats every kind
+  // other than "mpi" like "inprocess" (docs/algorithms.md).
   virtual std::string_view kind() const = 0;
   // The rank of group member `group_rank` in the world (for error messages).
   virtual int WorldRank(int group_rank) const = 0;
-  // Node layout of this group (see types.h).
+  // Node layout of this group (see types.h); {1, size()} when the transport does not know one.
   virtual Topology topology() const = 0;
 
   // Starts sending [data, data + bytes) with `header` to `peer` (a rank of this group, may be

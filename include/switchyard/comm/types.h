@@ -52,7 +52,7 @@ enum class Algorithm : uint8_t {
   kReduceScatterGather,  // reduce for large messages
   kPairwise,             // alltoall, alltoallv(_dynamic): step s exchanges with rank +-s
   kLinear,               // alltoall(v), scatter, gather: every message posted at once
-  kHierarchical,         // alltoall: 2DH, intra-node then inter-node (SPEC §2.4)
+  kHierarchical,         // alltoall: 2DH, intra-node then inter-node (Tutel)
   kDissemination,        // barrier
   kNative,               // the transport's own collective (MPI_I*), where it has one
 };

@@ -12,6 +12,7 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -47,6 +48,13 @@ class WorkerPool {
   bool stop_ = false;
   std::exception_ptr error_;
 };
+
+// Names the calling thread for tools that list threads (/proc/PID/task/*/comm, top -H, gdb):
+// "sy-pool" for pool workers, "sy-progress" for communicators' progress threads, "sy-rank3" for
+// rank threads. Names longer than 15 characters are cut to 15 (the kernel's limit). The second
+// form names `thread` from its creator, so the name is in place before the creator goes on.
+void SetThreadName(std::string_view name);
+void SetThreadName(std::thread& thread, std::string_view name);
 
 // The calling thread's pool with `threads` threads (created or resized on demand).
 WorkerPool& LocalPool(int threads);
