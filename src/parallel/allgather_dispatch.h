@@ -1,7 +1,8 @@
 // Megatron-Core's allgather token dispatcher over an expert group: every rank all-gathers the
 // tokens and the routing of the group, computes its experts on the rows routed to them, applies
-// the combine weights itself and returns the partial outputs with a reduce-scatter (SPEC §2.2).
-// No capacity padding on the wire, but every rank receives every token of the group.
+// the combine weights itself and returns the partial outputs with a reduce-scatter
+// (docs/parallel.md). No capacity padding on the wire, but every rank receives every token of the
+// group.
 //
 // With Tutel's adaptive r the kept rows of expert e from each source are cut into g = n / r
 // slices; member (q, i) computes slice i % g with H-part i / g, and the reduce-scatter adds the r

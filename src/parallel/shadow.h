@@ -1,4 +1,4 @@
-// FasterMoE's shadow experts in the parallel layer (SPEC §4): the parameters of a few (hot)
+// FasterMoE's shadow experts in the parallel layer (docs/overlap.md): the parameters of a few (hot)
 // experts are broadcast from their owners to the whole expert group, every rank computes its own
 // rows of them locally (they are not sent), and their parameter gradients are reduced back to the
 // owner. Requires unsharded experts (n = 1, r = 1: member p of the expert group owns experts

@@ -1,4 +1,4 @@
-// The gate of an MoE layer (SPEC §1.1): logits = x · Wg^T in float32, a score function, top-k,
+// The gate of an MoE layer (docs/moe.md): logits = x · Wg^T in float32, a score function, top-k,
 // gate values, and optionally noise, GShard random routing and the aux-loss-free expert bias.
 //
 // Every random draw is keyed by the GLOBAL token index (global_token_offset + local index) through
