@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <charconv>
-#include <functional>
 #include <limits>
 
 #include "parallel/collectives.h"
@@ -13,7 +12,6 @@
 #include "parallel/routing.h"
 #include "parallel/trace_context.h"
 #include "switchyard/core/error.h"
-#include "switchyard/moe/dispatch.h"
 #include "switchyard/moe/gate.h"
 #include "switchyard/moe/losses.h"
 #include "switchyard/moe/plan.h"

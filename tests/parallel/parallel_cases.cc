@@ -133,14 +133,14 @@ Reference PerShardReference(const moe::LayerConfig& config, const Inputs& in,
     ref.l_aux_per_shard.push_back(out.l_aux);
     // Every parameter gradient summed over the shards (the variants' too, where defined).
     const auto grads_of = [](moe::LayerParams& p) {
-      std::vector<Tensor*> out{&p.gate_weight, &p.coefficient_weight, &p.coefficient_bias};
+      std::vector<Tensor*> all{&p.gate_weight, &p.coefficient_weight, &p.coefficient_bias};
       for (moe::ExpertWeights* w : {&p.experts, &p.residual_mlp, &p.shared_mlp}) {
         for (Tensor* t :
              {&w->fc1_weight, &w->fc1_bias, &w->fc2_weight, &w->fc2_bias, &w->fc3_weight}) {
-          out.push_back(t);
+          all.push_back(t);
         }
       }
-      return out;
+      return all;
     };
     if (d == 0) {
       ref.grads = g.params;
