@@ -13,6 +13,7 @@
 #include "switchyard/moe/gate.h"
 #include "switchyard/moe/losses.h"
 #include "switchyard/moe/plan.h"
+#include "switchyard/moe/variants.h"
 
 namespace switchyard::moe {
 
@@ -23,11 +24,7 @@ struct LayerState {
   DispatchPlan plan;
   Tensor expert_out;  // [num_rows, M]
   ExpertActivations experts;
-  // residual_moe
-  Tensor moe_y, mlp_y, coef;  // [T, M], [T, M], [T, 2] softmax coefficients
-  ExpertActivations residual;
-  // shared experts
-  ExpertActivations shared;
+  VariantState variants;  // residual_moe, shared experts
 };
 
 namespace {
@@ -59,29 +56,6 @@ Tensor FromFloat32(const Tensor& t, DType dtype, int threads) {
 }
 
 ExpertOptions OptionsOf(const LayerConfig& c) { return {c.activation, c.gated}; }
-
-// A dense MLP ([H, M] ... layout) as one expert ([1, H, M] ...), sharing storage.
-ExpertWeights AsOneExpert(const ExpertWeights& w) {
-  auto add_dim = [](const Tensor& t) {
-    if (!t.defined()) return Tensor();
-    Shape s = t.shape();
-    s.insert(s.begin(), 1);
-    return t.Reshape(s);
-  };
-  return {add_dim(w.fc1_weight), add_dim(w.fc1_bias), add_dim(w.fc2_weight), add_dim(w.fc2_bias),
-          add_dim(w.fc3_weight)};
-}
-ExpertWeights DropExpertDim(const ExpertWeights& w) {
-  auto drop = [](const Tensor& t) {
-    if (!t.defined()) return Tensor();
-    Shape s(t.shape().begin() + 1, t.shape().end());
-    return t.Reshape(s);
-  };
-  return {drop(w.fc1_weight), drop(w.fc1_bias), drop(w.fc2_weight), drop(w.fc2_bias),
-          drop(w.fc3_weight)};
-}
-
-ExpertGroups AllRows(int64_t rows) { return ExpertGroups{{0}, {rows}}; }
 
 struct NamedSlot {
   std::string name;
@@ -150,21 +124,6 @@ void CheckParams(const LayerConfig& c, const LayerParams& p) {
     ExpectShape(s.name, t, s.shape);
     if (c.check_finite) CheckFinite(s.name, t);
   }
-}
-
-// y [T, n] = x [T, M] · W^T [M, n] (+ b).
-Tensor Linear(const Tensor& x, const Tensor& w, const Tensor& b) {
-  const int64_t t_num = x.size(0), m = x.size(1), n = w.size(0);
-  Tensor y = Tensor::Empty({t_num, n});
-  float* yp = y.data<float>();
-  if (b.defined()) {
-    for (int64_t t = 0; t < t_num; ++t) {
-      std::memcpy(yp + t * n, b.data<float>(), static_cast<size_t>(n) * sizeof(float));
-    }
-  }
-  kernels::Gemm(Trans::kNo, Trans::kYes, t_num, n, m, 1.0f, x.data<float>(), m, w.data<float>(), m,
-                b.defined() ? 1.0f : 0.0f, yp, n);
-  return y;
 }
 
 void AddInto(const Tensor& dst, const Tensor& src) {
@@ -286,29 +245,7 @@ LayerOutput MoeLayer::Forward(const LayerParams& params, const Tensor& x,
       ExpertsForward(eopt, params.experts, expert_in, GroupsOf(s.plan), &s.experts, threads);
   Tensor y = Combine(s.plan, s.expert_out, c.prescore, threads);
 
-  if (c.residual_moe) {
-    s.moe_y = y;
-    s.mlp_y = ExpertsForward(eopt, AsOneExpert(params.residual_mlp), s.x, AllRows(t_num),
-                             &s.residual, threads);
-    s.coef = Linear(s.x, params.coefficient_weight, params.coefficient_bias);
-    kernels::SoftmaxRows(s.coef.data<float>(), s.coef.data<float>(), t_num, 2);
-    y = Tensor::Empty({t_num, c.model_dim});
-    const float* a = s.moe_y.data<float>();
-    const float* b = s.mlp_y.data<float>();
-    const float* cf = s.coef.data<float>();
-    float* yp = y.data<float>();
-    for (int64_t t = 0; t < t_num; ++t) {
-      for (int64_t j = 0; j < c.model_dim; ++j) {
-        int64_t i = t * c.model_dim + j;
-        yp[i] = cf[2 * t] * a[i] + cf[2 * t + 1] * b[i];
-      }
-    }
-  }
-  if (c.shared_expert_hidden > 0) {
-    Tensor sy = ExpertsForward(eopt, AsOneExpert(params.shared_mlp), s.x, AllRows(t_num), &s.shared,
-                               threads);
-    AddInto(y, sy);
-  }
+  y = VariantsForward(c, params, s.x, y, &s.variants, threads);
 
   LayerOutput out;
   out.y = FromFloat32(y, x.dtype(), threads);
@@ -341,58 +278,11 @@ LayerGradients MoeLayer::Backward(const LayerParams& params, const LayerOutput& 
   const Tensor dy = ToFloat32(dy_in, threads);
   const ExpertOptions eopt = OptionsOf(c);
   LayerGradients g;
-  Tensor dx = Tensor::Zeros({t_num, m_dim});
 
   // Variants first: they give the MoE part its output gradient.
-  Tensor d_moe = dy;
-  if (c.residual_moe) {
-    d_moe = Tensor::Empty({t_num, m_dim});
-    Tensor d_mlp = Tensor::Empty({t_num, m_dim});
-    Tensor d_coef = Tensor::Empty({t_num, 2});
-    const float* dyp = dy.data<float>();
-    const float* cf = s.coef.data<float>();
-    const float* a = s.moe_y.data<float>();
-    const float* b = s.mlp_y.data<float>();
-    float* dm = d_moe.data<float>();
-    float* dl = d_mlp.data<float>();
-    float* dc = d_coef.data<float>();
-    for (int64_t t = 0; t < t_num; ++t) {
-      double da = 0, db = 0;
-      for (int64_t j = 0; j < m_dim; ++j) {
-        int64_t i = t * m_dim + j;
-        dm[i] = cf[2 * t] * dyp[i];
-        dl[i] = cf[2 * t + 1] * dyp[i];
-        da += static_cast<double>(dyp[i]) * a[i];
-        db += static_cast<double>(dyp[i]) * b[i];
-      }
-      dc[2 * t] = static_cast<float>(da);
-      dc[2 * t + 1] = static_cast<float>(db);
-    }
-    kernels::SoftmaxRowsBackward(cf, dc, dc, t_num, 2);
-    g.params.coefficient_weight = Tensor::Empty({2, m_dim});
-    kernels::Gemm(Trans::kYes, Trans::kNo, 2, m_dim, t_num, 1.0f, dc, 2, s.x.data<float>(), m_dim,
-                  0.0f, g.params.coefficient_weight.data<float>(), m_dim);
-    if (params.coefficient_bias.defined()) {
-      g.params.coefficient_bias = Tensor::Zeros({2});
-      float* bb = g.params.coefficient_bias.data<float>();
-      for (int64_t t = 0; t < t_num; ++t) {
-        bb[0] += dc[2 * t];
-        bb[1] += dc[2 * t + 1];
-      }
-    }
-    kernels::Gemm(Trans::kNo, Trans::kNo, t_num, m_dim, 2, 1.0f, dc, 2,
-                  params.coefficient_weight.data<float>(), m_dim, 1.0f, dx.data<float>(), m_dim);
-    ExpertGradients rg =
-        ExpertsBackward(eopt, AsOneExpert(params.residual_mlp), s.residual, d_mlp, threads);
-    AddInto(dx, rg.input);
-    g.params.residual_mlp = DropExpertDim(rg.weights);
-  }
-  if (c.shared_expert_hidden > 0) {
-    ExpertGradients sg =
-        ExpertsBackward(eopt, AsOneExpert(params.shared_mlp), s.shared, dy, threads);
-    AddInto(dx, sg.input);
-    g.params.shared_mlp = DropExpertDim(sg.weights);
-  }
+  VariantGradients vg = VariantsBackward(c, params, s.variants, s.x, dy, &g.params, threads);
+  const Tensor& d_moe = vg.d_moe_y;
+  Tensor dx = vg.x;
 
   // combine -> experts -> dispatch -> combine weights -> gate values -> gate.
   CombineGradients cg = CombineBackward(s.plan, d_moe, s.expert_out, c.prescore, threads);

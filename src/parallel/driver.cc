@@ -7,6 +7,7 @@
 #include <bit>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <type_traits>
 
 #include "parallel/collectives.h"
 #include "switchyard/comm/agree.h"
@@ -50,6 +51,9 @@ struct RankResult {
   Tensor y, grad_x, topk, locations, gates, combine, loads, counts;
   Tensor grad_gate;
   moe::ExpertWeights grad_experts;
+  // The dense variants (residual MLP and its coefficient, shared expert), synced like the gate.
+  moe::ExpertWeights grad_residual, grad_shared;
+  Tensor grad_coef_w, grad_coef_b;
 };
 
 Tensor VectorTensor(const std::vector<int64_t>& v) {
@@ -122,6 +126,10 @@ RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
       r.grad_x = g.x;
       r.grad_gate = g.params.gate_weight;
       r.grad_experts = g.params.experts;
+      r.grad_residual = g.params.residual_mlp;
+      r.grad_shared = g.params.shared_mlp;
+      r.grad_coef_w = g.params.coefficient_weight;
+      r.grad_coef_b = g.params.coefficient_bias;
     }
     if (rep >= o.warmup) r.report.step_seconds.push_back(internal::Now() - t0);
   }
@@ -214,6 +222,20 @@ class Reader {
   size_t at_ = 0;
 };
 
+// The tensors of a result, in the order they travel.
+template <typename Result>
+auto TensorsOf(Result& r) {
+  using T = std::conditional_t<std::is_const_v<Result>, const Tensor*, Tensor*>;
+  std::vector<T> out{&r.y,     &r.grad_x, &r.topk,      &r.locations,   &r.gates,      &r.combine,
+                     &r.loads, &r.counts, &r.grad_gate, &r.grad_coef_w, &r.grad_coef_b};
+  for (auto* w : {&r.grad_experts, &r.grad_residual, &r.grad_shared}) {
+    for (T t : {&w->fc1_weight, &w->fc1_bias, &w->fc2_weight, &w->fc2_bias, &w->fc3_weight}) {
+      out.push_back(t);
+    }
+  }
+  return out;
+}
+
 std::vector<int64_t> Serialize(const RankResult& r) {
   Writer w;
   const RankCoords& c = r.report.coords;
@@ -242,12 +264,7 @@ std::vector<int64_t> Serialize(const RankResult& r) {
   w.Double(r.cost.link_latency_us);
   w.Double(r.cost.gemm_gflops);
   w.String(r.trace);
-  for (const Tensor* t :
-       {&r.y, &r.grad_x, &r.topk, &r.locations, &r.gates, &r.combine, &r.loads, &r.counts,
-        &r.grad_gate, &r.grad_experts.fc1_weight, &r.grad_experts.fc1_bias,
-        &r.grad_experts.fc2_weight, &r.grad_experts.fc2_bias, &r.grad_experts.fc3_weight}) {
-    w.Put(*t);
-  }
+  for (const Tensor* t : TensorsOf(r)) w.Put(*t);
   return std::move(w.words());
 }
 
@@ -280,12 +297,7 @@ RankResult Deserialize(std::span<const int64_t> words) {
   r.cost.link_latency_us = rd.Double();
   r.cost.gemm_gflops = rd.Double();
   r.trace = rd.String();
-  for (Tensor* t :
-       {&r.y, &r.grad_x, &r.topk, &r.locations, &r.gates, &r.combine, &r.loads, &r.counts,
-        &r.grad_gate, &r.grad_experts.fc1_weight, &r.grad_experts.fc1_bias,
-        &r.grad_experts.fc2_weight, &r.grad_experts.fc2_bias, &r.grad_experts.fc3_weight}) {
-    *t = rd.Get();
-  }
+  for (Tensor* t : TensorsOf(r)) *t = rd.Get();
   return r;
 }
 
@@ -386,6 +398,10 @@ LayerRunResult Assemble(const moe::LayerConfig& config, const Mesh& mesh,
   res.has_gradients = true;
   res.grad_x = concat(&RankResult::grad_x);
   res.grads.gate_weight = ranks[0].grad_gate;
+  res.grads.residual_mlp = ranks[0].grad_residual;
+  res.grads.shared_mlp = ranks[0].grad_shared;
+  res.grads.coefficient_weight = ranks[0].grad_coef_w;
+  res.grads.coefficient_bias = ranks[0].grad_coef_b;
   const int64_t e = config.num_experts, h = config.hidden_dim, m = config.model_dim;
   moe::ExpertWeights& full = res.grads.experts;
   full.fc1_weight = Tensor::Zeros({e, h, m});

@@ -4,21 +4,18 @@
 
 #include <algorithm>
 #include <charconv>
-#include <functional>
 #include <limits>
 
-#include "parallel/allgather_dispatch.h"
 #include "parallel/collectives.h"
-#include "parallel/exchange.h"
+#include "parallel/dispatcher.h"
 #include "parallel/expert_weights.h"
 #include "parallel/routing.h"
-#include "parallel/shadow.h"
 #include "parallel/trace_context.h"
 #include "switchyard/core/error.h"
-#include "switchyard/moe/dispatch.h"
 #include "switchyard/moe/gate.h"
 #include "switchyard/moe/losses.h"
 #include "switchyard/moe/plan.h"
+#include "switchyard/moe/variants.h"
 
 namespace switchyard::parallel {
 
@@ -79,10 +76,8 @@ int ChooseAdaptiveR(int shards, double capacity_volume, double expert_params, in
   return best;
 }
 
-// What the backward needs.
+// What the backward needs: the step's routing and the dispatcher's handle.
 struct ParallelState {
-  enum class Mode { kLocal, kExchange, kAllGather };
-  Mode mode = Mode::kExchange;
   DType x_dtype = DType::kFloat32;
   Tensor x;  // [T, M] float32
   moe::GateResult gate;
@@ -90,15 +85,11 @@ struct ParallelState {
   bool has_batch_sums = false;
   moe::GateLossSums batch_sums;
   int r = 1;
-  moe::ExpertWeights weights;                      // the weights computed with (gathered)
-  moe::ExpertActivations acts;                     // kLocal, kAllGather
-  std::vector<moe::ExpertActivations> phase_acts;  // kExchange: per pipeline phase
-  moe::ExpertActivations shadow_acts;              // kExchange with shadowed experts
-  std::shared_ptr<internal::ShadowExperts> shadow;
-  Tensor expert_out;  // rows computed by this rank (kAllGather)
-  Tensor out_buf;     // expert outputs in the plan's buffer layout (kLocal, kExchange)
-  std::shared_ptr<internal::TokenExchange> exchange;
-  std::shared_ptr<internal::AllGatherDispatch> allgather;
+  moe::ExpertWeights weights;  // the compute weights (gathered, expert_weights.h)
+  std::unique_ptr<internal::DispatchStep> step;
+  moe::VariantState variants;  // residual MLP, shared expert (replicated, on own tokens)
+
+  internal::StepInput Input() const { return {plan, x, weights, r}; }
 };
 
 namespace {
@@ -115,6 +106,21 @@ void CheckFiniteShard(const moe::ExpertWeights& w, int rank) {
   }
 }
 
+// The shapes (and with check_finite the values) of the dense variants' parameters.
+void CheckVariants(const moe::LayerConfig& c, const moe::LayerParams& params) {
+  if (!moe::HasVariants(c)) return;
+  const moe::NamedTensors given = moe::ParamsToMap(c, params);
+  for (const auto& [name, shape] : moe::ParamShapes(c)) {
+    if (name.starts_with("gate.") || name.starts_with("experts.")) continue;
+    auto it = given.find(name);
+    SY_REQUIRE(it != given.end(), InvalidArgument, "{}: missing (expected {})", name,
+               ShapeToString(shape));
+    ExpectDType(name, it->second, DType::kFloat32);
+    ExpectShape(name, it->second, shape);
+    if (c.check_finite) moe::CheckFinite(name, it->second);
+  }
+}
+
 Tensor ToFloat32(const Tensor& t) {
   return t.dtype() == DType::kFloat32 ? t : t.To(DType::kFloat32);
 }
@@ -123,25 +129,6 @@ double ExpertParamCount(const moe::LayerConfig& c) {
   const double m = static_cast<double>(c.model_dim), h = static_cast<double>(c.hidden_dim);
   double per = h * m * (c.gated ? 3.0 : 2.0) + (c.fc_bias ? h + m : 0.0);
   return per * static_cast<double>(c.num_experts);
-}
-
-void AddInto(const Tensor& dst, const Tensor& src) {
-  float* d = dst.data<float>();
-  const float* s = src.data<float>();
-  for (int64_t i = 0; i < dst.numel(); ++i) d[i] += s[i];
-}
-
-// sum += g for every defined tensor (sum empty: takes g).
-void Accumulate(moe::ExpertWeights* sum, const moe::ExpertWeights& g) {
-  if (!sum->fc1_weight.defined()) {
-    *sum = g;
-    return;
-  }
-  AddInto(sum->fc1_weight, g.fc1_weight);
-  AddInto(sum->fc2_weight, g.fc2_weight);
-  if (g.fc1_bias.defined()) AddInto(sum->fc1_bias, g.fc1_bias);
-  if (g.fc2_bias.defined()) AddInto(sum->fc2_bias, g.fc2_bias);
-  if (g.fc3_weight.defined()) AddInto(sum->fc3_weight, g.fc3_weight);
 }
 
 }  // namespace
@@ -198,9 +185,6 @@ ParallelMoeLayer::ParallelMoeLayer(moe::LayerConfig config, ParallelOptions opti
       groups_(std::move(groups)),
       mesh_(ValidatedMesh(config_, options_, groups_.get())),
       coords_(mesh_.Coords(groups_->world().rank())) {
-  SY_REQUIRE(!config_.residual_moe && config_.shared_expert_hidden == 0, InvalidArgument,
-             "the parallel layer does not support residual_moe or shared experts yet (run them "
-             "as dense layers around it)");
   const Mesh& mesh = mesh_;
   options_.mesh = mesh.config();
   const int n = mesh.shards();
@@ -246,8 +230,13 @@ ParallelMoeLayer::ParallelMoeLayer(moe::LayerConfig config, ParallelOptions opti
                  "shadow: expert {} does not exist (expected 0 .. {})", e, config_.num_experts - 1);
     }
   }
-  cost_ = options_.cost_model;
   spec_ = ShardOf(mesh, groups_->world().rank(), config_.model_dim);
+  internal::DispatcherSetup setup{groups_, config_, options_, mesh.shards(), mesh.local_experts(),
+                                  dedup_};
+  local_ = internal::MakeLocalDispatcher(setup);
+  dispatcher_ = options_.dispatch == DispatchKind::kAllGather
+                    ? internal::MakeAllGatherDispatcher(setup)
+                    : internal::MakeExchangeDispatcher(setup);
 }
 
 ParallelMoeLayer::~ParallelMoeLayer() = default;
@@ -257,59 +246,15 @@ moe::LayerParams ParallelMoeLayer::ShardParams(const moe::LayerParams& full) con
   p.gate_weight = full.gate_weight;
   p.expert_bias = full.expert_bias;
   p.experts = ShardExperts(full.experts, spec_);
+  // The variants are dense: every rank holds them whole, as the gate.
+  p.residual_mlp = full.residual_mlp;
+  p.coefficient_weight = full.coefficient_weight;
+  p.coefficient_bias = full.coefficient_bias;
+  p.shared_mlp = full.shared_mlp;
   return p;
 }
 
-const CostModel& ParallelMoeLayer::ResolvedCostModel(int threads) {
-  if (!cost_resolved_) {
-    if (!cost_.complete()) {
-      cost_ = MeasureCostModel(groups_->Get(GroupKind::kExpert), cost_, config_.model_dim,
-                               config_.hidden_dim, threads);
-    }
-    cost_resolved_ = true;
-  }
-  return cost_;
-}
-
-int ParallelMoeLayer::ResolveSmartGroup(const moe::DispatchPlan& plan, int threads,
-                                        CommStats* stats) {
-  if (options_.smart_group != kSmartAuto) return options_.smart_group;
-  comm::Communicator& expert = groups_->Get(GroupKind::kExpert);
-  const int p = expert.size();
-  if (p == 1) return kSmartOff;
-  int64_t kept = 0;
-  for (int64_t n : plan.counts) kept += n;
-  std::vector<int64_t> rows{kept};
-  internal::AllReduceMax(expert, rows, Traffic::kRouting, stats);
-  const CostModel& model = ResolvedCostModel(threads);
-  const double m = static_cast<double>(config_.model_dim);
-  const double bytes = static_cast<double>(rows[0]) * m * 4.0 * (p - 1) / p;
-  const double flops = static_cast<double>(rows[0]) *
-                       moe::ExpertFlops(1, config_.model_dim, config_.hidden_dim, config_.gated);
-  return ChooseSmartGroup(p, bytes, flops, model);
-}
-
-std::vector<int64_t> ParallelMoeLayer::ChooseShadows(const moe::DispatchPlan& plan, int r,
-                                                     int threads, CommStats* stats) {
-  const ShadowOptions& o = options_.shadow;
-  if (o.policy == ShadowPolicy::kNone || r != 1) return {};
-  if (o.policy == ShadowPolicy::kList) {
-    std::vector<int64_t> list = o.experts;
-    std::sort(list.begin(), list.end());
-    list.erase(std::unique(list.begin(), list.end()), list.end());
-    return list;
-  }
-  comm::Communicator& expert = groups_->Get(GroupKind::kExpert);
-  ShadowProblem pr;
-  pr.ranks = expert.size();
-  pr.num_experts = config_.num_experts;
-  pr.counts = internal::AllGather(expert, plan.counts, Traffic::kRouting, stats);
-  pr.model_dim = config_.model_dim;
-  pr.hidden_dim = config_.hidden_dim;
-  pr.gated = config_.gated;
-  pr.bias = config_.fc_bias;
-  return ChooseShadowExperts(pr, ResolvedCostModel(threads));
-}
+const CostModel& ParallelMoeLayer::cost_model() const { return dispatcher_->cost_model(); }
 
 int ParallelMoeLayer::ResolveAdaptiveR(int requested, double capacity_volume) const {
   const int n = mesh().shards();
@@ -336,6 +281,7 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   ExpectDType("gate.weight", params.gate_weight, DType::kFloat32);
   ExpectShape("gate.weight", params.gate_weight, {c.num_experts, c.model_dim});
   CheckShard(params.experts, spec_, c.gated, c.fc_bias);
+  CheckVariants(c, params);
   SY_REQUIRE(options.global_token_offset >= 0, InvalidArgument,
              "global_token_offset: expected >= 0, got {}", options.global_token_offset);
   if (c.check_finite) {
@@ -356,6 +302,8 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   ParallelState& s = *state;
   s.x_dtype = x.dtype();
   s.x = ToFloat32(x);
+
+  // Gate.
   {
     internal::TraceSpan span("gate");
     s.gate = moe::GateForward(c, s.x, params.gate_weight, params.expert_bias,
@@ -371,9 +319,9 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
     s.batch_sums = moe::GateLossSums::FromVector(c, v);
     s.has_batch_sums = true;
   }
-  moe::GateLosses losses = moe::GateLossesFromSums(c, global ? s.batch_sums : sums);
+  const moe::GateLosses losses = moe::GateLossesFromSums(c, global ? s.batch_sums : sums);
 
-  // Routing: capacity, slots, drops.
+  // Route: capacity, slots, drops.
   internal::PairDecisions dec;
   if (global) {
     dec =
@@ -393,110 +341,40 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
                                      {options.global_token_offset, options.step, max_load});
   }
 
-  // Adaptive r and the rows per expert on the wire.
-  const int n = mesh().shards();
+  // The step's adaptive r picks the dispatcher (r = 0: local); the dispatcher lays out the plan.
   int64_t buffer_capacity = dec.local_capacity;
-  const bool fixed_wire = options_.dispatch == DispatchKind::kAllToAll;
   const int requested_r =
       options.adaptive_r == kAdaptiveRDefault ? options_.adaptive_r : options.adaptive_r;
-  if (fixed_wire || requested_r == kAdaptiveRAuto) {
+  if (dispatcher_->needs_group_capacity() || requested_r == kAdaptiveRAuto) {
     std::vector<int64_t> v{buffer_capacity};
     internal::AllReduceMax(expert, v, Traffic::kRouting, st);
     buffer_capacity = v[0];
   }
   const double capacity_volume = static_cast<double>(e_num * buffer_capacity * m_dim);
   s.r = ResolveAdaptiveR(requested_r, capacity_volume);
-  const int tp_shares = dedup_ ? groups_->Get(GroupKind::kTensor).size() : 1;
-  const int tp_share = dedup_ ? groups_->Get(GroupKind::kTensor).rank() : 0;
-  int64_t stride = 0;
-  const int degree = s.r >= 1 ? options_.overlap_degree : 1;
-  if (fixed_wire && s.r >= 1) {
-    const int64_t slices = static_cast<int64_t>(tp_shares) * (n / s.r) * degree;
-    stride = (buffer_capacity + slices - 1) / slices * slices;
+  internal::Dispatcher& dispatcher = s.r == 0 ? *local_ : *dispatcher_;
+  const internal::BufferLayout layout = dispatcher.Layout(buffer_capacity, s.r);
+  if (!c.dropless) {
+    moe::RequireExpertBufferMemory(c, e_num, std::max(layout.stride, buffer_capacity));
   }
-  if (!c.dropless) moe::RequireExpertBufferMemory(c, e_num, std::max(stride, buffer_capacity));
   {
     internal::TraceSpan span("plan");
-    s.plan = internal::LayoutPlan(dec, stride);
+    s.plan = internal::LayoutPlan(dec, layout.stride);
   }
   out.adaptive_r = s.r;
   out.predicted_volume = PredictedVolume(s.r, capacity_volume, ExpertParamCount(c), c.num_experts);
-  out.buffer_capacity = stride > 0 ? stride : buffer_capacity;
+  out.buffer_capacity = layout.stride > 0 ? layout.stride : buffer_capacity;
 
-  // Experts.
-  const moe::ExpertOptions eopt{c.activation, c.gated};
+  // Dispatch -> experts -> combine.
   s.weights = internal::GatherComputeWeights(*groups_, params.experts, spec_, s.r, st);
+  const internal::ExpertKernels experts{{c.activation, c.gated}, threads};
+  internal::DispatchInfo info;
   Tensor y;
-  if (s.r == 0) {
-    s.mode = ParallelState::Mode::kLocal;
-    Tensor buf = moe::Dispatch(s.plan, s.x, c.prescore, threads);
-    s.out_buf = moe::ExpertsForward(
-        eopt, s.weights, buf, internal::ShareGroups(s.plan, tp_shares, tp_share), &s.acts, threads);
-    if (dedup_) internal::GatherTpShares(groups_->Get(GroupKind::kTensor), s.plan, s.out_buf, st);
-  } else if (options_.dispatch == DispatchKind::kAllGather) {
-    s.mode = ParallelState::Mode::kAllGather;
-    s.allgather = std::make_shared<internal::AllGatherDispatch>(
-        expert, internal::AllGatherSpec{n, s.r, mesh().local_experts(), c.prescore}, s.plan, s.x,
-        st);
-    s.expert_out = moe::ExpertsForward(eopt, s.weights, s.allgather->expert_input(),
-                                       s.allgather->groups(), &s.acts, threads);
-    y = s.allgather->Combine(s.expert_out, st);
-  } else {
-    s.mode = ParallelState::Mode::kExchange;
-    internal::ExchangeSpec es;
-    es.shards = n;
-    es.r = s.r;
-    es.local_experts = mesh().local_experts();
-    es.tp_shares = tp_shares;
-    es.tp_share = tp_share;
-    es.fixed = fixed_wire;
-    if (options_.hierarchical_ranks_per_node > 0) {
-      es.options.algorithm = comm::Algorithm::kHierarchical;
-      es.options.ranks_per_node = options_.hierarchical_ranks_per_node;
-    }
-    es.overlap_degree = degree;
-    es.smart_group = ResolveSmartGroup(s.plan, threads, st);
-    std::vector<int64_t> shadowed = ChooseShadows(s.plan, s.r, threads, st);
-    if (!shadowed.empty()) {
-      s.shadow = std::make_shared<internal::ShadowExperts>(expert, std::move(shadowed),
-                                                           mesh().local_experts(), s.weights);
-      es.skip = s.shadow->Mask(e_num);
-    }
-    s.exchange = std::make_shared<internal::TokenExchange>(expert, es, s.plan, st);
-    out.overlap_degree = degree;
-    out.smart_group = es.smart_group;
-    if (s.shadow) out.shadowed = s.shadow->experts();
-    Tensor buf;
-    {
-      internal::TraceSpan span("encode");
-      buf = moe::Dispatch(s.plan, s.x, c.prescore, threads);
-    }
-    if (s.shadow) s.shadow->StartBroadcast();
-    Tensor shadow_out;
-    std::function<void()> local_work;
-    if (s.shadow) {
-      local_work = [&] {
-        s.shadow->FinishBroadcast(st);
-        internal::TraceSpan span("shadow experts");
-        shadow_out = moe::ExpertsForward(eopt, s.shadow->weights(), buf, s.shadow->Groups(s.plan),
-                                         &s.shadow_acts, threads);
-      };
-    }
-    s.phase_acts.resize(static_cast<size_t>(s.exchange->phases()));
-    s.out_buf = s.exchange->Pipeline(
-        buf,
-        [&](int phase, const Tensor& rows) {
-          return moe::ExpertsForward(eopt, s.weights, rows, s.exchange->phase_groups(phase),
-                                     &s.phase_acts[static_cast<size_t>(phase)], threads);
-        },
-        local_work, st);
-    if (shadow_out.defined()) AddInto(s.out_buf, shadow_out);
-    if (dedup_) internal::GatherTpShares(groups_->Get(GroupKind::kTensor), s.plan, s.out_buf, st);
-  }
-  if (s.mode != ParallelState::Mode::kAllGather) {
-    internal::TraceSpan span("decode");
-    y = moe::Combine(s.plan, s.out_buf, c.prescore, threads);
-  }
+  s.step = dispatcher.Forward(s.Input(), experts, &y, &info, st);
+  if (moe::HasVariants(c)) y = moe::VariantsForward(c, params, s.x, y, &s.variants, threads);
+  out.overlap_degree = info.overlap_degree;
+  out.smart_group = info.smart_group;
+  out.shadowed = std::move(info.shadowed);
 
   moe::LayerOutput& lo = out.layer;
   lo.y = x.dtype() == DType::kFloat32 ? y : y.To(x.dtype());
@@ -530,74 +408,41 @@ ParallelGradients ParallelMoeLayer::Backward(const moe::LayerParams& params,
   ExpectFloating("dy", dy_in);
   ExpectShape("dy", dy_in, {t_num, m_dim});
   CheckShard(params.experts, spec_, c.gated, c.fc_bias);
+  CheckVariants(c, params);
   if (c.check_finite) {
     moe::CheckFinite(fmt::format("dy (rank {})", coords().rank), dy_in);
     moe::CheckFinite("gate.weight", params.gate_weight);
     CheckFiniteShard(params.experts, coords().rank);
   }
   const Tensor dy = ToFloat32(dy_in);
-  const moe::ExpertOptions eopt{c.activation, c.gated};
 
+  // The variants give the experts' output its gradient; then combine -> experts -> dispatch, in
+  // reverse, and the gate.
   Tensor dx;
-  std::vector<float> d_weights;
-  moe::ExpertGradients eg;
-  if (s.mode == ParallelState::Mode::kAllGather) {
-    Tensor d_out = s.allgather->CombineBackward(dy, s.expert_out, st);
-    eg = moe::ExpertsBackward(eopt, s.weights, s.acts, d_out, threads);
-    internal::AllGatherDispatch::Grads ag = s.allgather->DispatchBackward(eg.input, st);
-    dx = ag.x;
-    d_weights = std::move(ag.weights);
+  Tensor d_moe = dy;
+  if (moe::HasVariants(c)) {
+    moe::VariantGradients vg =
+        moe::VariantsBackward(c, params, s.variants, s.x, dy, &g.params, threads);
+    d_moe = vg.d_moe_y;
+    dx = vg.x;
+  }
+  const internal::ExpertKernels experts{{c.activation, c.gated}, threads};
+  internal::DispatchGradients dg = s.step->Backward(s.Input(), experts, d_moe, st);
+  if (dx.defined()) {
+    internal::AddInto(dx, dg.x);
   } else {
-    moe::CombineGradients cg;
-    {
-      internal::TraceSpan span("decode backward");
-      cg = moe::CombineBackward(s.plan, dy, s.out_buf, c.prescore, threads);
-    }
-    Tensor d_in_buf;
-    if (s.mode == ParallelState::Mode::kLocal) {
-      eg = moe::ExpertsBackward(eopt, s.weights, s.acts, cg.expert_out, threads);
-      d_in_buf = eg.input;
-    } else {
-      Tensor shadow_d_in;
-      std::function<void()> local_work;
-      if (s.shadow) {
-        local_work = [&] {
-          internal::TraceSpan span("shadow experts backward");
-          moe::ExpertGradients sg = moe::ExpertsBackward(eopt, s.shadow->weights(), s.shadow_acts,
-                                                         cg.expert_out, threads);
-          shadow_d_in = sg.input;
-          s.shadow->StartReduce(sg.weights);
-        };
-      }
-      d_in_buf = s.exchange->Pipeline(
-          cg.expert_out,
-          [&](int k, const Tensor& rows) {
-            moe::ExpertGradients pg = moe::ExpertsBackward(
-                eopt, s.weights, s.phase_acts[static_cast<size_t>(k)], rows, threads);
-            Accumulate(&eg.weights, pg.weights);
-            return pg.input;
-          },
-          local_work, st);
-      if (shadow_d_in.defined()) AddInto(d_in_buf, shadow_d_in);
-      if (s.shadow) s.shadow->FinishReduce(&eg.weights, st);
-    }
-    if (dedup_) internal::GatherTpShares(groups_->Get(GroupKind::kTensor), s.plan, d_in_buf, st);
-    internal::TraceSpan encode_span("encode backward");
-    moe::DispatchGradients dg = moe::DispatchBackward(s.plan, d_in_buf, s.x, c.prescore, threads);
     dx = dg.x;
-    d_weights = cg.weights;
-    for (size_t i = 0; i < d_weights.size(); ++i) d_weights[i] += dg.weights[i];
   }
   internal::TraceSpan gate_span("gate backward");
-  std::vector<float> d_gates = moe::CombineWeightsBackward(c, s.gate, s.plan, d_weights);
+  std::vector<float> d_gates = moe::CombineWeightsBackward(c, s.gate, s.plan, dg.weights);
   std::vector<float> d_scores = moe::GateValuesBackward(c, s.gate, d_gates);
   moe::GateGradients gg =
       moe::GateBackward(c, s.gate, s.x, params.gate_weight, d_scores, c.aux_loss_coef,
                         c.z_loss_coef, s.has_batch_sums ? &s.batch_sums : nullptr);
-  AddInto(dx, gg.x);
+  internal::AddInto(dx, gg.x);
   g.x = s.x_dtype == DType::kFloat32 ? dx : dx.To(s.x_dtype);
   g.params.gate_weight = gg.gate_weight;
-  g.params.experts = internal::ReduceComputeGrads(*groups_, eg.weights, spec_, s.r, st);
+  g.params.experts = internal::ReduceComputeGrads(*groups_, dg.experts, spec_, s.r, st);
   return g;
 }
 
@@ -624,6 +469,15 @@ void ParallelMoeLayer::SyncGradients(moe::LayerParams* grads, bool mean, CommSta
     }
   };
   sync(tokens, grads->gate_weight);
+  // The variants are dense and see each rank's own tokens: summed like the gate.
+  for (const moe::ExpertWeights* w : {&grads->residual_mlp, &grads->shared_mlp}) {
+    for (const Tensor* t :
+         {&w->fc1_weight, &w->fc1_bias, &w->fc2_weight, &w->fc2_bias, &w->fc3_weight}) {
+      sync(tokens, *t);
+    }
+  }
+  sync(tokens, grads->coefficient_weight);
+  sync(tokens, grads->coefficient_bias);
   moe::ExpertWeights& e = grads->experts;
   for (const Tensor* t : {&e.fc1_weight, &e.fc1_bias, &e.fc2_weight, &e.fc2_bias, &e.fc3_weight}) {
     sync(holders, *t);

@@ -37,6 +37,7 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("moe_every", c.model.moe_every);
   fn("init_std", c.model.init_std);
   fn("num_experts", c.num_experts);
+  fn("experts_per_block", c.experts_per_block);
   fn("top_k", c.top_k);
   fn("capacity_factor", c.capacity_factor);
   fn("expert_hidden_dim", c.expert_hidden_dim);
@@ -111,6 +112,39 @@ struct FromJsonVisitor {
     } else if constexpr (std::is_same_v<T, kernels::Activation>) {
       if (!v.is_string()) throw bad("\"relu\", \"gelu\" or \"silu\"");
       dst = kernels::ActivationFromName(v.get<std::string>());
+    } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+      // A JSON array, or the command line's "4,8" (a string).
+      const char* expected = "a list of integers >= 1 ([4, 8] or \"4,8\")";
+      std::vector<int64_t> out;
+      if (v.is_string()) {
+        const std::string text = v.get<std::string>();
+        size_t at = 0;
+        while (at <= text.size() && !text.empty()) {
+          const size_t comma = std::min(text.find(',', at), text.size());
+          const std::string item = text.substr(at, comma - at);
+          size_t used_chars = 0;
+          int64_t n = 0;
+          try {
+            n = std::stoll(item, &used_chars);
+          } catch (const std::exception&) {
+            throw bad(expected);
+          }
+          if (used_chars != item.size() || n < 1) throw bad(expected);
+          out.push_back(n);
+          at = comma + 1;
+        }
+      } else if (v.is_number_integer()) {  // one MoE block
+        if (v.get<int64_t>() < 1) throw bad(expected);
+        out.push_back(v.get<int64_t>());
+      } else if (v.is_array()) {
+        for (const json& e : v) {
+          if (!e.is_number_integer() || e.get<int64_t>() < 1) throw bad(expected);
+          out.push_back(e.get<int64_t>());
+        }
+      } else {
+        throw bad(expected);
+      }
+      dst = std::move(out);
     } else if constexpr (std::is_integral_v<T>) {
       if (!v.is_number_integer()) throw bad("an integer");
       if constexpr (std::is_unsigned_v<T>) {
@@ -178,6 +212,8 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"moe_every", "MoE FFN in blocks i with i % N == N - 1 (0: dense model)"},
       {"init_std", "std of the normal initialization"},
       {"num_experts", "experts per MoE layer"},
+      {"experts_per_block",
+       "experts of each MoE block, e.g. 4,8 (PR-MoE pyramid; default: num_experts)"},
       {"top_k", "experts chosen per token"},
       {"capacity_factor", "expert capacity factor (0: no drops)"},
       {"expert_hidden_dim", "hidden size of an expert (0: hidden_dim)"},
@@ -220,7 +256,8 @@ std::vector<ConfigKey> TrainConfigKeys() {
     SY_CHECK(it != kHelp.end(), "no help for config key '{}'", key);
     using T = std::decay_t<decltype(field)>;
     const std::string k = key;
-    const char* type = std::is_same_v<T, bool>                                ? "BOOL"
+    const char* type = std::is_same_v<T, std::vector<int64_t>>                ? "LIST"
+                       : std::is_same_v<T, bool>                              ? "BOOL"
                        : std::is_integral_v<T>                                ? "INT"
                        : std::is_floating_point_v<T>                          ? "FLOAT"
                        : k == "data" || k == "out" || k == "moe_layer_config" ? "PATH"
@@ -240,6 +277,24 @@ void SetTrainConfigValue(TrainConfig& config, std::string_view key, std::string_
   json j = json::object();
   j[std::string(key)] = value;
   config = TrainConfigFromJson(j.dump(), config);
+}
+
+int64_t NumMoeBlocks(const ModelConfig& model) {
+  return model.moe_every > 0 ? model.num_layers / model.moe_every : 0;
+}
+
+int64_t BlockExperts(const TrainConfig& c, int64_t block) {
+  if (c.experts_per_block.empty() || c.model.moe_every <= 0) return c.num_experts;
+  const auto ordinal = static_cast<size_t>(block / c.model.moe_every);
+  SY_CHECK(ordinal < c.experts_per_block.size(), "block {} has no experts_per_block entry", block);
+  return c.experts_per_block[ordinal];
+}
+
+moe::LayerConfig MoeBlockLayerConfig(const TrainConfig& c, int64_t block) {
+  moe::LayerConfig layer = MoeLayerConfig(c);
+  layer.num_experts = BlockExperts(c, block);
+  moe::ValidateConfig(layer);
+  return layer;
 }
 
 moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
@@ -290,6 +345,17 @@ void ValidateTrainConfig(const TrainConfig& c) {
   at_least("sample_tokens", static_cast<double>(c.sample_tokens), 0);
   at_least("threads", c.threads, 0);
   at_least("num_experts", static_cast<double>(c.num_experts), 1);
+  if (!c.experts_per_block.empty()) {
+    const int64_t blocks = NumMoeBlocks(c.model);
+    SY_REQUIRE(static_cast<int64_t>(c.experts_per_block.size()) == blocks, InvalidArgument,
+               "config: 'experts_per_block' has {} entries, expected one per MoE block: {} "
+               "(num_layers {} / moe_every {})",
+               c.experts_per_block.size(), blocks, c.model.num_layers, c.model.moe_every);
+    for (int64_t e : c.experts_per_block) {
+      SY_REQUIRE(e >= 1, InvalidArgument,
+                 "config: 'experts_per_block': expected counts >= 1, got {}", e);
+    }
+  }
   at_least("top_k", static_cast<double>(c.top_k), 1);
   at_least("expert_hidden_dim", static_cast<double>(c.expert_hidden_dim), 0);
   at_least("aux_loss_coef", c.aux_loss_coef, 0);
@@ -322,9 +388,10 @@ namespace switchyard::train {
 
 const std::vector<std::string>& ResumeMustMatchKeys() {
   static const std::vector<std::string> kKeys = {
-      "vocab_size",  "seq_len", "model_dim",         "num_layers", "num_heads",
-      "hidden_dim",  "norm",    "activation",        "tied_head",  "moe_every",
-      "num_experts", "top_k",   "expert_hidden_dim", "seed",       "batch_size"};
+      "vocab_size",        "seq_len",    "model_dim",   "num_layers",
+      "num_heads",         "hidden_dim", "norm",        "activation",
+      "tied_head",         "moe_every",  "num_experts", "top_k",
+      "expert_hidden_dim", "seed",       "batch_size",  "experts_per_block"};
   return kKeys;
 }
 

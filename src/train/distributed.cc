@@ -1,6 +1,7 @@
 #include "switchyard/train/distributed.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
@@ -97,6 +98,18 @@ parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int wo
              "config: 'num_experts' {} and 'ep' {}: one must divide the other (E / ep experts per "
              "rank, or each expert split over ep / E ranks)",
              e, ep);
+  // Every MoE block shares the run's process groups: each block's experts must split over the
+  // ep ranks the same way (as many H-shards per expert: 1 when E >= ep, else ep / E).
+  auto shards = [ep](int64_t experts) { return experts >= ep ? int64_t{1} : ep / experts; };
+  for (int64_t block : config.experts_per_block) {
+    SY_REQUIRE((block % ep == 0 || ep % block == 0) &&
+                   shards(block) == shards(config.experts_per_block.front()),
+               InvalidArgument,
+               "config: 'experts_per_block' {} with 'ep' {}: every MoE block must split its "
+               "experts over the ep ranks the same way (every count a multiple of ep, or every "
+               "count the same divisor of ep)",
+               fmt::format("[{}]", fmt::join(config.experts_per_block, ", ")), ep);
+  }
   parallel::ParallelOptions o;
   o.mesh.world_size = world_size;
   o.mesh.tp = 1;
@@ -312,9 +325,16 @@ void DistributedHooks::AllReduceSum(std::span<double> values) {
   }
 }
 
+parallel::Mesh DistributedHooks::BlockMesh(const MoeBlock& block) const {
+  // The run's mesh with this block's experts (blocks may hold different numbers,
+  // experts_per_block).
+  return parallel::Mesh(mesh_.config(), block.config.num_experts, block.config.hidden_dim);
+}
+
 void DistributedHooks::GatherExperts(TensorMap& map, const std::string& suffix) {
   const int w = world_.size();
   for (const MoeBlock& block : moe_blocks_) {
+    const parallel::Mesh mesh = BlockMesh(block);
     for (const ExpertField& f : kExpertFields) {
       const std::string key = block.prefix + "experts." + f.name + suffix;
       auto it = map.find(key);
@@ -331,7 +351,7 @@ void DistributedHooks::GatherExperts(TensorMap& map, const std::string& suffix) 
       for (int r = 0; r < w; ++r) {
         moe::ExpertWeights shard;
         shard.*f.member = all.Slice(r * n, (r + 1) * n).Reshape(local.shape());
-        parallel::PlaceShard(shard, parallel::ShardOf(mesh_, r, block.config.model_dim), &full);
+        parallel::PlaceShard(shard, parallel::ShardOf(mesh, r, block.config.model_dim), &full);
       }
       it->second = full.*f.member;
     }
@@ -341,7 +361,7 @@ void DistributedHooks::GatherExperts(TensorMap& map, const std::string& suffix) 
 void DistributedHooks::SliceExperts(TensorMap& map, const std::string& suffix) const {
   for (const MoeBlock& block : moe_blocks_) {
     const parallel::ShardSpec spec =
-        parallel::ShardOf(mesh_, world_.rank(), block.config.model_dim);
+        parallel::ShardOf(BlockMesh(block), world_.rank(), block.config.model_dim);
     for (const ExpertField& f : kExpertFields) {
       const std::string key = block.prefix + "experts." + f.name + suffix;
       auto it = map.find(key);
@@ -396,16 +416,18 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
 RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process,
                          const ZeroOptions& zero) {
   const parallel::ParallelOptions options = TrainParallelOptions(config, world.size());
-  const moe::LayerConfig layer = MoeLayerConfig(config);
-  // The run's process groups: built once, shared by every MoE block and the optimizer.
-  groups_ = parallel::MakeLayerGroups(world, layer, options);
+  // The run's process groups: built once, shared by every MoE block and the optimizer (every
+  // block's experts split over them alike, TrainParallelOptions checks).
+  const moe::LayerConfig first = MoeBlockLayerConfig(config, config.model.moe_every - 1);
+  groups_ = parallel::MakeLayerGroups(world, first, options);
   hooks_ = std::make_unique<DistributedHooks>(groups_, static_cast<int>(config.zero_stage),
                                               ranks_in_process, zero);
   DistributedHooks* hooks = hooks_.get();
   FeedForwardFactory factory;
   if (config.model.moe_every > 0) {
-    factory = [hooks, layer, options, groups = groups_](int64_t, const std::string& prefix,
-                                                        ParameterSet& params, uint64_t seed) {
+    factory = [hooks, config, options, groups = groups_](int64_t block, const std::string& prefix,
+                                                         ParameterSet& params, uint64_t seed) {
+      const moe::LayerConfig layer = MoeBlockLayerConfig(config, block);
       hooks->AddMoeBlock(prefix, layer);
       return std::make_unique<ParallelMoeFeedForward>(params, prefix, layer, options, groups, seed);
     };

@@ -103,8 +103,14 @@ void MoeFeedForward::EndStep(std::span<const int64_t> global_expert_loads) {
 }
 
 FeedForwardFactory MoeFeedForwardFactory(const moe::LayerConfig& config) {
-  return [config](int64_t, const std::string& prefix, ParameterSet& params, uint64_t seed) {
-    return std::make_unique<MoeFeedForward>(params, prefix, config, seed);
+  return MoeFeedForwardFactory([config](int64_t) { return config; });
+}
+
+FeedForwardFactory MoeFeedForwardFactory(
+    std::function<moe::LayerConfig(int64_t block)> config_of_block) {
+  return [config_of_block = std::move(config_of_block)](int64_t block, const std::string& prefix,
+                                                        ParameterSet& params, uint64_t seed) {
+    return std::make_unique<MoeFeedForward>(params, prefix, config_of_block(block), seed);
   };
 }
 

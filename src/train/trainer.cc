@@ -141,7 +141,8 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
              corpus_.val.size(), c.val_fraction, c.model.seq_len + 1);
 
   if (moe_factory == nullptr && c.model.moe_every > 0) {
-    moe_factory = MoeFeedForwardFactory(moe_layer);
+    moe_factory =
+        MoeFeedForwardFactory([c](int64_t block) { return MoeBlockLayerConfig(c, block); });
   }
   model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory));
   optimizer_ = AdamW(AdamWOptions{.beta1 = static_cast<float>(c.beta1),

@@ -15,6 +15,7 @@
 #include "switchyard/core/error.h"
 #include "switchyard/moe/gate.h"
 #include "switchyard/moe/losses.h"
+#include "switchyard/moe/variants.h"
 #include "switchyard/parallel/driver.h"
 #include "switchyard/parallel/moe_parallel.h"
 
@@ -455,9 +456,6 @@ TEST(ParallelLayer, ClearErrors) {
   hier.hierarchical_ranks_per_node = 2;
   hier.dispatch = DispatchKind::kAllToAllV;
   EXPECT_NE(error(SmallConfig(4, true), hier).find("2DH"), std::string::npos);
-  moe::LayerConfig shared = SmallConfig(4, true);
-  shared.shared_expert_hidden = 8;
-  EXPECT_NE(error(shared, p).find("shared experts"), std::string::npos);
   DriverOptions bad_split;
   bad_split.parallel = p;
   bad_split.token_split = {1, 2, 3};
@@ -540,6 +538,57 @@ TEST(ParallelLayer, LayersShareOneSetOfProcessGroups) {
                      "ask for (world 4, tp 1, ep 4, etp 1, arrangement deepspeed, 2 H-shard(s)"),
               std::string::npos)
         << e;
+  }
+}
+
+// PR-MoE's residual MLP and DeepSeek's shared expert are dense and replicated: on every
+// dispatcher and schedule (and in both batch scopes) the layer with them equals the single-rank
+// layer, outputs, l_aux and every gradient (the variants' summed over the token shards).
+TEST(ParallelLayer, ResidualAndSharedExpertsEqualTheSingleRankLayer) {
+  struct Variant {
+    const char* name;
+    std::function<void(moe::LayerConfig&)> edit;
+  };
+  const Variant variants[] = {
+      {"residual_moe", [](moe::LayerConfig& c) { c.residual_moe = true; }},
+      {"shared_expert", [](moe::LayerConfig& c) { c.shared_expert_hidden = 8; }},
+      {"both_gated_no_bias",
+       [](moe::LayerConfig& c) {
+         c.residual_moe = true;
+         c.shared_expert_hidden = 12;
+         c.gated = true;
+         c.fc_bias = false;
+       }},
+  };
+  for (const Variant& v : variants) {
+    for (int64_t experts : {int64_t{4}, int64_t{2}}) {
+      moe::LayerConfig config = SmallConfig(experts, false, 0.75f);
+      v.edit(config);
+      const Inputs in = MakeInputs(config, 29, 51);
+      const testing::Reference ref = testing::WholeBatchReference(config, in);
+      ASSERT_TRUE(moe::HasVariants(config));
+      std::vector<Layout> layouts = testing::LayoutsFor(4, experts);
+      for (Layout& l : testing::OverlapLayoutsFor(4, experts)) layouts.push_back(l);
+      for (const Layout& layout : layouts) {
+        DriverOptions o;
+        o.parallel = layout.options;
+        LayerRunResult run;
+        ASSERT_NO_THROW(run = RunLayerOnRanks(config, in.params, in.x, in.dy, o)) << layout.name;
+        EXPECT_TRUE(MatchesReference(run, ref)) << v.name << " E=" << experts << " " << layout.name;
+      }
+      for (const Layout& layout : MainLayouts(4, experts)) {
+        DriverOptions o;
+        o.parallel = layout.options;
+        o.parallel.batch_scope = BatchScope::kPerRank;
+        Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
+        o.token_split = EvenSplit(in.x.size(0), mesh.data_shards());
+        const testing::Reference per_shard = testing::PerShardReference(config, in, o.token_split);
+        LayerRunResult run;
+        ASSERT_NO_THROW(run = RunLayerOnRanks(config, in.params, in.x, in.dy, o)) << layout.name;
+        EXPECT_TRUE(MatchesReference(run, per_shard))
+            << v.name << " per_rank E=" << experts << " " << layout.name;
+      }
+    }
   }
 }
 

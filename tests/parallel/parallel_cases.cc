@@ -5,6 +5,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/rng.h"
@@ -130,20 +131,27 @@ Reference PerShardReference(const moe::LayerConfig& config, const Inputs& in,
       ++holding;
     }
     ref.l_aux_per_shard.push_back(out.l_aux);
+    // Every parameter gradient summed over the shards (the variants' too, where defined).
+    const auto grads_of = [](moe::LayerParams& p) {
+      std::vector<Tensor*> all{&p.gate_weight, &p.coefficient_weight, &p.coefficient_bias};
+      for (moe::ExpertWeights* w : {&p.experts, &p.residual_mlp, &p.shared_mlp}) {
+        for (Tensor* t :
+             {&w->fc1_weight, &w->fc1_bias, &w->fc2_weight, &w->fc2_bias, &w->fc3_weight}) {
+          all.push_back(t);
+        }
+      }
+      return all;
+    };
     if (d == 0) {
       ref.grads = g.params;
-      for (Tensor* t : {&ref.grads.gate_weight, &ref.grads.experts.fc1_weight,
-                        &ref.grads.experts.fc1_bias, &ref.grads.experts.fc2_weight,
-                        &ref.grads.experts.fc2_bias, &ref.grads.experts.fc3_weight}) {
+      for (Tensor* t : grads_of(ref.grads)) {
         if (t->defined()) *t = t->Clone();
       }
     } else {
-      AddInto(ref.grads.gate_weight, g.params.gate_weight);
-      AddInto(ref.grads.experts.fc1_weight, g.params.experts.fc1_weight);
-      AddInto(ref.grads.experts.fc1_bias, g.params.experts.fc1_bias);
-      AddInto(ref.grads.experts.fc2_weight, g.params.experts.fc2_weight);
-      AddInto(ref.grads.experts.fc2_bias, g.params.experts.fc2_bias);
-      AddInto(ref.grads.experts.fc3_weight, g.params.experts.fc3_weight);
+      const std::vector<Tensor*> sum = grads_of(ref.grads), add = grads_of(g.params);
+      for (size_t i = 0; i < sum.size(); ++i) {
+        if (sum[i]->defined()) AddInto(*sum[i], *add[i]);
+      }
     }
     start += split[d];
   }
@@ -225,6 +233,22 @@ Tensor VecTensor(const std::vector<int64_t>& v) {
     checks.push_back(Close("grad.experts.fc2.weight", ga.fc2_weight, gb.fc2_weight, rtol, atol));
     checks.push_back(Close("grad.experts.fc2.bias", ga.fc2_bias, gb.fc2_bias, rtol, atol));
     checks.push_back(Close("grad.experts.fc3.weight", ga.fc3_weight, gb.fc3_weight, rtol, atol));
+    // The dense variants (residual MLP and its coefficient, shared expert), where the config has
+    // them (undefined on both sides otherwise).
+    for (const auto& [name, wa, wb] :
+         {std::tuple{"residual_mlp", &run.grads.residual_mlp, &ref.grads.residual_mlp},
+          std::tuple{"shared_experts", &run.grads.shared_mlp, &ref.grads.shared_mlp}}) {
+      const std::string n = std::string("grad.") + name;
+      checks.push_back(Close(n + ".fc1.weight", wa->fc1_weight, wb->fc1_weight, rtol, atol));
+      checks.push_back(Close(n + ".fc1.bias", wa->fc1_bias, wb->fc1_bias, rtol, atol));
+      checks.push_back(Close(n + ".fc2.weight", wa->fc2_weight, wb->fc2_weight, rtol, atol));
+      checks.push_back(Close(n + ".fc2.bias", wa->fc2_bias, wb->fc2_bias, rtol, atol));
+      checks.push_back(Close(n + ".fc3.weight", wa->fc3_weight, wb->fc3_weight, rtol, atol));
+    }
+    checks.push_back(Close("grad.coefficient.weight", run.grads.coefficient_weight,
+                           ref.grads.coefficient_weight, rtol, atol));
+    checks.push_back(Close("grad.coefficient.bias", run.grads.coefficient_bias,
+                           ref.grads.coefficient_bias, rtol, atol));
   }
   std::ostringstream failures;
   for (const auto& c : checks) {

@@ -191,6 +191,83 @@ TEST_F(DistributedTest, EveryLayoutMatchesOneRank) {
   }
 }
 
+// PR-MoE's residual MLP and DeepSeek's shared expert in the MoE blocks: dense parameters
+// replicated over the ranks, their gradients reduced like the gate's. Several optimizer steps on
+// W ranks give the one-rank run's losses and parameters.
+TEST_F(DistributedTest, ResidualAndSharedExpertsMatchOneRank) {
+  TrainConfig base = TinyMoeConfig(dir_);
+  base.moe_layer_config = dir_ / "variants.json";
+  WriteTextFileAtomic(base.moe_layer_config,
+                      R"({"residual_moe": true, "shared_expert_hidden": 16})");
+  const moe::LayerConfig layer = MoeLayerConfig(base);
+  ASSERT_TRUE(layer.residual_moe);
+  ASSERT_EQ(layer.shared_expert_hidden, 16);
+  const int kSteps = 3;
+  const StepLosses want = SingleRank(base, kSteps);
+  ASSERT_TRUE(want.model.contains("blocks.1.moe.residual_mlp.fc1.weight"));
+  ASSERT_TRUE(want.model.contains("blocks.1.moe.shared_experts.fc1.weight"));
+  ASSERT_TRUE(want.model.contains("blocks.1.moe.coefficient.weight"));
+  struct Layout {
+    int ranks, ep, zero;
+    const char* dispatch;
+  };
+  for (const Layout& l :
+       {Layout{2, 0, 0, "alltoall"}, Layout{4, 2, 1, "alltoallv"}, Layout{4, 0, 3, "allgather"}}) {
+    TrainConfig c = base;
+    c.ranks = l.ranks;
+    c.ep = l.ep;
+    c.zero_stage = l.zero;
+    c.dispatch = l.dispatch;
+    ExpectSameRun(want, OnRanks(c, kSteps),
+                  fmt::format("ranks {} ep {} zero {} {}", l.ranks, l.ep, l.zero, l.dispatch));
+  }
+}
+
+// PR-MoE's pyramid: experts_per_block gives each MoE block its own number of experts. The model
+// holds them with those shapes, and on 2 ranks (ep 2: every count a multiple of ep, so the
+// blocks share one set of process groups) training equals the one-rank run.
+TEST_F(DistributedTest, PyramidExpertCountsPerBlock) {
+  TrainConfig base = TinyMoeConfig(dir_);
+  base.model.num_layers = 4;  // MoE blocks 1 and 3
+  base.experts_per_block = {2, 4};
+  ValidateTrainConfig(base);
+  EXPECT_EQ(BlockExperts(base, 1), 2);
+  EXPECT_EQ(BlockExperts(base, 3), 4);
+  const int kSteps = 2;
+  const StepLosses want = SingleRank(base, kSteps);
+  ASSERT_TRUE(want.model.contains("blocks.1.moe.experts.fc1.weight"));
+  EXPECT_EQ(want.model.at("blocks.1.moe.experts.fc1.weight").size(0), 2);
+  EXPECT_EQ(want.model.at("blocks.3.moe.experts.fc1.weight").size(0), 4);
+  EXPECT_EQ(want.model.at("blocks.3.moe.gate.weight").size(0), 4);
+  EXPECT_EQ(want.expert_load[0].size(), 2u);  // block 1's loads
+  TrainConfig c = base;
+  c.ranks = 2;
+  ExpectSameRun(want, OnRanks(c, kSteps), "pyramid on 2 ranks");
+
+  // Blocks whose experts would split over the ep ranks differently cannot share the groups.
+  c.ranks = 4;
+  try {
+    TrainParallelOptions(c, 4);
+    ADD_FAILURE() << "experts_per_block [2, 4] on ep 4 was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'experts_per_block' [2, 4] with 'ep' 4"),
+              std::string::npos)
+        << e.what();
+  }
+  // One count per MoE block.
+  TrainConfig wrong = base;
+  wrong.experts_per_block = {2, 4, 8};
+  try {
+    ValidateTrainConfig(wrong);
+    ADD_FAILURE() << "three counts for two MoE blocks were accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'experts_per_block' has 3 entries, expected one per MoE "
+                                         "block: 2"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(DistributedTest, ZeroShardsTheOptimizerState) {
   TrainConfig c = TinyMoeConfig(dir_);
   c.ranks = 4;

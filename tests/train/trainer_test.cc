@@ -93,9 +93,29 @@ TEST(TrainConfigTest, JsonRoundTripAndErrors) {
   EXPECT_EQ(s.data, "/some/file.txt");
   EXPECT_DOUBLE_EQ(s.lr, 1e-3);
   EXPECT_THROW(SetTrainConfigValue(s, "steps", "many"), InvalidArgument);
-  EXPECT_EQ(TrainConfigKeys().size(), 46u);
+  EXPECT_EQ(TrainConfigKeys().size(), 47u);  // experts_per_block is the 47th
   s.batch_size = 0;
   EXPECT_THROW(ValidateTrainConfig(s), InvalidArgument);
+}
+
+TEST(TrainConfigTest, ExpertsPerBlockIsAListOfCounts) {
+  TrainConfig c = TrainConfigFromJson(R"({"experts_per_block": [4, 8]})");
+  EXPECT_EQ(c.experts_per_block, (std::vector<int64_t>{4, 8}));
+  EXPECT_EQ(TrainConfigFromJson(TrainConfigToJson(c)).experts_per_block, c.experts_per_block);
+  SetTrainConfigValue(c, "experts_per_block", "2,16,4");  // the command line's spelling
+  EXPECT_EQ(c.experts_per_block, (std::vector<int64_t>{2, 16, 4}));
+  SetTrainConfigValue(c, "experts_per_block", "[8]");
+  EXPECT_EQ(c.experts_per_block, (std::vector<int64_t>{8}));
+  for (const char* bad : {"4,,8", "4,x", "0,4", "-2", "4.5"}) {
+    try {
+      SetTrainConfigValue(c, "experts_per_block", bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("'experts_per_block': expected a list of integers"),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 TEST(TrainerTest, LearnsBelowTheUnigramEntropy) {

@@ -1,4 +1,4 @@
-// Options of one MoE layer (SPEC.md §1). Keys of layer.json are the field names below.
+// Options of one MoE layer (docs/moe.md). Keys of layer.json are the field names below.
 // Defaults follow Tutel; `preset` = "deepspeed" switches every convention to DeepSpeed's at once
 // (see PresetConfig). docs/moe.md lists every key with its meaning.
 #pragma once
@@ -24,7 +24,7 @@ enum class NoiseKind : uint8_t {
   kGumbelSecond  // choices 2..k = top-(k-1) of (logits + Gumbel) with the 1st masked out
 };
 enum class CapacityFormula : uint8_t {
-  kTutel,     // C = k * floor(cf * ceil(T / E)) (cf > 0); see SPEC §1.2 for cf <= 0
+  kTutel,     // C = k * floor(cf * ceil(T / E)) (cf > 0); cf <= 0: docs/moe.md
   kDeepSpeed  // C = ceil(T / E * cf * k) in float32, then min_capacity
 };
 enum class DropPolicy : uint8_t {
@@ -86,7 +86,7 @@ struct LayerConfig {
   float aux_loss_coef = 0.01f;
   float z_loss_coef = 0.0f;
 
-  // ---- variants (SPEC §1.5) ----
+  // ---- variants (docs/moe.md; moe/variants.h) ----
   bool residual_moe = false;         // PR-MoE: out = moe * c0 + mlp * c1
   int64_t shared_expert_hidden = 0;  // > 0: DeepSeek shared expert MLP of that hidden size
 
@@ -96,7 +96,7 @@ struct LayerConfig {
   std::string preset = "tutel";  // "tutel" | "deepspeed"
 };
 
-// k actually used: min(top_k, num_experts) (k > E is clamped, as SPEC §1.1 says).
+// k actually used: min(top_k, num_experts) (k > E is clamped to E).
 inline int64_t EffectiveTopK(const LayerConfig& config) {
   return config.top_k < config.num_experts ? config.top_k : config.num_experts;
 }
@@ -105,7 +105,7 @@ inline int64_t EffectiveTopK(const LayerConfig& config) {
 // expected (e.g. "top_k: expected >= 1, got 0").
 void ValidateConfig(const LayerConfig& config);
 
-// The defaults of a preset for a given top_k (DeepSpeed's conventions depend on k, SPEC §1.2):
+// The defaults of a preset for a given top_k (DeepSpeed's conventions depend on k):
 //   "tutel":     the LayerConfig defaults above.
 //   "deepspeed": capacity_formula deepspeed, min_capacity 4, renormalize_after_drop;
 //                k = 1: drop_policy random (DeepSpeed's random token selection);

@@ -1,4 +1,4 @@
-// The MoE layer on one rank: gate -> plan -> dispatch -> experts -> combine (SPEC §1), and its
+// The MoE layer on one rank: gate -> plan -> dispatch -> experts -> combine (docs/moe.md), and its
 // backward, which reuses the plan. Each step is also callable on its own (gate.h, plan.h,
 // dispatch.h, experts.h, losses.h) so that expert parallelism can insert all-to-alls between
 // dispatch and the experts.

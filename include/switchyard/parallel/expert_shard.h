@@ -10,7 +10,7 @@
 //   fc2_bias   [E_l, Mc]      columns i * Mc .. of each expert's fc2 bias, Mc = ceil(M / n), zero
 //                             padded past M (Tutel's ZeRO-sharded fc2 bias)
 // With n = 1 this is simply the rank's E_l experts. The same shard serves every adaptive r
-// (SPEC §2.3), so r can change between steps without moving parameters.
+// (docs/parallel.md), so r can change between steps without moving parameters.
 #pragma once
 
 #include <cstdint>

@@ -1,38 +1,41 @@
-// The MoE layer across ranks (SPEC §2): expert parallelism in the layouts of DeepSpeed-MoE, Tutel,
-// FastMoE/MegaBlocks and Megatron-Core, with forward and backward mirroring moe::MoeLayer.
+// The MoE layer across ranks: expert parallelism in the layouts of DeepSpeed-MoE, Tutel,
+// FastMoE/MegaBlocks and Megatron-Core, with forward and backward mirroring moe::MoeLayer
+// (docs/parallel.md).
 //
 // Each rank holds its own tokens x [T_rank, M], the gate (replicated) and its shard of the experts
-// (expert_shard.h). A step:
-//   gate on own tokens -> plan (capacity, slots, drops) -> dispatch into the expert buffer
-//   -> tokens to the ranks holding their experts -> experts -> outputs back -> combine
-// with the dispatcher chosen by ParallelOptions::dispatch:
-//   kAllToAll   fixed capacity (Tutel, DeepSpeed): the buffer [E, C, M] viewed as [P, E_l, C, M]
-//               goes through one all-to-all; the receiver computes its experts on [E_l, P * C, M]
-//               (padding skipped: per-expert fill counts travel in a small all-to-all first);
-//               the return trip is the reverse. Optionally hierarchical (2DH, SPEC §2.4).
-//   kAllToAllV  variable size (FastMoE, MegaBlocks, Megatron): counts first, then an all-to-all-v
-//               of exactly the kept rows.
-//   kAllGather  Megatron's allgather dispatcher: tokens and routing are all-gathered over the
-//               expert group, every rank runs its experts on the rows routed to them, and a
-//               reduce-scatter returns the combined partial outputs.
-// Every rank joins every collective, also with zero tokens.
+// (expert_shard.h). The layer uses the run's shared process groups (process_groups.h; build them
+// once with MakeLayerGroups) and splits no communicator of its own. A step reads
+//   gate -> route -> dispatcher -> experts -> combine
+//   gate        moe::GateForward on the rank's own tokens (noise and random routing only in a
+//               training call, ParallelForwardOptions::training)
+//   route       capacity, slot order and drops (batch scope below), then the plan of the rank's
+//               kept rows in the buffer layout its dispatcher asks for
+//   dispatcher  moves the kept rows to the ranks holding their experts, runs the experts there and
+//               brings the outputs back; the combine weights the plan's outputs into y [T, M]
+// Backward runs the same dispatcher backwards through the step's handle, then the gate.
 //
-// Overlap and scheduling (SPEC §4, docs/overlap.md), for the two all-to-all dispatchers, forward
-// and backward, each giving the same results as the plain path:
-//   overlap_degree D  Tutel's a2a-FFN overlap: the transfer to and from the experts is cut into D
-//                     chunks; while the experts compute chunk i, chunk i + 1 travels to them and
-//                     chunk i - 1 travels back (the comm layer's collectives run on its progress
-//                     thread while this thread computes).
-//   smart_group g     FasterMoE's smart schedule: pair-wise exchange in P / g groups of g ranks of
-//                     the expert group, step s sending to group (own + s) and receiving from group
-//                     (own - s), pipelined as above (S -> C -> R the only dependencies).
-//   shadow            FasterMoE's shadow experts: a cost model (schedule.h) picks hot experts whose
-//                     parameters are broadcast; every rank computes its own rows of them and their
-//                     gradients are reduced back to the owner. Unsharded experts only (n = 1).
-// A Tracer (trace.h) set with set_tracer records gate, encode, each chunk's send / experts /
-// return, decode and every collective with its bytes.
+// Dispatchers (private, src/parallel/dispatcher.h): one interface, each owning its state.
+//   exchange    ParallelOptions::dispatch kAllToAll (fixed capacity, Tutel/DeepSpeed: the buffer
+//               [E, C, M] is [P, E_l, C, M] on the wire, optionally the 2DH all-to-all) or
+//               kAllToAllV (FastMoE/MegaBlocks/Megatron: counts, then exactly the kept rows).
+//               Pipelined when asked, with the same results as the plain path:
+//                 overlap_degree D  Tutel's a2a-FFN overlap: the transfer is cut into D chunks;
+//                                   while the experts compute chunk i, chunk i + 1 travels to them
+//                                   and chunk i - 1 travels back.
+//                 smart_group g     FasterMoE's smart schedule: pair-wise exchange between groups
+//                                   of g ranks of the expert group, pipelined as above.
+//                 shadow            FasterMoE's shadow experts: hot experts' parameters are
+//                                   broadcast and every rank computes its own rows of them; their
+//                                   gradients are reduced back to the owner (unsharded experts).
+//   allgather   kAllGather, Megatron's allgather dispatcher: tokens and routing all-gathered over
+//               the expert group, partial outputs reduce-scattered back.
+//   local       the steps with Tutel's adaptive r = 0: every rank gathers the weights of all
+//               experts and computes its own rows (no token exchange).
+// Every rank joins every collective, also with zero tokens. A Tracer (trace.h) set with set_tracer
+// records gate, encode, each chunk's send / experts / return, decode and every collective with its
+// bytes.
 //
-// Batch scope (where SPEC/issue leave the choice, docs/parallel.md):
+// Batch scope (docs/parallel.md, "Batch scope"):
 //   kGlobal   capacity, slot order, drops and the losses are those of the global batch (the
 //             concatenation of the ranks' tokens in token-shard order): outputs, l_aux and
 //             gradients equal moe::MoeLayer on the whole batch (up to float summation order).
@@ -45,8 +48,8 @@
 // which every rank holds the gradient of the whole batch's objective (kSum), as moe::MoeLayer on
 // the whole batch would report it for the rank's parameters.
 //
-// Thread-safety: one ParallelMoeLayer per rank; its calls are collective over the rank's groups
-// and must be made in the same order on every rank.
+// Thread-safety: one ParallelMoeLayer per rank thread (several layers may share its groups); its
+// calls are collective over the rank's groups and must be made in the same order on every rank.
 #pragma once
 
 #include <cstdint>
@@ -69,6 +72,10 @@
 
 namespace switchyard::parallel {
 
+namespace internal {
+class Dispatcher;  // src/parallel/dispatcher.h
+}  // namespace internal
+
 enum class DispatchKind : uint8_t { kAllToAll, kAllToAllV, kAllGather };
 // "alltoall", "alltoallv", "allgather".
 std::string_view DispatchKindName(DispatchKind kind);
@@ -79,9 +86,10 @@ enum class BatchScope : uint8_t { kGlobal, kPerRank };
 std::string_view BatchScopeName(BatchScope scope);
 BatchScope BatchScopeFromName(std::string_view name);
 
-// Adaptive r (SPEC §2.3): 0 (ZeRO-style DP of the experts) or a divisor of the H-shards n.
+// Tutel's adaptive r (docs/parallel.md): 0 (ZeRO-style DP of the experts) or a divisor of the
+// H-shards n.
 inline constexpr int kAdaptiveRDefault = -1;  // Megatron: r = n (EP+MP); otherwise r = 1
-inline constexpr int kAdaptiveRAuto = -2;     // the cheapest by SPEC §2.3's volume formula
+inline constexpr int kAdaptiveRAuto = -2;     // the cheapest by PredictedVolume
 // "auto", "default" or an integer >= 0.
 int AdaptiveRFromString(std::string_view text);
 
@@ -110,7 +118,7 @@ struct ParallelOptions {
   CostModel cost_model;
 };
 
-// SPEC §2.3's communication volume per step (elements), for r = 0 (2 P) and r >= 1
+// Tutel's communication volume per step (elements), for r = 0 (2 P) and r >= 1
 // (4 C_g r + 2 P / (E r)), with C_g the capacity volume E * C * M of one rank and P the expert
 // parameter count of the layer.
 double PredictedVolume(int r, double capacity_volume, double expert_params, int64_t num_experts);
@@ -135,7 +143,7 @@ struct ParallelOutput {
   // ones; expert_loads / expert_counts / dropped count this rank's (token, choice) pairs.
   moe::LayerOutput layer;
   int adaptive_r = 1;             // r used
-  double predicted_volume = 0;    // SPEC §2.3 formula for that r (elements per step)
+  double predicted_volume = 0;    // PredictedVolume for that r (elements per step)
   int64_t buffer_capacity = 0;    // rows per expert per source on the wire (kAllToAll)
   int overlap_degree = 1;         // D used
   int smart_group = 0;            // g used (0: no smart schedule)
@@ -182,7 +190,7 @@ class ParallelMoeLayer {
   void set_tracer(Tracer* tracer) { tracer_ = tracer; }
   Tracer* tracer() const { return tracer_; }
   // The cost model the schedules use (measured fields filled after first use).
-  const CostModel& cost_model() const { return cost_; }
+  const CostModel& cost_model() const;
 
   // This rank's parameters out of the full ones: gate (shared storage) and its expert shard.
   moe::LayerParams ShardParams(const moe::LayerParams& full) const;
@@ -215,20 +223,11 @@ class ParallelMoeLayer {
   std::shared_ptr<ProcessGroups> groups_;
   Mesh mesh_;
   RankCoords coords_;
-  // Resolves the cost model (measuring what is missing, once). Collective over the expert group.
-  const CostModel& ResolvedCostModel(int threads);
-  // The smart-schedule group size of this step (auto: from the cost model). Collective when auto.
-  int ResolveSmartGroup(const moe::DispatchPlan& plan, int threads, CommStats* stats);
-  // The experts to shadow in this step (auto: the cost model on every rank's counts).
-  // Collective when auto.
-  std::vector<int64_t> ChooseShadows(const moe::DispatchPlan& plan, int r, int threads,
-                                     CommStats* stats);
-
   ShardSpec spec_;
   bool dedup_ = false;  // TP de-duplication active
   Tracer* tracer_ = nullptr;
-  CostModel cost_;
-  bool cost_resolved_ = false;
+  std::unique_ptr<internal::Dispatcher> dispatcher_;  // the options' dispatcher
+  std::unique_ptr<internal::Dispatcher> local_;       // steps with adaptive r = 0
 };
 
 }  // namespace switchyard::parallel

@@ -1,7 +1,7 @@
-// The cost models behind the overlap and scheduling choices of the parallel MoE layer (SPEC §4):
-// FasterMoE's smart-schedule group size and its shadow-expert policy. Pure arithmetic on a link
-// model (alpha-beta) and a GEMM rate, so every rank that feeds in the same numbers makes the same
-// choice (the layer agrees on the numbers first).
+// The cost models behind the overlap and scheduling choices of the parallel MoE layer
+// (docs/overlap.md): FasterMoE's smart-schedule group size and its shadow-expert policy. Pure
+// arithmetic on a link model (alpha-beta) and a GEMM rate, so every rank that feeds in the same
+// numbers makes the same choice (the layer agrees on the numbers first).
 #pragma once
 
 #include <cstdint>

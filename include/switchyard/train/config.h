@@ -20,6 +20,10 @@ struct TrainConfig {
 
   // MoE blocks (model.moe_every > 0), built by the MoE FFN factory.
   int64_t num_experts = 4;
+  // PR-MoE's pyramid (DeepSpeed): the experts of each MoE block in block order, e.g. [4, 8];
+  // empty: num_experts in every MoE block. One count per MoE block (num_layers / moe_every).
+  // As a flag: --experts_per_block 4,8.
+  std::vector<int64_t> experts_per_block;
   int64_t top_k = 2;
   double capacity_factor = 1.25;
   int64_t expert_hidden_dim = 0;  // 0: model.hidden_dim
@@ -84,6 +88,13 @@ void ValidateTrainConfig(const TrainConfig& config);
 // hidden_dim, num_experts, top_k, capacity_factor, coefficients, activation, seed), on top of
 // moe_layer_config's file when given. Throws InvalidArgument / IoError.
 moe::LayerConfig MoeLayerConfig(const TrainConfig& config);
+// The number of MoE blocks of the model (num_layers / moe_every; 0 for a dense model).
+int64_t NumMoeBlocks(const ModelConfig& model);
+// The experts of the MoE block at transformer block `block` (experts_per_block's entry for it,
+// else num_experts).
+int64_t BlockExperts(const TrainConfig& config, int64_t block);
+// MoeLayerConfig with that block's number of experts.
+moe::LayerConfig MoeBlockLayerConfig(const TrainConfig& config, int64_t block);
 
 // Where a run's configuration comes from, lowest precedence first: the command's defaults, the
 // checkpoint being resumed (every key but the layout and `out`), the --config file, the flags;

@@ -131,6 +131,7 @@ class DistributedHooks : public TrainHooks {
   // full tensors, for the names "<prefix>experts.<t><suffix>" of every MoE block in `map`.
   void GatherExperts(TensorMap& map, const std::string& suffix);
   void SliceExperts(TensorMap& map, const std::string& suffix) const;
+  parallel::Mesh BlockMesh(const MoeBlock& block) const;
 
   std::shared_ptr<parallel::ProcessGroups> groups_;
   comm::Communicator& world_;

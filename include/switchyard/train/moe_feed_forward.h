@@ -1,4 +1,4 @@
-// The MoE layer (moe::MoeLayer, SPEC §1) as the FFN of a transformer block.
+// The MoE layer (moe::MoeLayer, docs/moe.md) as the FFN of a transformer block.
 //
 // Parameters are moe::ParamShapes' tensors under the block's prefix ("blocks.3.moe." +
 // "gate.weight", "experts.fc1.weight" [E, H, M], ...), sharing storage with the layer's
@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 
@@ -48,5 +49,9 @@ class MoeFeedForward : public FeedForward {
 
 // Builds MoeFeedForward FFNs from `config` (model_dim etc. as given; seed keys routing draws).
 FeedForwardFactory MoeFeedForwardFactory(const moe::LayerConfig& config);
+// Builds the MoE FFN of transformer block `block` from config_of_block(block) (per-block expert
+// counts, PR-MoE's pyramid).
+FeedForwardFactory MoeFeedForwardFactory(
+    std::function<moe::LayerConfig(int64_t block)> config_of_block);
 
 }  // namespace switchyard::train
