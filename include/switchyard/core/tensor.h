@@ -62,8 +62,8 @@ class Tensor {
   // fit in int64, null data with elements, misaligned data or an unknown dtype.
   static Tensor FromBlob(void* data, Shape shape, DType dtype = DType::kFloat32);
   // As above, but the tensor takes over the memory: `deleter(data)` runs exactly once, when the
-  // last handle to it is destroyed (at once if the shape has no elements). If FromBlob throws
-  // InvalidArgument, the deleter is not called and the caller still owns `data`.
+  // last handle to it is destroyed (at once if the shape has no elements and data is not null).
+  // If FromBlob throws InvalidArgument, the deleter is not called and the caller still owns `data`.
   static Tensor FromBlob(void* data, Shape shape, DType dtype, std::function<void(void*)> deleter);
 
   bool defined() const { return storage_ != nullptr || defined_empty_; }
