@@ -2,6 +2,9 @@
 # sy_add_layer(NAME SOURCES... DEPENDS lower_layer) creates the static library sy_<NAME>.
 # A layer links only the layer directly below it (and so, transitively, all lower ones);
 # tests/check_layering.cmake rejects any #include of a higher layer's header.
+# Each layer is also installed (cmake/SwitchyardInstall.cmake): as switchyard::<NAME> for users of
+# the installed package, and under the same alias name inside this build.
+include(GNUInstallDirs)
 set(SY_LAYER_ORDER core kernels comm moe parallel train cli CACHE INTERNAL "")
 
 function(sy_add_layer name)
@@ -17,13 +20,24 @@ function(sy_add_layer name)
     endif()
   endforeach()
   add_library(sy_${name} STATIC ${ARG_SOURCES})
-  target_include_directories(sy_${name} PUBLIC ${PROJECT_SOURCE_DIR}/include
+  add_library(switchyard::${name} ALIAS sy_${name})
+  set_target_properties(sy_${name} PROPERTIES EXPORT_NAME ${name} OUTPUT_NAME switchyard_${name})
+  target_include_directories(sy_${name} PUBLIC $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
                                          PRIVATE ${PROJECT_SOURCE_DIR}/src)
-  target_link_libraries(sy_${name} PUBLIC sy_options)
+  # This build's warning flags are not imposed on users of the installed package; sanitizer
+  # runtimes are, since objects built with them do not link without.
+  target_link_libraries(sy_${name} PUBLIC $<BUILD_INTERFACE:sy_options>)
+  if(SY_SANITIZE)
+    target_link_options(sy_${name} INTERFACE $<INSTALL_INTERFACE:-fsanitize=${SY_SANITIZE}>)
+  endif()
   foreach(dep IN LISTS ARG_DEPENDS)
     target_link_libraries(sy_${name} PUBLIC sy_${dep})
   endforeach()
   if(ARG_PRIVATE_LIBS)
     target_link_libraries(sy_${name} PRIVATE ${ARG_PRIVATE_LIBS})
   endif()
+  install(TARGETS sy_${name} EXPORT switchyardTargets
+          ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+          INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  set_property(GLOBAL APPEND PROPERTY SY_LIBRARY_LAYERS ${name})
 endfunction()

@@ -20,11 +20,22 @@ std::shared_ptr<std::byte[]> Allocate(size_t bytes) {
   return std::shared_ptr<std::byte[]>(p, [](std::byte* q) { ::operator delete[](q, kAlignment); });
 }
 
-void CheckShapeValid(std::span<const int64_t> shape) {
-  for (int64_t d : shape) {
-    SY_REQUIRE(d >= 0, InvalidArgument, "invalid shape {}: dimensions must be >= 0",
-               ShapeToString(shape));
+// Element count of a shape from input, and its bytes fit in int64 (and so in size_t).
+int64_t CheckShapeValid(std::span<const int64_t> shape, DType dtype) {
+  int64_t n = CheckedNumElements(shape, "shape");
+  CheckedMul(n, static_cast<int64_t>(DTypeSize(dtype)),
+             fmt::format("shape {}: bytes of {} elements", ShapeToString(shape), DTypeName(dtype)));
+  return n;
+}
+
+bool IsKnownDType(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kBFloat16:
+    case DType::kInt32:
+    case DType::kInt64: return true;
   }
+  return false;
 }
 
 template <typename T>
@@ -81,10 +92,21 @@ int64_t NumElements(std::span<const int64_t> shape) {
   return n;
 }
 
+int64_t CheckedNumElements(std::span<const int64_t> shape, std::string_view what) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    SY_REQUIRE(d >= 0, InvalidArgument, "{}: invalid shape {}: dimensions must be >= 0", what,
+               ShapeToString(shape));
+    SY_REQUIRE(!__builtin_mul_overflow(n, d, &n), InvalidArgument,
+               "{}: shape {} has more elements than a 64-bit integer holds", what,
+               ShapeToString(shape));
+  }
+  return n;
+}
+
 Tensor Tensor::Empty(Shape shape, DType dtype) {
-  CheckShapeValid(shape);
   Tensor t;
-  t.numel_ = NumElements(shape);
+  t.numel_ = CheckShapeValid(shape, dtype);
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
   t.storage_ = Allocate(t.nbytes());
@@ -106,7 +128,7 @@ Tensor Tensor::Full(Shape shape, double value, DType dtype) {
 
 template <typename T>
 Tensor Tensor::FromVector(const std::vector<T>& values, Shape shape) {
-  CheckShapeValid(shape);
+  CheckShapeValid(shape, DTypeOf<T>::kValue);
   SY_REQUIRE(static_cast<int64_t>(values.size()) == NumElements(shape), InvalidArgument,
              "FromVector: {} values do not fill shape {} ({} elements)", values.size(),
              ShapeToString(shape), NumElements(shape));
@@ -118,6 +140,37 @@ template Tensor Tensor::FromVector<float>(const std::vector<float>&, Shape);
 template Tensor Tensor::FromVector<BFloat16>(const std::vector<BFloat16>&, Shape);
 template Tensor Tensor::FromVector<int32_t>(const std::vector<int32_t>&, Shape);
 template Tensor Tensor::FromVector<int64_t>(const std::vector<int64_t>&, Shape);
+
+Tensor Tensor::FromBlob(void* data, Shape shape, DType dtype) {
+  return FromBlob(data, std::move(shape), dtype, nullptr);
+}
+
+Tensor Tensor::FromBlob(void* data, Shape shape, DType dtype, std::function<void(void*)> deleter) {
+  SY_REQUIRE(IsKnownDType(dtype), InvalidArgument,
+             "FromBlob: unknown dtype {} (expected float32, bfloat16, int32 or int64)",
+             static_cast<int>(dtype));
+  Tensor t;
+  t.numel_ = CheckShapeValid(shape, dtype);
+  SY_REQUIRE(data != nullptr || t.numel_ == 0, InvalidArgument,
+             "FromBlob: data is null but shape {} has {} elements", ShapeToString(shape), t.numel_);
+  SY_REQUIRE(reinterpret_cast<uintptr_t>(data) % DTypeSize(dtype) == 0, InvalidArgument,
+             "FromBlob: data {} is not aligned to {} bytes, the size of a {} element", data,
+             DTypeSize(dtype), DTypeName(dtype));
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  auto* bytes = static_cast<std::byte*>(data);
+  if (t.numel_ == 0) {
+    t.defined_empty_ = true;
+    if (deleter && data) deleter(data);
+  } else if (deleter) {
+    t.storage_ = std::shared_ptr<std::byte[]>(
+        bytes, [release = std::move(deleter)](std::byte* p) { release(p); });
+  } else {
+    // The aliasing constructor with an empty owner: points at data, owns nothing, counts nothing.
+    t.storage_ = std::shared_ptr<std::byte[]>(std::shared_ptr<std::byte[]>(), bytes);
+  }
+  return t;
+}
 
 int64_t Tensor::size(int64_t d) const {
   int64_t n = dim();
@@ -156,7 +209,7 @@ Tensor Tensor::Reshape(Shape shape) const {
       infer = static_cast<int>(i);
     } else {
       SY_REQUIRE(shape[i] >= 0, InvalidArgument, "Reshape: invalid shape {}", ShapeToString(shape));
-      known *= shape[i];
+      known = CheckedMul(known, shape[i], fmt::format("Reshape {}", ShapeToString(shape)));
     }
   }
   if (infer >= 0) {

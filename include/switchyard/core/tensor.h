@@ -1,15 +1,18 @@
-// Tensor: an owning, contiguous, row-major n-dimensional array.
+// Tensor: a contiguous, row-major n-dimensional array.
 //
 // A Tensor is a handle to reference-counted storage (like torch.Tensor): copying the handle shares
 // the data, and constness of the handle does not protect the elements. Slice() returns a view of
 // rows [begin, end) along dim 0 that shares storage without copying; since tensors are contiguous
-// and row-major, every slice along dim 0 is contiguous too. Storage is 64-byte aligned.
+// and row-major, every slice along dim 0 is contiguous too. Storage that switchyard allocates
+// (Empty, Zeros, Full, FromVector, Clone, To) is 64-byte aligned; FromBlob wraps memory the caller
+// owns instead, without copying it (see there and docs/library.md).
 //
 // Thread-safety: distinct handles may be used from different threads; writing the same elements
 // from two threads at once is a data race, as with raw arrays.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <span>
@@ -26,8 +29,12 @@ using Shape = std::vector<int64_t>;
 
 // "[2, 3]"
 std::string ShapeToString(std::span<const int64_t> shape);
-// Product of the dimensions (1 for a scalar shape []).
+// Product of the dimensions (1 for a scalar shape []). No overflow check: for a shape from
+// input, use CheckedNumElements.
 int64_t NumElements(std::span<const int64_t> shape);
+// As NumElements, but throws InvalidArgument naming `what` and the shape if a dimension is
+// negative or the product overflows int64.
+int64_t CheckedNumElements(std::span<const int64_t> shape, std::string_view what);
 
 class Tensor {
  public:
@@ -42,6 +49,22 @@ class Tensor {
   // Copies values; values.size() must equal the shape's element count.
   template <typename T>
   static Tensor FromVector(const std::vector<T>& values, Shape shape);
+
+  // A tensor over memory the caller owns, without copying it (like torch::from_blob).
+  // `data` holds NumElements(shape) elements of `dtype`, contiguous and row-major, and is aligned
+  // to DTypeSize(dtype) (no further alignment is needed). Writes through the tensor, its copies,
+  // slices and reshapes land in the caller's buffer, and the caller's writes are seen by them.
+  // Lifetime: switchyard never frees `data`; the caller keeps it alive, and does not reuse it,
+  // for as long as any handle to it exists (including copies a layer keeps, e.g. in
+  // LayerOutput::state; Clone() makes an owned copy). `data` may be null only when the shape has
+  // no elements; an empty result has raw() == nullptr, like Empty({0}).
+  // Throws InvalidArgument for a negative dimension, an element count or byte size that does not
+  // fit in int64, null data with elements, misaligned data or an unknown dtype.
+  static Tensor FromBlob(void* data, Shape shape, DType dtype = DType::kFloat32);
+  // As above, but the tensor takes over the memory: `deleter(data)` runs exactly once, when the
+  // last handle to it is destroyed (at once if the shape has no elements and data is not null).
+  // If FromBlob throws InvalidArgument, the deleter is not called and the caller still owns `data`.
+  static Tensor FromBlob(void* data, Shape shape, DType dtype, std::function<void(void*)> deleter);
 
   bool defined() const { return storage_ != nullptr || defined_empty_; }
   DType dtype() const { return dtype_; }
