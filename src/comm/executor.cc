@@ -5,12 +5,14 @@
 
 namespace switchyard::comm {
 
-Executor::Executor() : thread_([this] { Loop(); }) {}
+Executor::Executor(bool synchronous) : synchronous_(synchronous) {}
 
 Executor::~Executor() { Shutdown(); }
 
 void Executor::Submit(const std::shared_ptr<detail::WorkState>& state,
                       std::shared_ptr<Executor> self) {
+  std::unique_lock<std::mutex> sync_lock(sync_mu_, std::defer_lock);
+  if (synchronous_) sync_lock.lock();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) {
@@ -22,8 +24,15 @@ void Executor::Submit(const std::shared_ptr<detail::WorkState>& state,
       return;
     }
     state->seq = next_seq_++;
-    state->executor = std::move(self);
-    queue_.push_back(state);
+    if (!synchronous_) {
+      state->executor = std::move(self);
+      queue_.push_back(state);
+      if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
+    }
+  }
+  if (synchronous_) {
+    Run(*state);
+    return;
   }
   cv_.notify_all();
 }
@@ -111,6 +120,9 @@ void Executor::Loop() {
 
 void Executor::Shutdown() {
   std::deque<std::shared_ptr<detail::WorkState>> abandoned;
+  // Synchronous: wait for the collective Submit may be running.
+  std::unique_lock<std::mutex> sync_lock(sync_mu_, std::defer_lock);
+  if (synchronous_) sync_lock.lock();
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (stop_ && !thread_.joinable()) return;

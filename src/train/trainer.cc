@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
@@ -86,12 +85,6 @@ void RequireTrainingMemory(const TrainConfig& c, int ranks_in_process) {
                                    c.model.num_layers));
 }
 
-bool KeepFreedMemoryForTraining() {
-  bool ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;
-  ok = mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1 && ok;
-  return ok;
-}
-
 // ---- Trainer ----
 
 Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks* hooks)
@@ -104,9 +97,8 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
   threads_ =
       c.threads > 0 ? c.threads : ComputeThreadsPerRank(hooks_->ranks_in_process(), UsableCores());
   // The train layer runs its GEMMs split over its own blocking worker pool with single-threaded
-  // BLAS calls (src/train/parallel_for.h says why); with ranks as threads the runtime has set
-  // one BLAS thread already.
-  if (hooks_->ranks_in_process() == 1) kernels::SetBlasThreads(1);
+  // BLAS calls (src/train/parallel_for.h says why): the program sets one BLAS thread
+  // (kernels::SetBlasThreads(1)) before training.
 
   // Everything the run will need is checked here, before the first step: the sizes and memory,
   // the data and its held-out split, the MoE layer's options, text generation.
