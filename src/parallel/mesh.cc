@@ -418,7 +418,7 @@ std::string Mesh::Describe() const {
       expert_group_size_, data_shards());
   for (GroupKind kind : DescribedKinds()) {
     std::vector<std::vector<int>> groups = Groups(kind);
-    out += fmt::format("{:<6} {} x {}  {}:", GroupKindName(kind), groups.size(),
+    out += fmt::format("{:<9} {} x {}  {}:", GroupKindName(kind), groups.size(),
                        groups.empty() ? 0 : groups[0].size(), KindTitle(kind, config_.arrangement));
     for (const auto& g : groups) out += " " + Join(g);
     out += "\n";

@@ -106,7 +106,7 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
              "config: byte-level data needs vocab_size >= 256, got {}", c.model.vocab_size);
   SY_REQUIRE(c.sample_tokens == 0 || c.model.vocab_size == 256, InvalidArgument,
              "config: 'sample_tokens' {} generates bytes, which needs vocab_size 256, got {}: "
-             "pass --sample_tokens 0 to train without the final sample",
+             "set 'sample_tokens' to 0 to train without the final sample",
              c.sample_tokens, c.model.vocab_size);
   SY_REQUIRE(c.eval_tokens == 0 || c.eval_tokens >= c.model.seq_len, InvalidArgument,
              "config: 'eval_tokens' {} is less than one evaluation window of seq_len {} tokens "
@@ -215,7 +215,7 @@ StepMetrics Trainer::Step() {
   if (!finite && c.nonfinite == "stop") {
     throw NonFiniteError(fmt::format(
         "step {}: the loss is non-finite (loss {}, grad_norm {}); the update was not applied: "
-        "lower --lr, or pass --nonfinite skip to skip such steps",
+        "lower 'lr', or set 'nonfinite' to 'skip' to skip such steps",
         step_ + 1, m.loss, grad_norm));
   }
   if (finite) {
@@ -314,7 +314,7 @@ void Trainer::Restore(const CheckpointData& data) {
     SY_REQUIRE(a.at("bytes") == b.at("bytes") && a.at("fnv1a64") == b.at("fnv1a64"),
                InvalidArgument,
                "resume: the checkpoint was trained on {} ({} bytes, fnv1a64 {}), this run's data "
-               "is {} ({} bytes, fnv1a64 {}): pass --data with the checkpoint's text",
+               "is {} ({} bytes, fnv1a64 {}): set 'data' to the checkpoint's text",
                a.at("files").dump(), a.at("bytes").dump(), a.at("fnv1a64").dump(),
                b.at("files").dump(), b.at("bytes").dump(), b.at("fnv1a64").dump());
   }
@@ -403,13 +403,13 @@ RunSummary Trainer::Run(const RunOptions& options) {
     // metrics and replace its checkpoints.
     if (fs::exists(checkpoints_dir + "/latest", ec)) {
       SY_REQUIRE(resumed, InvalidArgument,
-                 "run directory '{}' already holds a run with checkpoints: pass --resume {} to "
-                 "continue it, or another --out",
+                 "run directory '{}' already holds a run with checkpoints: set 'resume' to {} to "
+                 "continue it, or choose another 'out'",
                  run_dir, run_dir);
       SY_REQUIRE(resumes_own_run, InvalidArgument,
                  "run directory '{}' holds another run with checkpoints, which resuming '{}' there "
-                 "would overwrite: give no --out to continue that checkpoint's own run, or a new "
-                 "--out",
+                 "would overwrite: leave 'out' unset to continue that checkpoint's own run, or "
+                 "choose a new 'out'",
                  run_dir, options.resume);
     }
     if (resumes_own_run) {
@@ -664,7 +664,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
     std::exception_ptr save_error = Capture([&] {
       CheckpointData snap = Snapshot();
       if (writer) {
-        note = fmt::format(" (the last completed step {} was saved to {}: continue with --resume)",
+        note = fmt::format(" (the last completed step {} was saved to {}: continue with 'resume')",
                            step_, SaveCheckpoint(checkpoints_dir, snap, keep, resumed_step));
       }
     });
