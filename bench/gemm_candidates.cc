@@ -1,11 +1,11 @@
-// The GEMM backend candidates of issue 11 side by side on the expert shapes, interleaved in one
-// run: OpenBLAS (cblas_sgemm, whatever core it picked -- set OPENBLAS_CORETYPE to force one),
-// oneDNN (dnnl_sgemm), BLIS (bli_sgemm), libxsmm (libxsmm_sgemm) and switchyard's AVX-512
-// small-GEMM kernels (kernels/small_gemm.h). For each layer config of docs/PERFORMANCE.md it
-// times one expert's six forward/backward products (C rows, model_dim M, hidden_dim H) and prints
-// each candidate's fraction of the FMA peak measured in the same run (best of the repetitions:
-// on a shared machine the best is the least disturbed). Built only when BLIS and libxsmm are
-// installed (libblis-dev, libxsmm-dev); not part of switchyard.
+// The GEMM backend candidates of docs/PERFORMANCE.md ("GEMM backends") side by side on the expert
+// shapes, interleaved in one run: OpenBLAS (cblas_sgemm, whatever core it picked -- set
+// OPENBLAS_CORETYPE to force one), oneDNN (dnnl_sgemm), BLIS (bli_sgemm), libxsmm (libxsmm_sgemm)
+// and switchyard's AVX-512 small-GEMM kernels (kernels/small_gemm.h). For each layer config of
+// docs/PERFORMANCE.md it times one expert's six forward/backward products (C rows, model_dim M,
+// hidden_dim H) and prints each candidate's fraction of the FMA peak measured in the same run (best
+// of the repetitions: on a shared machine the best is the least disturbed). Built only when BLIS
+// and libxsmm are installed (libblis-dev, libxsmm-dev); not part of switchyard.
 //   build/release/bench/gemm_candidates [repeats]
 #include <blis.h>
 #include <cblas.h>

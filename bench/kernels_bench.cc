@@ -86,7 +86,8 @@ void BM_ActivationGelu(benchmark::State& state) {
 BENCHMARK(BM_ActivationGelu)->Arg(1 << 20);
 
 void BM_GroupedGemmVsLoop(benchmark::State& state) {
-  // 64 experts x 32 tokens, M = 256, H = 1024 (config C of the MoE-layer issue).
+  // 64 experts x 32 tokens, M = 256, H = 1024 (config C of docs/PERFORMANCE.md, "MoE layer on one
+  // rank").
   const int64_t groups = 64, m = 32, k = 256, n = 1024;
   auto a = Random(static_cast<size_t>(groups * m * k));
   auto b = Random(static_cast<size_t>(groups * n * k));

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Launch a switchyard program under OpenMPI with the flags this kind of machine needs
-# (docs/MACHINE facts): running as root, more ranks than cores, shared-memory transport, and no
-# core binding (ranks run progress threads and BLAS threads of their own).
+# Launch a switchyard program under OpenMPI with the flags this kind of machine needs (docs/
+# PERFORMANCE.md, "The machine and the limits figures are compared to"): running as root, more
+# ranks than cores, shared-memory transport, and no core binding (ranks run progress threads and
+# BLAS threads of their own).
 #
 #   scripts/mpirun.sh -np 4 build/release/src/cli/switchyard bench comm --transport mpi --op alltoall
 #   scripts/mpirun.sh -np 2 build/release/tests/comm/comm_mpi_test

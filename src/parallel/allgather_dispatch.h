@@ -1,6 +1,7 @@
 // Megatron-Core's allgather token dispatcher over an expert group: every rank all-gathers the
 // tokens and the routing of the group, computes its experts on the rows routed to them, applies
-// the combine weights itself and returns the partial outputs with a reduce-scatter (SPEC §2.2).
+// the combine weights itself and returns the partial outputs with a reduce-scatter
+// (docs/parallel.md, "Dispatchers").
 // No capacity padding on the wire, but every rank receives every token of the group.
 //
 // With Tutel's adaptive r the kept rows of expert e from each source are cut into g = n / r

@@ -1,5 +1,6 @@
-// The expert weights a rank computes with under Tutel's adaptive r (SPEC §2.3), gathered from the
-// shards of expert_shard.h, and the way back for their gradients. Private to src/parallel.
+// The expert weights a rank computes with under Tutel's adaptive r (docs/parallel.md, "Tutel's
+// adaptive r"), gathered from the shards of expert_shard.h, and the way back for their gradients.
+// Private to src/parallel.
 //
 //   r = 0   every rank gathers the full weights of all E experts over its expert group (ZeRO-3
 //           style); gradients are reduce-scattered back to the shards.

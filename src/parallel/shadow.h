@@ -1,8 +1,8 @@
-// FasterMoE's shadow experts in the parallel layer (SPEC §4): the parameters of a few (hot)
-// experts are broadcast from their owners to the whole expert group, every rank computes its own
-// rows of them locally (they are not sent), and their parameter gradients are reduced back to the
-// owner. Requires unsharded experts (n = 1, r = 1: member p of the expert group owns experts
-// [p E_l, (p + 1) E_l)). Private to src/parallel.
+// FasterMoE's shadow experts in the parallel layer (docs/overlap.md, "Shadow experts"): the
+// parameters of a few (hot) experts are broadcast from their owners to the whole expert group,
+// every rank computes its own rows of them locally (they are not sent), and their parameter
+// gradients are reduced back to the owner. Requires unsharded experts (n = 1, r = 1: member p of
+// the expert group owns experts [p E_l, (p + 1) E_l)). Private to src/parallel.
 //
 // The broadcasts and reductions are asynchronous: they travel while the rank computes. Packed
 // per expert as fc1.weight [H, M], fc1.bias [H], fc2.weight [M, H], fc2.bias [M], fc3.weight

@@ -1,7 +1,7 @@
-// One flag convention across subcommands (issue #10): flags are spelled with dashes, the old
-// underscore spellings still work (only the name before '=' is rewritten, never a value), help
-// shows what each value is (INT, FLOAT, SIZES, PATH, NAME), never TEXT, and trace-svg takes
-// --trace / --out as well as its older positional form.
+// One flag convention across subcommands (docs/cli.md, "Flag spelling"): flags are spelled with
+// dashes, the old underscore spellings still work (only the name before '=' is rewritten, never a
+// value), help shows what each value is (INT, FLOAT, SIZES, PATH, NAME), never TEXT, and trace-svg
+// takes --trace / --out as well as its older positional form.
 #include <gtest/gtest.h>
 
 #include <filesystem>

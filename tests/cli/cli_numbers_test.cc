@@ -1,4 +1,4 @@
-// Numbers on the command line, end to end (issue #10): bad sizes and emulation parameters exit 2
+// Numbers on the command line, end to end (docs/cli.md): bad sizes and emulation parameters exit 2
 // with one line naming the flag, the value and what was expected (never a crash, a bare
 // std::bad_alloc, a hang or a silently different size); sizes that cannot fit in memory are
 // refused up front saying how much they needed; and the benchmarks print only meaningful figures

@@ -77,7 +77,7 @@ TEST(OpenBlasCoreIsa, KnownAndUnknownCores) {
 }
 
 TEST(GenericKernelWarning, WarnsOnlyBelowTheCpusIsa) {
-  // The failing case of issue 11: Prescott kernels on an AVX-512 CPU.
+  // The failing case of docs/PERFORMANCE.md "GEMM backends": Prescott kernels on an AVX-512 CPU.
   std::string w = GenericKernelWarning(Avx512Cpu(), "OpenBLAS (core: Prescott)", "sse");
   EXPECT_NE(w.find("OpenBLAS (core: Prescott)"), std::string::npos) << w;
   EXPECT_NE(w.find("sse kernel on a cpu with avx512"), std::string::npos) << w;

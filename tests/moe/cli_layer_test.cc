@@ -313,8 +313,9 @@ TEST_F(CliLayerTest, CapacityThatCannotBeAnIntegerIsAnError) {
 }
 
 TEST_F(CliLayerTest, SizesThatCannotFitAreRefusedUpFront) {
-  // The case: capacity 1e8 with 8 tokens and 4 experts needs 50.7 GiB (checked when this
-  // machine has less available), and one that no machine has (16 x 1.3e8 rows: 263 GiB).
+  // The case of docs/moe.md "Capacity limits": capacity 1e8 with 8 tokens and 4 experts needs 50.7
+  // GiB (checked when this machine has less available), and one that no machine has (16 x 1.3e8
+  // rows: 263 GiB).
   LayerConfig c = LayerConfigFromJson(kConfig);
   if (AvailableMemoryBytes() < (uint64_t{50} << 30)) {
     RunResult r =

@@ -246,10 +246,10 @@ std::vector<Variant> Variants() {
   };
 }
 
-// GShard random routing on its own terms (SPEC §1.1): token t's 2nd choice is removed unless
-// 2 * g_2 > U, U the kStreamRandomRouting draw at the global token index (docs/moe.md). A removed
-// choice has location -1 and weight 0, adds to no load and is not a drop. The variant must remove
-// some but not all 2nd choices, or it could not tell random routing from none or from top-1.
+// GShard random routing on its own terms (docs/moe.md, "Gate"): token t's 2nd choice is removed
+// unless 2 * g_2 > U, U the kStreamRandomRouting draw at the global token index (docs/moe.md). A
+// removed choice has location -1 and weight 0, adds to no load and is not a drop. The variant must
+// remove some but not all 2nd choices, or it could not tell random routing from none or from top-1.
 void ExpectSomeSecondChoicesRemoved(const LayerConfig& c, const LayerOutput& out, int64_t tokens,
                                     int64_t k, const ForwardOptions& opt) {
   const CounterRng rng(StepSeed(c.seed, opt.step), kStreamRandomRouting);
@@ -389,9 +389,10 @@ TEST_P(LayerVsReference, GradientsMatchFiniteDifferences) {
   EXPECT_EQ(named_grads.count("gate.expert_bias"), 0u);
 }
 
-// bfloat16 activations (SPEC: stored in bfloat16, computed in float32): for every option, the layer
-// on bfloat16 x and dy equals the float32 layer on the same rounded values, with only y and the x
-// gradient rounded; routing, losses and every parameter gradient (float32) are the same bits.
+// bfloat16 activations (docs/moe.md, "Details and conventions": stored in bfloat16, computed in
+// float32): for every option, the layer on bfloat16 x and dy equals the float32 layer on the same
+// rounded values, with only y and the x gradient rounded; routing, losses and every parameter
+// gradient (float32) are the same bits.
 TEST_P(LayerVsReference, BFloat16ActivationsEqualTheFloat32PathOnRoundedInputs) {
   MoeLayer layer(config_);
   const Tensor x16 = x_.To(DType::kBFloat16);

@@ -1,5 +1,5 @@
 // Capacity, slot order, drop policies and combine weights on hand-made routings, with the
-// expected slots worked out by hand from SPEC §1.2.
+// expected slots worked out by hand from docs/moe.md, "Slots and capacity".
 #include "switchyard/moe/plan.h"
 
 #include <gtest/gtest.h>
@@ -121,8 +121,8 @@ TEST(Capacity, DeepSpeedFormulaInFloat32) {
   EXPECT_EQ(ComputeCapacity(c, 4, 0), 4);
 }
 
-// docs/moe.md: `capacity_formula: deepspeed` with cf <= 0 follows SPEC's cf <= 0 rules with
-// DeepSpeed's formula in place of Tutel's. E = 4, k = 2, T = 5: T / E = 1.25, spe = 2.
+// docs/moe.md: `capacity_formula: deepspeed` with cf <= 0 follows the cf <= 0 rows of the capacity
+// table with DeepSpeed's formula in place of Tutel's. E = 4, k = 2, T = 5: T / E = 1.25, spe = 2.
 TEST(Capacity, DeepSpeedFormulaWithZeroOrNegativeFactor) {
   LayerConfig c = Config(4, 2);
   c.capacity_formula = CapacityFormula::kDeepSpeed;

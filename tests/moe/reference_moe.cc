@@ -24,7 +24,8 @@ double Act(kernels::Activation a, double x) {
   return x;
 }
 
-// One FFN (expert, residual MLP or shared expert) on one row: SPEC §1.3.
+// One FFN (expert, residual MLP or shared expert) on one row: docs/moe.md, "Dispatch, experts,
+// combine".
 std::vector<double> Ffn(const LayerConfig& c, const RefParams& p, const std::string& prefix,
                         int64_t index, int64_t hidden, const std::vector<double>& in) {
   const int64_t m = c.model_dim;

@@ -1,7 +1,8 @@
-// A plain reference of the MoE layer, written straight from SPEC.md §1 for tests: float64
-// throughout, loops and the GShard one-hot einsum form (dispatch/combine tensors [T, E, C]) for
-// small sizes. It shares no code with src/moe; only the documented random-number keying
-// (docs/moe.md) and StepSeed are common, so that noise draws can agree.
+// A plain reference of the MoE layer, written straight from docs/moe.md ("What the layer
+// computes") for tests: float64 throughout, loops and the GShard one-hot einsum form
+// (dispatch/combine tensors [T, E, C]) for small sizes. It shares no code with src/moe; only the
+// documented random-number keying (docs/moe.md) and StepSeed are common, so that noise draws can
+// agree.
 #pragma once
 
 #include <cstdint>

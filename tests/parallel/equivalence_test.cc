@@ -1,5 +1,5 @@
 // The parallel MoE layer against the single-rank layer, ranks as threads (in-process transport):
-// every layout of the issue for W in {1, 2, 3, 4, 8}, in dropless mode and in global-batch
+// every layout of parallel_cases.h for W in {1, 2, 3, 4, 8}, in dropless mode and in global-batch
 // capacity mode (equal to moe::MoeLayer on the whole batch), and in per-rank capacity mode (equal
 // to one moe::MoeLayer per data shard). Uneven loads and experts without tokens come from the
 // skewed gate of MakeInputs; ranks without tokens from uneven token splits. Which layouts run for

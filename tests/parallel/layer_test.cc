@@ -544,7 +544,7 @@ TEST(ParallelLayer, LayersShareOneSetOfProcessGroups) {
 }
 
 TEST(AdaptiveR, AutoPicksTheCheapestBySpecFormula) {
-  // SPEC §2.3: DP 2P; EP+DP+MP 4 C_g r + 2 P / (E r).
+  // docs/parallel.md, "Tutel's adaptive r": V(0) = 2 P; V(r) = 4 C_g r + 2 P / (E r).
   EXPECT_DOUBLE_EQ(PredictedVolume(0, 1, 1000, 2), 2000);
   EXPECT_DOUBLE_EQ(PredictedVolume(2, 1, 1000, 2), 8 + 500);
   EXPECT_EQ(ChooseAdaptiveR(4, 1, 1000, 2), 4);     // tiny batches: model parallel

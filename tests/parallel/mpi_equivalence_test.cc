@@ -67,8 +67,8 @@ TEST(MpiEquivalence, GlobalCapacityEqualsWholeBatch) {
 }
 
 TEST(MpiEquivalence, OverlapSchedulesEqualWholeBatch) {
-  // The main schedules of SPEC §4 over processes: overlap degree (fixed and variable size), the
-  // smart schedule, shadow experts; one rank without tokens.
+  // The main schedules of docs/overlap.md over processes: overlap degree (fixed and variable size),
+  // the smart schedule, shadow experts; one rank without tokens.
   for (bool dropless : {true, false}) {
     const moe::LayerConfig config = testing::SmallConfig(4, dropless, 0.75f);
     const testing::Inputs in = testing::MakeInputs(config, 45, 92);

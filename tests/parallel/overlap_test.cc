@@ -1,4 +1,4 @@
-// Overlap and scheduling (SPEC §4) against the single-rank layer, ranks as threads: Tutel's
+// Overlap and scheduling (docs/overlap.md) against the single-rank layer, ranks as threads: Tutel's
 // overlap degree D for the fixed and variable all-to-all, FasterMoE's smart schedule and shadow
 // experts, for W in {2, 4, 8}, dropless and capacity mode, even splits and splits with ranks that
 // hold no tokens. Every collective has a short deadline, so a schedule that deadlocks fails with

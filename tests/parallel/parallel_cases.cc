@@ -241,9 +241,10 @@ namespace {
 
 constexpr int64_t kHidden = 32;  // SmallConfig's hidden_dim
 
-// Whether a layout applies to (W, E) is decided here from the rules of SPEC §2.1 (what must divide
-// what), not by asking the mesh: a layout these rules call valid is built, and a mesh that rejects
-// it fails every test that lists the layouts (LayoutsFor throws) instead of dropping it quietly.
+// Whether a layout applies to (W, E) is decided here from the divisibility rules of
+// docs/parallel.md ("Layouts and groups": what must divide what), not by asking the mesh: a layout
+// these rules call valid is built, and a mesh that rejects it fails every test that lists the
+// layouts (LayoutsFor throws) instead of dropping it quietly.
 
 // DeepSpeed EP over `ep` ranks: E / ep experts per rank (ep | E), or each expert split along H over
 // ep / E ranks (E | ep, the split dividing H).
@@ -262,9 +263,9 @@ Mesh MeshOf(const std::string& name, const ParallelOptions& o, int64_t e) {
   try {
     return Mesh(o.mesh, e, kHidden);
   } catch (const InvalidArgument& err) {
-    throw std::logic_error("layout " + name + " (W=" + std::to_string(o.mesh.world_size) +
-                           ", E=" + std::to_string(e) +
-                           ") is valid by SPEC §2.1 but the mesh rejects it: " + err.what());
+    throw std::logic_error(
+        "layout " + name + " (W=" + std::to_string(o.mesh.world_size) + ", E=" + std::to_string(e) +
+        ") is valid by the divisibility rules but the mesh rejects it: " + err.what());
   }
 }
 

@@ -53,20 +53,21 @@ struct Layout {
   ParallelOptions options;  // options.mesh.world_size set
 };
 
-// The layouts of the issue for W ranks and E experts (those valid for that W and E): DeepSpeed
+// The layouts under test for W ranks and E experts (those valid for that W and E): DeepSpeed
 // all-to-all / all-to-all-v / allgather, 2DH, tp 2 with and without de-duplication, EP groups
 // replicated (ep < W), Tutel's sharded experts with every r, Megatron's folding.
 std::vector<Layout> LayoutsFor(int world_size, int64_t num_experts);
 
-// The overlap and scheduling layouts (SPEC §4) valid for W ranks and E experts: Tutel's overlap
-// degree D for the fixed and variable all-to-all (also with 2DH, TP de-duplication and sharded
-// experts), FasterMoE's smart schedule (g = 1, 2, auto; with D = 2), shadow experts (auto with a
-// compute-bound cost model, an explicit list; with D and the smart schedule).
+// The overlap and scheduling layouts (docs/overlap.md) valid for W ranks and E experts: Tutel's
+// overlap degree D for the fixed and variable all-to-all (also with 2DH, TP de-duplication and
+// sharded experts), FasterMoE's smart schedule (g = 1, 2, auto; with D = 2), shadow experts (auto
+// with a compute-bound cost model, an explicit list; with D and the smart schedule).
 std::vector<Layout> OverlapLayoutsFor(int world_size, int64_t num_experts);
 
-// Both functions decide whether a layout applies from SPEC §2.1's divisibility rules, not by
-// trying the mesh: they throw std::logic_error naming the layout when the mesh rejects one the
-// rules call valid, and the suites compare the names with lists written out per (W, E).
+// Both functions decide whether a layout applies from the divisibility rules of docs/parallel.md
+// ("Layouts and groups"), not by trying the mesh: they throw std::logic_error naming the layout
+// when the mesh rejects one the rules call valid, and the suites compare the names with lists
+// written out per (W, E).
 
 // The layouts' names, in order.
 std::vector<std::string> LayoutNames(const std::vector<Layout>& layouts);

@@ -1,4 +1,5 @@
-// Dispatch (encode) and combine (decode) by index (SPEC §1.3), forward and backward.
+// Dispatch (encode) and combine (decode) by index (docs/moe.md, "Dispatch, experts, combine"),
+// forward and backward.
 //
 // Rows are gathered and summed through the plan's index arrays: O(T * k * M) work, never the
 // one-hot [T, E, C] einsum of the GShard pseudo-code (O(T * E * C * M)).

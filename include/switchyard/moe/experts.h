@@ -1,4 +1,5 @@
-// Expert FFNs over an expert buffer (SPEC §1.3), forward and backward.
+// Expert FFNs over an expert buffer (docs/moe.md, "Dispatch, experts, combine"), forward and
+// backward.
 //
 // Per expert e, on its rows X_e of the buffer:
 //   plain   h = act(X_e W1_e^T + b1_e),                  Y_e = h W2_e^T + b2_e

@@ -1,5 +1,6 @@
-// The gate of an MoE layer (SPEC §1.1): logits = x · Wg^T in float32, a score function, top-k,
-// gate values, and optionally noise, GShard random routing and the aux-loss-free expert bias.
+// The gate of an MoE layer (docs/moe.md, "Gate"): logits = x · Wg^T in float32, a score function,
+// top-k, gate values, and optionally noise, GShard random routing and the aux-loss-free expert
+// bias.
 //
 // Every random draw is keyed by the GLOBAL token index (global_token_offset + local index) through
 // CounterRng, so a token gets the same noise on whichever rank it lives (docs/moe.md lists the

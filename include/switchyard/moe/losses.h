@@ -1,4 +1,4 @@
-// The gate's losses (SPEC §1.4), forward and backward.
+// The gate's losses (docs/moe.md, "Losses"), forward and backward.
 //
 //   gshard              l_aux = E * sum_e m_e * c_e, m_e = mean_t P[t, e], c_e = fraction of
 //                       tokens whose 1st choice is e. Gradient through m_e only.

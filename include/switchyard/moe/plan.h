@@ -1,4 +1,5 @@
-// From routing to a dispatch plan (SPEC §1.2): capacity, slot order, drops, combine weights.
+// From routing to a dispatch plan (docs/moe.md, "Slots and capacity"): capacity, slot order, drops,
+// combine weights.
 //
 // The plan is DeepEP's "handle": it says where every (token, choice) goes in the expert buffer and
 // is reused by dispatch, combine and every backward step. The expert buffer has `num_rows` rows:
@@ -20,8 +21,8 @@
 
 namespace switchyard::moe {
 
-// Capacity C per SPEC §1.2 (explicit capacity > capacity_formula, then min_capacity and alignment;
-// the explicit capacity is only rounded up to `alignment`).
+// Capacity C per docs/moe.md, "Slots and capacity" (explicit capacity > capacity_formula, then
+// min_capacity and alignment; the explicit capacity is only rounded up to `alignment`).
 //   num_tokens  T on this rank
 //   max_load    the largest number of routed (token, choice) pairs of any expert, maximised over
 //               the ranks of the EP group; used only when capacity_factor <= 0

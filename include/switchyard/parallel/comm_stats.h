@@ -1,9 +1,10 @@
 // What one rank spent on communication during a forward or backward of the parallel MoE layer.
 //
 // Bytes are those this rank puts on the wire under the bandwidth-optimal algorithm of each
-// collective (the nccl-tests "bus" convention, SPEC §3): all-to-all(-v) = bytes sent to other
-// ranks; all-gather = (P - 1) x own part; reduce-scatter = (P - 1) / P x input; all-reduce =
-// 2 (P - 1) / P x size. Time is wall-clock time spent blocked in collectives; compute is the rest.
+// collective (the nccl-tests "bus" convention, docs/parallel.md "Bytes and time"): all-to-all(-v) =
+// bytes sent to other ranks; all-gather = (P - 1) x own part; reduce-scatter = (P - 1) / P x input;
+// all-reduce = 2 (P - 1) / P x size. Time is wall-clock time spent blocked in collectives; compute
+// is the rest.
 #pragma once
 
 #include <cstdint>

@@ -21,8 +21,9 @@
 
 namespace switchyard::train {
 
-// How data-parallel layouts treat a parameter's gradient (SPEC §2.1): dense parameters are
-// averaged over the whole data-parallel world, expert parameters over their ep_dp group.
+// How data-parallel layouts treat a parameter's gradient (docs/parallel.md, "Gradients"): dense
+// parameters are averaged over the whole data-parallel world, expert parameters over their ep_dp
+// group.
 enum class ParamGroup : uint8_t { kDense, kExpert };
 
 struct ParamOptions {

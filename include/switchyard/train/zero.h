@@ -1,6 +1,6 @@
-// ZeRO stages 0-3 (SPEC §5) as a sharded AdamW over parameters replicated on every rank of a
-// group: the data-parallel world for dense parameters, an expert-data-parallel group for expert
-// parameters (one ShardedAdamW per group).
+// ZeRO stages 0-3 (docs/training.md, "Distributed training") as a sharded AdamW over parameters
+// replicated on every rank of a group: the data-parallel world for dense parameters, an
+// expert-data-parallel group for expert parameters (one ShardedAdamW per group).
 //
 // Flat view and ownership. The trainable parameters (buffers, trainable = false, are skipped:
 // never reduced, stepped or gathered) are viewed as one flat vector of N floats in the order
