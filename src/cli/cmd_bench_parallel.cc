@@ -1,7 +1,8 @@
 // `switchyard bench layer-parallel` (and `bench layer --ranks W`): one MoE layer on W ranks
 // (threads of this process, or MPI processes), forward + backward + gradient sync per step: step
 // time, tokens/s, and per rank the time blocked in communication vs. computing and the bytes put on
-// the wire, against SPEC §2.3's predicted volume. Measured interleaved in the same run: the limit
+// the wire, against the adaptive-r volume model's prediction (docs/parallel.md, "Tutel's
+// adaptive r"). Measured interleaved in the same run: the limit
 // (in-process only), the single-rank layer on the same global batch with all the cores; and with
 // an overlap schedule (--overlap-degree, --smart-schedule, --shadow), the plain path (D = 1, no
 // smart schedule, no shadows) on the same batch, with the fraction of the token communication the
@@ -494,8 +495,8 @@ int RunBenchParallel(const BenchParallelOptions& o) {
         r["bytes_weights_fwd_bwd"].get<double>() / 1e6, r["bytes_grad_sync"].get<double>() / 1e6,
         r["bytes_tp"].get<double>() / 1e6);
   }
-  // SPEC §2.3's two terms: tokens 4 C_g r (all-to-alls there and back, forward and backward) and
-  // weights 2 P / (E r) (r = 0: 2 P). On the wire a rank sends (P - 1) / P of its token volume.
+  // The volume model's two terms: tokens 4 C_g r (all-to-alls there and back, forward and backward)
+  // and weights 2 P / (E r) (r = 0: 2 P). On the wire a rank sends (P - 1) / P of its token volume.
   const double p_elems = static_cast<double>(o.experts) *
                          (static_cast<double>(o.hidden_dim * o.model_dim) * (o.gated ? 3.0 : 2.0) +
                           static_cast<double>(o.hidden_dim + o.model_dim));
@@ -505,7 +506,8 @@ int RunBenchParallel(const BenchParallelOptions& o) {
       bytes_per_float;
   const double token_term = predicted_bytes - weight_term;
   fmt::print(
-      "  SPEC §2.3 for r = {}: {:.2f} MB per rank per step = tokens 4 C_g r {:.2f} MB (x (P-1)/P "
+      "  volume model for r = {}: {:.2f} MB per rank per step = tokens 4 C_g r {:.2f} MB (x "
+      "(P-1)/P "
       "= {:.2f} MB; measured {:.2f} MB) + weights {} {:.2f} MB (measured {:.2f} MB)\n",
       r, predicted_bytes / 1e6, token_term / 1e6,
       token_term * (group - 1) / std::max(1, group) / 1e6, max_token_bytes / 1e6,

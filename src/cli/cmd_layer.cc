@@ -100,10 +100,11 @@ bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config, bool tra
                run.ranks.size(), transport, o.arrangement, o.dispatch, run.adaptive_r,
                o.hierarchical > 0 ? fmt::format(", 2DH {} ranks/node", o.hierarchical) : "",
                o.scope);
-    // SPEC §2.3's volume for the r used, as `bench layer-parallel` reports it: the driver's
-    // predicted_volume (elements per rank per step; MB as float32).
+    // The adaptive-r volume model's prediction for the r used (docs/parallel.md), as `bench
+    // layer-parallel` reports it: the driver's predicted_volume (elements per rank per step; MB as
+    // float32).
     fmt::print(
-        "layer: SPEC §2.3 for r = {}{}: predicted volume {} elements ({:.3g} MB as float32) per "
+        "layer: volume model for r = {}{}: predicted volume {} elements ({:.3g} MB as float32) per "
         "rank per step\n",
         run.adaptive_r, o.adaptive_r == "auto" ? " (auto)" : "", run.predicted_volume,
         run.predicted_volume * sizeof(float) / 1e6);

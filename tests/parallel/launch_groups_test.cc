@@ -103,7 +103,8 @@ TEST(ProcessGroups, KindsWithTheSameMembersShareOneCommunicator) {
     EXPECT_EQ(out[0], in[0]);
     // The shared expert group works as one group: a sum over its 2 members.
     std::vector<float> sum{0};
-    groups.Get(GroupKind::kExpertParallel).AllReduce(in.data(), sum.data(), 1, DType::kFloat32)
+    groups.Get(GroupKind::kExpertParallel)
+        .AllReduce(in.data(), sum.data(), 1, DType::kFloat32)
         .Wait();
     const int base = world.rank() / 2 * 2;
     EXPECT_EQ(sum[0], static_cast<float>(1 + base + 1 + base + 1));

@@ -22,7 +22,8 @@ MeshConfig DeepSpeed(int w, int tp, int ep) {
 }
 
 TEST(Mesh, DeepSpeedSixteenRanksEpFour) {
-  // SPEC §2.1: 16 ranks, ep_size 4 -> ep groups [0..3], [4..7], ...; ep_dp [0,4,8,12], ...
+  // DeepSpeed's documented example (docs/parallel.md, "The mesh"): 16 ranks, ep_size 4 -> ep groups
+  // [0..3], [4..7], ...; ep_dp [0,4,8,12], ...
   Mesh mesh(DeepSpeed(16, 1, 4), 8, 64);
   EXPECT_EQ(mesh.Groups(GroupKind::kExpert),
             (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}));
@@ -35,7 +36,7 @@ TEST(Mesh, DeepSpeedSixteenRanksEpFour) {
 }
 
 TEST(Mesh, DeepSpeedTensorParallelBuildsEpGroupsFromSameTpRank) {
-  // SPEC §2.1: tp 2, 8 ranks, ep 4: ep groups [0,2,4,6], [1,3,5,7].
+  // DeepSpeed with tensor parallel: tp 2, 8 ranks, ep 4: ep groups [0,2,4,6], [1,3,5,7].
   Mesh mesh(DeepSpeed(8, 2, 4), 4, 64);
   EXPECT_EQ(mesh.Groups(GroupKind::kExpert), (Groups{{0, 2, 4, 6}, {1, 3, 5, 7}}));
   EXPECT_EQ(mesh.Groups(GroupKind::kTensor), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
