@@ -1,4 +1,5 @@
-# Fails if a file of layer L includes a header of a layer above L.
+# Fails if a file of layer L includes a header of a layer above L, or if parallel/ or train/
+# include a concrete transport (comm/inprocess.h, comm/mpi.h).
 # Usage: cmake -DROOT=<source dir> -DLAYERS="core;kernels;..." -P check_layering.cmake
 set(violations "")
 list(LENGTH LAYERS n)
@@ -18,6 +19,18 @@ foreach(i RANGE ${last})
           endif()
         endif()
       endforeach()
+    endforeach()
+  endforeach()
+endforeach()
+# The transport is the program's choice: library layers above comm use the abstract Communicator
+# and Launcher, never a concrete transport's header.
+foreach(layer IN ITEMS parallel train)
+  file(GLOB_RECURSE files ${ROOT}/src/${layer}/*.h ${ROOT}/src/${layer}/*.cc
+                          ${ROOT}/include/switchyard/${layer}/*.h)
+  foreach(f IN LISTS files)
+    file(STRINGS ${f} includes REGEX "^#include \"(switchyard/)?comm/(inprocess|mpi)\\.h\"")
+    foreach(line IN LISTS includes)
+      list(APPEND violations "${f}: layer '${layer}' includes a concrete transport: ${line}")
     endforeach()
   endforeach()
 endforeach()

@@ -1,6 +1,6 @@
 // `switchyard bench layer-parallel` (also reached as `switchyard bench layer --ranks W ...`): one
-// MoE layer on W ranks, with the overlap schedules of SPEC §4 measured against the plain path in
-// the same run. Shared by cmd_bench_parallel.cc and cmd_bench_layer.cc.
+// MoE layer on W ranks, with the overlap schedules of docs/overlap.md measured against the plain
+// path in the same run. Shared by cmd_bench_parallel.cc and cmd_bench_layer.cc.
 #pragma once
 
 #include <CLI/CLI.hpp>

@@ -1,7 +1,7 @@
 // `switchyard bench comm`: collective bandwidth as nccl-tests reports it (time, algbw, busbw per
-// size, SPEC §3 factors), on the in-process transport (with this machine's memcpy bandwidth
-// measured in the same run as the limit) or under MPI (with MPI's own collective measured in the
-// same run, interleaved, with --compare mpi).
+// size, the factors of docs/PERFORMANCE.md "Collectives"), on the in-process transport (with this
+// machine's memcpy bandwidth measured in the same run as the limit) or under MPI (with MPI's own
+// collective measured in the same run, interleaved, with --compare mpi).
 //
 //   switchyard bench comm --op alltoall --ranks 4 --sizes 64K:64M
 //   scripts/mpirun.sh -np 4 build/release/src/cli/switchyard bench comm --transport mpi
@@ -121,7 +121,7 @@ void RequireBenchMemory(const BenchCommOptions& o, const SizePlan& plan, int ran
                   copiers > 0 ? ", memcpy limit buffers" : ""));
 }
 
-// nccl-tests' bus bandwidth factor (SPEC §3).
+// nccl-tests' bus bandwidth factor (docs/PERFORMANCE.md, "Collectives").
 double BusFactor(CollectiveKind kind, int w) {
   double n = w;
   switch (kind) {

@@ -1,7 +1,8 @@
 // `switchyard bench layer-parallel` (and `bench layer --ranks W`): one MoE layer on W ranks
 // (threads of this process, or MPI processes), forward + backward + gradient sync per step: step
 // time, tokens/s, and per rank the time blocked in communication vs. computing and the bytes put on
-// the wire, against SPEC §2.3's predicted volume. Measured interleaved in the same run: the limit
+// the wire, against the adaptive-r volume model's prediction (docs/parallel.md, "Tutel's
+// adaptive r"). Measured interleaved in the same run: the limit
 // (in-process only), the single-rank layer on the same global batch with all the cores; and with
 // an overlap schedule (--overlap-degree, --smart-schedule, --shadow), the plain path (D = 1, no
 // smart schedule, no shadows) on the same batch, with the fraction of the token communication the
@@ -20,8 +21,8 @@
 #include "cli/bench_parallel.h"
 #include "cli/command.h"
 #include "cli/flags.h"
+#include "cli/launch.h"
 #include "cli/timing.h"
-#include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/limits.h"
 #include "switchyard/core/rng.h"
@@ -108,8 +109,7 @@ void AppendSteps(const parallel::LayerRunResult& run, std::vector<double>* steps
 //     rank (an upper bound: ranks hold 1/ep of them).
 // The parallel run holds the same activations split over its ranks, so they count twice.
 uint64_t EstimateBenchBytes(const BenchParallelOptions& o, const moe::LayerConfig& c,
-                            int64_t t_global, const parallel::Mesh& mesh,
-                            parallel::Transport transport) {
+                            int64_t t_global, const parallel::Mesh& mesh, bool mpi) {
   (void)mesh;
   const double t = static_cast<double>(t_global), m = static_cast<double>(c.model_dim),
                h = static_cast<double>(c.hidden_dim), e = static_cast<double>(c.num_experts);
@@ -117,7 +117,7 @@ uint64_t EstimateBenchBytes(const BenchParallelOptions& o, const moe::LayerConfi
   const double rows =
       t * k * (c.dropless ? 1.0 : std::max(1.0, std::fabs(static_cast<double>(c.capacity_factor))));
   const double params = e * (m * h * (c.gated ? 3.0 : 2.0) + h + m);
-  const double ranks = transport == parallel::Transport::kMpi ? 1.0 : static_cast<double>(o.ranks);
+  const double ranks = mpi ? 1.0 : static_cast<double>(o.ranks);
   const double floats =
       2 * (6 * t * m + 4 * rows * m + (c.gated ? 4.0 : 3.0) * rows * h) + 3 * params * ranks;
   const double bytes = floats * 4;
@@ -154,22 +154,38 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   p.overlap_degree = o.overlap_degree;
   p.smart_group = parallel::SmartGroupFromString(o.smart);
   p.shadow = parallel::ShadowFromString(o.shadow);
-  const std::string transport =
-      o.transport == "auto" ? (comm::RunningUnderMpi() ? "mpi" : "inproc") : o.transport;
-  d.transport = parallel::TransportFromName(transport);
+  const std::string transport = ResolveTransport(o.transport);
+  const bool mpi = transport == "mpi";
   d.threads = o.threads;
   d.repeat = o.repeat;
   d.warmup = o.warmup;
+  comm::InProcessOptions inprocess;
   if (o.emulate_per_node > 0) {
-    d.inprocess.ranks_per_node = o.emulate_per_node;
-    d.inprocess.emulation = comm::EmulationOptions{{o.intra_latency_us, o.intra_gbps},
-                                                   {o.inter_latency_us, o.inter_gbps}};
-    RequireEmulationFitsDeadline(*d.inprocess.emulation, d.inprocess.timeout, "", 0);
+    SY_REQUIRE(!mpi, InvalidArgument,
+               "--emulate-ranks-per-node applies to the in-process transport");
+    inprocess.ranks_per_node = o.emulate_per_node;
+    inprocess.emulation = comm::EmulationOptions{{o.intra_latency_us, o.intra_gbps},
+                                                 {o.inter_latency_us, o.inter_gbps}};
+    RequireEmulationFitsDeadline(*inprocess.emulation, inprocess.timeout, "", 0);
+    // The schedules' cost model assumes the emulated link unless given one.
+    const std::optional<comm::LinkModel> link = comm::EmulatedLink(inprocess, o.ranks);
+    if (link && p.cost_model.link_gbps <= 0) {
+      p.cost_model.link_gbps = link->bandwidth_gbps;
+      p.cost_model.link_latency_us = link->latency_us;
+    }
   }
+  std::unique_ptr<comm::Launcher> launcher =
+      MakeLauncher(transport, o.ranks, inprocess, "bench layer-parallel");
+  // With emulated links: the same ranks over free links too (see free_links below).
+  std::unique_ptr<comm::Launcher> free_launcher =
+      inprocess.emulation ? MakeLauncher(transport, o.ranks, {}, "bench layer-parallel") : nullptr;
+  const int per_rank_threads =
+      o.threads > 0 ? o.threads
+                    : ComputeThreadsPerRank(launcher->ranks_in_process(), UsableCores());
   const parallel::Mesh mesh(p.mesh, config.num_experts, config.hidden_dim);
   const int64_t t_global = o.global_tokens > 0 ? o.global_tokens : o.tokens * mesh.data_shards();
 
-  RequireMemory(EstimateBenchBytes(o, config, t_global, mesh, d.transport),
+  RequireMemory(EstimateBenchBytes(o, config, t_global, mesh, mpi),
                 fmt::format("bench layer-parallel: {} tokens x model_dim {} on {} rank(s) ({} "
                             "experts of hidden_dim {}), estimated peak",
                             t_global, o.model_dim, o.ranks, o.experts, o.hidden_dim));
@@ -181,11 +197,6 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   }
   const Tensor x = RandomTensor({t_global, o.model_dim}, 2);
   const Tensor dy = RandomTensor({t_global, o.model_dim}, 3);
-  const bool mpi = d.transport == parallel::Transport::kMpi;
-  if (o.emulate_per_node > 0) {
-    SY_REQUIRE(!mpi, InvalidArgument,
-               "--emulate-ranks-per-node applies to the in-process transport");
-  }
   const bool reference = !o.no_reference && !mpi;
   const int cores = UsableCores();
 
@@ -199,10 +210,9 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   const bool compare = scheduled && !o.no_baseline;
   // With emulated links, the plain path over free links (no emulated cost) too: the step without
   // communication cost, so that (plain - free) is what communication costs the plain path.
-  parallel::DriverOptions free_links = plain;
-  free_links.inprocess.emulation.reset();
+  const parallel::DriverOptions& free_links = plain;
   const bool pipelined = p.overlap_degree > 1 || p.smart_group != parallel::kSmartOff;
-  const bool with_free = compare && pipelined && d.inprocess.emulation.has_value();
+  const bool with_free = compare && pipelined && free_launcher != nullptr;
   // With a skewed gate and shadows, the plain path with the gate not skewed too: the step without
   // the hot expert's imbalance, so that (plain - balanced) is what the skew costs the plain path.
   const bool with_balanced =
@@ -220,12 +230,17 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   const int rounds = std::max(1, o.rounds);
   for (int round = 0; round < rounds; ++round) {
     d.tracer = !o.trace_path.empty() && round == rounds - 1 ? &tracer : nullptr;
-    last = parallel::RunLayerOnRanks(config, params, x, dy, d);
+    kernels::SetBlasThreads(per_rank_threads);
+    last = parallel::RunLayerOnRanks(*launcher, config, params, x, dy, d);
     parallel::LayerRunResult base, free_run;
-    if (compare) base = parallel::RunLayerOnRanks(config, params, x, dy, plain);
-    if (with_free) free_run = parallel::RunLayerOnRanks(config, params, x, dy, free_links);
+    if (compare) base = parallel::RunLayerOnRanks(*launcher, config, params, x, dy, plain);
+    if (with_free) {
+      free_run = parallel::RunLayerOnRanks(*free_launcher, config, params, x, dy, free_links);
+    }
     parallel::LayerRunResult balanced;
-    if (with_balanced) balanced = parallel::RunLayerOnRanks(config, balanced_params, x, dy, plain);
+    if (with_balanced) {
+      balanced = parallel::RunLayerOnRanks(*launcher, config, balanced_params, x, dy, plain);
+    }
     if (!last.is_root) continue;
     const size_t first = steps.size(), plain_first = plain_steps.size();
     AppendSteps(last, &steps);
@@ -480,8 +495,8 @@ int RunBenchParallel(const BenchParallelOptions& o) {
         r["bytes_weights_fwd_bwd"].get<double>() / 1e6, r["bytes_grad_sync"].get<double>() / 1e6,
         r["bytes_tp"].get<double>() / 1e6);
   }
-  // SPEC §2.3's two terms: tokens 4 C_g r (all-to-alls there and back, forward and backward) and
-  // weights 2 P / (E r) (r = 0: 2 P). On the wire a rank sends (P - 1) / P of its token volume.
+  // The volume model's two terms: tokens 4 C_g r (all-to-alls there and back, forward and backward)
+  // and weights 2 P / (E r) (r = 0: 2 P). On the wire a rank sends (P - 1) / P of its token volume.
   const double p_elems = static_cast<double>(o.experts) *
                          (static_cast<double>(o.hidden_dim * o.model_dim) * (o.gated ? 3.0 : 2.0) +
                           static_cast<double>(o.hidden_dim + o.model_dim));
@@ -491,7 +506,8 @@ int RunBenchParallel(const BenchParallelOptions& o) {
       bytes_per_float;
   const double token_term = predicted_bytes - weight_term;
   fmt::print(
-      "  SPEC §2.3 for r = {}: {:.2f} MB per rank per step = tokens 4 C_g r {:.2f} MB (x (P-1)/P "
+      "  volume model for r = {}: {:.2f} MB per rank per step = tokens 4 C_g r {:.2f} MB (x "
+      "(P-1)/P "
       "= {:.2f} MB; measured {:.2f} MB) + weights {} {:.2f} MB (measured {:.2f} MB)\n",
       r, predicted_bytes / 1e6, token_term / 1e6,
       token_term * (group - 1) / std::max(1, group) / 1e6, max_token_bytes / 1e6,

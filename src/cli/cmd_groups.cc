@@ -1,10 +1,13 @@
-// `switchyard groups`: prints the process groups of an expert-parallel layout (SPEC §2.1), in the
-// DeepSpeed arrangement or Megatron-Core's folding, and where each rank's experts live.
+// `switchyard groups`: prints the process groups of a layout (parallel/mesh.h, docs/parallel.md
+// "The mesh"): the dense tp x cp x dp x pp mesh in a rank order, the MoE part in the DeepSpeed
+// arrangement or Megatron-Core's folding, and where each rank's experts live.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "cli/command.h"
 #include "switchyard/parallel/mesh.h"
@@ -15,11 +18,16 @@ namespace {
 struct GroupsOptions {
   int world = 1;
   int tp = 1;
+  int pp = 1;
+  int cp = 1;
   int ep = 0;
   int etp = 1;
   int64_t experts = 0;  // 0: ep experts (one per EP rank)
   int64_t hidden = 0;   // 0: any multiple of the shards
   std::string arrangement = "deepspeed";
+  std::string order = std::string(parallel::kDefaultMeshOrder);
+  std::string sequence_parallel = "default";  // default | on | off
+  bool all = false;
   bool json = false;
 };
 
@@ -27,31 +35,52 @@ int RunGroups(const GroupsOptions& o) {
   parallel::MeshConfig c;
   c.world_size = o.world;
   c.tp = o.tp;
+  c.pp = o.pp;
+  c.cp = o.cp;
   c.ep = o.ep;
   c.etp = o.etp;
+  c.order = o.order;
   c.arrangement = parallel::ArrangementFromName(o.arrangement);
+  if (o.sequence_parallel != "default") c.sequence_parallel = o.sequence_parallel == "on";
   int64_t experts = o.experts;
   if (experts == 0) {
-    int ep = o.ep > 0 ? o.ep
-                      : (c.arrangement == parallel::Arrangement::kDeepSpeed ? o.world / o.tp
-                                                                            : o.world / o.etp);
-    experts = std::max(1, ep);
+    // One expert per EP rank: the EP size the mesh resolves with experts that any ep divides.
+    const parallel::Mesh probe(c, int64_t{1} << 20, int64_t{1} << 20);
+    experts = probe.ep();
   }
   const int64_t hidden = o.hidden > 0 ? o.hidden : int64_t{1} << 20;
   parallel::Mesh mesh(c, experts, hidden);
+  std::vector<parallel::GroupKind> kinds = mesh.DescribedKinds();
+  if (o.all) kinds.assign(parallel::kAllGroupKinds.begin(), parallel::kAllGroupKinds.end());
   if (!o.json) {
     fmt::print("{}", mesh.Describe());
+    if (o.all) {
+      for (parallel::GroupKind kind : kinds) {
+        fmt::print("{:<14}", parallel::GroupKindName(kind));
+        for (const std::vector<int>& g : mesh.Groups(kind)) {
+          fmt::print(" [{}]", fmt::join(g, ","));
+        }
+        fmt::print("\n");
+      }
+    }
     return 0;
   }
   nlohmann::json j = {{"arrangement", parallel::ArrangementName(c.arrangement)},
                       {"world", o.world},
                       {"tp", o.tp},
+                      {"pp", o.pp},
+                      {"cp", o.cp},
+                      {"dp", mesh.dp()},
+                      {"order", mesh.order()},
+                      {"sequence_parallel", mesh.sequence_parallel()},
                       {"ep", mesh.ep()},
+                      {"etp", mesh.etp()},
+                      {"edp", mesh.edp()},
                       {"experts", experts},
                       {"local_experts", mesh.local_experts()},
                       {"expert_shards", mesh.shards()},
                       {"data_shards", mesh.data_shards()}};
-  for (parallel::GroupKind kind : mesh.DescribedKinds()) {
+  for (parallel::GroupKind kind : kinds) {
     j["groups"][std::string(parallel::GroupKindName(kind))] = mesh.Groups(kind);
   }
   fmt::print("{}\n", j.dump());
@@ -60,14 +89,24 @@ int RunGroups(const GroupsOptions& o) {
 
 SY_REGISTER_COMMAND(Command{
     "", "groups",
-    "Print the process groups of an expert-parallel layout (tp, dp, ep, ep_dp; Megatron: etp, "
-    "edp)",
+    "Print the process groups of a layout (tp, cp, dp, pp and their combinations; the MoE part's "
+    "ep, etp, ep_dp)",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<GroupsOptions>();
       app.add_option("--world", o->world, "number of ranks")
           ->required()
           ->check(CLI::Range(1, 1 << 20));
       app.add_option("--tp", o->tp, "dense tensor-parallel degree")->check(CLI::Range(1, 1 << 20));
+      app.add_option("--pp", o->pp, "pipeline stages")->check(CLI::Range(1, 1 << 20));
+      app.add_option("--cp", o->cp, "context-parallel degree")->check(CLI::Range(1, 1 << 20));
+      app.add_option("--order", o->order,
+                     "rank order, first = fastest-varying: tp, cp, ep, dp, pp joined by '-' "
+                     "(dimensions of size 1 may be left out)");
+      app.add_option("--sequence-parallel", o->sequence_parallel,
+                     "sequence parallel as tp's mode (default: the arrangement's: deepspeed off, "
+                     "megatron on)")
+          ->check(CLI::IsMember({"default", "on", "off"}));
+      app.add_flag("--all", o->all, "list the groups of every kind");
       app.add_option("--ep", o->ep, "expert-parallel size (default: as large as possible)")
           ->check(CLI::Range(0, 1 << 20));
       app.add_option("--etp", o->etp, "expert tensor-parallel degree (Megatron arrangement)")

@@ -9,7 +9,7 @@
 #include <string_view>
 
 #include "cli/command.h"
-#include "switchyard/comm/mpi.h"
+#include "cli/launch.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/safetensors.h"
@@ -50,10 +50,7 @@ struct LayerOptions {
   std::string trace_path;  // Chrome trace-event JSON of the parallel run
 };
 
-std::string ResolvedTransport(const LayerOptions& o) {
-  if (o.transport != "auto") return o.transport;
-  return comm::RunningUnderMpi() ? "mpi" : "inproc";
-}
+std::string ResolvedTransport(const LayerOptions& o) { return ResolveTransport(o.transport); }
 
 // The layer on o.ranks ranks (parallel/driver.h); the same outputs as the single-rank layer.
 // Returns false on MPI ranks other than 0, which write nothing.
@@ -62,7 +59,14 @@ bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config, bool tra
                  moe::LayerOutput* out, moe::LayerGradients* grads) {
   parallel::DriverOptions d;
   const std::string transport = ResolvedTransport(o);
-  d.parallel.mesh.world_size = transport == "mpi" && !o.ranks_given ? 0 : o.ranks;
+  std::unique_ptr<comm::Launcher> launcher = MakeLauncher(transport, o.ranks, {}, "layer");
+  if (transport == "mpi") {
+    SY_REQUIRE(!o.ranks_given || o.ranks == launcher->world_size(), InvalidArgument,
+               "--ranks {} but mpirun started {} processes (one rank per process); start {} "
+               "processes or pass --ranks {}",
+               o.ranks, launcher->world_size(), o.ranks, launcher->world_size());
+  }
+  d.parallel.mesh.world_size = launcher->world_size();
   d.parallel.mesh.tp = o.tp;
   d.parallel.mesh.ep = o.ep;
   d.parallel.mesh.etp = o.etp;
@@ -75,14 +79,17 @@ bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config, bool tra
   d.parallel.overlap_degree = o.overlap_degree;
   d.parallel.smart_group = parallel::SmartGroupFromString(o.smart);
   d.parallel.shadow = parallel::ShadowFromString(o.shadow);
-  d.transport = parallel::TransportFromName(transport);
   d.threads = o.threads;
+  // The process-wide BLAS budget of each rank, set here at the program's edge.
+  kernels::SetBlasThreads(o.threads > 0
+                              ? o.threads
+                              : ComputeThreadsPerRank(launcher->ranks_in_process(), UsableCores()));
   d.global_token_offset = o.global_token_offset;
   d.training = training;
   d.step = o.step;
   parallel::Tracer tracer;
   if (!o.trace_path.empty()) d.tracer = &tracer;
-  parallel::LayerRunResult run = parallel::RunLayerOnRanks(config, params, x, dy, d);
+  parallel::LayerRunResult run = parallel::RunLayerOnRanks(*launcher, config, params, x, dy, d);
   if (!run.is_root) return false;
   if (!o.trace_path.empty()) tracer.WriteJson(o.trace_path);
   *out = run.output;
@@ -93,10 +100,11 @@ bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config, bool tra
                run.ranks.size(), transport, o.arrangement, o.dispatch, run.adaptive_r,
                o.hierarchical > 0 ? fmt::format(", 2DH {} ranks/node", o.hierarchical) : "",
                o.scope);
-    // SPEC §2.3's volume for the r used, as `bench layer-parallel` reports it: the driver's
-    // predicted_volume (elements per rank per step; MB as float32).
+    // The adaptive-r volume model's prediction for the r used (docs/parallel.md), as `bench
+    // layer-parallel` reports it: the driver's predicted_volume (elements per rank per step; MB as
+    // float32).
     fmt::print(
-        "layer: SPEC §2.3 for r = {}{}: predicted volume {} elements ({:.3g} MB as float32) per "
+        "layer: volume model for r = {}{}: predicted volume {} elements ({:.3g} MB as float32) per "
         "rank per step\n",
         run.adaptive_r, o.adaptive_r == "auto" ? " (auto)" : "", run.predicted_volume,
         run.predicted_volume * sizeof(float) / 1e6);

@@ -16,9 +16,10 @@
 
 #include "cli/command.h"
 #include "cli/flags.h"
+#include "cli/launch.h"
 #include "cli/peak_flops.h"
-#include "switchyard/comm/mpi.h"
 #include "switchyard/core/threading.h"
+#include "switchyard/kernels/gemm.h"
 #include "switchyard/train/checkpoint.h"
 #include "switchyard/train/distributed.h"
 
@@ -63,24 +64,34 @@ int RunTrain(const TrainOptions& o) {
       config.out = fmt::format("{}-{}", DefaultTrainConfig().out, i);
     }
   }
-  SY_REQUIRE(o.transport == "auto" || o.transport == "inproc" || o.transport == "mpi",
-             InvalidArgument, "--transport: expected auto, inproc or mpi, got '{}'", o.transport);
+  const std::string transport = ResolveTransport(o.transport);
   train::DistributedRunOptions run;
   run.run.resume = o.resume;
   if (o.plain) run.run.interactive = 0;
-  run.use_mpi = o.transport == "mpi" || (o.transport == "auto" && comm::RunningUnderMpi());
-  // Under mpirun a chosen number of ranks must equal the world size.
-  run.ranks_given = resolved.explicit_keys.count("ranks") != 0;
-  SY_REQUIRE(!run.use_mpi || comm::MpiCompiledIn(), InvalidArgument,
-             "--transport mpi: this switchyard was built without MPI");
-  train::KeepFreedMemoryForTraining();
-  train::RunSummary summary = train::RunDistributedTraining(config, run);
+  if (transport != "mpi") train::ValidateTrainConfig(config);  // before the ranks are used
+  std::unique_ptr<comm::Launcher> launcher =
+      MakeLauncher(transport, static_cast<int>(config.ranks), {}, "train");
+  if (transport == "mpi") {
+    // Under mpirun a chosen number of ranks must equal the world size; otherwise it is taken.
+    const int started = launcher->world_size();
+    SY_REQUIRE(resolved.explicit_keys.count("ranks") == 0 || config.ranks == started,
+               InvalidArgument,
+               "ranks: {} requested but mpirun started {} processes (one rank per process); "
+               "start {} processes or leave 'ranks' unset to use the {} started",
+               config.ranks, started, config.ranks, started);
+    config.ranks = started;
+  }
+  // The process-wide settings of a run, at the program's edge: ranks share the process's cores
+  // and each runs single-threaded BLAS on its own compute threads.
+  KeepFreedMemoryForTraining();
+  kernels::SetBlasThreads(1);
+  train::RunSummary summary = train::RunDistributedTraining(*launcher, config, run);
   if (summary.run_dir.empty() || !std::isfinite(summary.tokens_per_s) ||
       summary.tokens_per_s <= 0) {
     return 0;
   }
   // The limit, measured in the same run: the FMA peak of one core times the cores the ranks use.
-  if (!run.use_mpi) {
+  if (transport != "mpi") {
     PeakFlops peak = MeasurePeakFlops();
     const int cores = std::min<int>(static_cast<int>(config.ranks), UsableCores());
     double limit = peak.gflops * cores;

@@ -13,7 +13,9 @@
 
 #include "cli/command.h"
 #include "cli/flags.h"
+#include "cli/launch.h"
 #include "cli/peak_flops.h"
+#include "switchyard/kernels/gemm.h"
 #include "switchyard/train/checkpoint.h"
 #include "switchyard/train/trainer.h"
 
@@ -39,7 +41,8 @@ int RunTrainDense(const TrainDenseOptions& o) {
   if (!o.resume.empty() && !resolved.out_given) {
     config.out = train::RunDirectoryOfCheckpoint(o.resume);
   }
-  train::KeepFreedMemoryForTraining();
+  KeepFreedMemoryForTraining();
+  kernels::SetBlasThreads(1);  // the trainer splits its GEMMs over its own threads
   train::Trainer trainer(config);
   train::RunOptions run;
   run.resume = o.resume;

@@ -6,12 +6,14 @@
 
 namespace switchyard::comm {
 
-Executor::Executor() : thread_([this] { Loop(); }) { SetThreadName(thread_, "sy-progress"); }
+Executor::Executor(bool synchronous) : synchronous_(synchronous) {}
 
 Executor::~Executor() { Shutdown(); }
 
 void Executor::Submit(const std::shared_ptr<detail::WorkState>& state,
                       std::shared_ptr<Executor> self) {
+  std::unique_lock<std::mutex> sync_lock(sync_mu_, std::defer_lock);
+  if (synchronous_) sync_lock.lock();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) {
@@ -23,8 +25,18 @@ void Executor::Submit(const std::shared_ptr<detail::WorkState>& state,
       return;
     }
     state->seq = next_seq_++;
-    state->executor = std::move(self);
-    queue_.push_back(state);
+    if (!synchronous_) {
+      state->executor = std::move(self);
+      queue_.push_back(state);
+      if (!thread_.joinable()) {
+        thread_ = std::thread([this] { Loop(); });
+        SetThreadName(thread_, "sy-progress");
+      }
+    }
+  }
+  if (synchronous_) {
+    Run(*state);
+    return;
   }
   cv_.notify_all();
 }
@@ -112,6 +124,9 @@ void Executor::Loop() {
 
 void Executor::Shutdown() {
   std::deque<std::shared_ptr<detail::WorkState>> abandoned;
+  // Synchronous: wait for the collective Submit may be running.
+  std::unique_lock<std::mutex> sync_lock(sync_mu_, std::defer_lock);
+  if (synchronous_) sync_lock.lock();
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (stop_ && !thread_.joinable()) return;

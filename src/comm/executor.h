@@ -46,9 +46,12 @@ struct WorkState {
 };
 }  // namespace detail
 
+// The thread starts with the first queued collective, so a communicator that is never used costs
+// none. A synchronous executor (for groups of one rank, whose collectives never wait for a peer)
+// has no thread at all: Submit runs each collective on the calling thread before it returns.
 class Executor {
  public:
-  Executor();
+  explicit Executor(bool synchronous = false);
   ~Executor();  // Shutdown()
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
@@ -67,6 +70,8 @@ class Executor {
  private:
   void Loop();
 
+  const bool synchronous_;
+  std::mutex sync_mu_;  // synchronous: serializes the collectives run by Submit
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<detail::WorkState>> queue_;
@@ -74,7 +79,7 @@ class Executor {
   bool running_ = false;
   bool stopping_ = false;  // Shutdown is waiting for the running collective
   bool stop_ = false;
-  std::thread thread_;
+  std::thread thread_;  // guarded by mu_; started by the first Submit
 };
 
 }  // namespace switchyard::comm

@@ -96,7 +96,7 @@ GroupCommunicator::GroupCommunicator(std::unique_ptr<Transport> transport, std::
     : transport_(std::move(transport)),
       name_(std::move(name)),
       timeout_(timeout),
-      executor_(std::make_shared<Executor>()) {
+      executor_(std::make_shared<Executor>(/*synchronous=*/transport_->size() == 1)) {
   SY_REQUIRE(timeout_.count() > 0, InvalidArgument, "communicator '{}': timeout must be > 0 ms",
              name_);
 }

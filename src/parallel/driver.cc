@@ -11,23 +11,11 @@
 
 #include "parallel/collectives.h"
 #include "switchyard/comm/agree.h"
-#include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/threading.h"
-#include "switchyard/kernels/gemm.h"
 #include "switchyard/parallel/expert_shard.h"
 
 namespace switchyard::parallel {
-
-std::string_view TransportName(Transport t) {
-  return t == Transport::kInProcess ? "inproc" : "mpi";
-}
-
-Transport TransportFromName(std::string_view name) {
-  if (name == "inproc") return Transport::kInProcess;
-  if (name == "mpi") return Transport::kMpi;
-  throw InvalidArgument(fmt::format("transport: expected 'inproc' or 'mpi', got '{}'", name));
-}
 
 std::vector<int64_t> EvenSplit(int64_t num_tokens, int shards) {
   std::vector<int64_t> split(static_cast<size_t>(shards), num_tokens / shards);
@@ -64,17 +52,7 @@ RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
                    const moe::LayerParams& params, const Tensor& x, const Tensor& dy,
                    const DriverOptions& o, const std::vector<int64_t>& split, int threads,
                    Tracer* tracer) {
-  ParallelOptions po = o.parallel;
-  if (o.inprocess.emulation && po.cost_model.link_gbps <= 0 &&
-      world.transport_kind() == "inprocess") {
-    const bool nodes = o.inprocess.ranks_per_node > 0 && o.inprocess.ranks_per_node < world.size();
-    const comm::LinkModel& link =
-        nodes ? o.inprocess.emulation->inter_node : o.inprocess.emulation->intra_node;
-    if (link.bandwidth_gbps > 0) {
-      po.cost_model.link_gbps = link.bandwidth_gbps;
-      po.cost_model.link_latency_us = link.latency_us;
-    }
-  }
+  const ParallelOptions& po = o.parallel;
   ParallelMoeLayer layer(config, po, MakeLayerGroups(world, config, po));
   const RankCoords& c = layer.coords();
   SY_REQUIRE(static_cast<int>(split.size()) == layer.mesh().data_shards(), InvalidArgument,
@@ -239,8 +217,9 @@ auto TensorsOf(Result& r) {
 std::vector<int64_t> Serialize(const RankResult& r) {
   Writer w;
   const RankCoords& c = r.report.coords;
-  for (int v : {c.rank, c.tp_rank, c.token_shard, c.expert_group, c.expert_member,
-                c.expert_position, c.expert_shard, c.expert_replica}) {
+  for (int v :
+       {c.rank, c.tp_rank, c.token_shard, c.expert_group, c.expert_member, c.expert_position,
+        c.expert_shard, c.expert_replica, c.cp_rank, c.dp_rank, c.pp_rank}) {
     w.Int(v);
   }
   w.Int(r.report.tokens);
@@ -272,8 +251,9 @@ RankResult Deserialize(std::span<const int64_t> words) {
   Reader rd(words);
   RankResult r;
   RankCoords& c = r.report.coords;
-  for (int* v : {&c.rank, &c.tp_rank, &c.token_shard, &c.expert_group, &c.expert_member,
-                 &c.expert_position, &c.expert_shard, &c.expert_replica}) {
+  for (int* v :
+       {&c.rank, &c.tp_rank, &c.token_shard, &c.expert_group, &c.expert_member, &c.expert_position,
+        &c.expert_shard, &c.expert_replica, &c.cp_rank, &c.dp_rank, &c.pp_rank}) {
     *v = static_cast<int>(rd.Int());
   }
   r.report.tokens = rd.Int();
@@ -463,8 +443,9 @@ comm::ConfigEntries AgreementEntries(const moe::LayerConfig& config, const moe::
 
 }  // namespace
 
-LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerParams& params,
-                               const Tensor& x, const Tensor& dy, const DriverOptions& options) {
+LayerRunResult RunLayerOnRanks(comm::Launcher& launcher, const moe::LayerConfig& config,
+                               const moe::LayerParams& params, const Tensor& x, const Tensor& dy,
+                               const DriverOptions& options) {
   DriverOptions o = options;
   ExpectFloating("x", x);
   ExpectShape("x", x, {kAnySize, config.model_dim});
@@ -476,24 +457,16 @@ LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerP
     moe::CheckFinite("dy", dy);
     for (const auto& [name, t] : moe::ParamsToMap(config, params)) moe::CheckFinite(name, t);
   }
-  std::unique_ptr<comm::Communicator> mpi_world;
-  if (o.transport == Transport::kMpi) {
-    SY_REQUIRE(comm::RunningUnderMpi(), InvalidArgument,
-               "--transport mpi: this process was not started by an MPI launcher, so it would "
-               "run alone; start every rank with one, e.g. scripts/mpirun.sh -np 4 ...");
-    mpi_world = comm::CreateMpiWorld();
-    if (o.parallel.mesh.world_size == 0) o.parallel.mesh.world_size = mpi_world->size();
-    SY_REQUIRE(mpi_world->size() == o.parallel.mesh.world_size, InvalidArgument,
-               "--ranks {} but mpirun started {} processes (one rank per process); start {} "
-               "processes or pass --ranks {}",
-               o.parallel.mesh.world_size, mpi_world->size(), o.parallel.mesh.world_size,
-               mpi_world->size());
-    // Every process must run the same layer on the same tensors (comm/agree.h).
-    comm::AgreeOnConfig(*mpi_world, "layer", AgreementEntries(config, params, x, dy, o));
-  }
+  const int launched = launcher.world_size();
+  if (o.parallel.mesh.world_size == 0) o.parallel.mesh.world_size = launched;
   const int w = o.parallel.mesh.world_size;
   SY_REQUIRE(w >= 1, InvalidArgument, "ranks: expected >= 1, got {}", w);
+  SY_REQUIRE(w == launched, InvalidArgument,
+             "ranks {}: the launcher starts {} ranks ({}); ask for {} ranks or start {}", w,
+             launched, launcher.kind(), launched, w);
   const Mesh mesh(o.parallel.mesh, config.num_experts, config.hidden_dim);
+  SY_REQUIRE(mesh.pp() == 1, InvalidArgument,
+             "pp {}: one MoE layer runs on one pipeline stage (pp 1)", mesh.pp());
   std::vector<int64_t> split =
       o.token_split.empty() ? EvenSplit(x.size(0), mesh.data_shards()) : o.token_split;
   int64_t total = 0;
@@ -504,39 +477,39 @@ LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerP
   SY_REQUIRE(total == x.size(0), InvalidArgument,
              "token split: the parts add up to {} tokens, x has {}", total, x.size(0));
 
-  if (o.transport == Transport::kMpi) {
-    const int threads = o.threads > 0 ? o.threads : ComputeThreadsPerRank(1, UsableCores());
-    kernels::SetBlasThreads(threads);
-    // Each process records into its own tracer; rank 0 merges the others' events.
-    Tracer local;
-    RankResult mine = RunRank(*mpi_world, config, params, x, dy, o, split, threads,
-                              o.tracer != nullptr ? &local : nullptr);
-    if (o.tracer != nullptr && mpi_world->rank() != 0) mine.trace = local.Serialize();
-    std::vector<RankResult> all = GatherResults(*mpi_world, mine);
-    if (o.tracer != nullptr && mpi_world->rank() == 0) {
-      o.tracer->Merge(local.Serialize());
-      for (const RankResult& r : all) o.tracer->Merge(r.trace);
-    }
-    if (mpi_world->rank() != 0) {
-      LayerRunResult res;
+  const int local = launcher.ranks_in_process();
+  const int threads = o.threads > 0 ? o.threads : ComputeThreadsPerRank(local, UsableCores());
+  if (local == w) {
+    // Every rank in this process: each writes its own result; the tracer is shared.
+    std::vector<RankResult> results(static_cast<size_t>(w));
+    launcher.Run([&](comm::Communicator& world) {
+      results[static_cast<size_t>(world.rank())] =
+          RunRank(world, config, params, x, dy, o, split, threads, o.tracer);
+    });
+    return Assemble(config, mesh, results, o.parallel.batch_scope, dy.defined());
+  }
+  // Ranks in other processes: they must run the same layer on the same tensors
+  // (comm/agree.h); each records into its own tracer and rank 0 assembles everything.
+  LayerRunResult res;
+  launcher.Run([&](comm::Communicator& world) {
+    comm::AgreeOnConfig(world, "layer", AgreementEntries(config, params, x, dy, o));
+    Tracer local_tracer;
+    RankResult mine = RunRank(world, config, params, x, dy, o, split, threads,
+                              o.tracer != nullptr ? &local_tracer : nullptr);
+    if (o.tracer != nullptr && world.rank() != 0) mine.trace = local_tracer.Serialize();
+    std::vector<RankResult> all = GatherResults(world, mine);
+    if (world.rank() != 0) {
       res.is_root = false;
       res.ranks.push_back(mine.report);
-      return res;
+      return;
     }
-    return Assemble(config, mesh, all, o.parallel.batch_scope, dy.defined());
-  }
-
-  const int threads = o.threads > 0 ? o.threads : ComputeThreadsPerRank(w, UsableCores());
-  kernels::SetBlasThreads(threads);
-  std::vector<RankResult> results(static_cast<size_t>(w));
-  comm::RunInProcess(
-      w,
-      [&](comm::Communicator& world) {
-        results[static_cast<size_t>(world.rank())] =
-            RunRank(world, config, params, x, dy, o, split, threads, o.tracer);
-      },
-      o.inprocess);
-  return Assemble(config, mesh, results, o.parallel.batch_scope, dy.defined());
+    if (o.tracer != nullptr) {
+      o.tracer->Merge(local_tracer.Serialize());
+      for (const RankResult& r : all) o.tracer->Merge(r.trace);
+    }
+    res = Assemble(config, mesh, all, o.parallel.batch_scope, dy.defined());
+  });
+  return res;
 }
 
 }  // namespace switchyard::parallel

@@ -9,6 +9,86 @@
 
 namespace switchyard::parallel {
 
+namespace {
+
+// The five dimensions, in the default order.
+enum Dim : uint8_t { kTp = 0, kCp = 1, kEp = 2, kDp = 3, kPp = 4 };
+constexpr std::array<std::string_view, 5> kDimNames = {"tp", "cp", "ep", "dp", "pp"};
+using DimMask = uint8_t;
+constexpr DimMask Bit(Dim d) { return static_cast<DimMask>(1u << d); }
+
+// Parses an order string; throws InvalidArgument naming the bad part. Returns the dimension at
+// each position, left-out ones appended in the default order (`named` tells which were named).
+std::array<uint8_t, 5> ParseOrder(std::string_view order, std::array<bool, 5>* named) {
+  named->fill(false);
+  std::array<uint8_t, 5> dims{};
+  size_t count = 0;
+  size_t begin = 0;
+  for (;;) {
+    const size_t end = std::min(order.find('-', begin), order.size());
+    const std::string_view token = order.substr(begin, end - begin);
+    const auto it = std::find(kDimNames.begin(), kDimNames.end(), token);
+    SY_REQUIRE(it != kDimNames.end(), InvalidArgument,
+               "order '{}': '{}' is not a dimension; expected names from tp, cp, ep, dp, pp "
+               "separated by '-' (e.g. '{}')",
+               order, token, kDefaultMeshOrder);
+    const auto d = static_cast<Dim>(it - kDimNames.begin());
+    SY_REQUIRE(!(*named)[d], InvalidArgument, "order '{}': '{}' is named twice", order, token);
+    (*named)[d] = true;
+    dims[count++] = d;
+    if (end == order.size()) break;
+    begin = end + 1;
+  }
+  for (int d = 0; d < 5; ++d) {
+    if (!(*named)[static_cast<size_t>(d)]) dims[count++] = static_cast<uint8_t>(d);
+  }
+  return dims;
+}
+
+// Color (index over the unmasked dimensions) and key (index over the masked ones) of `rank` in a
+// grid of `sizes` (by order position; first fastest), as Megatron-Core's masked rank groups.
+void MaskedColorKey(const std::array<int, 5>& sizes, const std::array<uint8_t, 5>& dims,
+                    DimMask mask, int rank, int* color, int* key) {
+  int c = 0, k = 0, cmul = 1, kmul = 1;
+  for (size_t p = 0; p < 5; ++p) {
+    const int coord = rank % sizes[p];
+    rank /= sizes[p];
+    if ((mask & (1u << dims[p])) != 0) {
+      k += coord * kmul;
+      kmul *= sizes[p];
+    } else {
+      c += coord * cmul;
+      cmul *= sizes[p];
+    }
+  }
+  *color = c;
+  *key = k;
+}
+
+// Groups from (color, key) of every rank: ranks in key order, groups by smallest rank.
+template <typename F>
+std::vector<std::vector<int>> CollectGroups(int world, const F& color_key) {
+  std::map<int, std::vector<std::pair<int, int>>> by_color;  // color -> (key, rank)
+  for (int r = 0; r < world; ++r) {
+    int color = 0, key = 0;
+    color_key(r, &color, &key);
+    if (color >= 0) by_color[color].emplace_back(key, r);
+  }
+  std::vector<std::vector<int>> groups;
+  for (auto& [color, members] : by_color) {
+    std::sort(members.begin(), members.end());
+    std::vector<int> ranks;
+    for (auto [key, r] : members) ranks.push_back(r);
+    groups.push_back(std::move(ranks));
+  }
+  std::sort(groups.begin(), groups.end(), [](const std::vector<int>& a, const std::vector<int>& b) {
+    return *std::min_element(a.begin(), a.end()) < *std::min_element(b.begin(), b.end());
+  });
+  return groups;
+}
+
+}  // namespace
+
 std::string_view ArrangementName(Arrangement arrangement) {
   return arrangement == Arrangement::kDeepSpeed ? "deepspeed" : "megatron";
 }
@@ -30,31 +110,54 @@ std::string_view GroupKindName(GroupKind kind) {
     case GroupKind::kExpertTensor: return "etp";
     case GroupKind::kExpertData: return "ep_dp";
     case GroupKind::kExpertHolders: return "expert_holders";
+    case GroupKind::kPipeline: return "pp";
+    case GroupKind::kContext: return "cp";
+    case GroupKind::kTensorContext: return "tp_cp";
+    case GroupKind::kDataContext: return "dp_cp";
+    case GroupKind::kModel: return "mp";
+    case GroupKind::kEmbedding: return "embedding";
   }
   return "?";
 }
 
 Mesh::Mesh(const MeshConfig& config, int64_t num_experts, int64_t hidden_dim)
     : config_(config), num_experts_(num_experts), hidden_dim_(hidden_dim) {
-  const int w = config.world_size, t = config.tp;
+  const int w = config.world_size, t = config.tp, npp = config.pp, ncp = config.cp;
   SY_REQUIRE(w >= 1, InvalidArgument, "world size: expected >= 1, got {}", w);
-  SY_REQUIRE(t >= 1 && w % t == 0, InvalidArgument,
-             "tp {} does not divide the world size {} (expected a divisor)", t, w);
+  for (const auto& [name, v] : {std::pair<const char*, int>{"tp", t}, {"pp", npp}, {"cp", ncp}}) {
+    SY_REQUIRE(v >= 1, InvalidArgument, "{}: expected >= 1, got {}", name, v);
+  }
+  SY_REQUIRE(w % (t * npp * ncp) == 0, InvalidArgument,
+             "world {} is not divisible by tp {} × pp {} × cp {}: the data-parallel size is world "
+             "/ (tp × pp × cp)",
+             w, t, npp, ncp);
+  dp_ = w / (t * npp * ncp);
   SY_REQUIRE(num_experts >= 1, InvalidArgument, "num_experts: expected >= 1, got {}", num_experts);
   SY_REQUIRE(config.ep >= 0, InvalidArgument,
              "ep: expected >= 0 (0 = as large as possible), got {}", config.ep);
   SY_REQUIRE(config.etp >= 1, InvalidArgument, "etp: expected >= 1, got {}", config.etp);
-  if (config.arrangement == Arrangement::kDeepSpeed) {
+  const bool megatron = config.arrangement == Arrangement::kMegatron;
+  sequence_parallel_ = t > 1 && config.sequence_parallel.value_or(megatron);
+  if (t > 1 && config.sequence_parallel.has_value()) {
+    SY_REQUIRE(*config.sequence_parallel == megatron, InvalidArgument,
+               "sequence parallel {} with tp {}: the {} arrangement {}",
+               *config.sequence_parallel ? "on" : "off", t, ArrangementName(config.arrangement),
+               megatron ? "needs it on (the MoE part takes every rank's own tokens)"
+                        : "builds its EP groups from tp ranks holding the same tokens, so it "
+                          "needs it off");
+  }
+  int nedp = 1;
+  if (!megatron) {
     SY_REQUIRE(config.etp == 1, InvalidArgument,
-               "etp {}: expert tensor parallelism is Megatron's folding (--arrangement megatron); "
+               "etp {}: expert tensor parallelism is Megatron's folding (arrangement megatron); "
                "the DeepSpeed arrangement shards experts along H only when num_experts < ep",
                config.etp);
-    const int d = w / t;
+    const int d = dp_ * ncp;
     ep_ = config.ep > 0 ? config.ep : d;
     SY_REQUIRE(d % ep_ == 0, InvalidArgument,
-               "ep {} does not divide the {} data-parallel ranks (world {} / tp {}): EP groups are "
-               "built from the ranks with the same tp rank",
-               ep_, d, w, t);
+               "ep {} does not divide the {} data-parallel ranks (dp {} × cp {}) of each tp rank "
+               "and stage: EP groups are built from the ranks with the same tp rank",
+               ep_, d, dp_, ncp);
     if (num_experts >= ep_) {
       SY_REQUIRE(num_experts % ep_ == 0, InvalidArgument,
                  "num_experts {} is not divisible by ep {}: every EP rank must hold the same "
@@ -69,63 +172,137 @@ Mesh::Mesh(const MeshConfig& config, int64_t num_experts, int64_t hidden_dim)
       shards_ = static_cast<int>(ep_ / num_experts);
     }
     expert_group_size_ = ep_;
+    nedp = d / ep_;
   } else {
     shards_ = config.etp;
-    SY_REQUIRE(w % shards_ == 0, InvalidArgument, "etp {} does not divide the world size {}",
-               shards_, w);
-    ep_ = config.ep > 0 ? config.ep : w / shards_;
-    SY_REQUIRE(w % (shards_ * ep_) == 0, InvalidArgument,
-               "etp {} x ep {} = {} does not divide the world size {}", shards_, ep_, shards_ * ep_,
-               w);
+    SY_REQUIRE(w % (shards_ * npp) == 0, InvalidArgument,
+               "world {} is not divisible by etp {} × pp {}: the expert mesh is etp × ep × edp × "
+               "pp",
+               w, shards_, npp);
+    ep_ = config.ep > 0 ? config.ep : w / (shards_ * npp);
+    SY_REQUIRE(w % (shards_ * ep_ * npp) == 0, InvalidArgument,
+               "world {} is not divisible by etp {} × ep {} × pp {}: the expert mesh is etp × ep × "
+               "edp × pp",
+               w, shards_, ep_, npp);
     SY_REQUIRE(num_experts % ep_ == 0, InvalidArgument,
                "num_experts {} is not divisible by ep {}: every EP rank must hold the same number "
                "of experts",
                num_experts, ep_);
     expert_group_size_ = shards_ * ep_;
+    nedp = w / (shards_ * ep_ * npp);
   }
   SY_REQUIRE(hidden_dim % shards_ == 0, InvalidArgument,
              "hidden_dim {} is not divisible by the {} H-shards of each expert", hidden_dim,
              shards_);
+
+  std::array<bool, 5> named{};
+  order_dims_ = ParseOrder(config.order, &named);
+  const std::array<int, 5> dense_by_dim = {t, ncp, 1, dp_, npp};
+  const std::array<int, 5> expert_by_dim = {megatron ? shards_ : 1, 1, megatron ? ep_ : 1, nedp,
+                                            npp};
+  for (size_t d = 0; d < 5; ++d) {
+    const int size = std::max(dense_by_dim[d], megatron ? expert_by_dim[d] : 1);
+    SY_REQUIRE(named[d] || size == 1, InvalidArgument,
+               "order '{}' leaves out {} (size {}); only dimensions of size 1 may be left out",
+               config.order, kDimNames[d], size);
+  }
+  order_.clear();
+  for (size_t p = 0; p < 5; ++p) {
+    dense_sizes_[p] = dense_by_dim[order_dims_[p]];
+    expert_sizes_[p] = expert_by_dim[order_dims_[p]];
+    order_ += fmt::format("{}{}", p ? "-" : "", kDimNames[order_dims_[p]]);
+  }
+  if (megatron && npp > 1) {
+    // The MoE part of a stage must sit on the ranks of that stage.
+    auto stages = [&](const std::array<int, 5>& sizes) {
+      return CollectGroups(
+          w, [&](int r, int* c, int* k) { MaskedColorKey(sizes, order_dims_, Bit(kPp), r, c, k); });
+    };
+    SY_REQUIRE(stages(dense_sizes_) == stages(expert_sizes_), InvalidArgument,
+               "order '{}': the expert mesh (etp {} × ep {} × edp {} × pp {}) puts the pipeline "
+               "stages on other ranks than the dense mesh (tp {} × cp {} × dp {} × pp {}); put pp "
+               "last in the order or make etp × ep × edp equal tp × cp × dp position by position",
+               order_, shards_, ep_, nedp, npp, t, ncp, dp_, npp);
+  }
 }
 
-int Mesh::data_shards() const {
-  return config_.arrangement == Arrangement::kDeepSpeed ? config_.world_size / config_.tp
-                                                        : config_.world_size;
+int Mesh::edp() const {
+  if (config_.arrangement == Arrangement::kMegatron) {
+    return config_.world_size / (shards_ * ep_ * config_.pp);
+  }
+  return dp_ * config_.cp / ep_;
+}
+
+int Mesh::data_shards() const { return dp_ * config_.cp * (sequence_parallel_ ? config_.tp : 1); }
+
+bool Mesh::SameLayout(const Mesh& other) const {
+  if (config_.world_size != other.config_.world_size || shards_ != other.shards_ ||
+      config_.arrangement != other.config_.arrangement ||
+      sequence_parallel_ != other.sequence_parallel_) {
+    return false;
+  }
+  for (GroupKind kind : kAllGroupKinds) {
+    if (Groups(kind) != other.Groups(kind)) return false;
+  }
+  return true;
 }
 
 void Mesh::ColorKey(GroupKind kind, int r, int* color, int* key) const {
-  const int t = config_.tp, n = shards_;
-  const int u = r % t;
-  if (kind == GroupKind::kTensor) {
-    *color = r / t;
-    *key = u;
-    return;
+  auto dense = [&](DimMask mask) {
+    MaskedColorKey(dense_sizes_, order_dims_, mask, r, color, key);
+  };
+  auto expert = [&](DimMask mask) {
+    MaskedColorKey(expert_sizes_, order_dims_, mask, r, color, key);
+  };
+  switch (kind) {
+    case GroupKind::kTensor: return dense(Bit(kTp));
+    case GroupKind::kData: return dense(Bit(kDp));
+    case GroupKind::kPipeline: return dense(Bit(kPp));
+    case GroupKind::kContext: return dense(Bit(kCp));
+    case GroupKind::kTensorContext: return dense(Bit(kTp) | Bit(kCp));
+    case GroupKind::kDataContext: return dense(Bit(kDp) | Bit(kCp));
+    case GroupKind::kModel: return dense(Bit(kTp) | Bit(kPp));
+    case GroupKind::kTokens:
+      return dense(Bit(kDp) | Bit(kCp) | (sequence_parallel_ ? Bit(kTp) : 0));
+    case GroupKind::kEmbedding: {
+      const int stages = config_.pp;
+      dense(Bit(kPp));
+      if (stages > 1) {
+        if (*key == stages - 1) {
+          *key = 1;
+        } else if (*key != 0) {
+          *color = -1;
+        }
+      }
+      return;
+    }
+    default: break;
   }
-  if (kind == GroupKind::kData) {
-    *color = u;
-    *key = r / t;
-    return;
-  }
-  if (config_.arrangement == Arrangement::kDeepSpeed) {
-    const int d = r / t, c = d / ep_, j = d % ep_, q = j / n, i = j % n;
+  if (config_.arrangement == Arrangement::kMegatron) {
     switch (kind) {
-      case GroupKind::kTokens: *color = u, *key = d; return;
-      case GroupKind::kExpert:
-      case GroupKind::kExpertParallel: *color = c * t + u, *key = j; return;
-      case GroupKind::kExpertTensor: *color = (c * t + u) * positions() + q, *key = i; return;
-      case GroupKind::kExpertData: *color = u * ep_ + j, *key = c; return;
-      case GroupKind::kExpertHolders: *color = j, *key = r; return;
+      case GroupKind::kExpert: return expert(Bit(kTp) | Bit(kEp));
+      case GroupKind::kExpertParallel: return expert(Bit(kEp));
+      case GroupKind::kExpertTensor: return expert(Bit(kTp));
+      case GroupKind::kExpertData:
+      case GroupKind::kExpertHolders: return expert(Bit(kDp));
       default: break;
     }
   } else {
-    const int p = expert_group_size_, m = r % p, edp = r / p, i = m % n, q = m / n;
+    // EP groups: chunks of ep consecutive members of the dp-cp group (same tp rank and stage).
+    int dc_color = 0, d = 0;
+    MaskedColorKey(dense_sizes_, order_dims_, Bit(kDp) | Bit(kCp), r, &dc_color, &d);
+    const int chunks = dp_ * config_.cp / ep_;
+    const int c = d / ep_, j = d % ep_, q = j / shards_, i = j % shards_;
+    int stage = 0, unused = 0;
+    MaskedColorKey(dense_sizes_, order_dims_, Bit(kPp), r, &unused, &stage);
     switch (kind) {
-      case GroupKind::kTokens: *color = 0, *key = r; return;
-      case GroupKind::kExpert: *color = edp, *key = m; return;
-      case GroupKind::kExpertParallel: *color = edp * n + i, *key = q; return;
-      case GroupKind::kExpertTensor: *color = edp * ep_ + q, *key = i; return;
-      case GroupKind::kExpertData:
-      case GroupKind::kExpertHolders: *color = m, *key = edp; return;
+      case GroupKind::kExpert:
+      case GroupKind::kExpertParallel: *color = dc_color * chunks + c, *key = j; return;
+      case GroupKind::kExpertTensor:
+        *color = (dc_color * chunks + c) * positions() + q, *key = i;
+        return;
+      case GroupKind::kExpertData: *color = dc_color * ep_ + j, *key = c; return;
+      case GroupKind::kExpertHolders: *color = stage * ep_ + j, *key = r; return;
       default: break;
     }
   }
@@ -137,8 +314,11 @@ RankCoords Mesh::Coords(int r) const {
              "rank {} outside the world of {} ranks", r, config_.world_size);
   RankCoords c;
   c.rank = r;
-  c.tp_rank = r % config_.tp;
   int color = 0;
+  ColorKey(GroupKind::kTensor, r, &color, &c.tp_rank);
+  ColorKey(GroupKind::kContext, r, &color, &c.cp_rank);
+  ColorKey(GroupKind::kData, r, &color, &c.dp_rank);
+  ColorKey(GroupKind::kPipeline, r, &color, &c.pp_rank);
   ColorKey(GroupKind::kTokens, r, &color, &c.token_shard);
   ColorKey(GroupKind::kExpert, r, &color, &c.expert_member);
   ColorKey(GroupKind::kExpertData, r, &color, &c.expert_replica);
@@ -155,42 +335,41 @@ RankCoords Mesh::Coords(int r) const {
 }
 
 std::vector<std::vector<int>> Mesh::Groups(GroupKind kind) const {
-  std::map<int, std::vector<std::pair<int, int>>> by_color;  // color -> (key, rank)
-  for (int r = 0; r < config_.world_size; ++r) {
-    int color = 0, key = 0;
-    ColorKey(kind, r, &color, &key);
-    by_color[color].emplace_back(key, r);
-  }
-  std::vector<std::vector<int>> groups;
-  for (auto& [color, members] : by_color) {
-    std::sort(members.begin(), members.end());
-    std::vector<int> ranks;
-    for (auto [key, r] : members) ranks.push_back(r);
-    groups.push_back(std::move(ranks));
-  }
-  std::sort(groups.begin(), groups.end(), [](const std::vector<int>& a, const std::vector<int>& b) {
-    return *std::min_element(a.begin(), a.end()) < *std::min_element(b.begin(), b.end());
-  });
-  return groups;
+  return CollectGroups(config_.world_size,
+                       [&](int r, int* color, int* key) { ColorKey(kind, r, color, key); });
 }
 
 std::vector<int> Mesh::GroupOf(GroupKind kind, int rank) const {
   for (std::vector<int>& g : Groups(kind)) {
     if (std::find(g.begin(), g.end(), rank) != g.end()) return g;
   }
-  SY_CHECK(false, "rank {} is in no {} group", rank, GroupKindName(kind));
+  SY_CHECK(kind == GroupKind::kEmbedding, "rank {} is in no {} group", rank, GroupKindName(kind));
   return {};
 }
 
 std::vector<GroupKind> Mesh::DescribedKinds() const {
-  if (config_.arrangement == Arrangement::kDeepSpeed) {
-    std::vector<GroupKind> kinds{GroupKind::kTensor, GroupKind::kData, GroupKind::kExpert};
-    if (shards_ > 1) kinds.push_back(GroupKind::kExpertTensor);
-    kinds.push_back(GroupKind::kExpertData);
-    return kinds;
+  std::vector<GroupKind> kinds{GroupKind::kTensor};
+  if (config_.cp > 1) kinds.push_back(GroupKind::kContext);
+  kinds.push_back(GroupKind::kData);
+  if (config_.pp > 1) kinds.push_back(GroupKind::kPipeline);
+  if (config_.cp > 1) {
+    kinds.push_back(GroupKind::kTensorContext);
+    kinds.push_back(GroupKind::kDataContext);
   }
-  return {GroupKind::kTensor,         GroupKind::kData,         GroupKind::kExpert,
-          GroupKind::kExpertParallel, GroupKind::kExpertTensor, GroupKind::kExpertData};
+  if (config_.pp > 1) {
+    kinds.push_back(GroupKind::kModel);
+    kinds.push_back(GroupKind::kEmbedding);
+  }
+  if (config_.cp > 1 || config_.pp > 1 || sequence_parallel_) kinds.push_back(GroupKind::kTokens);
+  kinds.push_back(GroupKind::kExpert);
+  if (config_.arrangement == Arrangement::kMegatron) {
+    kinds.push_back(GroupKind::kExpertParallel);
+    kinds.push_back(GroupKind::kExpertTensor);
+  } else if (shards_ > 1) {
+    kinds.push_back(GroupKind::kExpertTensor);
+  }
+  kinds.push_back(GroupKind::kExpertData);
+  return kinds;
 }
 
 namespace {
@@ -199,7 +378,7 @@ std::string_view KindTitle(GroupKind kind, Arrangement a) {
   switch (kind) {
     case GroupKind::kTensor: return "tensor parallel (dense)";
     case GroupKind::kData: return "data parallel (dense)";
-    case GroupKind::kTokens: return "token shards of the global batch";
+    case GroupKind::kTokens: return "token shards of a stage's batch";
     case GroupKind::kExpert:
       return a == Arrangement::kDeepSpeed ? "expert parallel (EP groups: tokens are exchanged "
                                             "within)"
@@ -210,6 +389,12 @@ std::string_view KindTitle(GroupKind kind, Arrangement a) {
       return a == Arrangement::kDeepSpeed ? "expert data parallel (ep_dp: same experts)"
                                           : "expert data parallel (edp: same expert shard)";
     case GroupKind::kExpertHolders: return "every holder of the same expert shard";
+    case GroupKind::kPipeline: return "pipeline stages of one replica";
+    case GroupKind::kContext: return "context parallel (chunks of the same sequences)";
+    case GroupKind::kTensorContext: return "tensor x context parallel";
+    case GroupKind::kDataContext: return "data x context parallel (dense gradients)";
+    case GroupKind::kModel: return "model parallel (tensor x pipeline: one replica)";
+    case GroupKind::kEmbedding: return "first and last stage (tied embeddings)";
   }
   return "";
 }
@@ -224,15 +409,16 @@ std::string Join(const std::vector<int>& v) {
 
 std::string Mesh::Describe() const {
   std::string out = fmt::format(
-      "arrangement {}: world {}, tp {}, ep {}, {} experts ({} per EP rank{}), expert group of {} "
-      "ranks, {} data shard(s)\n",
-      ArrangementName(config_.arrangement), config_.world_size, config_.tp, ep_, num_experts_,
-      local_experts(),
+      "arrangement {}: world {}, tp {}{}, cp {}, dp {}, pp {}, order {}; ep {}, {} experts ({} "
+      "per EP rank{}), expert group of {} ranks, {} data shard(s) per stage\n",
+      ArrangementName(config_.arrangement), config_.world_size, config_.tp,
+      sequence_parallel_ ? " (sequence parallel)" : "", config_.cp, dp_, config_.pp, order_, ep_,
+      num_experts_, local_experts(),
       shards_ > 1 ? fmt::format(", each split along H over {} ranks", shards_) : std::string(),
       expert_group_size_, data_shards());
   for (GroupKind kind : DescribedKinds()) {
     std::vector<std::vector<int>> groups = Groups(kind);
-    out += fmt::format("{:<6} {} x {}  {}:", GroupKindName(kind), groups.size(),
+    out += fmt::format("{:<9} {} x {}  {}:", GroupKindName(kind), groups.size(),
                        groups.empty() ? 0 : groups[0].size(), KindTitle(kind, config_.arrangement));
     for (const auto& g : groups) out += " " + Join(g);
     out += "\n";

@@ -2,27 +2,37 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <numeric>
+#include <string>
+
 #include "switchyard/core/error.h"
 
 namespace switchyard::parallel {
-
-namespace {
-
-constexpr GroupKind kAllKinds[] = {GroupKind::kTensor,         GroupKind::kData,
-                                   GroupKind::kTokens,         GroupKind::kExpert,
-                                   GroupKind::kExpertParallel, GroupKind::kExpertTensor,
-                                   GroupKind::kExpertData,     GroupKind::kExpertHolders};
-
-}  // namespace
 
 ProcessGroups::ProcessGroups(comm::Communicator& world, const Mesh& mesh)
     : world_(world), mesh_(mesh) {
   SY_REQUIRE(world.size() == mesh.world_size(), InvalidArgument,
              "the communicator has {} ranks, the mesh expects {}", world.size(), mesh.world_size());
   coords_ = mesh_.Coords(world.rank());
-  for (GroupKind kind : kAllKinds) {
+  std::vector<int> everyone(static_cast<size_t>(world.size()));
+  std::iota(everyone.begin(), everyone.end(), 0);
+  // Every rank computes the same partitions, so every rank makes the same splits in the same
+  // order (Split is collective over the world).
+  std::vector<std::pair<std::vector<std::vector<int>>, comm::Communicator*>> made;
+  for (GroupKind kind : kAllGroupKinds) {
     std::vector<std::vector<int>> all = mesh_.Groups(kind);
-    int color = -1, key = -1;
+    if (all.size() == 1 && all[0] == everyone) {
+      groups_[kind] = &world;
+      continue;
+    }
+    auto same =
+        std::find_if(made.begin(), made.end(), [&](const auto& m) { return m.first == all; });
+    if (same != made.end()) {
+      groups_[kind] = same->second;
+      continue;
+    }
+    int color = comm::Communicator::kNoColor, key = 0;
     for (size_t g = 0; g < all.size(); ++g) {
       for (size_t m = 0; m < all[g].size(); ++m) {
         if (all[g][m] == world.rank()) {
@@ -31,16 +41,32 @@ ProcessGroups::ProcessGroups(comm::Communicator& world, const Mesh& mesh)
         }
       }
     }
-    SY_CHECK(color >= 0, "rank {} is in no {} group", world.rank(), GroupKindName(kind));
-    groups_[kind] =
+    SY_CHECK(color >= 0 || kind == GroupKind::kEmbedding, "rank {} is in no {} group", world.rank(),
+             GroupKindName(kind));
+    std::unique_ptr<comm::Communicator> comm =
         world.Split(color, key, fmt::format("{}.{}{}", world.name(), GroupKindName(kind), color));
-    SY_CHECK(groups_[kind] != nullptr && groups_[kind]->rank() == key);
+    comm::Communicator* ptr = comm.get();
+    SY_CHECK(color < 0 || (ptr != nullptr && ptr->rank() == key));
+    if (comm) owned_.push_back(std::move(comm));
+    groups_[kind] = ptr;
+    made.emplace_back(std::move(all), ptr);
   }
+}
+
+ProcessGroups::~ProcessGroups() = default;
+
+bool ProcessGroups::Has(GroupKind kind) const {
+  auto it = groups_.find(kind);
+  return it != groups_.end() && it->second != nullptr;
 }
 
 comm::Communicator& ProcessGroups::Get(GroupKind kind) const {
   auto it = groups_.find(kind);
   SY_CHECK(it != groups_.end());
+  SY_REQUIRE(it->second != nullptr, InvalidArgument,
+             "rank {} (pipeline stage {} of {}) is in no {} group: only the first and last stage "
+             "are",
+             coords_.rank, coords_.pp_rank, mesh_.pp(), GroupKindName(kind));
   return *it->second;
 }
 

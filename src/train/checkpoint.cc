@@ -255,7 +255,7 @@ std::string RunDirectoryOfCheckpoint(const std::string& path) {
   const fs::path checkpoints = checkpoint.parent_path();
   SY_REQUIRE(checkpoints.filename() == "checkpoints", InvalidArgument,
              "{}: the checkpoint {} is not in the checkpoints/ directory of a run, so there is no "
-             "run directory to continue in: pass --out",
+             "run directory to continue in: set 'out'",
              path, checkpoint.string());
   const fs::path run = checkpoints.parent_path();
   return run.empty() ? std::string(".") : run.string();

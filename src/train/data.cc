@@ -25,7 +25,7 @@ std::vector<std::string> DefaultCorpusFiles(const std::string& dir) {
   }
   SY_REQUIRE(!files.empty(), IoError,
              "default corpus: no fortune files in '{}' (install the Debian packages fortunes-min "
-             "and fortune-mod with scripts/setup.sh, or pass --data FILE)",
+             "and fortune-mod with scripts/setup.sh, or set 'data' to a text file)",
              dir);
   std::sort(files.begin(), files.end());
   return files;

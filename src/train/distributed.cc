@@ -12,11 +12,9 @@
 #include <utility>
 
 #include "switchyard/comm/agree.h"
-#include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/rng.h"
-#include "switchyard/kernels/gemm.h"
 #include "switchyard/moe/gate.h"
 #include "switchyard/parallel/expert_shard.h"
 #include "switchyard/train/data.h"
@@ -440,47 +438,34 @@ RankTrainer::~RankTrainer() = default;
 
 // ---- RunDistributedTraining ----
 
-RunSummary RunDistributedTraining(const TrainConfig& config, const DistributedRunOptions& options) {
-  // Ranks share the process's cores: each runs single-threaded BLAS on its own compute threads.
-  kernels::SetBlasThreads(1);
-  if (options.use_mpi) {
-    SY_REQUIRE(comm::RunningUnderMpi(), InvalidArgument,
-               "--transport mpi: this process was not started by an MPI launcher, so it would "
-               "train alone instead of on {} ranks; start every rank with one, e.g. "
-               "scripts/mpirun.sh -np {} switchyard train ...",
-               config.ranks, config.ranks);
-    std::unique_ptr<comm::Communicator> world = comm::CreateMpiWorld();
-    SY_REQUIRE(!options.ranks_given || config.ranks == world->size(), InvalidArgument,
-               "ranks: {} requested but mpirun started {} processes (one rank per process); "
-               "start {} processes or leave 'ranks' unset to use the {} started",
-               config.ranks, world->size(), config.ranks, world->size());
-    TrainConfig c = config;
-    c.ranks = world->size();
-    if (c.ep == 0) c.ep = c.ranks;  // record the layout that runs
-    comm::AgreeOnConfig(*world, "train", AgreementEntries(c, options.run));
-    // Ranks on this node share its cores (the threading policy divides them) and its memory.
-    RequireTrainingMemory(c, std::max(1, world->topology().ranks_per_node));
-    RankTrainer rank(c, *world, std::max(1, world->topology().ranks_per_node));
-    RunOptions run = options.run;
-    return rank.trainer().Run(run);
-  }
+RunSummary RunDistributedTraining(comm::Launcher& launcher, const TrainConfig& config,
+                                  const DistributedRunOptions& options) {
   ValidateTrainConfig(config);
+  SY_REQUIRE(config.ranks == launcher.world_size(), InvalidArgument,
+             "config: 'ranks' is {} but the launcher starts {} ranks ({})", config.ranks,
+             launcher.world_size(), launcher.kind());
   TrainConfig c = config;
-  if (c.ep == 0) c.ep = c.ranks;                        // record the layout that runs
-  RequireTrainingMemory(c, static_cast<int>(c.ranks));  // every rank of this process
+  if (c.ep == 0) c.ep = c.ranks;  // record the layout that runs
+  const bool agree = launcher.ranks_in_process() < launcher.world_size();
+  if (!agree) RequireTrainingMemory(c, launcher.ranks_in_process());  // every rank, up front
   std::mutex mu;
   RunSummary summary;
-  comm::RunInProcess(
-      static_cast<int>(c.ranks),
-      [&](comm::Communicator& world) {
-        RankTrainer rank(c, world, world.size());
-        RunSummary s = rank.trainer().Run(options.run);
-        if (world.rank() == 0) {
-          std::lock_guard<std::mutex> lock(mu);
-          summary = std::move(s);
-        }
-      },
-      options.inprocess);
+  launcher.Run([&](comm::Communicator& world) {
+    // Ranks that share this process or node share its cores (the threading policy divides them)
+    // and its memory.
+    int sharing = launcher.ranks_in_process();
+    if (agree) {
+      comm::AgreeOnConfig(world, "train", AgreementEntries(c, options.run));
+      sharing = std::max(sharing, world.topology().ranks_per_node);
+      RequireTrainingMemory(c, sharing);
+    }
+    RankTrainer rank(c, world, sharing);
+    RunSummary s = rank.trainer().Run(options.run);
+    if (world.rank() == 0 || agree) {
+      std::lock_guard<std::mutex> lock(mu);
+      summary = std::move(s);
+    }
+  });
   return summary;
 }
 

@@ -29,10 +29,10 @@ RunDirectoryLock::RunDirectoryLock(const std::string& dir) {
   const bool exists = fs::exists(dir, ec);
   if (exists) {
     SY_REQUIRE(fs::is_directory(dir, ec), InvalidArgument,
-               "run directory '{}' exists and is not a directory: choose another --out", dir);
+               "run directory '{}' exists and is not a directory: choose another 'out'", dir);
     SY_REQUIRE(fs::is_empty(dir, ec) || IsRunDirectory(dir), InvalidArgument,
                "'{}' is not empty and is not a switchyard run directory (it has no {} marker): "
-               "its files would be replaced; choose a new or empty --out",
+               "its files would be replaced; choose a new or empty 'out'",
                dir, kRunMarkerFile);
   }
   fs::create_directories(dir, ec);
@@ -50,7 +50,7 @@ RunDirectoryLock::RunDirectoryLock(const std::string& dir) {
     fd_ = -1;
     SY_REQUIRE(err != EWOULDBLOCK, InvalidArgument,
                "run directory '{}' is in use by another switchyard run (pid {}): wait for it to "
-               "end, or choose another --out",
+               "end, or choose another 'out'",
                dir, owner.empty() ? "unknown" : owner);
     throw IoError(fmt::format("{}: cannot lock: {}", lock, std::strerror(err)));
   }

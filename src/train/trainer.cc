@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
@@ -86,12 +85,6 @@ void RequireTrainingMemory(const TrainConfig& c, int ranks_in_process) {
                                    c.model.num_layers));
 }
 
-bool KeepFreedMemoryForTraining() {
-  bool ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;
-  ok = mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1 && ok;
-  return ok;
-}
-
 // ---- Trainer ----
 
 Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks* hooks)
@@ -104,9 +97,8 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
   threads_ =
       c.threads > 0 ? c.threads : ComputeThreadsPerRank(hooks_->ranks_in_process(), UsableCores());
   // The train layer runs its GEMMs split over its own blocking worker pool with single-threaded
-  // BLAS calls (src/train/parallel_for.h says why); with ranks as threads the runtime has set
-  // one BLAS thread already.
-  if (hooks_->ranks_in_process() == 1) kernels::SetBlasThreads(1);
+  // BLAS calls (src/train/parallel_for.h says why): the program sets one BLAS thread
+  // (kernels::SetBlasThreads(1)) before training.
 
   // Everything the run will need is checked here, before the first step: the sizes and memory,
   // the data and its held-out split, the MoE layer's options, text generation.
@@ -114,7 +106,7 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
              "config: byte-level data needs vocab_size >= 256, got {}", c.model.vocab_size);
   SY_REQUIRE(c.sample_tokens == 0 || c.model.vocab_size == 256, InvalidArgument,
              "config: 'sample_tokens' {} generates bytes, which needs vocab_size 256, got {}: "
-             "pass --sample_tokens 0 to train without the final sample",
+             "set 'sample_tokens' to 0 to train without the final sample",
              c.sample_tokens, c.model.vocab_size);
   SY_REQUIRE(c.eval_tokens == 0 || c.eval_tokens >= c.model.seq_len, InvalidArgument,
              "config: 'eval_tokens' {} is less than one evaluation window of seq_len {} tokens "
@@ -224,7 +216,7 @@ StepMetrics Trainer::Step() {
   if (!finite && c.nonfinite == "stop") {
     throw NonFiniteError(fmt::format(
         "step {}: the loss is non-finite (loss {}, grad_norm {}); the update was not applied: "
-        "lower --lr, or pass --nonfinite skip to skip such steps",
+        "lower 'lr', or set 'nonfinite' to 'skip' to skip such steps",
         step_ + 1, m.loss, grad_norm));
   }
   if (finite) {
@@ -323,7 +315,7 @@ void Trainer::Restore(const CheckpointData& data) {
     SY_REQUIRE(a.at("bytes") == b.at("bytes") && a.at("fnv1a64") == b.at("fnv1a64"),
                InvalidArgument,
                "resume: the checkpoint was trained on {} ({} bytes, fnv1a64 {}), this run's data "
-               "is {} ({} bytes, fnv1a64 {}): pass --data with the checkpoint's text",
+               "is {} ({} bytes, fnv1a64 {}): set 'data' to the checkpoint's text",
                a.at("files").dump(), a.at("bytes").dump(), a.at("fnv1a64").dump(),
                b.at("files").dump(), b.at("bytes").dump(), b.at("fnv1a64").dump());
   }
@@ -412,13 +404,13 @@ RunSummary Trainer::Run(const RunOptions& options) {
     // metrics and replace its checkpoints.
     if (fs::exists(checkpoints_dir + "/latest", ec)) {
       SY_REQUIRE(resumed, InvalidArgument,
-                 "run directory '{}' already holds a run with checkpoints: pass --resume {} to "
-                 "continue it, or another --out",
+                 "run directory '{}' already holds a run with checkpoints: set 'resume' to {} to "
+                 "continue it, or choose another 'out'",
                  run_dir, run_dir);
       SY_REQUIRE(resumes_own_run, InvalidArgument,
                  "run directory '{}' holds another run with checkpoints, which resuming '{}' there "
-                 "would overwrite: give no --out to continue that checkpoint's own run, or a new "
-                 "--out",
+                 "would overwrite: leave 'out' unset to continue that checkpoint's own run, or "
+                 "choose a new 'out'",
                  run_dir, options.resume);
     }
     if (resumes_own_run) {
@@ -673,7 +665,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
     std::exception_ptr save_error = Capture([&] {
       CheckpointData snap = Snapshot();
       if (writer) {
-        note = fmt::format(" (the last completed step {} was saved to {}: continue with --resume)",
+        note = fmt::format(" (the last completed step {} was saved to {}: continue with 'resume')",
                            step_, SaveCheckpoint(checkpoints_dir, snap, keep, resumed_step));
       }
     });

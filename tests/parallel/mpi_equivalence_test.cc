@@ -38,7 +38,6 @@ void CheckLayouts(bool dropless, BatchScope scope, int64_t experts) {
     DriverOptions o;
     o.parallel = layout.options;
     o.parallel.batch_scope = scope;
-    o.transport = Transport::kMpi;
     o.threads = 1;  // 4 processes share 2 cores
     Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
     o.token_split = EvenSplit(in.x.size(0), mesh.data_shards());
@@ -46,7 +45,7 @@ void CheckLayouts(bool dropless, BatchScope scope, int64_t experts) {
       o.token_split[0] += o.token_split[1];
       o.token_split[1] = 0;
     }
-    LayerRunResult run = RunLayerOnRanks(config, in.params, in.x, in.dy, o);
+    LayerRunResult run = RunLayerOnMpiRanks(config, in.params, in.x, in.dy, o);
     if (!run.is_root) continue;
     const testing::Reference ref = scope == BatchScope::kGlobal
                                        ? testing::WholeBatchReference(config, in)
@@ -84,14 +83,13 @@ TEST(MpiEquivalence, OverlapSchedulesEqualWholeBatch) {
       if (!main) continue;
       DriverOptions o;
       o.parallel = layout.options;
-      o.transport = Transport::kMpi;
       o.threads = 1;
       o.token_split = EvenSplit(in.x.size(0), g_world_size);
       if (g_world_size > 1) {
         o.token_split[0] += o.token_split[1];
         o.token_split[1] = 0;
       }
-      LayerRunResult run = RunLayerOnRanks(config, in.params, in.x, in.dy, o);
+      LayerRunResult run = RunLayerOnMpiRanks(config, in.params, in.x, in.dy, o);
       ++checked;
       if (!run.is_root) continue;
       EXPECT_TRUE(testing::MatchesReference(run, ref))

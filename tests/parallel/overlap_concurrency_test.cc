@@ -33,9 +33,11 @@ TEST(OverlapConcurrency, OneLayoutOfEachScheduleEqualsWholeBatch) {
     }
     DriverOptions o;
     o.parallel = layout.options;
-    o.inprocess.timeout = comm::Milliseconds(60000);
+    comm::InProcessOptions inprocess;
+    inprocess.timeout = comm::Milliseconds(60000);
     LayerRunResult run;
-    ASSERT_NO_THROW(run = RunLayerOnRanks(config, in.params, in.x, in.dy, o)) << layout.name;
+    ASSERT_NO_THROW(run = RunLayerOnRanks(config, in.params, in.x, in.dy, o, inprocess))
+        << layout.name;
     EXPECT_TRUE(testing::MatchesReference(run, ref)) << layout.name;
     ++ran;
   }

@@ -98,8 +98,14 @@ std::vector<int64_t> SplitWithEmptyRanks(int64_t tokens, int shards) {
 DriverOptions WithDeadline(const ParallelOptions& p) {
   DriverOptions o;
   o.parallel = p;
-  o.inprocess.timeout = comm::Milliseconds(20000);
   return o;
+}
+
+// The ranks' collective deadline.
+comm::InProcessOptions Deadline() {
+  comm::InProcessOptions inprocess;
+  inprocess.timeout = comm::Milliseconds(20000);
+  return inprocess;
 }
 
 class OverlapTest : public ::testing::TestWithParam<WorldCase> {};
@@ -127,7 +133,7 @@ TEST_P(OverlapTest, EveryScheduleEqualsWholeBatch) {
           o.token_split = SplitWithEmptyRanks(in.x.size(0), mesh.data_shards());
         }
         LayerRunResult run;
-        ASSERT_NO_THROW(run = RunLayerOnRanks(config, in.params, in.x, in.dy, o))
+        ASSERT_NO_THROW(run = RunLayerOnRanks(config, in.params, in.x, in.dy, o, Deadline()))
             << layout.name << (dropless ? " dropless" : " capacity");
         EXPECT_TRUE(MatchesReference(run, ref))
             << "W=" << wc.world_size << " E=" << wc.num_experts << " " << layout.name
@@ -172,7 +178,8 @@ TEST_P(OverlapTest, PerRankScopeEqualsOneLayerPerShard) {
     o.token_split = SplitWithEmptyRanks(in.x.size(0), mesh.data_shards());
     const testing::Reference ref = testing::PerShardReference(config, in, o.token_split);
     LayerRunResult run;
-    ASSERT_NO_THROW(run = RunLayerOnRanks(config, in.params, in.x, in.dy, o)) << layout.name;
+    ASSERT_NO_THROW(run = RunLayerOnRanks(config, in.params, in.x, in.dy, o, Deadline()))
+        << layout.name;
     EXPECT_TRUE(MatchesReference(run, ref)) << "W=" << wc.world_size << " " << layout.name;
   }
 }
@@ -195,7 +202,7 @@ TEST(Overlap, GatedBfloat16AndPrescoreWithEveryScheduleKind) {
     for (const Layout& layout : testing::OverlapLayoutsFor(4, 4)) {
       if (layout.name != name) continue;
       LayerRunResult run =
-          RunLayerOnRanks(config, in.params, in.x, in.dy, WithDeadline(layout.options));
+          RunLayerOnRanks(config, in.params, in.x, in.dy, WithDeadline(layout.options), Deadline());
       EXPECT_TRUE(MatchesReference(run, ref)) << name;
     }
   }
@@ -208,7 +215,7 @@ TEST(Overlap, VariableSizeBytesDoNotDependOnTheSchedule) {
   const Inputs in = MakeInputs(config, 40, 24);
   auto token_bytes = [&](ParallelOptions p) {
     DriverOptions o = WithDeadline(p);
-    LayerRunResult run = RunLayerOnRanks(config, in.params, in.x, in.dy, o);
+    LayerRunResult run = RunLayerOnRanks(config, in.params, in.x, in.dy, o, Deadline());
     double b = 0;
     for (const RankReport& r : run.ranks) b += r.forward.Bytes(Traffic::kTokens);
     return std::make_pair(b, run.buffer_capacity);
@@ -246,7 +253,7 @@ TEST(Overlap, ShadowingTheHotExpertSendsFewerTokens) {
     p.mesh.world_size = 4;
     p.dispatch = DispatchKind::kAllToAllV;
     p.shadow = ShadowFromString(shadow);
-    return RunLayerOnRanks(config, in.params, in.x, in.dy, WithDeadline(p));
+    return RunLayerOnRanks(config, in.params, in.x, in.dy, WithDeadline(p), Deadline());
   };
   LayerRunResult plain = run("none"), shadowed = run("0,1");
   double plain_tokens = 0, shadow_tokens = 0, shadow_weights = 0;
@@ -328,7 +335,7 @@ TEST(Overlap, ClearErrors) {
   auto error = [&](const moe::LayerConfig& c, const ParallelOptions& p) -> std::string {
     try {
       Inputs local = MakeInputs(c, 8, 26);
-      RunLayerOnRanks(c, local.params, local.x, local.dy, WithDeadline(p));
+      RunLayerOnRanks(c, local.params, local.x, local.dy, WithDeadline(p), Deadline());
     } catch (const InvalidArgument& e) {
       return e.what();
     }

@@ -1,12 +1,15 @@
 #include "parallel/parallel_cases.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <tuple>
 
+#include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/parallel/mesh.h"
@@ -466,3 +469,27 @@ std::vector<std::string> LayoutNames(const std::vector<Layout>& layouts) {
 }
 
 }  // namespace switchyard::parallel::testing
+
+namespace switchyard::parallel {
+
+LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerParams& params,
+                               const Tensor& x, const Tensor& dy, const DriverOptions& o,
+                               const comm::InProcessOptions& inprocess) {
+  DriverOptions d = o;
+  const int w = std::max(1, d.parallel.mesh.world_size);
+  if (const auto link = comm::EmulatedLink(inprocess, w);
+      link && d.parallel.cost_model.link_gbps <= 0) {
+    d.parallel.cost_model.link_gbps = link->bandwidth_gbps;
+    d.parallel.cost_model.link_latency_us = link->latency_us;
+  }
+  std::unique_ptr<comm::Launcher> launcher = comm::CreateInProcessLauncher(w, inprocess);
+  return RunLayerOnRanks(*launcher, config, params, x, dy, d);
+}
+
+LayerRunResult RunLayerOnMpiRanks(const moe::LayerConfig& config, const moe::LayerParams& params,
+                                  const Tensor& x, const Tensor& dy, const DriverOptions& o) {
+  std::unique_ptr<comm::Launcher> launcher = comm::CreateMpiLauncher();
+  return RunLayerOnRanks(*launcher, config, params, x, dy, o);
+}
+
+}  // namespace switchyard::parallel

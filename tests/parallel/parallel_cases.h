@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "switchyard/comm/inprocess.h"
 #include "switchyard/moe/config.h"
 #include "switchyard/moe/layer.h"
 #include "switchyard/parallel/driver.h"
@@ -72,3 +73,17 @@ std::vector<Layout> OverlapLayoutsFor(int world_size, int64_t num_experts);
 std::vector<std::string> LayoutNames(const std::vector<Layout>& layouts);
 
 }  // namespace switchyard::parallel::testing
+
+namespace switchyard::parallel {
+
+// The tests are programs too and choose the ranks: RunLayerOnRanks on
+// o.parallel.mesh.world_size ranks as threads of this process (with `inprocess`; the cost model
+// takes an emulated link's figures unless o.parallel.cost_model has them, as the CLI does) ...
+LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerParams& params,
+                               const Tensor& x, const Tensor& dy, const DriverOptions& o,
+                               const comm::InProcessOptions& inprocess = {});
+// ... or with this process as one rank of the MPI job.
+LayerRunResult RunLayerOnMpiRanks(const moe::LayerConfig& config, const moe::LayerParams& params,
+                                  const Tensor& x, const Tensor& dy, const DriverOptions& o);
+
+}  // namespace switchyard::parallel

@@ -41,12 +41,13 @@ TEST(Trace, ChromeTraceEventsWithOverlappingChunks) {
   o.threads = 1;
   // 20 MB/s: a chunk of ~256 rows x 512 bytes takes ~6 ms on the wire; its experts about as
   // long (long enough for the progress thread to be scheduled on a loaded machine).
-  o.inprocess.ranks_per_node = 1;
-  o.inprocess.emulation = comm::EmulationOptions{{1, 0.02}, {1, 0.02}};
-  o.inprocess.timeout = comm::Milliseconds(20000);
+  comm::InProcessOptions inprocess;
+  inprocess.ranks_per_node = 1;
+  inprocess.emulation = comm::EmulationOptions{{1, 0.02}, {1, 0.02}};
+  inprocess.timeout = comm::Milliseconds(20000);
   Tracer tracer;
   o.tracer = &tracer;
-  RunLayerOnRanks(config, in.params, in.x, in.dy, o);
+  RunLayerOnRanks(config, in.params, in.x, in.dy, o, inprocess);
 
   const nlohmann::json j = nlohmann::json::parse(tracer.ToJson());
   ASSERT_TRUE(j.contains("traceEvents"));

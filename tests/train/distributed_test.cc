@@ -408,7 +408,8 @@ TEST_F(DistributedTest, RunWritesTheRunDirectoryFromRankZero) {
   c.sample_tokens = 10;
   DistributedRunOptions o;
   o.run.out = std::fopen("/dev/null", "w");
-  RunSummary s = RunDistributedTraining(c, o);
+  RunSummary s =
+      RunDistributedTraining(*comm::CreateInProcessLauncher(static_cast<int>(c.ranks)), c, o);
   std::fclose(o.run.out);
   EXPECT_EQ(s.steps, 4);
   EXPECT_TRUE(std::isfinite(s.final_val_ce_loss));

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <string>
 
+#include "switchyard/comm/inprocess.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/train/checkpoint.h"
@@ -80,7 +81,8 @@ TEST(RunGridTest, EveryStartedRunFinishesWithItsCheckpoint) {
             o.run.out = DevNull();
             RunSummary s;
             try {
-              s = RunDistributedTraining(c, o);
+              s = RunDistributedTraining(*comm::CreateInProcessLauncher(static_cast<int>(ranks)), c,
+                                         o);
             } catch (const InvalidArgument& e) {
               // Refused: only before the first step, with nothing trained.
               ++refused;

@@ -168,7 +168,7 @@ TEST_F(TrainCliTest, ResumeWithoutOutContinuesTheResumedRunInItsDirectory) {
   fs::copy(dir_ + "/mine/checkpoints/step_00000005", dir_ + "/loose");
   CommandResult r = RunCommand(cd + CommandWithoutOut("--ranks 2 --steps 6 --resume loose"), dir_);
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
-  EXPECT_NE(r.err.find("--out"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("set 'out'"), std::string::npos) << r.err;
   EXPECT_EQ(Files("runs/train"), other_files);
 }
 

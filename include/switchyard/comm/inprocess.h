@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "switchyard/comm/communicator.h"
+#include "switchyard/comm/launcher.h"
 #include "switchyard/comm/types.h"
 
 namespace switchyard::comm {
@@ -66,5 +67,16 @@ std::vector<std::unique_ptr<Communicator>> CreateInProcessWorld(
 // error thrown by any rank, after every thread finished.
 void RunInProcess(int world_size, const std::function<void(Communicator&)>& fn,
                   const InProcessOptions& options = {});
+
+// A launcher running `world_size` ranks as threads of this process (RunInProcess), each rank's
+// communicator over one fabric built with `options`. Throws InvalidArgument for a world_size < 1
+// or bad options. Reusable: every Run builds a new fabric.
+std::unique_ptr<Launcher> CreateInProcessLauncher(int world_size,
+                                                  const InProcessOptions& options = {});
+
+// The emulated link a layout's cost model should assume, if `options` emulate one with a
+// bandwidth: the inter-node link when the world spans several emulated nodes, else the
+// intra-node one.
+std::optional<LinkModel> EmulatedLink(const InProcessOptions& options, int world_size);
 
 }  // namespace switchyard::comm

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "switchyard/comm/communicator.h"
+#include "switchyard/comm/launcher.h"
 #include "switchyard/comm/types.h"
 
 namespace switchyard::comm {
@@ -37,6 +38,11 @@ struct MpiOptions {
 // The communicator of all MPI processes. Initializes MPI on first use. Throws InvalidArgument if
 // MPI is not compiled in, or MPI gives less than MPI_THREAD_MULTIPLE.
 std::unique_ptr<Communicator> CreateMpiWorld(const MpiOptions& options = {});
+
+// A launcher whose Run runs fn once, on this process's rank of the MPI world (created here, which
+// initializes MPI, and kept for the launcher's life). Throws InvalidArgument if MPI is not compiled
+// in or this process was not started by an MPI launcher.
+std::unique_ptr<Launcher> CreateMpiLauncher(const MpiOptions& options = {});
 
 // Finalizes MPI if switchyard initialized it; call after every MPI communicator was destroyed.
 // Also runs at exit. A no-op without MPI.

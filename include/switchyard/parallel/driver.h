@@ -4,16 +4,16 @@
 // gradients synchronised and reported as moe::MoeLayer would report them on the whole batch (kSum).
 // So the same inputs give the same outputs for every layout (global batch scope).
 //
-// Transports: in-process (W ranks as threads of this process, comm/inprocess.h) or MPI (this
-// process is one rank of mpirun's world; every process passes the same inputs and rank 0 receives
-// the assembled result).
+// Ranks come from a comm::Launcher chosen by the program: ranks as threads of this process, or
+// this process as one rank of a multi-process job (every process passes the same inputs, they
+// check that they agree, and rank 0 receives the assembled result).
 #pragma once
 
 #include <cstdint>
 #include <string_view>
 #include <vector>
 
-#include "switchyard/comm/inprocess.h"
+#include "switchyard/comm/launcher.h"
 #include "switchyard/core/tensor.h"
 #include "switchyard/moe/config.h"
 #include "switchyard/moe/layer.h"
@@ -25,14 +25,8 @@
 
 namespace switchyard::parallel {
 
-enum class Transport : uint8_t { kInProcess, kMpi };
-// "inproc", "mpi".
-std::string_view TransportName(Transport t);
-Transport TransportFromName(std::string_view name);
-
 struct DriverOptions {
-  ParallelOptions parallel;  // parallel.mesh.world_size = W (kMpi: 0 = the MPI world size)
-  Transport transport = Transport::kInProcess;
+  ParallelOptions parallel;  // parallel.mesh.world_size = W (0: the launcher's world size)
   // Tokens of each data shard, in order (sum = T); empty: an even contiguous split (the first
   // T % D shards get one more token).
   std::vector<int64_t> token_split;
@@ -45,10 +39,8 @@ struct DriverOptions {
   // reported).
   int warmup = 0;
   int repeat = 1;
-  // In-process ranks; with emulation set, the layer's cost model takes its link figures from it
-  // (inter-node link when there are several emulated nodes) unless parallel.cost_model has them.
-  comm::InProcessOptions inprocess;
-  // Records every rank's events of the last repetition (MPI: gathered at rank 0). May be null.
+  // Records every rank's events of the last repetition (ranks of other processes: gathered at
+  // rank 0). May be null.
   Tracer* tracer = nullptr;
 };
 
@@ -61,7 +53,8 @@ struct RankReport {
 };
 
 struct LayerRunResult {
-  bool is_root = true;  // false on MPI ranks other than 0 (which hold only `ranks`' own entry)
+  bool is_root = true;  // false on the processes of ranks other than 0 (which hold only their own
+                        // entry in `ranks`)
   // As moe::LayerOutput for the whole batch: y [T, M] (x's dtype), routing [T, k], the
   // expert loads / counts summed over the data shards. kPerRank scope: l_aux and z_loss are the
   // mean over the data shards that hold tokens (a shard without tokens reports 0 and is left
@@ -82,10 +75,12 @@ struct LayerRunResult {
   std::vector<RankReport> ranks;  // by world rank
 };
 
-// x [T, M]; dy [T, M] or undefined (forward only). Throws what the layer throws (InvalidArgument
-// for bad options or shapes) on the calling thread.
-LayerRunResult RunLayerOnRanks(const moe::LayerConfig& config, const moe::LayerParams& params,
-                               const Tensor& x, const Tensor& dy, const DriverOptions& options);
+// Runs the layer on the launcher's ranks. x [T, M]; dy [T, M] or undefined (forward only).
+// Throws what the layer throws (InvalidArgument for bad options or shapes) on the calling thread.
+// Sets no process-wide state: the program sets the BLAS threads (kernels::SetBlasThreads).
+LayerRunResult RunLayerOnRanks(comm::Launcher& launcher, const moe::LayerConfig& config,
+                               const moe::LayerParams& params, const Tensor& x, const Tensor& dy,
+                               const DriverOptions& options);
 
 // The contiguous split of T tokens over D shards used when token_split is empty.
 std::vector<int64_t> EvenSplit(int64_t num_tokens, int shards);

@@ -23,8 +23,8 @@
 // zero_stage) resumes under any other: resuming with another layout is how a run is resharded
 // (there is no separate conversion step).
 //
-// Transports: ranks as threads of this process (comm/inprocess.h, the default) or MPI processes
-// (this process is one rank of mpirun's world; comm/mpi.h).
+// Ranks come from a comm::Launcher chosen by the program (threads of this process or MPI
+// processes).
 //
 // Thread-safety: one RankTrainer per rank thread; its calls are collective over the world.
 #pragma once
@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "switchyard/comm/communicator.h"
-#include "switchyard/comm/inprocess.h"
+#include "switchyard/comm/launcher.h"
 #include "switchyard/parallel/mesh.h"
 #include "switchyard/parallel/moe_parallel.h"
 #include "switchyard/train/config.h"
@@ -168,20 +168,16 @@ class RankTrainer {
 
 struct DistributedRunOptions {
   RunOptions run;  // resume, output stream (rank 0's), progress bar mode
-  // This process is one rank of mpirun's world (refused outside an MPI launcher). Every rank
-  // checks that all ranks got the same config and data (comm/agree.h).
-  bool use_mpi = false;
-  // Under MPI: config.ranks was chosen by the user and must equal the world size; otherwise the
-  // world size is taken.
-  bool ranks_given = false;
-  comm::InProcessOptions inprocess;
 };
 
-// Trains `config` on config.ranks in-process ranks (or as this process's rank of the MPI world)
-// and returns rank 0's summary (on other MPI ranks: their own). The run directory's config.json
-// and the checkpoints record the layout that ran: ranks (under MPI the world size) and ep (0
-// becomes the number of ranks). Errors on any rank are rethrown
-// (the others fail fast: their peer is gone).
-RunSummary RunDistributedTraining(const TrainConfig& config, const DistributedRunOptions& options);
+// Trains `config` on the launcher's ranks (config.ranks must equal launcher.world_size()) and
+// returns rank 0's summary (in the processes of other ranks: their own). When some ranks run in
+// other processes, every rank first checks that all got the same config and data
+// (comm/agree.h). The run directory's config.json and the checkpoints record the layout that
+// ran: ep 0 becomes the number of ranks. Errors on any rank are rethrown (the others fail fast:
+// their peer is gone). Sets no process-wide state: the program sets the BLAS threads (one per
+// rank thread: kernels::SetBlasThreads(1)) and the allocator's policy.
+RunSummary RunDistributedTraining(comm::Launcher& launcher, const TrainConfig& config,
+                                  const DistributedRunOptions& options);
 
 }  // namespace switchyard::train

@@ -86,13 +86,6 @@ class TrainHooks {
   virtual bool writes_run_directory() const { return rank() == 0; }
 };
 
-// Keeps freed activation memory in the process (glibc: mmap threshold 32 MiB, trim threshold
-// 1 GiB) instead of returning it to the kernel after every step and faulting it back in: a
-// training step allocates its activations afresh, and the default settings cost ~15k page
-// faults per default step (~15% of its CPU time). Process-wide: call once from the main of a
-// training program (switchyard train-dense does). Returns false if the allocator refused.
-bool KeepFreedMemoryForTraining();
-
 // The identity of a corpus for checkpoints: its files (absolute paths), its bytes (training
 // then held-out) and their FNV-1a 64 checksum, as a JSON object.
 std::string DataIdentityJson(const Corpus& corpus);

@@ -1,0 +1,32 @@
+// The program's edge: which transport runs the ranks (the CLI's choice, never the library's) and
+// the process-wide settings a run needs (BLAS threads, the allocator's policy).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "switchyard/comm/inprocess.h"
+#include "switchyard/comm/launcher.h"
+
+namespace switchyard::cli {
+
+// "mpi" or "inproc" for a --transport of auto (mpi when started by an MPI launcher), inproc or
+// mpi; InvalidArgument for anything else.
+std::string ResolveTransport(std::string_view transport);
+
+// The launcher of a resolved transport: `ranks` threads of this process ("inproc", with
+// `inprocess`), or this process as one rank of the MPI job ("mpi"; refused, naming --transport mpi
+// and `command`, outside an MPI launcher or without MPI compiled in).
+std::unique_ptr<comm::Launcher> MakeLauncher(const std::string& transport, int ranks,
+                                             const comm::InProcessOptions& inprocess,
+                                             std::string_view command);
+
+// Keeps freed activation memory in the process (glibc: mmap threshold 32 MiB, trim threshold
+// 1 GiB) instead of returning it to the kernel after every step and faulting it back in: a
+// training step allocates its activations afresh, and the default settings cost ~15k page
+// faults per default step (~15% of its CPU time). Process-wide: the training commands call it
+// once. Returns false if the allocator refused.
+bool KeepFreedMemoryForTraining();
+
+}  // namespace switchyard::cli
