@@ -154,14 +154,14 @@ namespace {
 // group (world, tp, ep, etp, arrangement and the H-shards per expert).
 void RequireSameGroups(const Mesh& want, const Mesh& have) {
   auto describe = [](const Mesh& m) {
-    return fmt::format("world {}, tp {}, ep {}, etp {}, arrangement {}, {} H-shard(s) per expert",
-                       m.world_size(), m.tp(), m.ep(), m.config().etp,
-                       ArrangementName(m.arrangement()), m.shards());
+    const MeshConfig& c = m.config();
+    return fmt::format(
+        "world {}, tp {}, pp {}, cp {}, ep {}, etp {}, arrangement {}, order {}, {} H-shard(s) per "
+        "expert",
+        m.world_size(), c.tp, c.pp, c.cp, m.ep(), c.etp, ArrangementName(m.arrangement()), c.order,
+        m.shards());
   };
-  const bool same = want.world_size() == have.world_size() && want.tp() == have.tp() &&
-                    want.ep() == have.ep() && want.config().etp == have.config().etp &&
-                    want.arrangement() == have.arrangement() && want.shards() == have.shards();
-  SY_REQUIRE(same, InvalidArgument,
+  SY_REQUIRE(want.SameLayout(have), InvalidArgument,
              "process groups: built for the mesh ({}), but the layer's options ask for ({})",
              describe(have), describe(want));
 }

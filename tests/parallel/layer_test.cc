@@ -533,9 +533,10 @@ TEST(ParallelLayer, LayersShareOneSetOfProcessGroups) {
     }
   });
   for (const std::string& e : errors) {
-    EXPECT_NE(e.find("process groups: built for the mesh (world 4, tp 1, ep 4, etp 1, "
-                     "arrangement deepspeed, 1 H-shard(s) per expert), but the layer's options "
-                     "ask for (world 4, tp 1, ep 4, etp 1, arrangement deepspeed, 2 H-shard(s)"),
+    EXPECT_NE(e.find("process groups: built for the mesh (world 4, tp 1, pp 1, cp 1, ep 4, etp 1, "
+                     "arrangement deepspeed, order tp-cp-ep-dp-pp, 1 H-shard(s) per expert), but "
+                     "the layer's options ask for (world 4, tp 1, pp 1, cp 1, ep 4, etp 1, "
+                     "arrangement deepspeed, order tp-cp-ep-dp-pp, 2 H-shard(s)"),
               std::string::npos)
         << e;
   }
