@@ -98,6 +98,19 @@ int64_t Split(std::string_view layer, std::string_view dim_name, int64_t dim,
   return dim / g.size();
 }
 
+// out_dim / P for a column-parallel layer of `fused_parts` parts each split over the group.
+int64_t FusedSplit(const std::string& prefix, int64_t out_dim, int64_t fused_parts,
+                   const comm::Communicator& g) {
+  const std::string layer = prefix + " column-parallel linear";
+  if (fused_parts == 1) return Split(layer, "out_dim", out_dim, g);
+  SY_REQUIRE(fused_parts > 1 && out_dim > 0 && out_dim % (fused_parts * g.size()) == 0,
+             InvalidArgument,
+             "{}: out_dim {} of {} fused parts does not divide by parts x tensor-parallel size "
+             "({} x {}; group '{}')",
+             layer, out_dim, fused_parts, fused_parts, g.size(), g.name());
+  return out_dim / g.size();
+}
+
 void CheckOptions(std::string_view layer, const TensorParallelOptions& o) {
   SY_REQUIRE(!o.comm_overlap || o.sequence_parallel, InvalidArgument,
              "{}: communication-GEMM overlap needs sequence parallelism (it overlaps the "
@@ -243,17 +256,21 @@ void RingGemmReduceScatter(comm::Communicator& group, const Tensor& output,
 ColumnParallelLinear::ColumnParallelLinear(ParameterSet& params, const std::string& prefix,
                                            int64_t in_dim, int64_t out_dim, bool bias,
                                            float init_std, uint64_t seed, comm::Communicator& group,
-                                           TensorParallelOptions options)
+                                           TensorParallelOptions options, int64_t fused_parts)
     : group_(group),
       options_(options),
       out_dim_(out_dim),
-      local_(params, prefix, in_dim,
-             Split(prefix + " column-parallel linear", "out_dim", out_dim, group), bias, init_std,
-             seed) {
+      local_(params, prefix, in_dim, FusedSplit(prefix, out_dim, fused_parts, group), bias,
+             init_std, seed) {
   CheckOptions(prefix + " column-parallel linear", options);
-  const int64_t rows = local_.out_dim(), r = group.rank();
+  // Rows [f * part + r * local, f * part + (r + 1) * local) of every fused part f.
+  const int64_t part = out_dim / fused_parts, local = part / group.size(), r = group.rank();
   Tensor full = FullInit(out_dim, in_dim, init_std, seed, prefix + "weight");
-  local_.weight().value.CopyFrom(full.Slice(r * rows, (r + 1) * rows));
+  for (int64_t f = 0; f < fused_parts; ++f) {
+    local_.weight()
+        .value.Slice(f * local, (f + 1) * local)
+        .CopyFrom(full.Slice(f * part + r * local, f * part + (r + 1) * local));
+  }
 }
 
 Tensor ColumnParallelLinear::Forward(const Tensor& x, ColumnParallelCache* cache, int threads,

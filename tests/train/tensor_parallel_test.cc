@@ -233,6 +233,70 @@ TEST_P(TensorParallelLinear, ColumnParallelEqualsLinear) {
   });
 }
 
+// Rank r's rows of a fused weight/bias [F * S, ...]: rows [f S + r S / P, f S + (r + 1) S / P) of
+// every part f, in order.
+Tensor FusedRows(const Tensor& t, int64_t parts, int r, int p) {
+  const int64_t part = t.size(0) / parts, local = part / p;
+  Shape shape = t.shape();
+  shape[0] = parts * local;
+  Tensor out = Tensor::Empty(shape);
+  for (int64_t f = 0; f < parts; ++f) {
+    out.Slice(f * local, (f + 1) * local)
+        .CopyFrom(t.Slice(f * part + r * local, f * part + (r + 1) * local));
+  }
+  return out;
+}
+
+Tensor Transpose(const Tensor& t) {
+  const int64_t a = t.size(0), b = t.size(1);
+  Tensor out = Tensor::Empty({b, a});
+  for (int64_t i = 0; i < a; ++i) {
+    for (int64_t j = 0; j < b; ++j) out.data<float>()[j * a + i] = t.data<float>()[i * b + j];
+  }
+  return out;
+}
+
+// Attention's fused q | k | v projection: each of the three parts split over the ranks, so that
+// rank r's output is its heads' q | k | v.
+TEST_P(TensorParallelLinear, FusedQkvColumnParallelEqualsLinear) {
+  const Mode m = GetMode();
+  const int64_t in = 4, part = 12, out = 3 * part;
+  const int64_t n = m.sequence_parallel ? 3 * m.tp : 5;
+  ParameterSet ref_params;
+  Linear ref(ref_params, "qkv.", in, out, /*bias=*/true, 0.1f, 5);
+  Tensor bias0 = RandomTensor({out}, 81);
+  ref.bias()->value.CopyFrom(bias0);
+  Tensor x = RandomTensor({n, in}, 82), dy = RandomTensor({n, out}, 83);
+  Tensor y_ref = ref.Forward(x);
+  Tensor dx_ref = ref.Backward(x, dy);
+  comm::RunInProcess(m.tp, [&](comm::Communicator& group) {
+    const int r = group.rank(), p = m.tp;
+    ParameterSet params;
+    ColumnParallelLinear qkv(params, "qkv.", in, out, true, 0.1f, 5, group,
+                             {.sequence_parallel = m.sequence_parallel, .comm_overlap = m.overlap},
+                             /*fused_parts=*/3);
+    const std::string who = Name(m) + " rank " + std::to_string(r);
+    EXPECT_TRUE(Close(params.Get("qkv.weight").value,
+                      FusedRows(ref_params.Get("qkv.weight").value, 3, r, p)))
+        << who;
+    params.Get("qkv.bias").value.CopyFrom(FusedRows(bias0, 3, r, p));
+    auto shard = [&](const Tensor& t) {
+      return m.sequence_parallel ? SequenceShard("t", t, group) : t;
+    };
+    ColumnParallelCache cache;
+    Tensor y = qkv.Forward(shard(x), &cache);
+    EXPECT_TRUE(Close(y, Transpose(FusedRows(Transpose(y_ref), 3, r, p)))) << who << " y";
+    Tensor dx = qkv.Backward(cache, Transpose(FusedRows(Transpose(dy), 3, r, p)));
+    EXPECT_TRUE(Close(dx, shard(dx_ref))) << who << " dx";
+    EXPECT_TRUE(
+        Close(params.Get("qkv.weight").grad, FusedRows(ref_params.Get("qkv.weight").grad, 3, r, p)))
+        << who << " dW";
+    EXPECT_TRUE(
+        Close(params.Get("qkv.bias").grad, FusedRows(ref_params.Get("qkv.bias").grad, 3, r, p)))
+        << who << " db";
+  });
+}
+
 // Row-parallel fc (in sharded -> out) against Linear.
 TEST_P(TensorParallelLinear, RowParallelEqualsLinear) {
   const Mode m = GetMode();
@@ -549,6 +613,8 @@ TEST(TensorParallelErrors, IndivisibleSizesAndTokensAreNamed) {
                  "in_dim 8 does not divide by the tensor-parallel size 3");
     expect_error([&] { VocabParallelEmbedding(params, "c.", 10, 4, 0.1f, 1, group); },
                  "num_embeddings (vocabulary) 10 does not divide");
+    expect_error([&] { ColumnParallelLinear(params, "q.", 4, 12, true, 0.1f, 1, group, {}, 3); },
+                 "out_dim 12 of 3 fused parts does not divide by parts x tensor-parallel size");
     expect_error(
         [&] {
           ColumnParallelLinear(params, "d.", 4, 9, true, 0.1f, 1, group, {.comm_overlap = true});

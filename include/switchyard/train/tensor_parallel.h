@@ -78,6 +78,10 @@ struct ColumnParallelCache {
 // y = x · W_r^T + b_r, with W_r = rows [r * out_dim / P, (r + 1) * out_dim / P) of the single-rank
 // weight [out_dim, in_dim] (and b_r of the bias). "<prefix>weight" [out_dim / P, in_dim],
 // "<prefix>bias" [out_dim / P].
+// fused_parts F > 1: the output is F equal parts fused in one weight (attention's q | k | v, F = 3)
+// and each part is split on its own: W_r = rows [f * S + r * S / P, f * S + (r + 1) * S / P) for
+// f = 0..F-1, S = out_dim / F, in that order (so y holds this rank's q | k | v). out_dim must
+// divide by F * P.
 // x: [num_tokens, in_dim] replicated, or [num_tokens / P, in_dim] with sequence_parallel.
 // y: [num_tokens, out_dim / P] (this rank's output columns, all tokens).
 // Backward(dy [num_tokens, out_dim / P]) returns dx in x's layout: all-reduced over the group, or
@@ -86,7 +90,8 @@ class ColumnParallelLinear {
  public:
   ColumnParallelLinear(ParameterSet& params, const std::string& prefix, int64_t in_dim,
                        int64_t out_dim, bool bias, float init_std, uint64_t seed,
-                       comm::Communicator& group, TensorParallelOptions options = {});
+                       comm::Communicator& group, TensorParallelOptions options = {},
+                       int64_t fused_parts = 1);
 
   int64_t in_dim() const { return local_.in_dim(); }
   int64_t out_dim() const { return out_dim_; }
