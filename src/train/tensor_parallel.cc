@@ -251,6 +251,83 @@ void RingGemmReduceScatter(comm::Communicator& group, const Tensor& output,
   }
 }
 
+// ---- Shards of the single-rank tensors ----
+
+Tensor ShardOf(std::string_view what, const Tensor& full, const TpShard& shard, int rank,
+               int size) {
+  SY_REQUIRE(full.defined() && full.dim() >= 1, InvalidArgument, "{}: expected a tensor, got {}",
+             what, full.defined() ? ShapeToString(full.shape()) : "undefined");
+  ExpectDType(what, full, DType::kFloat32);
+  if (shard.dim == TpShard::Dim::kReplicated) return full.Clone();
+  if (shard.dim == TpShard::Dim::kColumns) {
+    SY_REQUIRE(full.dim() == 2 && full.size(1) % size == 0, InvalidArgument,
+               "{}: columns of {} do not divide by the tensor-parallel size {}", what,
+               ShapeToString(full.shape()), size);
+    const int64_t rows = full.size(0), cols = full.size(1), local = cols / size;
+    Tensor out = Tensor::Empty({rows, local});
+    for (int64_t i = 0; i < rows; ++i) {
+      std::copy_n(full.data<float>() + i * cols + rank * local, local,
+                  out.data<float>() + i * local);
+    }
+    return out;
+  }
+  const int64_t parts = shard.fused_parts;
+  SY_REQUIRE(parts >= 1 && full.size(0) % (parts * size) == 0, InvalidArgument,
+             "{}: rows of {} do not divide into {} fused parts x tensor-parallel size {}", what,
+             ShapeToString(full.shape()), parts, size);
+  // Rows [f * part + r * local, f * part + (r + 1) * local) of every fused part f.
+  const int64_t part = full.size(0) / parts, local = part / size;
+  Shape s = full.shape();
+  s[0] = parts * local;
+  Tensor out = Tensor::Empty(s);
+  for (int64_t f = 0; f < parts; ++f) {
+    out.Slice(f * local, (f + 1) * local)
+        .CopyFrom(full.Slice(f * part + rank * local, f * part + (rank + 1) * local));
+  }
+  return out;
+}
+
+Tensor GatherFull(comm::Communicator& group, const Tensor& local, const TpShard& shard,
+                  CommStats* stats) {
+  SY_REQUIRE(local.defined() && local.dim() >= 1, InvalidArgument,
+             "tensor-parallel gather: expected a shard, got {}",
+             local.defined() ? ShapeToString(local.shape()) : "undefined");
+  ExpectDType("tensor-parallel gather", local, DType::kFloat32);
+  if (shard.dim == TpShard::Dim::kReplicated) return local.Clone();
+  const int p = group.size();
+  if (shard.dim == TpShard::Dim::kColumns) {
+    SY_REQUIRE(local.dim() == 2, InvalidArgument,
+               "tensor-parallel gather: a column shard must be 2-d, got {}",
+               ShapeToString(local.shape()));
+  }
+  const int64_t parts = shard.dim == TpShard::Dim::kRows ? shard.fused_parts : 1;
+  SY_REQUIRE(parts >= 1 && local.size(0) % parts == 0, InvalidArgument,
+             "tensor-parallel gather: {} rows do not hold {} fused parts", local.size(0), parts);
+  Tensor all = GatherSequence(group, local, stats);  // block q = rank q's shard
+  if (shard.dim == TpShard::Dim::kColumns) {
+    const int64_t rows = local.size(0), lc = local.size(1);
+    Tensor full = Tensor::Empty({rows, p * lc});
+    for (int q = 0; q < p; ++q) {
+      for (int64_t i = 0; i < rows; ++i) {
+        std::copy_n(all.data<float>() + (q * rows + i) * lc, lc,
+                    full.data<float>() + i * p * lc + q * lc);
+      }
+    }
+    return full;
+  }
+  const int64_t lr = local.size(0) / parts, part = lr * p;
+  Shape s = local.shape();
+  s[0] = parts * part;
+  Tensor full = Tensor::Empty(s);
+  for (int q = 0; q < p; ++q) {
+    for (int64_t f = 0; f < parts; ++f) {
+      const int64_t src = q * parts * lr + f * lr, dst = f * part + q * lr;
+      full.Slice(dst, dst + lr).CopyFrom(all.Slice(src, src + lr));
+    }
+  }
+  return full;
+}
+
 // ---- ColumnParallelLinear ----
 
 ColumnParallelLinear::ColumnParallelLinear(ParameterSet& params, const std::string& prefix,
@@ -260,17 +337,19 @@ ColumnParallelLinear::ColumnParallelLinear(ParameterSet& params, const std::stri
     : group_(group),
       options_(options),
       out_dim_(out_dim),
+      fused_parts_(fused_parts),
       local_(params, prefix, in_dim, FusedSplit(prefix, out_dim, fused_parts, group), bias,
              init_std, seed) {
   CheckOptions(prefix + " column-parallel linear", options);
-  // Rows [f * part + r * local, f * part + (r + 1) * local) of every fused part f.
-  const int64_t part = out_dim / fused_parts, local = part / group.size(), r = group.rank();
-  Tensor full = FullInit(out_dim, in_dim, init_std, seed, prefix + "weight");
-  for (int64_t f = 0; f < fused_parts; ++f) {
-    local_.weight()
-        .value.Slice(f * local, (f + 1) * local)
-        .CopyFrom(full.Slice(f * part + r * local, f * part + (r + 1) * local));
-  }
+  local_.weight().value.CopyFrom(
+      ShardOf(prefix + "weight", FullInit(out_dim, in_dim, init_std, seed, prefix + "weight"),
+              {TpShard::Dim::kRows, fused_parts}, group.rank(), group.size()));
+}
+
+std::vector<TpParameter> ColumnParallelLinear::parameters() const {
+  std::vector<TpParameter> out = {{&local_.weight(), {TpShard::Dim::kRows, fused_parts_}}};
+  if (local_.bias() != nullptr) out.push_back({local_.bias(), {TpShard::Dim::kRows, fused_parts_}});
+  return out;
 }
 
 Tensor ColumnParallelLinear::Forward(const Tensor& x, ColumnParallelCache* cache, int threads,
@@ -347,14 +426,16 @@ RowParallelLinear::RowParallelLinear(ParameterSet& params, const std::string& pr
       local_(params, prefix, Split(prefix + " row-parallel linear", "in_dim", in_dim, group),
              out_dim, /*bias=*/false, init_std, seed) {
   CheckOptions(prefix + " row-parallel linear", options);
-  const int64_t cols = local_.in_dim(), r = group.rank();
-  Tensor full = FullInit(out_dim, in_dim, init_std, seed, prefix + "weight");
-  const float* src = full.data<float>();
-  float* dst = local_.weight().value.data<float>();
-  for (int64_t i = 0; i < out_dim; ++i) {
-    std::copy_n(src + i * in_dim + r * cols, cols, dst + i * cols);
-  }
+  local_.weight().value.CopyFrom(
+      ShardOf(prefix + "weight", FullInit(out_dim, in_dim, init_std, seed, prefix + "weight"),
+              {TpShard::Dim::kColumns}, group.rank(), group.size()));
   if (bias) bias_ = &params.Add(prefix + "bias", Tensor::Zeros({out_dim}));
+}
+
+std::vector<TpParameter> RowParallelLinear::parameters() const {
+  std::vector<TpParameter> out = {{&local_.weight(), {TpShard::Dim::kColumns}}};
+  if (bias_ != nullptr) out.push_back({bias_, {TpShard::Dim::kReplicated}});
+  return out;
 }
 
 Tensor RowParallelLinear::Forward(const Tensor& x, RowParallelCache* cache, int threads,
@@ -438,10 +519,15 @@ VocabParallelEmbedding::VocabParallelEmbedding(ParameterSet& params, const std::
   CheckOptions(prefix + " vocab-parallel embedding", options);
   SY_REQUIRE(dim > 0, InvalidArgument, "{}: Embedding dim must be positive, got {}", prefix, dim);
   vocab_start_ = group.rank() * local_rows_;
-  Tensor full = FullInit(num_embeddings, dim, init_std, seed, prefix + "weight");
-  weight_ =
-      &params.Add(prefix + "weight", full.Slice(vocab_start_, vocab_start_ + local_rows_).Clone(),
-                  {.weight_decay = true});
+  weight_ = &params.Add(
+      prefix + "weight",
+      ShardOf(prefix + "weight", FullInit(num_embeddings, dim, init_std, seed, prefix + "weight"),
+              {TpShard::Dim::kRows}, group.rank(), group.size()),
+      {.weight_decay = true});
+}
+
+std::vector<TpParameter> VocabParallelEmbedding::parameters() const {
+  return {{weight_, {TpShard::Dim::kRows}}};
 }
 
 namespace {

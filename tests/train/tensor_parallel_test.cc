@@ -595,6 +595,54 @@ TEST(RingOverlapTest, HopsAreHiddenBehindTheBlockGemms) {
   }
 }
 
+// Checkpoints independent of tp: every layer's shards gather to the single-rank tensors, and
+// those shard back to what each rank holds, for any tp (so a run saved at tp P resumes at tp Q).
+class TensorParallelShards : public ::testing::TestWithParam<int> {};
+
+TEST_P(TensorParallelShards, GatherToTheSingleRankTensorsAndBack) {
+  const int tp = GetParam();
+  comm::RunInProcess(tp, [&](comm::Communicator& world) {
+    CountingCommunicator group(world);
+    const int r = group.rank();
+    ParameterSet params;
+    ColumnParallelLinear qkv(params, "qkv.", 4, 36, true, 0.1f, 1, group, {}, 3);
+    RowParallelLinear proj(params, "proj.", 12, 5, true, 0.1f, 1, group);
+    VocabParallelEmbedding embed(params, "embed.", 24, 4, 0.1f, 1, group);
+    ParameterSet ref;  // the single-rank tensors of the same names, "trained" (random)
+    Linear ref_qkv(ref, "qkv.", 4, 36, true, 0.1f, 1);
+    Linear ref_proj(ref, "proj.", 12, 5, true, 0.1f, 1);
+    Embedding ref_embed(ref, "embed.", 24, 4, 0.1f, 1);
+    uint64_t seed = 90;
+    std::vector<TpParameter> all;
+    for (auto list : {qkv.parameters(), proj.parameters(), embed.parameters()}) {
+      all.insert(all.end(), list.begin(), list.end());
+    }
+    ASSERT_EQ(all.size(), 5u);
+    double want_bytes = 0;
+    for (const TpParameter& tpp : all) {
+      const std::string who =
+          "tp " + std::to_string(tp) + " rank " + std::to_string(r) + " " + tpp.param->name;
+      Tensor full = ref.Get(tpp.param->name).value;
+      full.CopyFrom(RandomTensor(full.shape(), seed++));
+      tpp.param->value.CopyFrom(ShardOf(tpp.param->name, full, tpp.shard, r, tp));
+      Tensor gathered = GatherFull(group, tpp.param->value, tpp.shard);
+      EXPECT_TRUE(Close(gathered, full)) << who;
+      EXPECT_TRUE(Close(ShardOf("again", gathered, tpp.shard, r, tp), tpp.param->value)) << who;
+      if (tpp.shard.dim != TpShard::Dim::kReplicated) {
+        want_bytes += (tp - 1) * static_cast<double>(tpp.param->value.nbytes());
+      }
+    }
+    EXPECT_DOUBLE_EQ(group.bytes, want_bytes);
+    // The loaded shards compute what the single-rank layers compute.
+    Tensor x = RandomTensor({3, 4}, 99);
+    ColumnParallelCache cache;
+    EXPECT_TRUE(Close(qkv.Forward(x, &cache),
+                      Transpose(FusedRows(Transpose(ref_qkv.Forward(x)), 3, r, tp))));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Tp, TensorParallelShards, ::testing::Values(1, 2, 3, 4));
+
 // Bad layouts are named.
 TEST(TensorParallelErrors, IndivisibleSizesAndTokensAreNamed) {
   comm::RunInProcess(3, [&](comm::Communicator& group) {
@@ -620,6 +668,11 @@ TEST(TensorParallelErrors, IndivisibleSizesAndTokensAreNamed) {
           ColumnParallelLinear(params, "d.", 4, 9, true, 0.1f, 1, group, {.comm_overlap = true});
         },
         "needs sequence parallelism");
+    expect_error(
+        [&] {
+          ShardOf("w", Tensor::Zeros({4, 4}), {TpShard::Dim::kColumns}, group.rank(), group.size());
+        },
+        "w: columns of [4, 4] do not divide by the tensor-parallel size 3");
     expect_error(
         [&] {
           SequenceShard("x", Tensor::Zeros({4, 2}), group);

@@ -29,6 +29,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "switchyard/comm/communicator.h"
 #include "switchyard/core/tensor.h"
@@ -71,6 +72,30 @@ void RingAllGatherGemm(comm::Communicator& group, const Tensor& part, const Tens
 void RingGemmReduceScatter(comm::Communicator& group, const Tensor& output,
                            const BlockGemm& partial, parallel::CommStats* stats = nullptr);
 
+// How a parameter is split over the group, for checkpoints that do not depend on P: rank r's
+// shard of the single-rank tensor.
+struct TpShard {
+  enum class Dim : uint8_t {
+    kReplicated,  // every rank holds the whole tensor
+    kRows,        // dim 0 split, each of fused_parts equal parts on its own (see fused_parts below)
+    kColumns      // dim 1 of a 2-d tensor split
+  };
+  Dim dim = Dim::kReplicated;
+  int64_t fused_parts = 1;  // kRows only
+};
+// A parameter of a tensor-parallel layer and how it is split.
+struct TpParameter {
+  Parameter* param;
+  TpShard shard;
+};
+// Rank `rank`'s shard (a copy) of the single-rank tensor `full` for a group of `size` ranks;
+// InvalidArgument naming `what` when the split dimension does not divide.
+Tensor ShardOf(std::string_view what, const Tensor& full, const TpShard& shard, int rank, int size);
+// Inverse of ShardOf over the group: the single-rank tensor from every rank's shard `local` (an
+// all-gather except for kReplicated), equal on every rank.
+Tensor GatherFull(comm::Communicator& group, const Tensor& local, const TpShard& shard,
+                  parallel::CommStats* stats = nullptr);
+
 struct ColumnParallelCache {
   Tensor x;  // [num_tokens, in_dim] the GEMM's input (gathered over tokens with sequence_parallel)
 };
@@ -97,6 +122,8 @@ class ColumnParallelLinear {
   int64_t out_dim() const { return out_dim_; }
   int64_t local_out_dim() const { return local_.out_dim(); }
   const Linear& local() const { return local_; }
+  // weight and bias: kRows with fused_parts.
+  std::vector<TpParameter> parameters() const;
 
   Tensor Forward(const Tensor& x, ColumnParallelCache* cache, int threads = 1,
                  parallel::CommStats* stats = nullptr) const;
@@ -107,6 +134,7 @@ class ColumnParallelLinear {
   comm::Communicator& group_;
   TensorParallelOptions options_;
   int64_t out_dim_;
+  int64_t fused_parts_;
   Linear local_;
 };
 
@@ -134,6 +162,8 @@ class RowParallelLinear {
   int64_t local_in_dim() const { return local_.in_dim(); }
   const Linear& local() const { return local_; }
   Parameter* bias() const { return bias_; }
+  // weight kColumns, bias kReplicated.
+  std::vector<TpParameter> parameters() const;
 
   Tensor Forward(const Tensor& x, RowParallelCache* cache, int threads = 1,
                  parallel::CommStats* stats = nullptr) const;
@@ -165,6 +195,8 @@ class VocabParallelEmbedding {
   int64_t vocab_start() const { return vocab_start_; }
   int64_t local_num_embeddings() const { return local_rows_; }
   Parameter& weight() const { return *weight_; }
+  // weight kRows.
+  std::vector<TpParameter> parameters() const;
 
   Tensor Forward(const Tensor& ids, parallel::CommStats* stats = nullptr) const;
   void Backward(const Tensor& ids, const Tensor& dy, parallel::CommStats* stats = nullptr) const;
