@@ -29,6 +29,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "switchyard/comm/communicator.h"
