@@ -137,6 +137,26 @@ comm::Work StartShift(comm::Communicator& g, const float* send, float* recv, int
   return g.AllToAllV(send, send_counts, {}, recv, recv_counts, {}, DType::kFloat32);
 }
 
+// Waits for a hop still in flight when the ring is left by an exception, so that the transport
+// never writes into buffers that unwinding frees (the hop's own error is dropped: the exception
+// in flight is the one reported).
+class HopGuard {
+ public:
+  explicit HopGuard(const comm::Work& hop) : hop_(hop) {}
+  HopGuard(const HopGuard&) = delete;
+  HopGuard& operator=(const HopGuard&) = delete;
+  ~HopGuard() {
+    if (hop_.IsCompleted()) return;
+    try {
+      hop_.Wait();
+    } catch (...) {  // the error that unwinds us is the one to report
+    }
+  }
+
+ private:
+  const comm::Work& hop_;
+};
+
 // Each row of y [n, cols] = bias.
 void FillRows(const Tensor& y, const Parameter& bias) {
   const int64_t n = y.size(0), cols = y.size(1);
@@ -199,9 +219,10 @@ void RingAllGatherGemm(comm::Communicator& group, const Tensor& part, const Tens
   gathered.Slice(r * n, (r + 1) * n).CopyFrom(part);
   const int64_t count = part.numel();
   float* base = gathered.data<float>();
+  comm::Work hop;
+  HopGuard guard(hop);
   for (int s = 0; s < p; ++s) {
     const int block = (r - s + p) % p;
-    comm::Work hop;
     double issued = 0;
     if (s + 1 < p) {
       const int next = (block - 1 + p) % p;
@@ -230,6 +251,7 @@ void RingGemmReduceScatter(comm::Communicator& group, const Tensor& output,
     recv = Tensor::Empty(output.shape());
   }
   comm::Work hop;
+  HopGuard guard(hop);
   double issued = 0;
   for (int s = 0; s < p; ++s) {
     // Block b's accumulator starts at rank b + 1 and ends, after p - 1 hops, at rank b.

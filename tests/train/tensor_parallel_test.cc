@@ -595,6 +595,41 @@ TEST(RingOverlapTest, HopsAreHiddenBehindTheBlockGemms) {
   }
 }
 
+// A block that throws leaves the ring with its hop completed (the transport never writes into
+// freed buffers; AddressSanitizer watches this test) and the error reaches the caller.
+TEST(RingOverlapTest, AnErrorInABlockReachesTheCallerAfterTheHop) {
+  for (int tp : {2, 3}) {
+    EXPECT_THROW(comm::RunInProcess(tp,
+                                    [&](comm::Communicator& group) {
+                                      Tensor part = RandomTensor({5, 3}, 1);
+                                      Tensor gathered = Tensor::Empty({tp * 5, 3});
+                                      int calls = 0;
+                                      RingAllGatherGemm(group, part, gathered,
+                                                        [&](int, const Tensor&) {
+                                                          if (++calls == 2) {
+                                                            throw InvalidArgument("block failed");
+                                                          }
+                                                        });
+                                    }),
+                 InvalidArgument)
+        << "tp " << tp;
+    EXPECT_THROW(comm::RunInProcess(tp,
+                                    [&](comm::Communicator& group) {
+                                      Tensor out = Tensor::Empty({5, 3});
+                                      int calls = 0;
+                                      RingGemmReduceScatter(group, out,
+                                                            [&](int, const Tensor& dst) {
+                                                              dst.Fill(1.0);
+                                                              if (++calls == 2) {
+                                                                throw InvalidArgument("failed");
+                                                              }
+                                                            });
+                                    }),
+                 InvalidArgument)
+        << "tp " << tp;
+  }
+}
+
 // Checkpoints independent of tp: every layer's shards gather to the single-rank tensors, and
 // those shard back to what each rank holds, for any tp (so a run saved at tp P resumes at tp Q).
 class TensorParallelShards : public ::testing::TestWithParam<int> {};
