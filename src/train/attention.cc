@@ -24,17 +24,19 @@ CausalSelfAttention::CausalSelfAttention(ParameterSet& params, const std::string
              model_dim);
 }
 
-Tensor CausalSelfAttention::Forward(const Tensor& x, int64_t batch_size, int threads,
-                                    AttentionCache* cache) const {
-  SY_REQUIRE(batch_size > 0 && x.defined() && x.dim() == 2 && x.size(0) % batch_size == 0,
+Tensor CausalAttentionForward(const Tensor& qkv, int64_t batch_size, int64_t num_heads, int threads,
+                              Tensor* probs_out) {
+  SY_REQUIRE(batch_size > 0 && num_heads > 0 && qkv.defined() && qkv.dim() == 2 &&
+                 qkv.size(0) % batch_size == 0 && qkv.size(1) % (3 * num_heads) == 0,
              InvalidArgument,
-             "attention x: expected [batch_size * seq_len, model_dim] with batch_size {}, got {}",
-             batch_size, x.defined() ? ShapeToString(x.shape()) : "undefined");
-  const int64_t m = model_dim_, heads = num_heads_, hd = m / heads;
-  const int64_t seq = x.size(0) / batch_size;
-  Tensor qkv = qkv_.Forward(x, threads);
+             "attention qkv: expected [batch_size * seq_len, 3 * num_heads * head_dim] with "
+             "batch_size {} and num_heads {}, got {}",
+             batch_size, num_heads, qkv.defined() ? ShapeToString(qkv.shape()) : "undefined");
+  ExpectDType("attention qkv", qkv, DType::kFloat32);
+  const int64_t m = qkv.size(1) / 3, heads = num_heads, hd = m / heads;
+  const int64_t seq = qkv.size(0) / batch_size;
   Tensor probs = Tensor::Empty({batch_size, heads, seq, seq});
-  Tensor att = Tensor::Empty({x.size(0), m});
+  Tensor att = Tensor::Empty({qkv.size(0), m});
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float* qkvp = qkv.data<float>();
   float* pp = probs.data<float>();
@@ -57,22 +59,20 @@ Tensor CausalSelfAttention::Forward(const Tensor& x, int64_t batch_size, int thr
                     ap + b * seq * m + h * hd, m);
     }
   });
-  Tensor y = proj_.Forward(att, threads);
-  if (cache != nullptr) *cache = AttentionCache{x, qkv, probs, att, batch_size};
-  return y;
+  if (probs_out != nullptr) *probs_out = probs;
+  return att;
 }
 
-Tensor CausalSelfAttention::Backward(const AttentionCache& cache, const Tensor& dy,
-                                     int threads) const {
-  const int64_t m = model_dim_, heads = num_heads_, hd = m / heads;
-  const int64_t num_tokens = cache.x.size(0), batch_size = cache.batch_size;
+Tensor CausalAttentionBackward(const Tensor& qkv, const Tensor& probs, const Tensor& datt,
+                               int64_t batch_size, int64_t num_heads, int threads) {
+  const int64_t num_tokens = qkv.size(0), m = qkv.size(1) / 3, heads = num_heads, hd = m / heads;
   const int64_t seq = num_tokens / batch_size;
-  ExpectShape("attention dy", dy, {num_tokens, m});
-  Tensor datt = proj_.Backward(cache.att, dy, threads);
+  ExpectShape("attention probs", probs, {batch_size, heads, seq, seq});
+  ExpectShape("attention datt", datt, {num_tokens, m});
   Tensor dqkv = Tensor::Empty({num_tokens, 3 * m});
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const float* qkvp = cache.qkv.data<float>();
-  const float* pp = cache.probs.data<float>();
+  const float* qkvp = qkv.data<float>();
+  const float* pp = probs.data<float>();
   const float* dap = datt.data<float>();
   float* dqkvp = dqkv.data<float>();
   ParallelFor(batch_size * heads, threads, [&](int64_t begin, int64_t end) {
@@ -105,6 +105,29 @@ Tensor CausalSelfAttention::Backward(const AttentionCache& cache, const Tensor& 
                     dk, 3 * m);
     }
   });
+  return dqkv;
+}
+
+Tensor CausalSelfAttention::Forward(const Tensor& x, int64_t batch_size, int threads,
+                                    AttentionCache* cache) const {
+  SY_REQUIRE(batch_size > 0 && x.defined() && x.dim() == 2 && x.size(0) % batch_size == 0,
+             InvalidArgument,
+             "attention x: expected [batch_size * seq_len, model_dim] with batch_size {}, got {}",
+             batch_size, x.defined() ? ShapeToString(x.shape()) : "undefined");
+  Tensor qkv = qkv_.Forward(x, threads);
+  Tensor probs;
+  Tensor att = CausalAttentionForward(qkv, batch_size, num_heads_, threads, &probs);
+  Tensor y = proj_.Forward(att, threads);
+  if (cache != nullptr) *cache = AttentionCache{x, qkv, probs, att, batch_size};
+  return y;
+}
+
+Tensor CausalSelfAttention::Backward(const AttentionCache& cache, const Tensor& dy,
+                                     int threads) const {
+  ExpectShape("attention dy", dy, {cache.x.size(0), model_dim_});
+  Tensor datt = proj_.Backward(cache.att, dy, threads);
+  Tensor dqkv =
+      CausalAttentionBackward(cache.qkv, cache.probs, datt, cache.batch_size, num_heads_, threads);
   return qkv_.Backward(cache.x, dqkv, threads);
 }
 

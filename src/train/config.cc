@@ -72,6 +72,11 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("zero_stage", c.zero_stage);
   fn("dispatch", c.dispatch);
   fn("overlap_degree", c.overlap_degree);
+  fn("tp", c.tp);
+  fn("sequence_parallel", c.sequence_parallel);
+  fn("tp_comm_overlap", c.tp_comm_overlap);
+  fn("arrangement", c.arrangement);
+  fn("etp", c.etp);
 }
 
 struct ToJsonVisitor {
@@ -248,6 +253,11 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"zero_stage", "ZeRO stage of the optimizer: 0, 1, 2 or 3"},
       {"dispatch", "MoE dispatcher: alltoall | alltoallv | allgather"},
       {"overlap_degree", "a2a-FFN overlap degree D of the MoE blocks (1: none)"},
+      {"tp", "tensor-parallel size (divides ranks, num_heads, hidden_dim, vocab_size)"},
+      {"sequence_parallel", "shard norms and the residual stream along the sequence over tp"},
+      {"tp_comm_overlap", "sequence-parallel all-gather/reduce-scatter as rings under the GEMMs"},
+      {"arrangement", "experts beside tp: auto | deepspeed | megatron"},
+      {"etp", "expert tensor-parallel size (megatron arrangement)"},
   };
   std::vector<ConfigKey> keys;
   TrainConfig c;
@@ -366,6 +376,28 @@ void ValidateTrainConfig(const TrainConfig& c) {
   at_least("ranks", static_cast<double>(c.ranks), 1);
   at_least("ep", static_cast<double>(c.ep), 0);
   at_least("overlap_degree", static_cast<double>(c.overlap_degree), 1);
+  at_least("tp", static_cast<double>(c.tp), 1);
+  at_least("etp", static_cast<double>(c.etp), 1);
+  SY_REQUIRE(!c.tp_comm_overlap || c.sequence_parallel, InvalidArgument,
+             "config: 'tp_comm_overlap' overlaps the sequence-parallel collectives: it needs "
+             "'sequence_parallel' true");
+  SY_REQUIRE(c.arrangement == "auto" || c.arrangement == "deepspeed" || c.arrangement == "megatron",
+             InvalidArgument,
+             "config: 'arrangement' must be \"auto\", \"deepspeed\" or \"megatron\", got \"{}\"",
+             c.arrangement);
+  if (c.tp > 1) {
+    SY_REQUIRE(c.ranks % c.tp == 0, InvalidArgument,
+               "config: 'tp' {} must divide 'ranks' {} (data-parallel size ranks / tp)", c.tp,
+               c.ranks);
+    for (const auto& [key, v] : {std::pair<const char*, int64_t>{"num_heads", c.model.num_heads},
+                                 {"hidden_dim", c.model.hidden_dim},
+                                 {"vocab_size", c.model.vocab_size}}) {
+      SY_REQUIRE(v % c.tp == 0, InvalidArgument,
+                 "config: '{}' {} does not divide by 'tp' {} (each tensor-parallel rank holds an "
+                 "equal part)",
+                 key, v, c.tp);
+    }
+  }
   SY_REQUIRE(c.zero_stage >= 0 && c.zero_stage <= 3, InvalidArgument,
              "config: 'zero_stage' must be 0, 1, 2 or 3, got {}", c.zero_stage);
   SY_REQUIRE(c.nonfinite == "stop" || c.nonfinite == "skip", InvalidArgument,
@@ -397,7 +429,8 @@ const std::vector<std::string>& ResumeMustMatchKeys() {
 
 bool IsLayoutKey(std::string_view key) {
   return key == "ranks" || key == "ep" || key == "zero_stage" || key == "dispatch" ||
-         key == "overlap_degree" || key == "threads";
+         key == "overlap_degree" || key == "threads" || key == "tp" || key == "sequence_parallel" ||
+         key == "tp_comm_overlap" || key == "arrangement" || key == "etp";
 }
 
 namespace {

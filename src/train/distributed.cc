@@ -86,9 +86,31 @@ comm::ConfigEntries AgreementEntries(const TrainConfig& config, const RunOptions
 
 }  // namespace
 
+parallel::Arrangement TrainArrangement(const TrainConfig& config) {
+  if (config.arrangement == "megatron") return parallel::Arrangement::kMegatron;
+  if (config.arrangement == "deepspeed") return parallel::Arrangement::kDeepSpeed;
+  return config.sequence_parallel ? parallel::Arrangement::kMegatron
+                                  : parallel::Arrangement::kDeepSpeed;
+}
+
+int TrainExpertParallelSize(const TrainConfig& config, int world_size) {
+  if (config.ep > 0) return static_cast<int>(config.ep);
+  const int tp = static_cast<int>(std::max<int64_t>(1, config.tp));
+  const int etp = static_cast<int>(std::max<int64_t>(1, config.etp));
+  // As large as the arrangement allows: DeepSpeed's EP groups sit inside the data-parallel ranks
+  // of each tp rank, Megatron's fold over all ranks of the etp groups.
+  if (TrainArrangement(config) == parallel::Arrangement::kMegatron) {
+    return std::max(1, world_size / etp);
+  }
+  return std::max(1, world_size / tp);
+}
+
 parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int world_size) {
   SY_REQUIRE(world_size >= 1, InvalidArgument, "ranks: expected >= 1, got {}", world_size);
-  const int ep = config.ep > 0 ? static_cast<int>(config.ep) : world_size;
+  SY_REQUIRE(config.tp >= 1 && world_size % config.tp == 0, InvalidArgument,
+             "config: 'tp' {} must divide the number of ranks {}", config.tp, world_size);
+  const parallel::Arrangement arrangement = TrainArrangement(config);
+  const int ep = TrainExpertParallelSize(config, world_size);
   SY_REQUIRE(world_size % ep == 0, InvalidArgument,
              "config: 'ep' {} must divide the number of ranks {}", ep, world_size);
   const int64_t e = config.num_experts;
@@ -110,9 +132,11 @@ parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int wo
   }
   parallel::ParallelOptions o;
   o.mesh.world_size = world_size;
-  o.mesh.tp = 1;
+  o.mesh.tp = static_cast<int>(config.tp);
   o.mesh.ep = ep;
-  o.mesh.arrangement = parallel::Arrangement::kDeepSpeed;
+  o.mesh.etp = static_cast<int>(config.etp);
+  o.mesh.arrangement = arrangement;
+  if (config.tp > 1) o.mesh.sequence_parallel = config.sequence_parallel;
   o.dispatch = parallel::DispatchKindFromName(config.dispatch);
   o.batch_scope = parallel::BatchScope::kGlobal;
   o.overlap_degree = static_cast<int>(config.overlap_degree);
@@ -129,7 +153,7 @@ ParallelMoeFeedForward::ParallelMoeFeedForward(ParameterSet& params, const std::
     : layer_(config, options, std::move(groups)),
       prefix_(prefix),
       params_(&params),
-      data_shards_(layer_.mesh().data_shards()) {
+      data_shards_(layer_.mesh().dp() * layer_.mesh().cp()) {
   // The single-rank MoeFeedForward's initial values (same seed derivation), then this rank's part.
   moe::LayerParams full = moe::InitParams(config, seed ^ (InitStream(prefix) - kStreamInit));
   shard_ = layer_.ShardParams(full);
@@ -224,16 +248,30 @@ void ParallelMoeFeedForward::EndStep(std::span<const int64_t> global_expert_load
 // ---- DistributedHooks ----
 
 DistributedHooks::DistributedHooks(std::shared_ptr<parallel::ProcessGroups> groups, int zero_stage,
-                                   int ranks_in_process, const ZeroOptions& zero)
+                                   int ranks_in_process, const ZeroOptions& zero,
+                                   parallel::GroupKind expert_sync, TensorParallelOptions tp)
     : groups_(std::move(groups)),
       world_(groups_->world()),
       mesh_(groups_->mesh()),
       zero_stage_(zero_stage),
       ranks_in_process_(ranks_in_process),
       poison_non_owned_(zero.poison_non_owned),
-      expert_data_(groups_->Get(parallel::GroupKind::kExpertData)) {
+      tp_group_(groups_->Get(parallel::GroupKind::kTensor)),
+      data_(groups_->Get(parallel::GroupKind::kData)),
+      tokens_(groups_->Get(parallel::GroupKind::kTokens)),
+      expert_data_(groups_->Get(expert_sync)),
+      tp_options_(tp),
+      coords_(mesh_.Coords(world_.rank())) {
   SY_REQUIRE(zero_stage >= 0 && zero_stage <= 3, InvalidArgument,
              "config: 'zero_stage' must be 0, 1, 2 or 3, got {}", zero_stage);
+  SY_REQUIRE(expert_sync == parallel::GroupKind::kExpertData ||
+                 expert_sync == parallel::GroupKind::kExpertHolders,
+             InvalidArgument,
+             "DistributedHooks: experts synchronize over ep_dp or "
+             "expert_holders");
+  SY_REQUIRE(tp.sequence_parallel == mesh_.sequence_parallel() || mesh_.tp() == 1, InvalidArgument,
+             "DistributedHooks: the model's sequence parallelism ({}) is not the mesh's ({})",
+             tp.sequence_parallel, mesh_.sequence_parallel());
 }
 
 DistributedHooks::~DistributedHooks() = default;
@@ -244,48 +282,78 @@ void DistributedHooks::AddMoeBlock(const std::string& prefix, const moe::LayerCo
 
 int DistributedHooks::rank() const { return world_.rank(); }
 int DistributedHooks::world_size() const { return world_.size(); }
+int DistributedHooks::data_rank() const { return coords_.dp_rank; }
+int DistributedHooks::data_size() const { return mesh_.dp(); }
+bool DistributedHooks::reports_loss() const { return coords_.tp_rank == 0; }
+bool DistributedHooks::reports_routing() const {
+  return coords_.tp_rank == 0 || mesh_.sequence_parallel();
+}
+
+TensorParallelContext DistributedHooks::tensor_parallel() {
+  if (mesh_.tp() == 1) return {};
+  return TensorParallelContext{&tp_group_, tp_options_};
+}
 
 int64_t DistributedHooks::optimizer_state_elements() const {
-  return (dense_opt_ ? dense_opt_->state_elements() : 0) +
-         (expert_opt_ ? expert_opt_->state_elements() : 0);
+  int64_t n = 0;
+  for (const auto* o : {split_opt_.get(), dense_opt_.get(), expert_opt_.get()}) {
+    n += o != nullptr ? o->state_elements() : 0;
+  }
+  return n;
 }
 
 void DistributedHooks::Prepare(ParameterSet& params, const AdamW& optimizer) {
   if (dense_opt_) return;
-  std::vector<Parameter*> dense, experts;
+  std::vector<Parameter*> split, dense, experts;
   for (Parameter& p : params.all()) {
     if (!p.options.trainable) continue;
-    (p.options.group == ParamGroup::kExpert ? experts : dense).push_back(&p);
+    if (p.options.group == ParamGroup::kExpert) {
+      experts.push_back(&p);
+    } else {
+      (p.tp_shard.split() ? split : dense).push_back(&p);
+    }
   }
   const ZeroOptions zero{.poison_non_owned = poison_non_owned_};
+  split_opt_ = std::make_unique<ShardedAdamW>(split, data_, zero_stage_, optimizer.options(), zero);
   dense_opt_ =
-      std::make_unique<ShardedAdamW>(dense, world_, zero_stage_, optimizer.options(), zero);
+      std::make_unique<ShardedAdamW>(dense, tokens_, zero_stage_, optimizer.options(), zero);
   expert_opt_ =
       std::make_unique<ShardedAdamW>(experts, expert_data_, zero_stage_, optimizer.options(), zero);
 }
 
 void DistributedHooks::ReduceGradients(ParameterSet& params) {
   SY_CHECK(dense_opt_ != nullptr, "DistributedHooks: Prepare() was not called");
-  const float inv = 1.0f / static_cast<float>(mesh_.data_shards());
+  // Every rank's gradients are those of its data shard's mean loss (the MoE blocks scale theirs
+  // alike): summed over the holders of the same values, divided by the number of data shards.
+  const float inv = 1.0f / static_cast<float>(mesh_.dp() * mesh_.cp());
+  split_opt_->ReduceGradients(inv);
   dense_opt_->ReduceGradients(inv);
   expert_opt_->ReduceGradients(inv);
 }
 
 double DistributedHooks::GradSquaredNorm(const ParameterSet& params) {
-  // Each rank's own ranges: over the world every element of every parameter is counted once
-  // (dense: the world shares it out; experts: each expert-data group shares out its shard).
-  double own[1] = {dense_opt_->OwnGradSquaredNorm() + expert_opt_->OwnGradSquaredNorm()};
+  // Each rank's own ranges, weighted so that every distinct element counts once over the world:
+  // a group kind with G groups holding D distinct sets of values has G / D copies of each.
+  const double w = world_.size();
+  const double copies_split = w / data_.size() / mesh_.tp();
+  const double copies_dense = w / tokens_.size();
+  const double copies_experts = w / expert_data_.size() / mesh_.expert_group_size();
+  double own[1] = {split_opt_->OwnGradSquaredNorm() / copies_split +
+                   dense_opt_->OwnGradSquaredNorm() / copies_dense +
+                   expert_opt_->OwnGradSquaredNorm() / copies_experts};
   AllReduceSum(own);
   return own[0];
 }
 
 void DistributedHooks::ScaleGradients(ParameterSet& params, float factor) {
   if (factor == 1.0f) return;
+  split_opt_->ScaleGradients(factor);
   dense_opt_->ScaleGradients(factor);
   expert_opt_->ScaleGradients(factor);
 }
 
 void DistributedHooks::OptimizerStep(AdamW& optimizer, ParameterSet& params, float lr) {
+  split_opt_->Step(lr);
   dense_opt_->Step(lr);
   expert_opt_->Step(lr);
   gathered_ = zero_stage_ < 3;
@@ -297,6 +365,7 @@ int64_t DistributedHooks::OptimizerStepCount(const AdamW& optimizer) {
 
 void DistributedHooks::GatherParameters(ParameterSet& params) {
   if (gathered_) return;
+  split_opt_->GatherParameters();
   dense_opt_->GatherParameters();
   expert_opt_->GatherParameters();
   gathered_ = true;
@@ -304,6 +373,7 @@ void DistributedHooks::GatherParameters(ParameterSet& params) {
 
 void DistributedHooks::ReleaseParameters(ParameterSet& params) {
   if (zero_stage_ < 3) return;
+  split_opt_->ReleaseParameters();
   dense_opt_->ReleaseParameters();
   expert_opt_->ReleaseParameters();
   gathered_ = false;
@@ -373,9 +443,35 @@ void DistributedHooks::SliceExperts(TensorMap& map, const std::string& suffix) c
   }
 }
 
+void DistributedHooks::GatherTensorParallel(ParameterSet& params, TensorMap& map,
+                                            const std::string& suffix) {
+  if (mesh_.tp() == 1) return;
+  for (const Parameter& p : params.all()) {  // the same order on every rank of the group
+    if (!p.tp_shard.split()) continue;
+    auto it = map.find(p.name + suffix);
+    if (it == map.end()) continue;
+    it->second = GatherFull(tp_group_, it->second, p.tp_shard);
+  }
+}
+
+void DistributedHooks::SliceTensorParallel(ParameterSet& params, TensorMap& map,
+                                           const std::string& suffix) const {
+  if (mesh_.tp() == 1) return;
+  for (const Parameter& p : params.all()) {
+    if (!p.tp_shard.split()) continue;
+    auto it = map.find(p.name + suffix);
+    if (it == map.end()) continue;
+    const Tensor full =
+        it->second.dtype() == DType::kFloat32 ? it->second : it->second.To(DType::kFloat32);
+    it->second =
+        ShardOf(it->first, full, p.tp_shard, tp_group_.rank(), static_cast<int>(tp_group_.size()));
+  }
+}
+
 TensorMap DistributedHooks::ModelValuesForCheckpoint(ParameterSet& params) {
   TensorMap values = params.Values();
   GatherExperts(values, "");
+  GatherTensorParallel(params, values, "");
   return values;
 }
 
@@ -383,15 +479,19 @@ TensorMap DistributedHooks::OptimizerStateForCheckpoint(const AdamW& optimizer,
                                                         ParameterSet& params) {
   if (!dense_opt_ || dense_opt_->step() == 0) return {};
   TensorMap state = dense_opt_->FullState();
+  for (auto& [name, t] : split_opt_->FullState()) state[name] = t;
   for (auto& [name, t] : expert_opt_->FullState()) state[name] = t;
   GatherExperts(state, ".exp_avg");
   GatherExperts(state, ".exp_avg_sq");
+  GatherTensorParallel(params, state, ".exp_avg");
+  GatherTensorParallel(params, state, ".exp_avg_sq");
   return state;
 }
 
 void DistributedHooks::LoadModelValues(ParameterSet& params, const TensorMap& values) {
   TensorMap mine = values;
   SliceExperts(mine, "");
+  SliceTensorParallel(params, mine, "");
   params.LoadValues(mine);
 }
 
@@ -402,6 +502,9 @@ void DistributedHooks::LoadOptimizerState(AdamW& optimizer, const TensorMap& sta
   TensorMap mine = state;
   SliceExperts(mine, ".exp_avg");
   SliceExperts(mine, ".exp_avg_sq");
+  SliceTensorParallel(params, mine, ".exp_avg");
+  SliceTensorParallel(params, mine, ".exp_avg_sq");
+  split_opt_->LoadFullState(mine, step);
   dense_opt_->LoadFullState(mine, step);
   expert_opt_->LoadFullState(mine, step);
 }
@@ -418,8 +521,15 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
   // block's experts split over them alike, TrainParallelOptions checks).
   const moe::LayerConfig first = MoeBlockLayerConfig(config, config.model.moe_every - 1);
   groups_ = parallel::MakeLayerGroups(world, first, options);
-  hooks_ = std::make_unique<DistributedHooks>(groups_, static_cast<int>(config.zero_stage),
-                                              ranks_in_process, zero);
+  // DeepSpeed's TP de-duplication (parallel::ParallelOptions::tp_dedup): each tp rank runs the
+  // experts on its share of the rows, so expert gradients are summed over tp too.
+  const bool dedup = options.tp_dedup && groups_->mesh().tp_duplicates_tokens() &&
+                     options.dispatch != parallel::DispatchKind::kAllGather;
+  const TensorParallelOptions tp{.sequence_parallel = config.tp > 1 && config.sequence_parallel,
+                                 .comm_overlap = config.tp > 1 && config.tp_comm_overlap};
+  hooks_ = std::make_unique<DistributedHooks>(
+      groups_, static_cast<int>(config.zero_stage), ranks_in_process, zero,
+      dedup ? parallel::GroupKind::kExpertHolders : parallel::GroupKind::kExpertData, tp);
   DistributedHooks* hooks = hooks_.get();
   FeedForwardFactory factory;
   if (config.model.moe_every > 0) {
@@ -445,7 +555,7 @@ RunSummary RunDistributedTraining(comm::Launcher& launcher, const TrainConfig& c
              "config: 'ranks' is {} but the launcher starts {} ranks ({})", config.ranks,
              launcher.world_size(), launcher.kind());
   TrainConfig c = config;
-  if (c.ep == 0) c.ep = c.ranks;  // record the layout that runs
+  if (c.ep == 0) c.ep = TrainExpertParallelSize(c, static_cast<int>(c.ranks));  // as it runs
   const bool agree = launcher.ranks_in_process() < launcher.world_size();
   if (!agree) RequireTrainingMemory(c, launcher.ranks_in_process());  // every rank, up front
   std::mutex mu;

@@ -1,6 +1,8 @@
 #include "switchyard/train/model.h"
 
+#include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "switchyard/kernels/gemm.h"
 #include "train/parallel_for.h"
@@ -53,12 +55,21 @@ bool IsMoeBlock(const ModelConfig& c, int64_t i) {
 // ---- Block ----
 
 Block::Block(ParameterSet& params, const std::string& prefix, const ModelConfig& c,
-             const std::function<std::unique_ptr<FeedForward>()>& make_ffn, uint64_t seed)
-    : norm1_(params, prefix + "norm1.", c.model_dim, c.norm),
-      attn_(params, prefix + "attn.", c.model_dim, c.num_heads, c.init_std,
-            c.init_std / std::sqrt(2.0f * static_cast<float>(c.num_layers)), seed),
-      norm2_(params, prefix + "norm2.", c.model_dim, c.norm),
-      ffn_(make_ffn()) {
+             const std::function<std::unique_ptr<FeedForward>()>& make_ffn, uint64_t seed,
+             const TensorParallelContext* tp, parallel::CommStats* tp_stats)
+    : norm1_(params, prefix + "norm1.", c.model_dim, c.norm) {
+  // Registered in module order: norm1, attn, norm2, then the FFN.
+  const float proj_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
+  if (tp != nullptr && tp->group != nullptr && tp->group->size() > 1) {
+    tp_attn_ = std::make_unique<TensorParallelAttention>(params, prefix + "attn.", c.model_dim,
+                                                         c.num_heads, c.init_std, proj_std, seed,
+                                                         *tp->group, tp->options, tp_stats);
+  } else {
+    attn_ = std::make_unique<CausalSelfAttention>(params, prefix + "attn.", c.model_dim,
+                                                  c.num_heads, c.init_std, proj_std, seed);
+  }
+  norm2_ = std::make_unique<Norm>(params, prefix + "norm2.", c.model_dim, c.norm);
+  ffn_ = make_ffn();
   SY_CHECK(ffn_ != nullptr, "{}: no FFN", prefix);
 }
 
@@ -79,10 +90,12 @@ Tensor Block::Forward(const Tensor& x, int64_t batch_size, const FeedForwardCont
   SY_CHECK(cache != nullptr, "Block::Forward needs a cache");
   bool save = context.save_for_backward;
   const int threads = context.threads;
-  Tensor h = attn_.Forward(norm1_.Forward(x, save ? &cache->norm1 : nullptr, threads), batch_size,
-                           context.threads, save ? &cache->attn : nullptr);
+  Tensor n1 = norm1_.Forward(x, save ? &cache->norm1 : nullptr, threads);
+  AttentionCache* ac = save ? &cache->attn : nullptr;
+  Tensor h = attn_ ? attn_->Forward(n1, batch_size, threads, ac)
+                   : tp_attn_->Forward(n1, batch_size, threads, ac);
   AddInPlace(h, x, threads);  // h = x + attn(norm1(x))
-  cache->ffn = ffn_->Forward(norm2_.Forward(h, save ? &cache->norm2 : nullptr, threads), context);
+  cache->ffn = ffn_->Forward(norm2_->Forward(h, save ? &cache->norm2 : nullptr, threads), context);
   Tensor y = cache->ffn.y;
   cache->ffn.y = Tensor();    // the caller owns y; backward does not need it
   AddInPlace(y, h, threads);  // y = h + ffn(norm2(h))
@@ -92,9 +105,11 @@ Tensor Block::Forward(const Tensor& x, int64_t batch_size, const FeedForwardCont
 Tensor Block::Backward(const BlockCache& cache, const Tensor& dy, float loss_scale,
                        int threads) const {
   Tensor dh =
-      norm2_.Backward(cache.norm2, ffn_->Backward(cache.ffn, dy, loss_scale, threads), threads);
+      norm2_->Backward(cache.norm2, ffn_->Backward(cache.ffn, dy, loss_scale, threads), threads);
   AddInPlace(dh, dy, threads);
-  Tensor dx = norm1_.Backward(cache.norm1, attn_.Backward(cache.attn, dh, threads), threads);
+  Tensor da = attn_ ? attn_->Backward(cache.attn, dh, threads)
+                    : tp_attn_->Backward(cache.attn, dh, threads);
+  Tensor dx = norm1_.Backward(cache.norm1, da, threads);
   AddInPlace(dx, dh, threads);
   return dx;
 }
@@ -102,21 +117,28 @@ Tensor Block::Backward(const BlockCache& cache, const Tensor& dy, float loss_sca
 // ---- TransformerLm ----
 
 struct ModelState {
-  Tensor tokens;     // int32 [num_tokens]
-  Tensor positions;  // int32 [num_tokens]
+  Tensor tokens;     // int32 [num_tokens] (padded with sequence parallelism, see Forward)
+  Tensor positions;  // int32 [rows of this rank] positions of the rows x holds
   int64_t batch_size = 0;
   std::vector<BlockCache> blocks;
   NormCache final_norm;
-  Tensor h;        // [num_tokens, model_dim] final_norm output
-  Tensor dlogits;  // [num_tokens, vocab_size] d(mean ce)/d(logits)
+  Tensor h;        // [num_tokens, model_dim] final_norm output (gathered over tokens with SP)
+  Tensor dlogits;  // [num_tokens, vocab_size / P] d(mean ce)/d(logits), this rank's columns
 };
 
-TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFactory moe_factory)
-    : config_(std::move(config)) {
+TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFactory moe_factory,
+                             TensorParallelContext tp)
+    : config_(std::move(config)), tp_(tp) {
   const ModelConfig& c = config_;
   ValidateModelConfig(c);
-  embed_ =
-      std::make_unique<Embedding>(params_, "embed.", c.vocab_size, c.model_dim, c.init_std, seed);
+  const bool split = tensor_parallel();
+  if (split) {
+    vp_embed_ = std::make_unique<VocabParallelEmbedding>(
+        params_, "embed.", c.vocab_size, c.model_dim, c.init_std, seed, *tp_.group, tp_.options);
+  } else {
+    embed_ =
+        std::make_unique<Embedding>(params_, "embed.", c.vocab_size, c.model_dim, c.init_std, seed);
+  }
   pos_embed_ = std::make_unique<Embedding>(params_, "pos_embed.", c.seq_len, c.model_dim,
                                            c.init_std * 0.5f, seed);
   float out_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
@@ -124,6 +146,11 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
     std::string prefix = fmt::format("blocks.{}.", i);
     auto make_ffn = [&]() -> std::unique_ptr<FeedForward> {
       if (!IsMoeBlock(c, i)) {
+        if (split) {
+          return std::make_unique<TensorParallelFeedForward>(
+              params_, prefix + "mlp.", c.model_dim, c.hidden_dim, c.activation, c.init_std,
+              out_std, seed, *tp_.group, tp_.options, &tp_stats_);
+        }
         return std::make_unique<DenseFeedForward>(params_, prefix + "mlp.", c.model_dim,
                                                   c.hidden_dim, c.activation, c.init_std, out_std,
                                                   seed);
@@ -135,15 +162,23 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
       SY_CHECK(ffn != nullptr && ffn->is_moe(), "MoE factory returned no MoE FFN for block {}", i);
       return ffn;
     };
-    blocks_.push_back(std::make_unique<Block>(params_, prefix, c, make_ffn, seed));
+    blocks_.push_back(std::make_unique<Block>(params_, prefix, c, make_ffn, seed,
+                                              split ? &tp_ : nullptr, &tp_stats_));
   }
   final_norm_ = std::make_unique<Norm>(params_, "final_norm.", c.model_dim, c.norm);
   if (c.tied_head) {
-    head_ = &embed_->weight();
+    head_ = split ? &vp_embed_->weight() : &embed_->weight();
   } else {
     Tensor w = Tensor::Empty({c.vocab_size, c.model_dim});
     InitNormal(w, c.init_std, seed, "head.weight");
-    head_ = &params_.Add("head.weight", w, {.weight_decay = true});
+    if (split) {
+      const TpShard rows{TpShard::Dim::kRows};
+      w = ShardOf("head.weight", w, rows, tp_.group->rank(), tp_.group->size());
+      head_ = &params_.Add("head.weight", w, {.weight_decay = true});
+      head_->tp_shard = rows;
+    } else {
+      head_ = &params_.Add("head.weight", w, {.weight_decay = true});
+    }
   }
 }
 
@@ -163,36 +198,76 @@ std::vector<int64_t> TransformerLm::experts_per_moe_block() const {
   return out;
 }
 
-LmOutput TransformerLm::Forward(const Tensor& tokens, const Tensor& targets,
+parallel::CommStats TransformerLm::TakeTensorParallelStats() {
+  return std::exchange(tp_stats_, parallel::CommStats{});
+}
+
+Tensor TransformerLm::Logits(const Tensor& h_full, int threads) const {
+  const int64_t n = h_full.size(0), d = config_.model_dim, lv = head_->value.size(0);
+  Tensor logits = Tensor::Empty({n, lv});
+  ParallelGemm(Trans::kNo, Trans::kYes, n, lv, d, 1.0f, h_full.data<float>(), d,
+               head_->value.data<float>(), d, 0.0f, logits.data<float>(), lv, threads);
+  return logits;
+}
+
+LmOutput TransformerLm::Forward(const Tensor& tokens_in, const Tensor& targets_in,
                                 const ForwardOptions& options, bool keep_logits) {
   const ModelConfig& c = config_;
-  SY_REQUIRE(
-      tokens.defined() && tokens.dim() == 2 && tokens.size(1) >= 1 && tokens.size(1) <= c.seq_len,
-      InvalidArgument, "tokens: expected int32 [batch_size, seq] with 1 <= seq <= {}, got {}",
-      c.seq_len, tokens.defined() ? tokens.ToString() : "undefined");
-  ExpectDType("tokens", tokens, DType::kInt32);
-  const int64_t batch = tokens.size(0), seq = tokens.size(1), n = batch * seq;
-  SY_REQUIRE(batch >= 1, InvalidArgument, "tokens: batch_size must be >= 1, got {}", batch);
-  bool has_targets = targets.defined();
+  SY_REQUIRE(tokens_in.defined() && tokens_in.dim() == 2 && tokens_in.size(1) >= 1 &&
+                 tokens_in.size(1) <= c.seq_len,
+             InvalidArgument,
+             "tokens: expected int32 [batch_size, seq] with 1 <= seq <= {}, got {}", c.seq_len,
+             tokens_in.defined() ? tokens_in.ToString() : "undefined");
+  ExpectDType("tokens", tokens_in, DType::kInt32);
+  const int64_t real_batch = tokens_in.size(0), seq = tokens_in.size(1);
+  SY_REQUIRE(real_batch >= 1, InvalidArgument, "tokens: batch_size must be >= 1, got {}",
+             real_batch);
+  const bool has_targets = targets_in.defined();
   if (has_targets) {
-    ExpectShape("targets", targets, {batch, seq});
-    ExpectDType("targets", targets, DType::kInt32);
+    ExpectShape("targets", targets_in, {real_batch, seq});
+    ExpectDType("targets", targets_in, DType::kInt32);
   }
   SY_REQUIRE(!options.save_for_backward || has_targets, InvalidArgument,
              "Forward: save_for_backward needs targets");
+  const bool split = tensor_parallel();
+  const bool sp = split && tp_.options.sequence_parallel;
+  const int64_t p = tp_size();
+  // Sequence parallelism splits the batch's tokens evenly over the group: a training call must
+  // bring a multiple of P; other calls get ignored padding sequences (token 0, target -1).
+  Tensor tokens = tokens_in, targets = targets_in;
+  int64_t batch = real_batch;
+  if (sp && (batch * seq) % p != 0) {
+    SY_REQUIRE(!options.save_for_backward, InvalidArgument,
+               "sequence parallelism: the batch's {} sequences x {} tokens = {} tokens do not "
+               "divide by the tensor-parallel size {}: choose batch_size and seq_len so that each "
+               "data-parallel rank's tokens do",
+               real_batch, seq, real_batch * seq, p);
+    while ((batch * seq) % p != 0) ++batch;
+    tokens = Tensor::Zeros({batch, seq}, DType::kInt32);
+    std::copy_n(tokens_in.data<int32_t>(), tokens_in.numel(), tokens.data<int32_t>());
+    if (has_targets) {
+      targets = Tensor::Empty({batch, seq}, DType::kInt32);
+      std::fill_n(targets.data<int32_t>(), targets.numel(), -1);
+      std::copy_n(targets_in.data<int32_t>(), targets_in.numel(), targets.data<int32_t>());
+    }
+  }
+  const int64_t n = batch * seq;
+  // The rows this rank's residual stream holds: all n, or its n / P with sequence parallelism.
+  const int64_t row_begin = sp ? tp_.group->rank() * (n / p) : 0;
+  const int64_t rows = sp ? n / p : n;
 
   auto state = std::make_shared<ModelState>();
   state->tokens = tokens.Reshape({n});
-  state->positions = Tensor::Empty({n}, DType::kInt32);
-  for (int64_t i = 0; i < n; ++i)
-    state->positions.data<int32_t>()[i] = static_cast<int32_t>(i % seq);
+  state->positions = Tensor::Empty({rows}, DType::kInt32);
+  for (int64_t i = 0; i < rows; ++i)
+    state->positions.data<int32_t>()[i] = static_cast<int32_t>((row_begin + i) % seq);
   state->batch_size = batch;
 
-  Tensor x = embed_->Forward(state->tokens);
+  Tensor x = split ? vp_embed_->Forward(state->tokens, &tp_stats_) : embed_->Forward(state->tokens);
   AddInPlace(x, pos_embed_->Forward(state->positions), options.threads);
 
   FeedForwardContext ctx;
-  ctx.global_token_offset = options.global_token_offset;
+  ctx.global_token_offset = options.global_token_offset + row_begin;
   ctx.step = options.step;
   ctx.training = options.training;
   ctx.save_for_backward = options.save_for_backward;
@@ -219,19 +294,22 @@ LmOutput TransformerLm::Forward(const Tensor& tokens, const Tensor& targets,
   }
   Tensor h = final_norm_->Forward(x, options.save_for_backward ? &state->final_norm : nullptr,
                                   options.threads);
-  Tensor logits = Tensor::Empty({n, c.vocab_size});
-  ParallelGemm(Trans::kNo, Trans::kYes, n, c.vocab_size, c.model_dim, 1.0f, h.data<float>(),
-               c.model_dim, head_->value.data<float>(), c.model_dim, 0.0f, logits.data<float>(),
-               c.vocab_size, options.threads);
+  if (sp) h = GatherSequence(*tp_.group, h, &tp_stats_);
+  Tensor logits = Logits(h, options.threads);  // this rank's vocabulary columns
   if (has_targets) {
-    CrossEntropyResult ce = SoftmaxCrossEntropy(
-        logits, targets.Reshape({n}), options.save_for_backward ? &state->dlogits : nullptr, 1.0f,
-        options.threads);
+    Tensor* dlogits = options.save_for_backward ? &state->dlogits : nullptr;
+    CrossEntropyResult ce =
+        split ? VocabParallelCrossEntropy(*tp_.group, logits, targets.Reshape({n}), c.vocab_size,
+                                          dlogits, 1.0f, options.threads, &tp_stats_)
+              : SoftmaxCrossEntropy(logits, targets.Reshape({n}), dlogits, 1.0f, options.threads);
     out.ce_loss = ce.loss;
     out.count = ce.count;
   }
   out.loss = out.ce_loss + ffn_loss;
-  if (keep_logits || !has_targets) out.logits = logits;
+  if (keep_logits || !has_targets) {
+    if (split) logits = GatherColumns(*tp_.group, logits, &tp_stats_);
+    out.logits = batch == real_batch ? logits : logits.Slice(0, real_batch * seq);
+  }
   if (options.save_for_backward) {
     state->h = h;
     out.state = state;
@@ -262,25 +340,37 @@ void TransformerLm::Backward(const LmOutput& forward, float loss_scale, int thre
              "Backward: the forward pass was run without save_for_backward");
   const ModelState& s = *forward.state;
   const ModelConfig& c = config_;
-  const int64_t n = s.tokens.numel();
+  const int64_t n = s.tokens.numel(), lv = head_->value.size(0);
   Tensor dlogits = s.dlogits;
   if (loss_scale != 1.0f) {
     dlogits = dlogits.Clone();
     float* d = dlogits.data<float>();
     for (int64_t i = 0; i < dlogits.numel(); ++i) d[i] *= loss_scale;
   }
+  // The head over this rank's vocabulary columns: dh is a partial sum over the group.
   Tensor dh = Tensor::Empty({n, c.model_dim});
-  ParallelGemm(Trans::kNo, Trans::kNo, n, c.model_dim, c.vocab_size, 1.0f, dlogits.data<float>(),
-               c.vocab_size, head_->value.data<float>(), c.model_dim, 0.0f, dh.data<float>(),
-               c.model_dim, threads);
-  ParallelGemm(Trans::kYes, Trans::kNo, c.vocab_size, c.model_dim, n, 1.0f, dlogits.data<float>(),
-               c.vocab_size, s.h.data<float>(), c.model_dim, 1.0f, head_->grad.data<float>(),
-               c.model_dim, threads);
+  ParallelGemm(Trans::kNo, Trans::kNo, n, c.model_dim, lv, 1.0f, dlogits.data<float>(), lv,
+               head_->value.data<float>(), c.model_dim, 0.0f, dh.data<float>(), c.model_dim,
+               threads);
+  ParallelGemm(Trans::kYes, Trans::kNo, lv, c.model_dim, n, 1.0f, dlogits.data<float>(), lv,
+               s.h.data<float>(), c.model_dim, 1.0f, head_->grad.data<float>(), c.model_dim,
+               threads);
+  if (tensor_parallel()) {
+    if (tp_.options.sequence_parallel) {
+      dh = ReduceScatterSequence("output head dh", *tp_.group, dh, &tp_stats_);
+    } else {
+      AllReduceTensor(*tp_.group, dh, &tp_stats_);
+    }
+  }
   Tensor dx = final_norm_->Backward(s.final_norm, dh, threads);
   for (size_t i = blocks_.size(); i-- > 0;) {
     dx = blocks_[i]->Backward(s.blocks[i], dx, loss_scale, threads);
   }
-  embed_->Backward(s.tokens, dx);
+  if (tensor_parallel()) {
+    vp_embed_->Backward(s.tokens, dx, &tp_stats_);
+  } else {
+    embed_->Backward(s.tokens, dx);
+  }
   pos_embed_->Backward(s.positions, dx);
 }
 

@@ -210,6 +210,34 @@ Tensor GatherSequence(comm::Communicator& group, const Tensor& part, CommStats* 
   return out;
 }
 
+Tensor ReduceScatterSequence(std::string_view what, comm::Communicator& group, const Tensor& full,
+                             CommStats* stats) {
+  SY_REQUIRE(full.defined() && full.dim() >= 1, InvalidArgument,
+             "{}: expected [num_tokens, ...], got {}", what,
+             full.defined() ? ShapeToString(full.shape()) : "undefined");
+  return ReduceScatterTokens(what, group, full, stats);
+}
+
+void AllReduceTensor(comm::Communicator& group, const Tensor& t, CommStats* stats) {
+  ExpectDType("tensor-parallel all-reduce", t, DType::kFloat32);
+  AllReduceInPlace(group, t, stats);
+}
+
+Tensor GatherColumns(comm::Communicator& group, const Tensor& local, CommStats* stats) {
+  const int64_t n = Rows("column all-gather", local, kAnySize), c = local.size(1);
+  const int64_t p = group.size();
+  Tensor blocks = GatherSequence(group, local, stats);  // [P * n, c], block q = rank q's columns
+  Tensor out = Tensor::Empty({n, p * c});
+  const float* src = blocks.data<float>();
+  float* dst = out.data<float>();
+  for (int64_t q = 0; q < p; ++q) {
+    for (int64_t i = 0; i < n; ++i) {
+      std::copy_n(src + (q * n + i) * c, c, dst + i * p * c + q * c);
+    }
+  }
+  return out;
+}
+
 void RingAllGatherGemm(comm::Communicator& group, const Tensor& part, const Tensor& gathered,
                        const BlockGemm& compute, CommStats* stats) {
   const int p = group.size(), r = group.rank();
@@ -366,6 +394,7 @@ ColumnParallelLinear::ColumnParallelLinear(ParameterSet& params, const std::stri
   local_.weight().value.CopyFrom(
       ShardOf(prefix + "weight", FullInit(out_dim, in_dim, init_std, seed, prefix + "weight"),
               {TpShard::Dim::kRows, fused_parts}, group.rank(), group.size()));
+  for (const TpParameter& p : parameters()) p.param->tp_shard = p.shard;
 }
 
 std::vector<TpParameter> ColumnParallelLinear::parameters() const {
@@ -452,6 +481,7 @@ RowParallelLinear::RowParallelLinear(ParameterSet& params, const std::string& pr
       ShardOf(prefix + "weight", FullInit(out_dim, in_dim, init_std, seed, prefix + "weight"),
               {TpShard::Dim::kColumns}, group.rank(), group.size()));
   if (bias) bias_ = &params.Add(prefix + "bias", Tensor::Zeros({out_dim}));
+  for (const TpParameter& p : parameters()) p.param->tp_shard = p.shard;
 }
 
 std::vector<TpParameter> RowParallelLinear::parameters() const {
@@ -546,6 +576,7 @@ VocabParallelEmbedding::VocabParallelEmbedding(ParameterSet& params, const std::
       ShardOf(prefix + "weight", FullInit(num_embeddings, dim, init_std, seed, prefix + "weight"),
               {TpShard::Dim::kRows}, group.rank(), group.size()),
       {.weight_decay = true});
+  weight_->tp_shard = {TpShard::Dim::kRows};
 }
 
 std::vector<TpParameter> VocabParallelEmbedding::parameters() const {
@@ -678,6 +709,109 @@ CrossEntropyResult VocabParallelCrossEntropy(comm::Communicator& group, const Te
     }
   });
   return r;
+}
+
+// ---- Attention and MLP ----
+
+namespace {
+
+int64_t LocalHeads(const std::string& prefix, int64_t model_dim, int64_t num_heads,
+                   const comm::Communicator& g) {
+  SY_REQUIRE(num_heads > 0 && model_dim % num_heads == 0, InvalidArgument,
+             "{}: num_heads {} must be positive and divide model_dim {}", prefix, num_heads,
+             model_dim);
+  SY_REQUIRE(num_heads % g.size() == 0, InvalidArgument,
+             "{} tensor-parallel attention: num_heads {} does not divide by the tensor-parallel "
+             "size {} (each rank computes whole heads)",
+             prefix, num_heads, g.size());
+  return num_heads / g.size();
+}
+
+}  // namespace
+
+TensorParallelAttention::TensorParallelAttention(ParameterSet& params, const std::string& prefix,
+                                                 int64_t model_dim, int64_t num_heads,
+                                                 float init_std, float proj_init_std, uint64_t seed,
+                                                 comm::Communicator& group,
+                                                 TensorParallelOptions options,
+                                                 parallel::CommStats* stats)
+    : local_heads_(LocalHeads(prefix, model_dim, num_heads, group)),
+      qkv_(params, prefix + "qkv.", model_dim, 3 * model_dim, true, init_std, seed, group, options,
+           3),
+      proj_(params, prefix + "proj.", model_dim, model_dim, true, proj_init_std, seed, group,
+            options),
+      stats_(stats) {}
+
+Tensor TensorParallelAttention::Forward(const Tensor& x, int64_t batch_size, int threads,
+                                        AttentionCache* cache) const {
+  ColumnParallelCache qc;
+  Tensor qkv = qkv_.Forward(x, &qc, threads, stats_);
+  SY_REQUIRE(batch_size > 0 && qkv.size(0) % batch_size == 0, InvalidArgument,
+             "tensor-parallel attention: {} tokens are not batch_size {} whole sequences",
+             qkv.size(0), batch_size);
+  Tensor probs;
+  Tensor att = CausalAttentionForward(qkv, batch_size, local_heads_, threads, &probs);
+  Tensor y = proj_.Forward(att, nullptr, threads, stats_);
+  if (cache != nullptr) *cache = AttentionCache{qc.x, qkv, probs, att, batch_size};
+  return y;
+}
+
+Tensor TensorParallelAttention::Backward(const AttentionCache& cache, const Tensor& dy,
+                                         int threads) const {
+  Tensor datt = proj_.Backward(RowParallelCache{cache.att}, dy, threads, stats_);
+  Tensor dqkv = CausalAttentionBackward(cache.qkv, cache.probs, datt, cache.batch_size,
+                                        local_heads_, threads);
+  return qkv_.Backward(ColumnParallelCache{cache.x}, dqkv, threads, stats_);
+}
+
+namespace {
+
+struct TensorParallelMlpState {
+  ColumnParallelCache fc1;
+  Tensor h;  // [num_tokens, hidden_dim / P] fc1 output, before the activation
+  RowParallelCache fc2;
+};
+
+}  // namespace
+
+TensorParallelFeedForward::TensorParallelFeedForward(
+    ParameterSet& params, const std::string& prefix, int64_t model_dim, int64_t hidden_dim,
+    kernels::Activation activation, float init_std, float out_init_std, uint64_t seed,
+    comm::Communicator& group, TensorParallelOptions options, parallel::CommStats* stats)
+    : activation_(activation),
+      fc1_(params, prefix + "fc1.", model_dim, hidden_dim, true, init_std, seed, group, options),
+      fc2_(params, prefix + "fc2.", hidden_dim, model_dim, true, out_init_std, seed, group,
+           options),
+      stats_(stats) {}
+
+FeedForwardOutput TensorParallelFeedForward::Forward(const Tensor& x,
+                                                     const FeedForwardContext& context) {
+  auto state = std::make_shared<TensorParallelMlpState>();
+  Tensor h = fc1_.Forward(x, &state->fc1, context.threads, stats_);
+  Tensor a = Tensor::Empty(h.shape());
+  ParallelFor(h.numel(), context.threads, [&](int64_t begin, int64_t end) {
+    kernels::ActivationForward(activation_, h.data<float>() + begin, a.data<float>() + begin,
+                               end - begin);
+  });
+  FeedForwardOutput out;
+  out.y = fc2_.Forward(a, &state->fc2, context.threads, stats_);
+  if (context.save_for_backward) {
+    state->h = h;
+    out.state = state;
+  }
+  return out;
+}
+
+Tensor TensorParallelFeedForward::Backward(const FeedForwardOutput& forward, const Tensor& dy,
+                                           float loss_scale, int threads) {
+  SY_CHECK(forward.state != nullptr, "TensorParallelFeedForward::Backward needs save_for_backward");
+  const auto& s = *static_cast<const TensorParallelMlpState*>(forward.state.get());
+  Tensor da = fc2_.Backward(s.fc2, dy, threads, stats_);
+  ParallelFor(da.numel(), threads, [&](int64_t begin, int64_t end) {
+    float* d = da.data<float>() + begin;
+    kernels::ActivationBackward(activation_, s.h.data<float>() + begin, d, d, end - begin);
+  });
+  return fc1_.Backward(s.fc1, da, threads, stats_);
 }
 
 void AllReduceGrads(comm::Communicator& group, std::span<Parameter* const> params,

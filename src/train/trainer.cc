@@ -91,9 +91,9 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
     : config_(std::move(config)), hooks_(hooks ? hooks : &default_hooks_) {
   const TrainConfig& c = config_;
   ValidateTrainConfig(c);
-  SY_REQUIRE(c.batch_size >= hooks_->world_size(), InvalidArgument,
-             "config: batch_size {} must be >= the number of ranks {}", c.batch_size,
-             hooks_->world_size());
+  SY_REQUIRE(c.batch_size >= hooks_->data_size(), InvalidArgument,
+             "config: batch_size {} must be >= the number of data-parallel ranks {}", c.batch_size,
+             hooks_->data_size());
   threads_ =
       c.threads > 0 ? c.threads : ComputeThreadsPerRank(hooks_->ranks_in_process(), UsableCores());
   // The train layer runs its GEMMs split over its own blocking worker pool with single-threaded
@@ -125,7 +125,7 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
   unigram_entropy_ = UnigramEntropy(corpus_.train);
   sampler_ = std::make_unique<BatchSampler>(corpus_.train, c.model.seq_len, c.seed);
   eval_batches_ = EvaluationBatches(corpus_.val, c.model.seq_len, c.batch_size, c.eval_tokens,
-                                    hooks_->world_size());
+                                    hooks_->data_size());
   SY_REQUIRE(c.val_fraction == 0 || !eval_batches_.empty(), InvalidArgument,
              "data: the held-out text ({} bytes, val_fraction {}) is shorter than one evaluation "
              "window of seq_len + 1 = {} tokens: use a longer text, a larger val_fraction or a "
@@ -136,7 +136,21 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
     moe_factory =
         MoeFeedForwardFactory([c](int64_t block) { return MoeBlockLayerConfig(c, block); });
   }
-  model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory));
+  const TensorParallelContext tp = hooks_->tensor_parallel();
+  if (tp.group != nullptr && tp.options.sequence_parallel) {
+    // Every data-parallel rank's training tokens split evenly over the tensor-parallel ranks.
+    const int64_t shards = hooks_->data_size(), p = tp.group->size();
+    for (int64_t d = 0; d < shards; ++d) {
+      const int64_t rows = c.batch_size * (d + 1) / shards - c.batch_size * d / shards;
+      SY_REQUIRE(rows * c.model.seq_len % p == 0, InvalidArgument,
+                 "config: sequence parallelism splits each data-parallel rank's tokens over 'tp' "
+                 "{} ranks, but data-parallel rank {} has {} rows x seq_len {} = {} tokens: "
+                 "choose batch_size (split over {} data-parallel ranks) and seq_len so that they "
+                 "divide",
+                 p, d, rows, c.model.seq_len, rows * c.model.seq_len, shards);
+    }
+  }
+  model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory), tp);
   optimizer_ = AdamW(AdamWOptions{.beta1 = static_cast<float>(c.beta1),
                                   .beta2 = static_cast<float>(c.beta2),
                                   .eps = static_cast<float>(c.adam_eps),
@@ -152,9 +166,10 @@ Trainer::~Trainer() = default;
 StepMetrics Trainer::Step() {
   const TrainConfig& c = config_;
   double t0 = Now();
-  const int64_t world = hooks_->world_size(), rank = hooks_->rank();
-  const int64_t row_begin = c.batch_size * rank / world;
-  const int64_t row_end = c.batch_size * (rank + 1) / world;
+  const int64_t world = hooks_->world_size();
+  const int64_t shards = hooks_->data_size(), shard = hooks_->data_rank();
+  const int64_t row_begin = c.batch_size * shard / shards;
+  const int64_t row_end = c.batch_size * (shard + 1) / shards;
   Batch batch = sampler_->Sample(step_, c.batch_size, row_begin, row_end);
 
   ParameterSet& params = model_->parameters();
@@ -177,30 +192,33 @@ StepMetrics Trainer::Step() {
 
   // Global metrics (token-weighted losses, summed routing statistics, non-finite MoE inputs)
   // before the update, so that every rank decides alike whether to apply it.
+  // Each loss and routing statistic once per group of ranks that share it (tensor parallelism).
   int64_t nonfinite_inputs = 0;
   for (const auto& r : out.routing) nonfinite_inputs += r.nonfinite_inputs;
-  std::vector<double> sums = {out.loss * out.count,
-                              out.ce_loss * out.count,
-                              out.aux_loss * out.count,
-                              out.z_loss * out.count,
-                              static_cast<double>(out.count),
+  const double count = hooks_->reports_loss() ? static_cast<double>(out.count) : 0.0;
+  const bool routing = hooks_->reports_routing();
+  std::vector<double> sums = {out.loss * count,
+                              out.ce_loss * count,
+                              out.aux_loss * count,
+                              out.z_loss * count,
+                              count,
                               moe_times.seconds,
                               moe_times.comm_seconds,
                               static_cast<double>(nonfinite_inputs),
                               Now() - t0};
   for (const auto& r : out.routing) {
-    sums.push_back(static_cast<double>(r.routed));
-    sums.push_back(static_cast<double>(r.dropped));
-    for (int64_t l : r.expert_loads) sums.push_back(static_cast<double>(l));
+    sums.push_back(routing ? static_cast<double>(r.routed) : 0.0);
+    sums.push_back(routing ? static_cast<double>(r.dropped) : 0.0);
+    for (int64_t l : r.expert_loads) sums.push_back(routing ? static_cast<double>(l) : 0.0);
   }
   hooks_->AllReduceSum(sums);
   StepMetrics m;
   m.step = step_ + 1;
-  double count = std::max(1.0, sums[4]);
-  m.loss = sums[0] / count;
-  m.ce_loss = sums[1] / count;
-  m.aux_loss = sums[2] / count;
-  m.z_loss = sums[3] / count;
+  const double tokens = std::max(1.0, sums[4]);
+  m.loss = sums[0] / tokens;
+  m.ce_loss = sums[1] / tokens;
+  m.aux_loss = sums[2] / tokens;
+  m.z_loss = sums[3] / tokens;
   if (!out.routing.empty()) {
     m.moe_time_s = sums[5] / static_cast<double>(world);
     m.moe_comm_s = sums[6] / static_cast<double>(world);
@@ -255,8 +273,8 @@ StepMetrics Trainer::Step() {
 
 double Trainer::Evaluate() {
   // Every rank takes its rows of every held-out batch (as in training), so that all ranks make
-  // the same sequence of (collective) MoE forwards.
-  const int64_t world = hooks_->world_size(), rank = hooks_->rank();
+  // the same sequence of (collective) forwards.
+  const int64_t world = hooks_->data_size(), rank = hooks_->data_rank();
   hooks_->GatherParameters(model_->parameters());
   ForwardOptions fo;
   fo.training = false;
@@ -270,7 +288,7 @@ double Trainer::Evaluate() {
     Batch b{whole.tokens.Slice(begin, end), whole.targets.Slice(begin, end)};
     fo.global_token_offset = begin * whole.tokens.size(1);
     LmOutput out = model_->Forward(b.tokens, b.targets, fo);
-    if (out.count == 0) continue;  // a rank with no rows of a short last batch
+    if (out.count == 0 || !hooks_->reports_loss()) continue;  // no rows, or a tp rank's copy
     sums[0] += out.ce_loss * static_cast<double>(out.count);
     sums[1] += static_cast<double>(out.count);
   }

@@ -68,6 +68,10 @@ struct StepLosses {
   std::vector<double> loss, grad_norm, drop_rate, aux_loss, z_loss;
   std::vector<std::vector<int64_t>> expert_load;
   TensorMap model;  // full values after the last step (layout-independent form)
+  // Rank 0's model: its tensor-parallel size and the shape of a weight it holds (a shard with tp).
+  int tp_size = 1;
+  Shape fc1_shape;
+  double tp_bytes = 0;  // bytes its tensor-parallel layers moved over the run
 };
 
 StepLosses SingleRank(const TrainConfig& c, int steps) {
@@ -77,8 +81,8 @@ StepLosses SingleRank(const TrainConfig& c, int steps) {
     StepMetrics m = t.Step();
     r.loss.push_back(m.loss);
     r.grad_norm.push_back(m.grad_norm);
-    r.expert_load.push_back(m.expert_load.at(0));
-    r.drop_rate.push_back(m.drop_rate.at(0));
+    r.expert_load.push_back(m.expert_load.empty() ? std::vector<int64_t>{} : m.expert_load[0]);
+    r.drop_rate.push_back(m.drop_rate.empty() ? 0.0 : m.drop_rate[0]);
     r.aux_loss.push_back(m.aux_loss);
     r.z_loss.push_back(m.z_loss);
   }
@@ -97,8 +101,12 @@ StepLosses OnRanks(const TrainConfig& c, int steps) {
       StepMetrics m = rt.trainer().Step();
       r.loss.push_back(m.loss);
       r.grad_norm.push_back(m.grad_norm);
-      r.expert_load.push_back(m.expert_load.at(0));
+      r.expert_load.push_back(m.expert_load.empty() ? std::vector<int64_t>{} : m.expert_load[0]);
     }
+    TransformerLm& model = rt.trainer().model();
+    r.tp_size = model.tp_size();
+    r.fc1_shape = model.parameters().Get("blocks.0.mlp.fc1.weight").value.shape();
+    r.tp_bytes = model.TakeTensorParallelStats().Bytes(parallel::Traffic::kTensor);
     CheckpointData d = rt.trainer().Snapshot();
     if (world.rank() == 0) {
       std::lock_guard<std::mutex> lock(mu);
@@ -188,6 +196,90 @@ TEST_F(DistributedTest, EveryLayoutMatchesOneRank) {
     std::string what = fmt::format("ranks {} ep {} zero {} {} overlap {}", l.ranks, l.ep, l.zero,
                                    l.dispatch, l.overlap);
     ExpectSameRun(want, OnRanks(c, kSteps), what);
+  }
+}
+
+struct TpLayout {
+  int ranks, tp;
+  bool sp = false, overlap = false;
+  int ep = 0, zero = 0;
+  const char* dispatch = "alltoall";
+  const char* arrangement = "auto";
+  int etp = 1;
+};
+
+std::string Describe(const TpLayout& l) {
+  return fmt::format("ranks {} tp {}{}{} ep {} zero {} {} {} etp {}", l.ranks, l.tp,
+                     l.sp ? " sp" : "", l.overlap ? " overlap" : "", l.ep, l.zero, l.dispatch,
+                     l.arrangement, l.etp);
+}
+
+TrainConfig WithLayout(TrainConfig c, const TpLayout& l) {
+  c.ranks = l.ranks;
+  c.tp = l.tp;
+  c.sequence_parallel = l.sp;
+  c.tp_comm_overlap = l.overlap;
+  c.ep = l.ep;
+  c.zero_stage = l.zero;
+  c.dispatch = l.dispatch;
+  c.arrangement = l.arrangement;
+  c.etp = l.etp;
+  return c;
+}
+
+// Tensor parallelism (attention heads, MLP, vocab-parallel embedding and loss), with and without
+// sequence parallelism and comm-GEMM overlap, alone and with data parallelism and ZeRO: several
+// optimizer steps give the one-rank run's losses, gradient norms and parameters.
+TEST_F(DistributedTest, TensorParallelDenseMatchesOneRank) {
+  TrainConfig base = TinyMoeConfig(dir_);
+  base.model.moe_every = 0;
+  base.model.num_heads = 4;
+  base.model.tied_head = false;  // the untied head is vocab-parallel too
+  const int kSteps = 3;
+  StepLosses want = SingleRank(base, kSteps);
+  const TpLayout layouts[] = {
+      {2, 2},
+      {4, 4},
+      {2, 2, true},
+      {4, 4, true, true},
+      {4, 2, false, false, 0, 1},
+      {4, 2, true, true, 0, 3},
+  };
+  for (const TpLayout& l : layouts) {
+    const StepLosses got = OnRanks(WithLayout(base, l), kSteps);
+    ExpectSameRun(want, got, Describe(l));
+    // The run was tensor parallel: rank 0 held a shard of fc1 and its layers communicated.
+    EXPECT_EQ(got.tp_size, l.tp) << Describe(l);
+    EXPECT_EQ(got.fc1_shape, (Shape{base.model.hidden_dim / l.tp, base.model.model_dim}))
+        << Describe(l);
+    EXPECT_GT(got.tp_bytes, 0) << Describe(l);
+  }
+  // Tied head.
+  base.model.tied_head = true;
+  want = SingleRank(base, kSteps);
+  ExpectSameRun(want, OnRanks(WithLayout(base, {4, 2, true}), kSteps), "tied head tp 2 sp");
+}
+
+// MoE blocks beside tensor parallelism, in both arrangements: DeepSpeed (expert groups inside the
+// data-parallel ranks of each tp rank, tokens de-duplicated over tp before the exchange) and
+// Megatron (sequence-parallel tokens, expert-TP x EP x expert-DP folded over all ranks).
+TEST_F(DistributedTest, TensorParallelWithExpertsMatchesOneRank) {
+  TrainConfig base = TinyMoeConfig(dir_);
+  base.model.num_heads = 4;
+  const int kSteps = 3;
+  StepLosses want = SingleRank(base, kSteps);
+  const TpLayout layouts[] = {
+      {2, 2, false, false, 1},
+      {4, 2},
+      {4, 2, false, false, 2, 2, "alltoallv"},
+      {4, 2, false, false, 0, 0, "allgather"},
+      {2, 2, true},
+      {4, 2, true, true},
+      {4, 4, true, false, 2},
+      {4, 2, true, false, 2, 1, "alltoallv", "megatron", 2},
+  };
+  for (const TpLayout& l : layouts) {
+    ExpectSameRun(want, OnRanks(WithLayout(base, l), kSteps), Describe(l));
   }
 }
 

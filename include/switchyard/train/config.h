@@ -74,6 +74,20 @@ struct TrainConfig {
   int64_t zero_stage = 0;             // ZeRO stage 0-3 of the optimizer
   std::string dispatch = "alltoall";  // alltoall | alltoallv | allgather
   int64_t overlap_degree = 1;         // Tutel's a2a-FFN overlap degree D of the MoE blocks
+  // Tensor parallelism (docs/tensor_parallel.md): the dense layers split over tp ranks (the data-
+  // parallel size is ranks / tp); tp must divide ranks, num_heads, hidden_dim and vocab_size.
+  int64_t tp = 1;
+  // Norms and the residual stream sharded along the sequence over the tp ranks (all-gather and
+  // reduce-scatter instead of all-reduce); each data-parallel rank's tokens must divide by tp.
+  bool sequence_parallel = false;
+  // With sequence_parallel: those collectives as rings overlapped with the GEMMs.
+  bool tp_comm_overlap = false;
+  // How the MoE blocks' experts sit beside tp (parallel/mesh.h): "deepspeed" (expert groups
+  // inside the data-parallel ranks, tokens de-duplicated over tp), "megatron" (expert-TP x EP x
+  // expert-DP folded over all ranks; sequence-parallel tokens) or "auto" (megatron with
+  // sequence_parallel, else deepspeed).
+  std::string arrangement = "auto";
+  int64_t etp = 1;  // Megatron arrangement: each expert's hidden dimension split over etp ranks
 };
 
 // Flat JSON object with every key.
@@ -120,7 +134,8 @@ ResolvedTrainConfig ResolveTrainConfig(const TrainConfigSources& sources);
 
 // The keys a resumed run must share with its checkpoint (model shape, MoE sizes, seed, batch).
 const std::vector<std::string>& ResumeMustMatchKeys();
-// The layout keys (ranks, ep, zero_stage, dispatch, overlap_degree, threads): where a run runs,
+// The layout keys (ranks, ep, zero_stage, dispatch, overlap_degree, threads, tp, sequence_parallel,
+// tp_comm_overlap, arrangement, etp): where a run runs,
 // not what it computes; a resumed run does not take them from its checkpoint.
 bool IsLayoutKey(std::string_view key);
 

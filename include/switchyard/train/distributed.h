@@ -46,10 +46,16 @@ namespace switchyard::train {
 class ShardedAdamW;
 struct ZeroOptions;
 
-// The parallel options of a config's MoE blocks on a world of `world_size` ranks. Throws
-// InvalidArgument naming the key (an ep that does not divide ranks, an E that ep does not
-// divide and that does not divide ep, an unknown dispatch).
+// The parallel options of a config's MoE blocks on a world of `world_size` ranks (the run's mesh:
+// tp, sequence parallelism, the arrangement, ep, etp). Throws InvalidArgument naming the key (an
+// ep that does not divide ranks, an E that ep does not divide and that does not divide ep, an
+// unknown dispatch).
 parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int world_size);
+// The config's arrangement ("auto": Megatron with sequence_parallel, else DeepSpeed).
+parallel::Arrangement TrainArrangement(const TrainConfig& config);
+// ep, or for ep 0 the largest the arrangement allows (DeepSpeed: world / tp; Megatron:
+// world / etp).
+int TrainExpertParallelSize(const TrainConfig& config, int world_size);
 
 // The MoE block of a distributed run: parallel::ParallelMoeLayer as a FeedForward. Registers
 // "<prefix>gate.weight" (dense, replicated) and this rank's shard of the experts under the full
@@ -79,6 +85,8 @@ class ParallelMoeFeedForward : public FeedForward {
   moe::LayerParams shard_;            // gate (full) and this rank's experts
   std::string prefix_;
   ParameterSet* params_;
+  // The data shards whose mean losses the gradients average (dp x cp; with sequence parallelism
+  // the tp ranks of a shard hold parts of its tokens but share its loss).
   int data_shards_ = 1;
   FeedForwardTimes times_;
 };
@@ -86,11 +94,17 @@ class ParallelMoeFeedForward : public FeedForward {
 // Data parallelism, ZeRO and expert-parallel checkpoints as TrainHooks (trainer.h).
 class DistributedHooks : public TrainHooks {
  public:
-  // `groups`: the run's process groups, those of the MoE blocks (every block the same mesh); the
-  // dense optimizer works over their world, the experts' over their expert-data-parallel group.
-  // Not collective. `zero` holds ShardedAdamW's checking options (poison_non_owned).
+  // `groups`: the run's process groups, those of the MoE blocks (every block the same mesh).
+  // Gradients are summed over the ranks holding the same values and divided by the data-parallel
+  // size (the loss shards): tensor-parallel shards over the data-parallel group, other dense
+  // parameters over the token group (with sequence parallelism each tp rank has its tokens'
+  // part), experts over `expert_sync` (the expert-data-parallel group, or with DeepSpeed's TP
+  // de-duplication the expert holders over tp too). Not collective. `zero` holds ShardedAdamW's
+  // checking options (poison_non_owned). `tp` is the model's tensor-parallel options.
   DistributedHooks(std::shared_ptr<parallel::ProcessGroups> groups, int zero_stage,
-                   int ranks_in_process, const ZeroOptions& zero);
+                   int ranks_in_process, const ZeroOptions& zero,
+                   parallel::GroupKind expert_sync = parallel::GroupKind::kExpertData,
+                   TensorParallelOptions tp = {});
   ~DistributedHooks() override;
 
   // Records an MoE block built by the factory (its parameter prefix and layer config), for
@@ -103,6 +117,11 @@ class DistributedHooks : public TrainHooks {
 
   int rank() const override;
   int world_size() const override;
+  int data_rank() const override;
+  int data_size() const override;
+  bool reports_loss() const override;
+  bool reports_routing() const override;
+  TensorParallelContext tensor_parallel() override;
   int ranks_in_process() const override { return ranks_in_process_; }
   int zero_stage() const { return zero_stage_; }
   // Optimizer-state floats held by this rank (shows ZeRO's sharding); 0 before the first step.
@@ -132,6 +151,10 @@ class DistributedHooks : public TrainHooks {
   void GatherExperts(TensorMap& map, const std::string& suffix);
   void SliceExperts(TensorMap& map, const std::string& suffix) const;
   parallel::Mesh BlockMesh(const MoeBlock& block) const;
+  // The single-rank tensors of the tensor-parallel shards in `map` ("<name><suffix>"; all-gather
+  // over tp, collective), or this rank's shards of them.
+  void GatherTensorParallel(ParameterSet& params, TensorMap& map, const std::string& suffix);
+  void SliceTensorParallel(ParameterSet& params, TensorMap& map, const std::string& suffix) const;
 
   std::shared_ptr<parallel::ProcessGroups> groups_;
   comm::Communicator& world_;
@@ -139,9 +162,15 @@ class DistributedHooks : public TrainHooks {
   int zero_stage_;
   int ranks_in_process_;
   bool poison_non_owned_ = false;
-  comm::Communicator& expert_data_;  // ranks holding the same expert shard
+  comm::Communicator& tp_group_;     // the tensor-parallel group
+  comm::Communicator& data_;         // same tp rank: the tensor-parallel shards' replicas
+  comm::Communicator& tokens_;       // every rank with tokens of its own (replicated dense)
+  comm::Communicator& expert_data_;  // ranks holding the same expert shard (expert_sync)
+  TensorParallelOptions tp_options_;
+  parallel::RankCoords coords_;
   std::vector<MoeBlock> moe_blocks_;
-  std::unique_ptr<ShardedAdamW> dense_opt_;   // over the world
+  std::unique_ptr<ShardedAdamW> split_opt_;   // tensor-parallel shards, over data_
+  std::unique_ptr<ShardedAdamW> dense_opt_;   // other dense parameters, over tokens_
   std::unique_ptr<ShardedAdamW> expert_opt_;  // over expert_data_
   bool gathered_ = true;
 };

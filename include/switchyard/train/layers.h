@@ -111,6 +111,17 @@ struct AttentionCache {
   int64_t batch_size = 0;
 };
 
+// The attention core on num_heads heads: qkv [batch_size * seq_len, 3 * D] laid out q | k | v
+// (D = num_heads * head_dim; head h at columns [h * head_dim, (h + 1) * head_dim) of each part).
+// Per sequence and head: att = softmax(q k^T / sqrt(head_dim), causal) v. Returns att
+// [num_tokens, D] and, when `probs` is non-null, the causal softmax [batch_size, num_heads,
+// seq_len, seq_len] (zero above the diagonal) Backward needs.
+Tensor CausalAttentionForward(const Tensor& qkv, int64_t batch_size, int64_t num_heads, int threads,
+                              Tensor* probs);
+// d(qkv) [num_tokens, 3 * D] from datt [num_tokens, D], the forward's qkv and probs.
+Tensor CausalAttentionBackward(const Tensor& qkv, const Tensor& probs, const Tensor& datt,
+                               int64_t batch_size, int64_t num_heads, int threads);
+
 // Causal multi-head self-attention (GPT-2 layout):
 //   qkv = x · qkv.weight^T + qkv.bias, split into q, k, v and into num_heads heads of head_dim;
 //   per sequence and head: att = softmax(q k^T / sqrt(head_dim), causal) v;

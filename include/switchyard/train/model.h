@@ -27,6 +27,7 @@
 #include "switchyard/train/feed_forward.h"
 #include "switchyard/train/layers.h"
 #include "switchyard/train/parameters.h"
+#include "switchyard/train/tensor_parallel.h"
 
 namespace switchyard::train {
 
@@ -58,6 +59,17 @@ double TrainingFlopsPerToken(const ModelConfig& config, int64_t num_experts = 0,
                              int64_t expert_hidden_dim = 0);
 bool IsMoeBlock(const ModelConfig& config, int64_t block_index);
 
+// The tensor-parallel layout of a model (docs/tensor_parallel.md): with a group of P > 1 ranks the
+// embedding and the output head are vocab-parallel (the loss VocabParallelCrossEntropy), each
+// block's attention TensorParallelAttention and its dense MLP TensorParallelFeedForward; the
+// norms, the position embedding and the residual stream are replicated, or sharded along tokens
+// with options.sequence_parallel. Every rank of the group passes the same tokens and targets.
+// Parameters keep their single-rank names with the shapes of their shards (Parameter::tp_shard).
+struct TensorParallelContext {
+  comm::Communicator* group = nullptr;  // the tp group; null or one rank: no tensor parallelism
+  TensorParallelOptions options;
+};
+
 struct BlockCache {
   NormCache norm1;
   AttentionCache attn;
@@ -70,12 +82,15 @@ struct BlockCache {
 // parameters are registered in module order.
 class Block {
  public:
+  // `tp` (may be null: one rank) splits the attention over its group.
   Block(ParameterSet& params, const std::string& prefix, const ModelConfig& config,
-        const std::function<std::unique_ptr<FeedForward>()>& make_ffn, uint64_t seed);
+        const std::function<std::unique_ptr<FeedForward>()>& make_ffn, uint64_t seed,
+        const TensorParallelContext* tp = nullptr, parallel::CommStats* tp_stats = nullptr);
 
   FeedForward& ffn() const { return *ffn_; }
 
-  // x [batch_size * seq_len, model_dim]. `cache` receives the FFN's output statistics and, with
+  // x [batch_size * seq_len, model_dim] (this rank's rows of it with sequence parallelism;
+  // batch_size counts whole sequences). `cache` receives the FFN's output statistics and, with
   // context.save_for_backward, what Backward needs.
   Tensor Forward(const Tensor& x, int64_t batch_size, const FeedForwardContext& context,
                  BlockCache* cache) const;
@@ -83,8 +98,9 @@ class Block {
 
  private:
   Norm norm1_;
-  CausalSelfAttention attn_;
-  Norm norm2_;
+  std::unique_ptr<CausalSelfAttention> attn_;         // one rank
+  std::unique_ptr<TensorParallelAttention> tp_attn_;  // tensor parallel
+  std::unique_ptr<Norm> norm2_;
   std::unique_ptr<FeedForward> ffn_;
 };
 
@@ -111,8 +127,12 @@ struct LmOutput {
 
 class TransformerLm {
  public:
-  // Validates the config. A model with MoE blocks needs `moe_factory` (InvalidArgument without).
-  TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFactory moe_factory = nullptr);
+  // Validates the config. A model with MoE blocks needs `moe_factory` (InvalidArgument without);
+  // its FFNs must take and return the layout of `tp` (sequence shards with sequence_parallel).
+  // With a tensor-parallel group, sizes that must divide by P are checked here (InvalidArgument
+  // naming the layer): vocab_size, num_heads, hidden_dim.
+  TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFactory moe_factory = nullptr,
+                TensorParallelContext tp = {});
   ~TransformerLm();
   TransformerLm(const TransformerLm&) = delete;
   TransformerLm& operator=(const TransformerLm&) = delete;
@@ -127,6 +147,9 @@ class TransformerLm {
   // tokens, targets: int32 [batch_size, seq] with 1 <= seq <= config.seq_len; tokens in
   // [0, vocab_size), targets in [0, vocab_size) or < 0 (ignored). targets may be undefined
   // (no loss; logits are kept). With save_for_backward the output can be passed to Backward.
+  // Sequence parallelism needs batch_size * seq to divide by P for a training call
+  // (InvalidArgument); other calls are padded with ignored sequences (causal attention: the
+  // real tokens' logits do not change; MoE capacity sees the padding).
   LmOutput Forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& options,
                    bool keep_logits = false);
   // Accumulates loss_scale * d(loss)/d(parameters) into the gradients.
@@ -136,10 +159,20 @@ class TransformerLm {
   void EndStep(const std::vector<std::vector<int64_t>>& global_expert_loads);
   // The MoE FFNs' time since the last call, summed over blocks (FeedForward::TakeTimes).
   FeedForwardTimes TakeMoeTimes();
+  // Tensor-parallel size (1 without a group) and the bytes the tensor-parallel layers moved since
+  // the last call (Traffic::kTensor), then restarts.
+  int tp_size() const { return tp_.group != nullptr ? tp_.group->size() : 1; }
+  parallel::CommStats TakeTensorParallelStats();
 
  private:
+  bool tensor_parallel() const { return tp_size() > 1; }
+  Tensor Logits(const Tensor& h_full, int threads) const;
+
   ModelConfig config_;
+  TensorParallelContext tp_;
+  parallel::CommStats tp_stats_;
   ParameterSet params_;
+  std::unique_ptr<VocabParallelEmbedding> vp_embed_;  // tensor parallel
   std::unique_ptr<Embedding> embed_;
   std::unique_ptr<Embedding> pos_embed_;
   std::vector<std::unique_ptr<Block>> blocks_;

@@ -26,6 +26,19 @@ namespace switchyard::train {
 // group.
 enum class ParamGroup : uint8_t { kDense, kExpert };
 
+// How a parameter is split over the tensor-parallel group (train/tensor_parallel.h), so that
+// checkpoints hold the single-rank tensor whatever the layout: rank r holds ShardOf(full, r).
+struct TpShard {
+  enum class Dim : uint8_t {
+    kReplicated,  // every rank holds the whole tensor
+    kRows,        // dim 0 split, each of fused_parts equal parts on its own (see fused_parts below)
+    kColumns      // dim 1 of a 2-d tensor split
+  };
+  Dim dim = Dim::kReplicated;
+  int64_t fused_parts = 1;  // kRows only
+  bool split() const { return dim != Dim::kReplicated; }
+};
+
 struct ParamOptions {
   bool weight_decay = false;  // AdamW applies decoupled weight decay (matrices, embeddings)
   bool trainable = true;      // false: a buffer (saved in checkpoints, never optimized)
@@ -37,6 +50,8 @@ struct Parameter {
   Tensor value;  // float32
   Tensor grad;   // float32, value's shape; undefined for buffers (trainable = false)
   ParamOptions options;
+  // Set by the tensor-parallel layers for the shards they register; kReplicated otherwise.
+  TpShard tp_shard;
 };
 
 class ParameterSet {

@@ -35,6 +35,7 @@
 #include "switchyard/comm/communicator.h"
 #include "switchyard/core/tensor.h"
 #include "switchyard/parallel/comm_stats.h"
+#include "switchyard/train/feed_forward.h"
 #include "switchyard/train/layers.h"
 #include "switchyard/train/parameters.h"
 
@@ -58,6 +59,17 @@ Tensor SequenceShard(std::string_view what, const Tensor& x, const comm::Communi
 Tensor GatherSequence(comm::Communicator& group, const Tensor& part,
                       parallel::CommStats* stats = nullptr);
 
+// Reduce-scatter along tokens: full [P * n, dim] (this rank's partial sums) -> [n, dim], the sum
+// over ranks of block r. InvalidArgument naming `what` unless the rows divide by P.
+Tensor ReduceScatterSequence(std::string_view what, comm::Communicator& group, const Tensor& full,
+                             parallel::CommStats* stats = nullptr);
+// Sums t over the group in place (float32).
+void AllReduceTensor(comm::Communicator& group, const Tensor& t,
+                     parallel::CommStats* stats = nullptr);
+// All-gather along columns: local [n, c] (this rank's columns [r * c, (r + 1) * c)) -> [n, P * c].
+Tensor GatherColumns(comm::Communicator& group, const Tensor& local,
+                     parallel::CommStats* stats = nullptr);
+
 // Computes one chunk of a ring-overlapped GEMM: `block` is the index (in [0, P)) of the token
 // block, `rows` its rows ([n, ...], a view the callback must not keep).
 using BlockGemm = std::function<void(int block, const Tensor& rows)>;
@@ -73,17 +85,6 @@ void RingAllGatherGemm(comm::Communicator& group, const Tensor& part, const Tens
 void RingGemmReduceScatter(comm::Communicator& group, const Tensor& output,
                            const BlockGemm& partial, parallel::CommStats* stats = nullptr);
 
-// How a parameter is split over the group, for checkpoints that do not depend on P: rank r's
-// shard of the single-rank tensor.
-struct TpShard {
-  enum class Dim : uint8_t {
-    kReplicated,  // every rank holds the whole tensor
-    kRows,        // dim 0 split, each of fused_parts equal parts on its own (see fused_parts below)
-    kColumns      // dim 1 of a 2-d tensor split
-  };
-  Dim dim = Dim::kReplicated;
-  int64_t fused_parts = 1;  // kRows only
-};
 // A parameter of a tensor-parallel layer and how it is split.
 struct TpParameter {
   Parameter* param;
@@ -222,6 +223,55 @@ CrossEntropyResult VocabParallelCrossEntropy(comm::Communicator& group, const Te
                                              const Tensor& targets, int64_t vocab_size,
                                              Tensor* dlogits, float scale = 1.0f, int threads = 1,
                                              parallel::CommStats* stats = nullptr);
+
+// Causal self-attention with its heads split over the group (Megatron-LM): QKV column-parallel
+// with fused_parts 3 (rank r holds q | k | v of heads [r * H / P, (r + 1) * H / P)), the attention
+// core (CausalAttentionForward) on those H / P heads, the output projection row-parallel.
+// Parameters as CausalSelfAttention's ("<prefix>qkv.weight" [3 * d / P, d], "<prefix>qkv.bias",
+// "<prefix>proj.weight" [d, d / P], "<prefix>proj.bias" [d]), initial values its own sliced.
+// num_heads must divide by P (InvalidArgument naming the layer). x and y in the options' layout:
+// replicated [batch_size * seq_len, d], or [batch_size * seq_len / P, d] with sequence_parallel
+// (batch_size counts whole sequences either way). The cache holds the gathered input (x), this
+// rank's qkv, probs and att.
+class TensorParallelAttention {
+ public:
+  TensorParallelAttention(ParameterSet& params, const std::string& prefix, int64_t model_dim,
+                          int64_t num_heads, float init_std, float proj_init_std, uint64_t seed,
+                          comm::Communicator& group, TensorParallelOptions options,
+                          parallel::CommStats* stats = nullptr);
+
+  int64_t local_heads() const { return local_heads_; }
+  Tensor Forward(const Tensor& x, int64_t batch_size, int threads, AttentionCache* cache) const;
+  Tensor Backward(const AttentionCache& cache, const Tensor& dy, int threads) const;
+
+ private:
+  int64_t local_heads_;
+  ColumnParallelLinear qkv_;
+  RowParallelLinear proj_;
+  parallel::CommStats* stats_;
+};
+
+// The dense MLP of DenseFeedForward with fc1 column-parallel and fc2 row-parallel: the hidden
+// activation stays on its rank ([num_tokens, hidden_dim / P]). Same parameter names, shards of
+// the same initial values. x and y in the options' layout (as TensorParallelAttention).
+class TensorParallelFeedForward : public FeedForward {
+ public:
+  TensorParallelFeedForward(ParameterSet& params, const std::string& prefix, int64_t model_dim,
+                            int64_t hidden_dim, kernels::Activation activation, float init_std,
+                            float out_init_std, uint64_t seed, comm::Communicator& group,
+                            TensorParallelOptions options, parallel::CommStats* stats = nullptr);
+
+  bool is_moe() const override { return false; }
+  FeedForwardOutput Forward(const Tensor& x, const FeedForwardContext& context) override;
+  Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
+                  int threads) override;
+
+ private:
+  kernels::Activation activation_;
+  ColumnParallelLinear fc1_;
+  RowParallelLinear fc2_;
+  parallel::CommStats* stats_;
+};
 
 // Sums each parameter's gradient over the group in place (the parameters of the sequence-parallel
 // region: norms, the row-parallel bias), one all-reduce for all of them.

@@ -42,6 +42,17 @@ class TrainHooks {
   virtual int world_size() const { return 1; }
   // Ranks sharing this process's cores (ranks as threads), for the threading policy.
   virtual int ranks_in_process() const { return 1; }
+  // The data-parallel coordinate: the batch's rows are split over data_size() shards and this
+  // rank trains rows of shard data_rank() (the ranks of a tensor-parallel group share theirs).
+  virtual int data_rank() const { return rank(); }
+  virtual int data_size() const { return world_size(); }
+  // Whether this rank's loss and token count, and its routing statistics, enter the global sums
+  // (once per group of ranks that compute the same ones: the tensor-parallel ranks share the
+  // loss, and without sequence parallelism the routing too).
+  virtual bool reports_loss() const { return true; }
+  virtual bool reports_routing() const { return true; }
+  // The tensor-parallel layout the model is built with (none by default).
+  virtual TensorParallelContext tensor_parallel() { return {}; }
 
   // After backward: turn this rank's gradients into the global batch's (average over the
   // data-parallel group for dense parameters, over ep_dp for experts; ZeRO-2 reduce-scatters).
