@@ -103,9 +103,11 @@ void AddTrainConfigFlags(CLI::App& app,
     for (size_t i = 2; i < flag.size(); ++i) {
       if (flag[i] == '_') flag[i] = '-';
     }
-    app.add_option_function<std::string>(
-           flag, [setter, name = key.name](const std::string& v) { (*setter)(name, v); }, key.help)
-        ->type_name(key.type);
+    CLI::Option* opt = app.add_option_function<std::string>(
+        flag, [setter, name = key.name](const std::string& v) { (*setter)(name, v); }, key.help);
+    opt->type_name(key.type);
+    // A yes/no key given alone means true (--sequence-parallel); "--key false" still works.
+    if (key.type == "BOOL") opt->expected(0, 1)->default_str("true");
   }
   app.footer(
       "Flags are spelled with dashes (--batch-size); the underscore spellings (--batch_size) are "

@@ -313,6 +313,14 @@ void DistributedHooks::Prepare(ParameterSet& params, const AdamW& optimizer) {
       (p.tp_shard.split() ? split : dense).push_back(&p);
     }
   }
+  auto count = [](const std::vector<Parameter*>& ps) {
+    int64_t n = 0;
+    for (const Parameter* p : ps) n += p->value.numel();
+    return n;
+  };
+  split_elements_ = count(split);
+  dense_elements_ = count(dense);
+  expert_elements_ = count(experts);
   const ZeroOptions zero{.poison_non_owned = poison_non_owned_};
   split_opt_ = std::make_unique<ShardedAdamW>(split, data_, zero_stage_, optimizer.options(), zero);
   dense_opt_ =
@@ -331,18 +339,55 @@ void DistributedHooks::ReduceGradients(ParameterSet& params) {
   expert_opt_->ReduceGradients(inv);
 }
 
+// A group kind with G groups whose members share out D distinct sets of values holds G / D copies
+// of each element (within a group, each rank owns its range of the set).
+double DistributedHooks::CopiesSplit() const {
+  return static_cast<double>(world_.size()) / data_.size() / mesh_.tp();
+}
+double DistributedHooks::CopiesDense() const {
+  return static_cast<double>(world_.size()) / tokens_.size();
+}
+double DistributedHooks::CopiesExperts() const {
+  return static_cast<double>(world_.size()) / expert_data_.size() / mesh_.expert_group_size();
+}
+
 double DistributedHooks::GradSquaredNorm(const ParameterSet& params) {
-  // Each rank's own ranges, weighted so that every distinct element counts once over the world:
-  // a group kind with G groups holding D distinct sets of values has G / D copies of each.
-  const double w = world_.size();
-  const double copies_split = w / data_.size() / mesh_.tp();
-  const double copies_dense = w / tokens_.size();
-  const double copies_experts = w / expert_data_.size() / mesh_.expert_group_size();
-  double own[1] = {split_opt_->OwnGradSquaredNorm() / copies_split +
-                   dense_opt_->OwnGradSquaredNorm() / copies_dense +
-                   expert_opt_->OwnGradSquaredNorm() / copies_experts};
+  // Each rank's own ranges, weighted so that every distinct element counts once over the world.
+  double own[1] = {split_opt_->OwnGradSquaredNorm() / CopiesSplit() +
+                   dense_opt_->OwnGradSquaredNorm() / CopiesDense() +
+                   expert_opt_->OwnGradSquaredNorm() / CopiesExperts()};
   AllReduceSum(own);
   return own[0];
+}
+
+std::string DistributedHooks::LayoutDescription() const {
+  std::string tp = fmt::format("tp {}", mesh_.tp());
+  if (mesh_.tp() > 1 && tp_options_.sequence_parallel) {
+    tp += tp_options_.comm_overlap ? " (sequence parallel, comm-GEMM overlap)"
+                                   : " (sequence parallel)";
+  }
+  std::string experts;
+  if (!moe_blocks_.empty()) {
+    experts = fmt::format(
+        "; experts: ep {}{} ({} arrangement), ZeRO stage {}", mesh_.ep(),
+        mesh_.shards() > 1 ? fmt::format(" x {} H-shards", mesh_.shards()) : std::string(),
+        mesh_.arrangement() == parallel::Arrangement::kMegatron ? "megatron" : "deepspeed",
+        zero_stage_);
+  } else {
+    experts = fmt::format("; ZeRO stage {}", zero_stage_);
+  }
+  return fmt::format("{} rank{} = {} x dp {}{}", world_.size(), world_.size() == 1 ? "" : "s", tp,
+                     mesh_.dp(), experts);
+}
+
+int64_t DistributedHooks::ModelParameterCount(const ParameterSet& params) {
+  // Every rank holds each of its sets whole: a set is held by (group size x copies) ranks.
+  double share[1] = {static_cast<double>(split_elements_) / (CopiesSplit() * data_.size()) +
+                     static_cast<double>(dense_elements_) / (CopiesDense() * tokens_.size()) +
+                     static_cast<double>(expert_elements_) /
+                         (CopiesExperts() * expert_data_.size())};
+  AllReduceSum(share);
+  return static_cast<int64_t>(std::llround(share[0]));
 }
 
 void DistributedHooks::ScaleGradients(ParameterSet& params, float factor) {

@@ -449,7 +449,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
     metrics = std::make_unique<MetricsWriter>(run_dir + "/metrics.jsonl", resumed ? step_ : -1);
   }
   const bool moe = model_->num_moe_blocks() > 0;
-  const int64_t params = model_->parameters().NumTrainableElements();
+  const int64_t params = hooks_->ModelParameterCount(model_->parameters());
   if (writer) {
     fmt::print(out,
                "model: {} parameters, {} layer(s), model_dim {}, {} heads, seq_len {}{}\n"
@@ -460,6 +460,8 @@ RunSummary Trainer::Run(const RunOptions& options) {
                c.data.empty() ? std::string("fortunes corpus") : c.data, corpus_.train.size(),
                corpus_.val.size(), unigram_entropy_, c.steps, c.batch_size,
                c.batch_size * c.model.seq_len, threads_, run_dir);
+    const std::string layout = hooks_->LayoutDescription();
+    if (!layout.empty()) fmt::print(out, "layout: {}\n", layout);
   }
   bool interactive =
       options.interactive < 0 ? ProgressBar::IsTerminal(out) : options.interactive > 0;

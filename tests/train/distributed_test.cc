@@ -252,7 +252,17 @@ TEST_F(DistributedTest, TensorParallelDenseMatchesOneRank) {
     EXPECT_EQ(got.tp_size, l.tp) << Describe(l);
     EXPECT_EQ(got.fc1_shape, (Shape{base.model.hidden_dim / l.tp, base.model.model_dim}))
         << Describe(l);
-    EXPECT_GT(got.tp_bytes, 0) << Describe(l);
+    // Bytes on the wire (bus convention, float32) per step, the closed form of
+    // docs/tensor_parallel.md: per layer 4 all-reduces of [n, d] (attention and MLP, forward and
+    // backward), or 4 all-gathers + 4 reduce-scatters with sequence parallelism (the same volume);
+    // the embedding and the head one each; the loss 3 floats per token.
+    const double p = l.tp, n = static_cast<double>(base.batch_size / (l.ranks / l.tp)) *
+                               static_cast<double>(base.model.seq_len);
+    const double d = static_cast<double>(base.model.model_dim);
+    const double layers = static_cast<double>(base.model.num_layers);
+    const double per_step =
+        (p - 1) / p * 4 * n * d * (8 * layers + 4) + 2 * (p - 1) / p * 4 * 3 * n;
+    EXPECT_DOUBLE_EQ(got.tp_bytes, kSteps * per_step) << Describe(l);
   }
   // Tied head.
   base.model.tied_head = true;
@@ -451,6 +461,39 @@ TEST_F(DistributedTest, CheckpointsMoveBetweenLayouts) {
   Trainer t(one);
   t.Restore(d);
   EXPECT_NEAR(t.Step().loss, continued, 2e-5 * std::abs(continued));
+}
+
+// Tensor-parallel checkpoints hold the single-rank tensors: saved at tp 2 they resume at tp 1 and
+// tp 4 (and with or without sequence parallelism) with the same next loss, and the reverse.
+TEST_F(DistributedTest, CheckpointsMoveBetweenTensorParallelSizes) {
+  TrainConfig base = TinyMoeConfig(dir_);
+  base.model.num_heads = 4;
+  base.model.tied_head = false;
+  const TrainConfig tp2 = WithLayout(base, {4, 2, true, false, 2, 1});
+  const std::string ck = dir_ / "ck_tp2";
+  const double continued = SaveAfterAndStep(tp2, 2, ck);
+  ASSERT_TRUE(std::isfinite(continued));
+  CheckpointData d = LoadCheckpoint(ck);
+  EXPECT_EQ(d.model.at("embed.weight").shape(), (Shape{256, 32}));
+  EXPECT_EQ(d.model.at("head.weight").shape(), (Shape{256, 32}));
+  EXPECT_EQ(d.model.at("blocks.0.attn.qkv.weight").shape(), (Shape{96, 32}));
+  EXPECT_EQ(d.model.at("blocks.0.attn.proj.weight").shape(), (Shape{32, 32}));
+  EXPECT_EQ(d.optimizer.at("blocks.0.mlp.fc2.weight.exp_avg").shape(), (Shape{32, 48}));
+  EXPECT_EQ(d.optimizer.at("blocks.0.attn.qkv.bias.exp_avg_sq").shape(), (Shape{96}));
+  EXPECT_EQ(ResumeAndStep(tp2, ck), continued);  // same layout: bit for bit
+  for (const TpLayout& l :
+       {TpLayout{1, 1}, TpLayout{4, 4, true}, TpLayout{2, 2}, TpLayout{4, 2, false, false, 2, 3}}) {
+    EXPECT_NEAR(ResumeAndStep(WithLayout(base, l), ck), continued, 2e-5 * std::abs(continued))
+        << Describe(l);
+  }
+  // The reverse: saved on one rank, resumed at tp 2 and 4.
+  const TrainConfig one = WithLayout(base, {1, 1});
+  const std::string ck1 = dir_ / "ck_tp1";
+  const double continued1 = SaveAfterAndStep(one, 2, ck1);
+  for (const TpLayout& l : {TpLayout{2, 2, true, true}, TpLayout{4, 4}}) {
+    EXPECT_NEAR(ResumeAndStep(WithLayout(base, l), ck1), continued1, 2e-5 * std::abs(continued1))
+        << Describe(l);
+  }
 }
 
 TEST_F(DistributedTest, ZeroCheckpointResumesBitForBit) {

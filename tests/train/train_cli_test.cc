@@ -172,6 +172,31 @@ TEST_F(TrainCliTest, ResumeWithoutOutContinuesTheResumedRunInItsDirectory) {
   EXPECT_EQ(Files("runs/train"), other_files);
 }
 
+// `--tp N [--sequence-parallel] [--tp-comm-overlap]` on ranks as threads: the one-rank losses,
+// the layout in the header, and a run saved at tp 2 resumes at tp 1.
+TEST_F(TrainCliTest, TensorParallelFlags) {
+  CommandResult one = RunCommand(Command("one", "--ranks 1 --steps 3"), dir_);
+  ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
+  CommandResult tp = RunCommand(
+      Command("tp", "--ranks 4 --tp 2 --sequence-parallel --tp-comm-overlap --steps 2"), dir_);
+  ASSERT_EQ(tp.exit_code, 0) << tp.out << tp.err;
+  EXPECT_NE(tp.out.find("layout: 4 ranks = tp 2 (sequence parallel, comm-GEMM overlap) x dp 2"),
+            std::string::npos)
+      << tp.out;
+  CommandResult resumed =
+      RunCommand(Command("tp", "--ranks 1 --steps 3 --resume " + dir_ + "/tp"), dir_);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
+  const std::vector<double> want = Losses("one"), got = Losses("tp");
+  ASSERT_EQ(want.size(), 3u);
+  ASSERT_EQ(got.size(), 3u);
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], 2e-5 * want[i]) << "step " << i + 1;
+  }
+  CommandResult bad = RunCommand(Command("bad", "--tp 3 --steps 1"), dir_);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("'tp' 3 must divide 'ranks' 4"), std::string::npos) << bad.err;
+}
+
 TEST_F(TrainCliTest, BadFlagsAreOneLineErrors) {
   CommandResult r = RunCommand(Command("x", "--ranks 4 --ep 3"), dir_);
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
@@ -186,6 +211,30 @@ TEST_F(TrainCliTest, BadFlagsAreOneLineErrors) {
 }
 
 #ifdef SY_MPIRUN_SCRIPT
+// Tensor parallelism from the command line in MPI processes: tp 2 with sequence parallelism and
+// comm-GEMM overlap (Megatron arrangement for the MoE block), and tp 2 without (DeepSpeed's),
+// give the one-rank run's losses.
+TEST_F(TrainCliTest, MpiTensorParallelGivesTheOneRankLosses) {
+  CommandResult one = RunCommand(Command("one", "--ranks 1 --steps 3"), dir_);
+  ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
+  const std::vector<double> want = Losses("one");
+  ASSERT_EQ(want.size(), 3u);
+  for (const std::string layout :
+       {"--tp 2 --sequence-parallel --tp-comm-overlap", "--tp 2 --arrangement deepspeed"}) {
+    const std::string out = layout.find("sequence") != std::string::npos ? "sp" : "ds";
+    CommandResult m = RunCommand(
+        std::string("bash ") + SY_MPIRUN_SCRIPT + " -np 2 " + Command(out, "--steps 3 " + layout),
+        dir_);
+    ASSERT_EQ(m.exit_code, 0) << layout << "\n" << m.out << m.err;
+    EXPECT_NE(m.out.find("tp 2"), std::string::npos) << m.out;
+    const std::vector<double> got = Losses(out);
+    ASSERT_EQ(got.size(), 3u) << layout;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_NEAR(got[i], want[i], 2e-5 * want[i]) << layout << " step " << i + 1;
+    }
+  }
+}
+
 TEST_F(TrainCliTest, MpiProcessesGiveTheThreadRanksLosses) {
   CommandResult t = RunCommand(Command("threads", "--ranks 2 --steps 3"), dir_);
   ASSERT_EQ(t.exit_code, 0) << t.out << t.err;

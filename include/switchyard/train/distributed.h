@@ -122,6 +122,8 @@ class DistributedHooks : public TrainHooks {
   bool reports_loss() const override;
   bool reports_routing() const override;
   TensorParallelContext tensor_parallel() override;
+  int64_t ModelParameterCount(const ParameterSet& params) override;
+  std::string LayoutDescription() const override;
   int ranks_in_process() const override { return ranks_in_process_; }
   int zero_stage() const { return zero_stage_; }
   // Optimizer-state floats held by this rank (shows ZeRO's sharding); 0 before the first step.
@@ -169,6 +171,11 @@ class DistributedHooks : public TrainHooks {
   TensorParallelOptions tp_options_;
   parallel::RankCoords coords_;
   std::vector<MoeBlock> moe_blocks_;
+  // How many ranks hold a copy of each element of the three optimizers' parameters.
+  double CopiesSplit() const;
+  double CopiesDense() const;
+  double CopiesExperts() const;
+  int64_t split_elements_ = 0, dense_elements_ = 0, expert_elements_ = 0;  // this rank's
   std::unique_ptr<ShardedAdamW> split_opt_;   // tensor-parallel shards, over data_
   std::unique_ptr<ShardedAdamW> dense_opt_;   // other dense parameters, over tokens_
   std::unique_ptr<ShardedAdamW> expert_opt_;  // over expert_data_

@@ -51,6 +51,12 @@ class TrainHooks {
   // loss, and without sequence parallelism the routing too).
   virtual bool reports_loss() const { return true; }
   virtual bool reports_routing() const { return true; }
+  // Trainable elements of the whole model (not only this rank's shards). Collective.
+  virtual int64_t ModelParameterCount(const ParameterSet& params) {
+    return params.NumTrainableElements();
+  }
+  // One line naming the parallel layout for the run's header ("" for one rank).
+  virtual std::string LayoutDescription() const { return ""; }
   // The tensor-parallel layout the model is built with (none by default).
   virtual TensorParallelContext tensor_parallel() { return {}; }
 
