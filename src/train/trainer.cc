@@ -185,6 +185,7 @@ StepMetrics Trainer::Step() {
   LmOutput out = model_->Forward(batch.tokens, batch.targets, fo);
   model_->Backward(out, 1.0f, threads_);
   const FeedForwardTimes moe_times = model_->TakeMoeTimes();
+  const parallel::CommStats tp_stats = model_->TakeTensorParallelStats();
 
   hooks_->ReduceGradients(params);
   double grad_norm = std::sqrt(hooks_->GradSquaredNorm(params));
@@ -205,7 +206,9 @@ StepMetrics Trainer::Step() {
                               moe_times.seconds,
                               moe_times.comm_seconds,
                               static_cast<double>(nonfinite_inputs),
-                              Now() - t0};
+                              Now() - t0,
+                              tp_stats.Bytes(parallel::Traffic::kTensor),
+                              tp_stats.comm_seconds};
   for (const auto& r : out.routing) {
     sums.push_back(routing ? static_cast<double>(r.routed) : 0.0);
     sums.push_back(routing ? static_cast<double>(r.dropped) : 0.0);
@@ -250,7 +253,9 @@ StepMetrics Trainer::Step() {
   // Each rank's MoE time is part of its own step time (other ranks wait for the writer between
   // steps inside their first MoE collective): shares use the rank mean of both.
   m.rank_time_s = sums[8] / static_cast<double>(world);
-  size_t k = 9;
+  m.tp_bytes = sums[9] / static_cast<double>(world);
+  m.tp_comm_s = sums[10] / static_cast<double>(world);
+  size_t k = 11;
   for (const auto& r : out.routing) {
     double routed = sums[k], dropped = sums[k + 1];
     k += 2;
@@ -511,6 +516,8 @@ RunSummary Trainer::Run(const RunOptions& options) {
   int64_t acc_steps = 0, acc_good = 0;
   double acc_time = 0, acc_moe = 0, acc_moe_comm = 0;
   double run_moe = 0, run_moe_comm = 0, run_rank_time = 0;
+  double run_tp_bytes = 0, run_tp_comm = 0, run_tp_time = 0;
+  int64_t run_steps = 0;
   std::vector<double> rates;
   // Set when every rank is at the same point of a failure (the state after step_ steps is
   // whole on every rank), so that the ranks can still save it together.
@@ -540,6 +547,10 @@ RunSummary Trainer::Run(const RunOptions& options) {
       }
       acc.skipped_steps += m.skipped_steps;
       summary.skipped_steps += m.skipped_steps;
+      ++run_steps;
+      run_tp_bytes += m.tp_bytes;
+      run_tp_comm += m.tp_comm_s;
+      run_tp_time += m.rank_time_s;
       if (m.skipped_steps == 0) {
         ++acc_good;
         acc.loss += m.loss;
@@ -651,6 +662,10 @@ RunSummary Trainer::Run(const RunOptions& options) {
     summary.steps = step_;
     summary.seconds = Now() - run_start;
     summary.final_val_ce_loss = last_val;
+    if (model_->tp_size() > 1 && run_steps > 0 && run_tp_time > 0) {
+      summary.tp_bytes_per_step = run_tp_bytes / static_cast<double>(run_steps);
+      summary.tp_comm_share = run_tp_comm / run_tp_time;
+    }
     if (moe && run_rank_time > 0) {
       summary.moe_time_share = run_moe / run_rank_time;
       summary.moe_comm_share = run_moe_comm / run_rank_time;
@@ -737,6 +752,8 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
             {"final_val_ce_loss", finite(summary.final_val_ce_loss)},
             {"moe_time_share", finite(summary.moe_time_share)},
             {"moe_comm_share", finite(summary.moe_comm_share)},
+            {"tp_bytes_per_step", finite(summary.tp_bytes_per_step)},
+            {"tp_comm_share", finite(summary.tp_comm_share)},
             {"skipped_steps", summary.skipped_steps}};
   // Only what is known: a value that is not (no step ran, a dense model) is left out.
   for (auto it = s.begin(); it != s.end();) it = it->is_null() ? s.erase(it) : std::next(it);
@@ -779,6 +796,12 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                "gate + dispatch + experts + combine {:.0f}%)\n",
                100 * summary.moe_time_share, 100 * summary.moe_comm_share,
                100 * (summary.moe_time_share - summary.moe_comm_share));
+  }
+  if (std::isfinite(summary.tp_bytes_per_step)) {
+    fmt::print(out,
+               "  tensor parallel: {:.2f} MB per step and rank on the wire, blocked in those "
+               "collectives {:.0f}% of step time\n",
+               summary.tp_bytes_per_step / 1e6, 100 * summary.tp_comm_share);
   }
   fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{})\n", run_dir,
              moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "");

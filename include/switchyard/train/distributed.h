@@ -2,26 +2,27 @@
 // blocks (parallel::ParallelMoeLayer), data parallelism for everything else and ZeRO stage 0-3
 // (zero.h) for the optimizer.
 //
-// Layout (TrainConfig: ranks, ep, zero_stage, dispatch). The mesh is DeepSpeed's with tp = 1:
-// the global batch is split by rows over all W ranks (data parallel), each MoE block's experts
-// over expert groups of `ep` ranks (E_l = E / ep experts per rank; with E < ep each expert's
-// hidden dimension is split too, expert_shard.h), replicated over the W / ep expert-data-
-// parallel groups. Capacity, slot order and the load-balancing losses are those of the global
-// batch (BatchScope::kGlobal), so a W-rank run computes the single-rank run's losses and
-// gradients up to float summation order.
+// Layout (TrainConfig: ranks, ep, zero_stage, dispatch, tp, sequence_parallel, arrangement, etp).
+// The dense layers split over tp ranks (tensor_parallel.h, model.h) and the global batch by rows
+// over the ranks / tp data-parallel ranks; each MoE block's experts over expert groups of `ep`
+// ranks (E_l = E / ep experts per rank; with E < ep each expert's hidden dimension is split too,
+// expert_shard.h), in DeepSpeed's arrangement (expert groups inside the data-parallel ranks of each
+// tp rank) or Megatron's (folded over all ranks, sequence-parallel tokens). Capacity, slot order
+// and the load-balancing losses are those of the global batch (BatchScope::kGlobal), so a W-rank
+// run computes the single-rank run's losses and gradients up to float summation order.
 //
 // Gradients (every parameter's gradient is that of the global objective
 // mean-over-all-tokens cross-entropy + the MoE blocks' loss terms): each rank differentiates its
 // own rows' mean cross-entropy and D times its share of the MoE loss terms (D = the number of
-// token shards = W), then every gradient is summed over the ranks holding that parameter and
-// divided by D. Dense parameters are replicated over the world, expert shards over their
-// expert-data-parallel group. This equals the single-rank gradient when every rank holds the same
-// number of counted target tokens (batch_size a multiple of W), as with PyTorch DDP.
+// data shards = ranks / tp), then every gradient is summed over the ranks holding that parameter
+// (DistributedHooks says which) and divided by D. This equals the single-rank gradient when every
+// data shard holds the same number of counted target tokens (batch_size a multiple of D), as with
+// PyTorch DDP.
 //
 // Checkpoints are layout-independent: the writer (world rank 0) saves full tensors with experts
-// [E, ...] by global expert id and the full optimizer state, so a run saved with one (ranks, ep,
-// zero_stage) resumes under any other: resuming with another layout is how a run is resharded
-// (there is no separate conversion step).
+// [E, ...] by global expert id, tensor-parallel shards gathered, and the full optimizer state, so
+// a run saved with one (ranks, ep, zero_stage, tp, ...) resumes under any other: resuming with
+// another layout is how a run is resharded (there is no separate conversion step).
 //
 // Ranks come from a comm::Launcher chosen by the program (threads of this process or MPI
 // processes).

@@ -37,6 +37,10 @@ struct StepMetrics {
   // Rank mean of each rank's own step time up to the metrics reduction (the denominator of the
   // MoE time share; not written to metrics.jsonl).
   double rank_time_s = NAN;
+  // Rank means of the tensor-parallel layers' bytes on the wire and time blocked in their
+  // collectives this step (0 without tensor parallelism; not written to metrics.jsonl).
+  double tp_bytes = 0;
+  double tp_comm_s = 0;
   double val_loss = NAN;      // held-out cross-entropy ("val_ce_loss"); NaN: not evaluated here
   int64_t skipped_steps = 0;  // steps of the interval skipped as non-finite (nonfinite = skip)
   std::vector<std::vector<int64_t>> expert_load;  // [moe layer][expert] routed pairs

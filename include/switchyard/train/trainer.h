@@ -144,6 +144,10 @@ struct RunSummary {
   // collectives (NaN for a dense model).
   double moe_time_share = NAN;
   double moe_comm_share = NAN;
+  // Tensor parallelism: the layers' bytes on the wire per step and rank (bus convention), and
+  // the share of step time blocked in their collectives (NaN without tensor parallelism).
+  double tp_bytes_per_step = NAN;
+  double tp_comm_share = NAN;
   std::string sample;
   std::string run_dir;
 };
