@@ -71,7 +71,7 @@ struct StepLosses {
   // Rank 0's model: its tensor-parallel size and the shape of a weight it holds (a shard with tp).
   int tp_size = 1;
   Shape fc1_shape;
-  double tp_bytes = 0;  // bytes its tensor-parallel layers moved over the run
+  double tp_bytes = 0;  // bytes the tensor-parallel layers moved over the run (rank mean)
 };
 
 StepLosses SingleRank(const TrainConfig& c, int steps) {
@@ -101,12 +101,12 @@ StepLosses OnRanks(const TrainConfig& c, int steps) {
       StepMetrics m = rt.trainer().Step();
       r.loss.push_back(m.loss);
       r.grad_norm.push_back(m.grad_norm);
+      r.tp_bytes += m.tp_bytes;
       r.expert_load.push_back(m.expert_load.empty() ? std::vector<int64_t>{} : m.expert_load[0]);
     }
     TransformerLm& model = rt.trainer().model();
     r.tp_size = model.tp_size();
     r.fc1_shape = model.parameters().Get("blocks.0.mlp.fc1.weight").value.shape();
-    r.tp_bytes = model.TakeTensorParallelStats().Bytes(parallel::Traffic::kTensor);
     CheckpointData d = rt.trainer().Snapshot();
     if (world.rank() == 0) {
       std::lock_guard<std::mutex> lock(mu);
