@@ -24,7 +24,7 @@ struct GroupsOptions {
   int etp = 1;
   int64_t experts = 0;  // 0: ep experts (one per EP rank)
   int64_t hidden = 0;   // 0: any multiple of the shards
-  std::string arrangement = "deepspeed";
+  std::string arrangement = "auto";
   std::string order = std::string(parallel::kDefaultMeshOrder);
   std::string sequence_parallel = "default";  // default | on | off
   bool all = false;
@@ -40,8 +40,13 @@ int RunGroups(const GroupsOptions& o) {
   c.ep = o.ep;
   c.etp = o.etp;
   c.order = o.order;
-  c.arrangement = parallel::ArrangementFromName(o.arrangement);
-  if (o.sequence_parallel != "default") c.sequence_parallel = o.sequence_parallel == "on";
+  if (o.sequence_parallel != "default") {
+    c.sequence_parallel = o.sequence_parallel == "on" || o.sequence_parallel == "true";
+  }
+  // "auto" as train's key: megatron with sequence parallelism, deepspeed otherwise.
+  c.arrangement = o.arrangement != "auto" ? parallel::ArrangementFromName(o.arrangement)
+                  : c.sequence_parallel.value_or(false) ? parallel::Arrangement::kMegatron
+                                                        : parallel::Arrangement::kDeepSpeed;
   int64_t experts = o.experts;
   if (experts == 0) {
     // One expert per EP rank: the EP size the mesh resolves with experts that any ep divides.
@@ -103,9 +108,11 @@ SY_REGISTER_COMMAND(Command{
                      "rank order, first = fastest-varying: tp, cp, ep, dp, pp joined by '-' "
                      "(dimensions of size 1 may be left out)");
       app.add_option("--sequence-parallel", o->sequence_parallel,
-                     "sequence parallel as tp's mode (default: the arrangement's: deepspeed off, "
-                     "megatron on)")
-          ->check(CLI::IsMember({"default", "on", "off"}));
+                     "sequence parallel as tp's mode: on/true (alone: on) | off/false | default "
+                     "(the arrangement's: deepspeed off, megatron on), as train's flag")
+          ->expected(0, 1)
+          ->default_str("on")
+          ->check(CLI::IsMember({"default", "on", "off", "true", "false"}));
       app.add_flag("--all", o->all, "list the groups of every kind");
       app.add_option("--ep", o->ep, "expert-parallel size (default: as large as possible)")
           ->check(CLI::Range(0, 1 << 20));
@@ -115,8 +122,10 @@ SY_REGISTER_COMMAND(Command{
           ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
       app.add_option("--hidden", o->hidden, "expert hidden size, to check it divides (optional)")
           ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
-      app.add_option("--arrangement", o->arrangement, "deepspeed | megatron")
-          ->check(CLI::IsMember({"deepspeed", "megatron"}));
+      app.add_option("--arrangement", o->arrangement,
+                     "auto (megatron with --sequence-parallel, else deepspeed) | deepspeed | "
+                     "megatron")
+          ->check(CLI::IsMember({"auto", "deepspeed", "megatron"}));
       app.add_flag("--json", o->json, "print one JSON object");
       return [o] { return RunGroups(*o); };
     }});
