@@ -1,6 +1,8 @@
 // The Tensor forms of the collectives: shape and dtype checks, then the raw forms.
 #include "switchyard/comm/communicator.h"
 
+#include <fmt/format.h>
+
 #include <vector>
 
 #include "switchyard/core/error.h"
@@ -34,6 +36,16 @@ int64_t Sum(std::span<const int64_t> v) {
 }
 
 }  // namespace
+
+Work Communicator::Send(const void*, size_t, DType, int, const PointToPointOptions&) {
+  throw InvalidArgument(
+      fmt::format("communicator '{}' ({}) has no point-to-point Send", name(), transport_kind()));
+}
+
+Work Communicator::Recv(void*, size_t, DType, int, const PointToPointOptions&) {
+  throw InvalidArgument(
+      fmt::format("communicator '{}' ({}) has no point-to-point Recv", name(), transport_kind()));
+}
 
 Work Communicator::AllReduce(const Tensor& tensor, const AllReduceOptions& options) {
   SY_REQUIRE(tensor.defined(), InvalidArgument, "allreduce: tensor is undefined");

@@ -123,6 +123,14 @@ struct RootedOptions {
   uint32_t tag = 0;
 };
 
+// For Send and Recv. The tag tells messages between the same two ranks apart (a receive matches
+// the oldest unmatched send from its peer with the same tag); it is not checked like a
+// collective's.
+struct PointToPointOptions {
+  Milliseconds timeout{0};
+  uint32_t tag = 0;
+};
+
 // Result of AllToAllVDynamic, filled when its Work completes.
 struct AllToAllVResult {
   std::vector<int64_t> recv_counts;  // [size()]: elements (rows) received from each peer
@@ -189,6 +197,17 @@ class Communicator {
   // send [count]; recv [size() * count] at root (ignored elsewhere), block r = rank r's send.
   virtual Work Gather(const void* send, void* recv, size_t count, DType dtype,
                       const RootedOptions& options = {}) = 0;
+
+  // ---- Point-to-point (pipeline stages) ----
+  // Not ordered with the collectives (they never wait for each other in the queue); messages
+  // between two ranks with one tag arrive in order. Send's buffer must stay valid until its Work
+  // completes; Recv's count must be at least the message's (a longer message is PeerError).
+  // A peer that never sends or receives becomes TimeoutError at the deadline, a failed peer
+  // PeerError. The base class has none: InvalidArgument naming the communicator.
+  virtual Work Send(const void* data, size_t count, DType dtype, int peer,
+                    const PointToPointOptions& options = {});
+  virtual Work Recv(void* data, size_t count, DType dtype, int peer,
+                    const PointToPointOptions& options = {});
 
   // ---- Tensor forms: dtype from the tensor, shapes checked (InvalidArgument). ----
   // tensor: any shape, reduced in place.
