@@ -77,6 +77,11 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("tp_comm_overlap", c.tp_comm_overlap);
   fn("arrangement", c.arrangement);
   fn("etp", c.etp);
+  fn("microbatches", c.microbatches);
+  fn("pp", c.pp);
+  fn("pipeline_schedule", c.pipeline_schedule);
+  fn("virtual_stages", c.virtual_stages);
+  fn("pipeline_split", c.pipeline_split);
 }
 
 struct ToJsonVisitor {
@@ -258,6 +263,11 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"tp_comm_overlap", "sequence-parallel all-gather/reduce-scatter as rings under the GEMMs"},
       {"arrangement", "experts beside tp: auto | deepspeed | megatron"},
       {"etp", "expert tensor-parallel size (megatron arrangement)"},
+      {"microbatches", "micro-batches per step (gradient accumulation; divides batch_size)"},
+      {"pp", "pipeline stages (divides ranks / tp)"},
+      {"pipeline_schedule", "pipeline schedule: fthenb | 1f1b | interleaved | zb-h1"},
+      {"virtual_stages", "model chunks per pipeline stage (interleaved schedule)"},
+      {"pipeline_split", "blocks per virtual stage, e.g. 1,3 (empty: even)"},
   };
   std::vector<ConfigKey> keys;
   TrainConfig c;
@@ -397,6 +407,37 @@ void ValidateTrainConfig(const TrainConfig& c) {
                  "equal part)",
                  key, v, c.tp);
     }
+  }
+  at_least("microbatches", static_cast<double>(c.microbatches), 1);
+  at_least("pp", static_cast<double>(c.pp), 1);
+  at_least("virtual_stages", static_cast<double>(c.virtual_stages), 1);
+  SY_REQUIRE(c.batch_size % c.microbatches == 0, InvalidArgument,
+             "config: 'batch_size' {} does not divide into 'microbatches' {} equal micro-batches",
+             c.batch_size, c.microbatches);
+  SY_REQUIRE(c.ranks % (c.tp * c.pp) == 0, InvalidArgument,
+             "config: 'tp' {} x 'pp' {} must divide 'ranks' {} (data-parallel size ranks / (tp x "
+             "pp))",
+             c.tp, c.pp, c.ranks);
+  SY_REQUIRE(c.virtual_stages == 1 || c.pipeline_schedule == "interleaved", InvalidArgument,
+             "config: 'virtual_stages' {} needs 'pipeline_schedule' interleaved (got \"{}\")",
+             c.virtual_stages, c.pipeline_schedule);
+  SY_REQUIRE(c.pp * c.virtual_stages <= c.model.num_layers, InvalidArgument,
+             "config: 'pp' {} x 'virtual_stages' {} stages need at least as many blocks, "
+             "'num_layers' is {}",
+             c.pp, c.virtual_stages, c.model.num_layers);
+  if (!c.pipeline_split.empty()) {
+    int64_t sum = 0;
+    for (int64_t b : c.pipeline_split) {
+      SY_REQUIRE(b >= 1, InvalidArgument,
+                 "config: 'pipeline_split': every virtual stage needs >= 1 block, got {}", b);
+      sum += b;
+    }
+    SY_REQUIRE(static_cast<int64_t>(c.pipeline_split.size()) == c.pp * c.virtual_stages &&
+                   sum == c.model.num_layers,
+               InvalidArgument,
+               "config: 'pipeline_split' has {} counts summing to {}: expected pp x "
+               "virtual_stages = {} counts summing to num_layers {}",
+               c.pipeline_split.size(), sum, c.pp * c.virtual_stages, c.model.num_layers);
   }
   SY_REQUIRE(c.zero_stage >= 0 && c.zero_stage <= 3, InvalidArgument,
              "config: 'zero_stage' must be 0, 1, 2 or 3, got {}", c.zero_stage);

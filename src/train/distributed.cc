@@ -15,6 +15,7 @@
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/rng.h"
+#include "switchyard/core/safetensors.h"
 #include "switchyard/moe/gate.h"
 #include "switchyard/parallel/expert_shard.h"
 #include "switchyard/train/data.h"
@@ -99,16 +100,18 @@ int TrainExpertParallelSize(const TrainConfig& config, int world_size) {
   const int etp = static_cast<int>(std::max<int64_t>(1, config.etp));
   // As large as the arrangement allows: DeepSpeed's EP groups sit inside the data-parallel ranks
   // of each tp rank, Megatron's fold over all ranks of the etp groups.
+  const int pp = static_cast<int>(std::max<int64_t>(1, config.pp));
   if (TrainArrangement(config) == parallel::Arrangement::kMegatron) {
-    return std::max(1, world_size / etp);
+    return std::max(1, world_size / (etp * pp));
   }
-  return std::max(1, world_size / tp);
+  return std::max(1, world_size / (tp * pp));
 }
 
 parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int world_size) {
   SY_REQUIRE(world_size >= 1, InvalidArgument, "ranks: expected >= 1, got {}", world_size);
-  SY_REQUIRE(config.tp >= 1 && world_size % config.tp == 0, InvalidArgument,
-             "config: 'tp' {} must divide the number of ranks {}", config.tp, world_size);
+  SY_REQUIRE(config.tp >= 1 && config.pp >= 1 && world_size % (config.tp * config.pp) == 0,
+             InvalidArgument, "config: 'tp' {} x 'pp' {} must divide the number of ranks {}",
+             config.tp, config.pp, world_size);
   const parallel::Arrangement arrangement = TrainArrangement(config);
   const int ep = TrainExpertParallelSize(config, world_size);
   SY_REQUIRE(world_size % ep == 0, InvalidArgument,
@@ -133,6 +136,7 @@ parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int wo
   parallel::ParallelOptions o;
   o.mesh.world_size = world_size;
   o.mesh.tp = static_cast<int>(config.tp);
+  o.mesh.pp = static_cast<int>(config.pp);
   o.mesh.ep = ep;
   o.mesh.etp = static_cast<int>(config.etp);
   o.mesh.arrangement = arrangement;
@@ -276,6 +280,12 @@ DistributedHooks::DistributedHooks(std::shared_ptr<parallel::ProcessGroups> grou
 
 DistributedHooks::~DistributedHooks() = default;
 
+void DistributedHooks::SetPipeline(std::unique_ptr<comm::Communicator> stage, bool tied_embedding) {
+  stage_owned_ = std::move(stage);
+  stage_ = stage_owned_.get();
+  tied_embedding_ = tied_embedding && mesh_.pp() > 1;
+}
+
 void DistributedHooks::AddMoeBlock(const std::string& prefix, const moe::LayerConfig& config) {
   moe_blocks_.push_back({prefix, config});
 }
@@ -287,6 +297,10 @@ int DistributedHooks::data_size() const { return mesh_.dp(); }
 bool DistributedHooks::reports_loss() const { return coords_.tp_rank == 0; }
 bool DistributedHooks::reports_routing() const {
   return coords_.tp_rank == 0 || mesh_.sequence_parallel();
+}
+
+comm::Communicator* DistributedHooks::pipeline_group() {
+  return mesh_.pp() > 1 ? &groups_->Get(parallel::GroupKind::kPipeline) : nullptr;
 }
 
 TensorParallelContext DistributedHooks::tensor_parallel() {
@@ -304,10 +318,12 @@ int64_t DistributedHooks::optimizer_state_elements() const {
 
 void DistributedHooks::Prepare(ParameterSet& params, const AdamW& optimizer) {
   if (dense_opt_) return;
-  std::vector<Parameter*> split, dense, experts;
+  std::vector<Parameter*> split, dense, experts, copies;
   for (Parameter& p : params.all()) {
     if (!p.options.trainable) continue;
-    if (p.options.group == ParamGroup::kExpert) {
+    if (p.tied_copy) {
+      copies.push_back(&p);
+    } else if (p.options.group == ParamGroup::kExpert) {
       experts.push_back(&p);
     } else {
       (p.tp_shard.split() ? split : dense).push_back(&p);
@@ -322,6 +338,11 @@ void DistributedHooks::Prepare(ParameterSet& params, const AdamW& optimizer) {
   dense_elements_ = count(dense);
   expert_elements_ = count(experts);
   const ZeroOptions zero{.poison_non_owned = poison_non_owned_};
+  // A tied copy is reduced like the parameter it copies (a tensor-parallel shard or not).
+  SY_CHECK(copies.size() <= 1, "more than one tied copy");
+  copy_opt_ = std::make_unique<ShardedAdamW>(
+      copies, !copies.empty() && copies[0]->tp_shard.split() ? data_ : tokens_, zero_stage_,
+      optimizer.options(), zero);
   split_opt_ = std::make_unique<ShardedAdamW>(split, data_, zero_stage_, optimizer.options(), zero);
   dense_opt_ =
       std::make_unique<ShardedAdamW>(dense, tokens_, zero_stage_, optimizer.options(), zero);
@@ -334,6 +355,14 @@ void DistributedHooks::ReduceGradients(ParameterSet& params) {
   // Every rank's gradients are those of its data shard's mean loss (the MoE blocks scale theirs
   // alike): summed over the holders of the same values, divided by the number of data shards.
   const float inv = 1.0f / static_cast<float>(mesh_.dp() * mesh_.cp());
+  if (tied_embedding_ && groups_->Has(parallel::GroupKind::kEmbedding)) {
+    // The first stage's embedding and the last stage's copy: each gets the sum of both.
+    Parameter* tied = nullptr;
+    for (Parameter& p : params.all()) tied = p.name == "embed.weight" ? &p : tied;
+    SY_CHECK(tied != nullptr, "a stage of the embedding group holds no embed.weight");
+    AllReduceTensor(groups_->Get(parallel::GroupKind::kEmbedding), tied->grad);
+  }
+  copy_opt_->ReduceGradients(inv);
   split_opt_->ReduceGradients(inv);
   dense_opt_->ReduceGradients(inv);
   expert_opt_->ReduceGradients(inv);
@@ -341,14 +370,16 @@ void DistributedHooks::ReduceGradients(ParameterSet& params) {
 
 // A group kind with G groups whose members share out D distinct sets of values holds G / D copies
 // of each element (within a group, each rank owns its range of the set).
+// Pipeline stages hold distinct values (the tied copy is left out of counts and norms).
 double DistributedHooks::CopiesSplit() const {
-  return static_cast<double>(world_.size()) / data_.size() / mesh_.tp();
+  return static_cast<double>(world_.size()) / data_.size() / mesh_.tp() / mesh_.pp();
 }
 double DistributedHooks::CopiesDense() const {
-  return static_cast<double>(world_.size()) / tokens_.size();
+  return static_cast<double>(world_.size()) / tokens_.size() / mesh_.pp();
 }
 double DistributedHooks::CopiesExperts() const {
-  return static_cast<double>(world_.size()) / expert_data_.size() / mesh_.expert_group_size();
+  return static_cast<double>(world_.size()) / expert_data_.size() / mesh_.expert_group_size() /
+         mesh_.pp();
 }
 
 double DistributedHooks::GradSquaredNorm(const ParameterSet& params) {
@@ -376,8 +407,9 @@ std::string DistributedHooks::LayoutDescription() const {
   } else {
     experts = fmt::format("; ZeRO stage {}", zero_stage_);
   }
-  return fmt::format("{} rank{} = {} x dp {}{}", world_.size(), world_.size() == 1 ? "" : "s", tp,
-                     mesh_.dp(), experts);
+  const std::string pp = mesh_.pp() > 1 ? fmt::format(" x pp {}", mesh_.pp()) : std::string();
+  return fmt::format("{} rank{} = {} x dp {}{}{}", world_.size(), world_.size() == 1 ? "" : "s", tp,
+                     mesh_.dp(), pp, experts);
 }
 
 int64_t DistributedHooks::ModelParameterCount(const ParameterSet& params) {
@@ -392,12 +424,14 @@ int64_t DistributedHooks::ModelParameterCount(const ParameterSet& params) {
 
 void DistributedHooks::ScaleGradients(ParameterSet& params, float factor) {
   if (factor == 1.0f) return;
+  copy_opt_->ScaleGradients(factor);
   split_opt_->ScaleGradients(factor);
   dense_opt_->ScaleGradients(factor);
   expert_opt_->ScaleGradients(factor);
 }
 
 void DistributedHooks::OptimizerStep(AdamW& optimizer, ParameterSet& params, float lr) {
+  copy_opt_->Step(lr);
   split_opt_->Step(lr);
   dense_opt_->Step(lr);
   expert_opt_->Step(lr);
@@ -410,6 +444,7 @@ int64_t DistributedHooks::OptimizerStepCount(const AdamW& optimizer) {
 
 void DistributedHooks::GatherParameters(ParameterSet& params) {
   if (gathered_) return;
+  copy_opt_->GatherParameters();
   split_opt_->GatherParameters();
   dense_opt_->GatherParameters();
   expert_opt_->GatherParameters();
@@ -418,6 +453,7 @@ void DistributedHooks::GatherParameters(ParameterSet& params) {
 
 void DistributedHooks::ReleaseParameters(ParameterSet& params) {
   if (zero_stage_ < 3) return;
+  copy_opt_->ReleaseParameters();
   split_opt_->ReleaseParameters();
   dense_opt_->ReleaseParameters();
   expert_opt_->ReleaseParameters();
@@ -445,7 +481,15 @@ parallel::Mesh DistributedHooks::BlockMesh(const MoeBlock& block) const {
 }
 
 void DistributedHooks::GatherExperts(TensorMap& map, const std::string& suffix) {
-  const int w = world_.size();
+  // Over the ranks of this stage (the stages hold different MoE blocks), in world-rank order.
+  comm::Communicator& stage = stage_ != nullptr ? *stage_ : world_;
+  const int w = stage.size();
+  std::vector<int> members;
+  for (int r = 0; r < world_.size(); ++r) {
+    if (mesh_.Coords(r).pp_rank == coords_.pp_rank) members.push_back(r);
+  }
+  SY_CHECK(static_cast<int>(members.size()) == w, "stage group of {} ranks, mesh says {}", w,
+           members.size());
   for (const MoeBlock& block : moe_blocks_) {
     const parallel::Mesh mesh = BlockMesh(block);
     for (const ExpertField& f : kExpertFields) {
@@ -455,7 +499,7 @@ void DistributedHooks::GatherExperts(TensorMap& map, const std::string& suffix) 
       const Tensor local = it->second;
       const int64_t n = local.numel();
       Tensor all = Tensor::Empty({w * n}, DType::kFloat32);
-      world_
+      stage
           .AllGather(local.data<float>(), all.data<float>(), static_cast<size_t>(n),
                      DType::kFloat32)
           .Wait();
@@ -464,7 +508,9 @@ void DistributedHooks::GatherExperts(TensorMap& map, const std::string& suffix) 
       for (int r = 0; r < w; ++r) {
         moe::ExpertWeights shard;
         shard.*f.member = all.Slice(r * n, (r + 1) * n).Reshape(local.shape());
-        parallel::PlaceShard(shard, parallel::ShardOf(mesh, r, block.config.model_dim), &full);
+        parallel::PlaceShard(
+            shard, parallel::ShardOf(mesh, members[static_cast<size_t>(r)], block.config.model_dim),
+            &full);
       }
       it->second = full.*f.member;
     }
@@ -513,10 +559,35 @@ void DistributedHooks::SliceTensorParallel(ParameterSet& params, TensorMap& map,
   }
 }
 
+void DistributedHooks::GatherStages(TensorMap& map) {
+  if (mesh_.pp() == 1) return;
+  comm::Communicator& pipeline = groups_->Get(parallel::GroupKind::kPipeline);
+  TensorMap all;
+  for (int s = 0; s < pipeline.size(); ++s) {
+    std::vector<std::byte> bytes;
+    if (s == pipeline.rank()) bytes = SerializeSafetensors(map);
+    int64_t size[1] = {static_cast<int64_t>(bytes.size())};
+    pipeline.Broadcast(size, 1, DType::kInt64, {.root = s}).Wait();
+    // As int32 words (the transports move typed elements), then the exact size again.
+    const size_t words = (static_cast<size_t>(size[0]) + 3) / 4;
+    bytes.resize(words * 4);
+    pipeline.Broadcast(bytes.data(), words, DType::kInt32, {.root = s}).Wait();
+    bytes.resize(static_cast<size_t>(size[0]));
+    for (auto& [name, t] : ParseSafetensors(bytes, fmt::format("pipeline stage {}", s))) {
+      all[name] = t;
+    }
+  }
+  map = std::move(all);
+}
+
 TensorMap DistributedHooks::ModelValuesForCheckpoint(ParameterSet& params) {
-  TensorMap values = params.Values();
+  TensorMap values;
+  for (const Parameter& p : params.all()) {
+    if (!p.tied_copy) values.emplace(p.name, p.value);
+  }
   GatherExperts(values, "");
   GatherTensorParallel(params, values, "");
+  GatherStages(values);
   return values;
 }
 
@@ -530,6 +601,7 @@ TensorMap DistributedHooks::OptimizerStateForCheckpoint(const AdamW& optimizer,
   GatherExperts(state, ".exp_avg_sq");
   GatherTensorParallel(params, state, ".exp_avg");
   GatherTensorParallel(params, state, ".exp_avg_sq");
+  GatherStages(state);
   return state;
 }
 
@@ -537,7 +609,7 @@ void DistributedHooks::LoadModelValues(ParameterSet& params, const TensorMap& va
   TensorMap mine = values;
   SliceExperts(mine, "");
   SliceTensorParallel(params, mine, "");
-  params.LoadValues(mine);
+  params.LoadValues(mine, /*allow_extra=*/mesh_.pp() > 1);  // other stages' parameters
 }
 
 void DistributedHooks::LoadOptimizerState(AdamW& optimizer, const TensorMap& state, int64_t step,
@@ -549,6 +621,7 @@ void DistributedHooks::LoadOptimizerState(AdamW& optimizer, const TensorMap& sta
   SliceExperts(mine, ".exp_avg_sq");
   SliceTensorParallel(params, mine, ".exp_avg");
   SliceTensorParallel(params, mine, ".exp_avg_sq");
+  copy_opt_->LoadFullState(mine, step);
   split_opt_->LoadFullState(mine, step);
   dense_opt_->LoadFullState(mine, step);
   expert_opt_->LoadFullState(mine, step);
@@ -575,6 +648,13 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
   hooks_ = std::make_unique<DistributedHooks>(
       groups_, static_cast<int>(config.zero_stage), ranks_in_process, zero,
       dedup ? parallel::GroupKind::kExpertHolders : parallel::GroupKind::kExpertData, tp);
+  if (config.pp > 1) {
+    // Every rank of this stage (collective over the world): checkpoints gather the experts of
+    // the stage's MoE blocks over it.
+    const int stage = groups_->coords().pp_rank;
+    hooks_->SetPipeline(world.Split(stage, world.rank(), fmt::format("stage{}", stage)),
+                        config.model.tied_head);
+  }
   DistributedHooks* hooks = hooks_.get();
   FeedForwardFactory factory;
   if (config.model.moe_every > 0) {

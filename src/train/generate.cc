@@ -12,7 +12,17 @@
 namespace switchyard::train {
 
 std::string GenerateText(TransformerLm& model, const SampleOptions& o) {
-  const ModelConfig& c = model.config();
+  ForwardOptions fo;
+  fo.training = false;
+  fo.save_for_backward = false;
+  fo.threads = o.threads;
+  return GenerateText(
+      model.config(),
+      [&](const Tensor& tokens) { return model.Forward(tokens, Tensor(), fo).logits; }, o);
+}
+
+std::string GenerateText(const ModelConfig& c, const LogitsFunction& logits_of,
+                         const SampleOptions& o) {
   SY_REQUIRE(c.vocab_size == 256, InvalidArgument,
              "GenerateText: byte-level models only (vocab_size 256), got {}", c.vocab_size);
   SY_REQUIRE(o.temperature > 0, InvalidArgument, "temperature must be > 0, got {}", o.temperature);
@@ -21,10 +31,6 @@ std::string GenerateText(TransformerLm& model, const SampleOptions& o) {
   std::vector<int32_t> context;
   for (unsigned char ch : o.prompt.empty() ? std::string("\n") : o.prompt) context.push_back(ch);
   CounterRng rng(o.seed, kStreamSample);
-  ForwardOptions fo;
-  fo.training = false;
-  fo.save_for_backward = false;
-  fo.threads = o.threads;
   std::string out;
   std::vector<double> p(256);
   std::vector<int> order(256);
@@ -32,7 +38,8 @@ std::string GenerateText(TransformerLm& model, const SampleOptions& o) {
     int64_t n = std::min<int64_t>(static_cast<int64_t>(context.size()), c.seq_len);
     std::vector<int32_t> window(context.end() - n, context.end());
     Tensor tokens = Tensor::FromVector(window, {1, n});
-    Tensor logits = model.Forward(tokens, Tensor(), fo).logits;
+    Tensor logits = logits_of(tokens);
+    ExpectShape("GenerateText logits", logits, {n, 256});
     const float* last = logits.data<float>() + (n - 1) * 256;
     double mx = *std::max_element(last, last + 256);
     for (int v = 0; v < 256; ++v) p[v] = std::exp((last[v] - mx) / o.temperature);

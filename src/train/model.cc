@@ -117,32 +117,67 @@ Tensor Block::Backward(const BlockCache& cache, const Tensor& dy, float loss_sca
 // ---- TransformerLm ----
 
 struct ModelState {
+  int chunk = 0;
   Tensor tokens;     // int32 [num_tokens] (padded with sequence parallelism, see Forward)
   Tensor positions;  // int32 [rows of this rank] positions of the rows x holds
   int64_t batch_size = 0;
-  std::vector<BlockCache> blocks;
+  std::vector<BlockCache> blocks;  // the chunk's blocks, in order
   NormCache final_norm;
   Tensor h;        // [num_tokens, model_dim] final_norm output (gathered over tokens with SP)
   Tensor dlogits;  // [num_tokens, vocab_size / P] d(mean ce)/d(logits), this rank's columns
 };
 
+namespace {
+
+ModelPartition CheckedPartition(ModelPartition partition, int64_t layers) {
+  if (partition.chunks.empty()) partition.chunks.push_back({0, layers});
+  std::vector<BlockRange> sorted = partition.chunks;
+  std::sort(sorted.begin(), sorted.end(),
+            [](const BlockRange& a, const BlockRange& b) { return a.begin < b.begin; });
+  int64_t previous_end = 0;
+  for (const BlockRange& r : sorted) {
+    SY_REQUIRE(r.begin >= previous_end && r.begin < r.end && r.end <= layers, InvalidArgument,
+               "model partition: block range [{}, {}) is empty, out of [0, {}) or overlaps "
+               "another chunk",
+               r.begin, r.end, layers);
+    previous_end = r.end;
+  }
+  return partition;
+}
+
+}  // namespace
+
 TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFactory moe_factory,
-                             TensorParallelContext tp)
+                             TensorParallelContext tp, ModelPartition partition)
     : config_(std::move(config)), tp_(tp) {
   const ModelConfig& c = config_;
   ValidateModelConfig(c);
-  const bool split = tensor_parallel();
-  if (split) {
-    vp_embed_ = std::make_unique<VocabParallelEmbedding>(
-        params_, "embed.", c.vocab_size, c.model_dim, c.init_std, seed, *tp_.group, tp_.options);
-  } else {
-    embed_ =
-        std::make_unique<Embedding>(params_, "embed.", c.vocab_size, c.model_dim, c.init_std, seed);
+  partition_ = CheckedPartition(std::move(partition), c.num_layers);
+  bool has_embedding = false, has_head = false;
+  for (int i = 0; i < num_chunks(); ++i) {
+    has_embedding |= chunk_has_embedding(i);
+    has_head |= chunk_has_head(i);
   }
-  pos_embed_ = std::make_unique<Embedding>(params_, "pos_embed.", c.seq_len, c.model_dim,
-                                           c.init_std * 0.5f, seed);
+  const bool split = tensor_parallel();
+  if (has_embedding) {
+    if (split) {
+      vp_embed_ = std::make_unique<VocabParallelEmbedding>(
+          params_, "embed.", c.vocab_size, c.model_dim, c.init_std, seed, *tp_.group, tp_.options);
+    } else {
+      embed_ = std::make_unique<Embedding>(params_, "embed.", c.vocab_size, c.model_dim, c.init_std,
+                                           seed);
+    }
+    pos_embed_ = std::make_unique<Embedding>(params_, "pos_embed.", c.seq_len, c.model_dim,
+                                             c.init_std * 0.5f, seed);
+  }
   float out_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
+  blocks_.resize(static_cast<size_t>(c.num_layers));
+  std::vector<bool> held(static_cast<size_t>(c.num_layers), false);
+  for (const BlockRange& r : partition_.chunks) {
+    for (int64_t i = r.begin; i < r.end; ++i) held[static_cast<size_t>(i)] = true;
+  }
   for (int64_t i = 0; i < c.num_layers; ++i) {
+    if (!held[static_cast<size_t>(i)]) continue;
     std::string prefix = fmt::format("blocks.{}.", i);
     auto make_ffn = [&]() -> std::unique_ptr<FeedForward> {
       if (!IsMoeBlock(c, i)) {
@@ -162,38 +197,54 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
       SY_CHECK(ffn != nullptr && ffn->is_moe(), "MoE factory returned no MoE FFN for block {}", i);
       return ffn;
     };
-    blocks_.push_back(std::make_unique<Block>(params_, prefix, c, make_ffn, seed,
-                                              split ? &tp_ : nullptr, &tp_stats_));
+    blocks_[static_cast<size_t>(i)] = std::make_unique<Block>(params_, prefix, c, make_ffn, seed,
+                                                              split ? &tp_ : nullptr, &tp_stats_);
   }
+  if (!has_head) return;
   final_norm_ = std::make_unique<Norm>(params_, "final_norm.", c.model_dim, c.norm);
-  if (c.tied_head) {
+  const TpShard rows{TpShard::Dim::kRows};
+  // The head's weight, drawn as the single-rank tensor and cut to this rank's vocabulary rows.
+  auto add_head = [&](const std::string& name, float std) -> Parameter& {
+    Tensor w = Tensor::Empty({c.vocab_size, c.model_dim});
+    InitNormal(w, std, seed, name);
+    if (split) w = ShardOf(name, w, rows, tp_.group->rank(), tp_.group->size());
+    Parameter& p = params_.Add(name, w, {.weight_decay = true});
+    if (split) p.tp_shard = rows;
+    return p;
+  };
+  if (!c.tied_head) {
+    head_ = &add_head("head.weight", c.init_std);
+  } else if (has_embedding) {
     head_ = split ? &vp_embed_->weight() : &embed_->weight();
   } else {
-    Tensor w = Tensor::Empty({c.vocab_size, c.model_dim});
-    InitNormal(w, c.init_std, seed, "head.weight");
-    if (split) {
-      const TpShard rows{TpShard::Dim::kRows};
-      w = ShardOf("head.weight", w, rows, tp_.group->rank(), tp_.group->size());
-      head_ = &params_.Add("head.weight", w, {.weight_decay = true});
-      head_->tp_shard = rows;
-    } else {
-      head_ = &params_.Add("head.weight", w, {.weight_decay = true});
-    }
+    head_ = &add_head("embed.weight", c.init_std);  // the embedding's initial value (Embedding)
+    head_->tied_copy = true;
   }
 }
 
 TransformerLm::~TransformerLm() = default;
 
+const BlockRange& TransformerLm::Chunk(int chunk) const {
+  SY_REQUIRE(chunk >= 0 && chunk < num_chunks(), InvalidArgument,
+             "model chunk {}: this rank holds chunks 0..{}", chunk, num_chunks() - 1);
+  return partition_.chunks[static_cast<size_t>(chunk)];
+}
+
+bool TransformerLm::chunk_has_embedding(int chunk) const { return Chunk(chunk).begin == 0; }
+bool TransformerLm::chunk_has_head(int chunk) const {
+  return Chunk(chunk).end == config_.num_layers;
+}
+
 int64_t TransformerLm::num_moe_blocks() const {
   int64_t n = 0;
-  for (const auto& b : blocks_) n += b->ffn().is_moe() ? 1 : 0;
+  for (const auto& b : blocks_) n += b != nullptr && b->ffn().is_moe() ? 1 : 0;
   return n;
 }
 
 std::vector<int64_t> TransformerLm::experts_per_moe_block() const {
   std::vector<int64_t> out;
   for (const auto& b : blocks_) {
-    if (b->ffn().is_moe()) out.push_back(b->ffn().num_experts());
+    if (b != nullptr && b->ffn().is_moe()) out.push_back(b->ffn().num_experts());
   }
   return out;
 }
@@ -210,9 +261,35 @@ Tensor TransformerLm::Logits(const Tensor& h_full, int threads) const {
   return logits;
 }
 
-LmOutput TransformerLm::Forward(const Tensor& tokens_in, const Tensor& targets_in,
+LmOutput TransformerLm::Forward(const Tensor& tokens, const Tensor& targets,
                                 const ForwardOptions& options, bool keep_logits) {
+  SY_REQUIRE(num_chunks() == 1 && chunk_has_embedding(0) && chunk_has_head(0), InvalidArgument,
+             "Forward runs the whole model; this rank holds {} chunk(s) of it (use ForwardChunk)",
+             num_chunks());
+  return ForwardChunk(0, tokens, targets, Tensor(), options, keep_logits);
+}
+
+void TransformerLm::Backward(const LmOutput& forward, float loss_scale, int threads) {
+  BackwardChunk(forward, Tensor(), loss_scale, threads);
+}
+
+int64_t TransformerLm::ActivationRows(const Tensor& tokens) const {
+  SY_REQUIRE(tokens.defined() && tokens.dim() == 2, InvalidArgument,
+             "tokens: expected [batch_size, seq], got {}",
+             tokens.defined() ? tokens.ToString() : "undefined");
+  const int64_t seq = tokens.size(1), p = tp_size();
+  int64_t batch = tokens.size(0);
+  if (!tensor_parallel() || !tp_.options.sequence_parallel) return batch * seq;
+  while ((batch * seq) % p != 0) ++batch;
+  return batch * seq / p;
+}
+
+LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const Tensor& targets_in,
+                                     const Tensor& x_in, const ForwardOptions& options,
+                                     bool keep_logits) {
   const ModelConfig& c = config_;
+  const BlockRange range = Chunk(chunk);
+  const bool first = chunk_has_embedding(chunk), last = chunk_has_head(chunk);
   SY_REQUIRE(tokens_in.defined() && tokens_in.dim() == 2 && tokens_in.size(1) >= 1 &&
                  tokens_in.size(1) <= c.seq_len,
              InvalidArgument,
@@ -222,12 +299,12 @@ LmOutput TransformerLm::Forward(const Tensor& tokens_in, const Tensor& targets_i
   const int64_t real_batch = tokens_in.size(0), seq = tokens_in.size(1);
   SY_REQUIRE(real_batch >= 1, InvalidArgument, "tokens: batch_size must be >= 1, got {}",
              real_batch);
-  const bool has_targets = targets_in.defined();
+  const bool has_targets = last && targets_in.defined();
   if (has_targets) {
     ExpectShape("targets", targets_in, {real_batch, seq});
     ExpectDType("targets", targets_in, DType::kInt32);
   }
-  SY_REQUIRE(!options.save_for_backward || has_targets, InvalidArgument,
+  SY_REQUIRE(!options.save_for_backward || !last || has_targets, InvalidArgument,
              "Forward: save_for_backward needs targets");
   const bool split = tensor_parallel();
   const bool sp = split && tp_.options.sequence_parallel;
@@ -257,14 +334,21 @@ LmOutput TransformerLm::Forward(const Tensor& tokens_in, const Tensor& targets_i
   const int64_t rows = sp ? n / p : n;
 
   auto state = std::make_shared<ModelState>();
+  state->chunk = chunk;
   state->tokens = tokens.Reshape({n});
-  state->positions = Tensor::Empty({rows}, DType::kInt32);
-  for (int64_t i = 0; i < rows; ++i)
-    state->positions.data<int32_t>()[i] = static_cast<int32_t>((row_begin + i) % seq);
   state->batch_size = batch;
-
-  Tensor x = split ? vp_embed_->Forward(state->tokens, &tp_stats_) : embed_->Forward(state->tokens);
-  AddInPlace(x, pos_embed_->Forward(state->positions), options.threads);
+  Tensor x;
+  if (first) {
+    state->positions = Tensor::Empty({rows}, DType::kInt32);
+    for (int64_t i = 0; i < rows; ++i)
+      state->positions.data<int32_t>()[i] = static_cast<int32_t>((row_begin + i) % seq);
+    x = split ? vp_embed_->Forward(state->tokens, &tp_stats_) : embed_->Forward(state->tokens);
+    AddInPlace(x, pos_embed_->Forward(state->positions), options.threads);
+  } else {
+    ExpectShape("chunk input activation", x_in, {rows, c.model_dim});
+    ExpectDType("chunk input activation", x_in, DType::kFloat32);
+    x = x_in;  // blocks do not write their input
+  }
 
   FeedForwardContext ctx;
   ctx.global_token_offset = options.global_token_offset + row_begin;
@@ -274,23 +358,31 @@ LmOutput TransformerLm::Forward(const Tensor& tokens_in, const Tensor& targets_i
   ctx.threads = options.threads;
 
   LmOutput out;
-  state->blocks.resize(blocks_.size());
+  state->blocks.resize(static_cast<size_t>(range.end - range.begin));
   int64_t moe_blocks = 0;
   double ffn_loss = 0;
-  for (size_t i = 0; i < blocks_.size(); ++i) {
-    BlockCache& cache = state->blocks[i];
-    x = blocks_[i]->Forward(x, batch, ctx, &cache);
+  for (int64_t i = range.begin; i < range.end; ++i) {
+    BlockCache& cache = state->blocks[static_cast<size_t>(i - range.begin)];
+    const Block& block = *blocks_[static_cast<size_t>(i)];
+    x = block.Forward(x, batch, ctx, &cache);
     ffn_loss += cache.ffn.loss;
-    if (blocks_[i]->ffn().is_moe()) {
+    if (block.ffn().is_moe()) {
       ++moe_blocks;
       out.aux_loss += cache.ffn.aux_loss;
       out.z_loss += cache.ffn.z_loss;
       out.routing.push_back(cache.ffn.routing);
+      out.routing_blocks.push_back(i);
     }
   }
   if (moe_blocks > 0) {
     out.aux_loss /= static_cast<double>(moe_blocks);
     out.z_loss /= static_cast<double>(moe_blocks);
+  }
+  out.loss = ffn_loss;
+  if (!last) {
+    out.activation = x;
+    if (options.save_for_backward) out.state = state;
+    return out;
   }
   Tensor h = final_norm_->Forward(x, options.save_for_backward ? &state->final_norm : nullptr,
                                   options.threads);
@@ -320,58 +412,75 @@ LmOutput TransformerLm::Forward(const Tensor& tokens_in, const Tensor& targets_i
 FeedForwardTimes TransformerLm::TakeMoeTimes() {
   FeedForwardTimes t;
   for (auto& b : blocks_) {
-    if (b->ffn().is_moe()) t += b->ffn().TakeTimes();
+    if (b != nullptr && b->ffn().is_moe()) t += b->ffn().TakeTimes();
   }
   return t;
 }
 
 void TransformerLm::EndStep(const std::vector<std::vector<int64_t>>& global_expert_loads) {
-  SY_REQUIRE(static_cast<int64_t>(global_expert_loads.size()) == num_moe_blocks(), InvalidArgument,
-             "EndStep: expected loads of {} MoE blocks, got {}", num_moe_blocks(),
-             global_expert_loads.size());
-  size_t i = 0;
-  for (const auto& b : blocks_) {
-    if (b->ffn().is_moe()) b->ffn().EndStep(global_expert_loads[i++]);
+  int64_t total = 0;
+  for (int64_t i = 0; i < config_.num_layers; ++i) total += IsMoeBlock(config_, i) ? 1 : 0;
+  SY_REQUIRE(static_cast<int64_t>(global_expert_loads.size()) == total, InvalidArgument,
+             "EndStep: expected loads of {} MoE blocks, got {}", total, global_expert_loads.size());
+  size_t k = 0;
+  for (int64_t i = 0; i < config_.num_layers; ++i) {
+    if (!IsMoeBlock(config_, i)) continue;
+    const auto& b = blocks_[static_cast<size_t>(i)];
+    if (b != nullptr) b->ffn().EndStep(global_expert_loads[k]);
+    ++k;
   }
 }
 
-void TransformerLm::Backward(const LmOutput& forward, float loss_scale, int threads) {
+Tensor TransformerLm::BackwardChunk(const LmOutput& forward, const Tensor& dy, float loss_scale,
+                                    int threads) {
   SY_REQUIRE(forward.state != nullptr, InvalidArgument,
              "Backward: the forward pass was run without save_for_backward");
   const ModelState& s = *forward.state;
   const ModelConfig& c = config_;
-  const int64_t n = s.tokens.numel(), lv = head_->value.size(0);
-  Tensor dlogits = s.dlogits;
-  if (loss_scale != 1.0f) {
-    dlogits = dlogits.Clone();
-    float* d = dlogits.data<float>();
-    for (int64_t i = 0; i < dlogits.numel(); ++i) d[i] *= loss_scale;
-  }
-  // The head over this rank's vocabulary columns: dh is a partial sum over the group.
-  Tensor dh = Tensor::Empty({n, c.model_dim});
-  ParallelGemm(Trans::kNo, Trans::kNo, n, c.model_dim, lv, 1.0f, dlogits.data<float>(), lv,
-               head_->value.data<float>(), c.model_dim, 0.0f, dh.data<float>(), c.model_dim,
-               threads);
-  ParallelGemm(Trans::kYes, Trans::kNo, lv, c.model_dim, n, 1.0f, dlogits.data<float>(), lv,
-               s.h.data<float>(), c.model_dim, 1.0f, head_->grad.data<float>(), c.model_dim,
-               threads);
-  if (tensor_parallel()) {
-    if (tp_.options.sequence_parallel) {
-      dh = ReduceScatterSequence("output head dh", *tp_.group, dh, &tp_stats_);
-    } else {
-      AllReduceTensor(*tp_.group, dh, &tp_stats_);
+  const BlockRange range = Chunk(s.chunk);
+  Tensor dx;
+  if (chunk_has_head(s.chunk)) {
+    const int64_t n = s.tokens.numel(), lv = head_->value.size(0);
+    Tensor dlogits = s.dlogits;
+    if (loss_scale != 1.0f) {
+      dlogits = dlogits.Clone();
+      float* d = dlogits.data<float>();
+      for (int64_t i = 0; i < dlogits.numel(); ++i) d[i] *= loss_scale;
     }
+    // The head over this rank's vocabulary columns: dh is a partial sum over the group.
+    Tensor dh = Tensor::Empty({n, c.model_dim});
+    ParallelGemm(Trans::kNo, Trans::kNo, n, c.model_dim, lv, 1.0f, dlogits.data<float>(), lv,
+                 head_->value.data<float>(), c.model_dim, 0.0f, dh.data<float>(), c.model_dim,
+                 threads);
+    ParallelGemm(Trans::kYes, Trans::kNo, lv, c.model_dim, n, 1.0f, dlogits.data<float>(), lv,
+                 s.h.data<float>(), c.model_dim, 1.0f, head_->grad.data<float>(), c.model_dim,
+                 threads);
+    if (tensor_parallel()) {
+      if (tp_.options.sequence_parallel) {
+        dh = ReduceScatterSequence("output head dh", *tp_.group, dh, &tp_stats_);
+      } else {
+        AllReduceTensor(*tp_.group, dh, &tp_stats_);
+      }
+    }
+    dx = final_norm_->Backward(s.final_norm, dh, threads);
+  } else {
+    SY_REQUIRE(dy.defined(), InvalidArgument,
+               "BackwardChunk: chunk {} ends before the head and needs its output's gradient",
+               s.chunk);
+    dx = dy;  // blocks do not write the gradient they are given
   }
-  Tensor dx = final_norm_->Backward(s.final_norm, dh, threads);
-  for (size_t i = blocks_.size(); i-- > 0;) {
-    dx = blocks_[i]->Backward(s.blocks[i], dx, loss_scale, threads);
+  for (int64_t i = range.end; i-- > range.begin;) {
+    dx = blocks_[static_cast<size_t>(i)]->Backward(s.blocks[static_cast<size_t>(i - range.begin)],
+                                                   dx, loss_scale, threads);
   }
+  if (!chunk_has_embedding(s.chunk)) return dx;
   if (tensor_parallel()) {
     vp_embed_->Backward(s.tokens, dx, &tp_stats_);
   } else {
     embed_->Backward(s.tokens, dx);
   }
   pos_embed_->Backward(s.positions, dx);
+  return Tensor();
 }
 
 }  // namespace switchyard::train

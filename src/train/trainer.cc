@@ -19,6 +19,7 @@
 #include "switchyard/kernels/gemm_backend.h"
 #include "switchyard/train/generate.h"
 #include "switchyard/train/moe_feed_forward.h"
+#include "switchyard/train/pipeline.h"
 #include "switchyard/train/progress.h"
 #include "switchyard/train/run_dir.h"
 
@@ -137,20 +138,34 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
         MoeFeedForwardFactory([c](int64_t block) { return MoeBlockLayerConfig(c, block); });
   }
   const TensorParallelContext tp = hooks_->tensor_parallel();
-  if (tp.group != nullptr && tp.options.sequence_parallel) {
-    // Every data-parallel rank's training tokens split evenly over the tensor-parallel ranks.
-    const int64_t shards = hooks_->data_size(), p = tp.group->size();
-    for (int64_t d = 0; d < shards; ++d) {
-      const int64_t rows = c.batch_size * (d + 1) / shards - c.batch_size * d / shards;
-      SY_REQUIRE(rows * c.model.seq_len % p == 0, InvalidArgument,
+  // Every data-parallel rank's part of every micro-batch: at least one row, and with sequence
+  // parallelism tokens that split evenly over the tensor-parallel ranks.
+  {
+    const int64_t shards = hooks_->data_size(), rows = c.batch_size / c.microbatches;
+    SY_REQUIRE(rows >= shards, InvalidArgument,
+               "config: a micro-batch of batch_size {} / microbatches {} = {} rows cannot be split "
+               "over {} data-parallel ranks",
+               c.batch_size, c.microbatches, rows, shards);
+    const int64_t p = tp.group != nullptr ? tp.group->size() : 1;
+    for (int64_t d = 0; tp.options.sequence_parallel && d < shards; ++d) {
+      const int64_t mine = rows * (d + 1) / shards - rows * d / shards;
+      SY_REQUIRE(mine * c.model.seq_len % p == 0, InvalidArgument,
                  "config: sequence parallelism splits each data-parallel rank's tokens over 'tp' "
-                 "{} ranks, but data-parallel rank {} has {} rows x seq_len {} = {} tokens: "
-                 "choose batch_size (split over {} data-parallel ranks) and seq_len so that they "
-                 "divide",
-                 p, d, rows, c.model.seq_len, rows * c.model.seq_len, shards);
+                 "{} ranks, but data-parallel rank {} has {} rows x seq_len {} = {} tokens per "
+                 "micro-batch: choose batch_size (split over {} micro-batches and {} "
+                 "data-parallel ranks) and seq_len so that they divide",
+                 p, d, mine, c.model.seq_len, mine * c.model.seq_len, c.microbatches, shards);
     }
   }
-  model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory), tp);
+  ModelPartition partition;
+  if (hooks_->pipeline_stages() > 1) {
+    SY_REQUIRE(hooks_->pipeline_group() != nullptr, InvalidArgument,
+               "pipeline parallelism needs the hooks' pipeline group");
+    partition = PipelinePartition(c, hooks_->pipeline_rank());
+    pipeline_ = parallel::MakeSchedule(PipelineScheduleConfig(c));
+  }
+  model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory), tp,
+                                           std::move(partition));
   optimizer_ = AdamW(AdamWOptions{.beta1 = static_cast<float>(c.beta1),
                                   .beta2 = static_cast<float>(c.beta2),
                                   .eps = static_cast<float>(c.adam_eps),
@@ -163,27 +178,120 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
 
 Trainer::~Trainer() = default;
 
+// What one step's micro-batches give, summed (this rank's part).
+struct Trainer::StepTotals {
+  double ce_sum = 0;  // sum over micro-batches of ce_loss x count (the head's chunk)
+  double count = 0;
+  double ffn = 0;  // sum over micro-batches and MoE blocks of the FFN loss terms
+  double aux = 0;  // ... of l_aux
+  double z = 0;    // ... of the z-loss
+  int64_t nonfinite = 0;
+  std::vector<RoutingStats> routing;  // per MoE block of the model (ordinal), summed
+  bool has_head = false;
+
+  void Add(const ModelConfig& model, const LmOutput& o, bool head) {
+    if (head) {
+      ce_sum += o.ce_loss * static_cast<double>(o.count);
+      count += static_cast<double>(o.count);
+      has_head = true;
+    }
+    ffn += o.loss - o.ce_loss;
+    aux += o.aux_loss * static_cast<double>(o.routing.size());
+    z += o.z_loss * static_cast<double>(o.routing.size());
+    for (size_t i = 0; i < o.routing.size(); ++i) {
+      int64_t ordinal = 0;
+      for (int64_t b = 0; b < o.routing_blocks[i]; ++b) ordinal += IsMoeBlock(model, b) ? 1 : 0;
+      RoutingStats& acc = routing[static_cast<size_t>(ordinal)];
+      const RoutingStats& r = o.routing[i];
+      if (acc.expert_loads.empty()) acc.expert_loads.assign(r.expert_loads.size(), 0);
+      for (size_t e = 0; e < r.expert_loads.size(); ++e) acc.expert_loads[e] += r.expert_loads[e];
+      acc.routed += r.routed;
+      acc.dropped += r.dropped;
+      nonfinite += r.nonfinite_inputs;
+    }
+  }
+};
+
+void Trainer::RunMicrobatches(const std::vector<Batch>& batches,
+                              const std::vector<int64_t>& row_begins, const ForwardOptions& options,
+                              StepTotals* totals) {
+  const int64_t m = static_cast<int64_t>(batches.size());
+  // The objective is the mean over the micro-batches (equal sizes) of each one's loss.
+  const float scale = 1.0f / static_cast<float>(m);
+  const int64_t seq = config_.model.seq_len;
+  if (hooks_->pipeline_stages() == 1) {
+    for (int64_t k = 0; k < m; ++k) {
+      ForwardOptions fo = options;
+      fo.global_token_offset = row_begins[static_cast<size_t>(k)] * seq;
+      LmOutput out = model_->Forward(batches[static_cast<size_t>(k)].tokens,
+                                     batches[static_cast<size_t>(k)].targets, fo);
+      model_->Backward(out, scale, threads_);
+      totals->Add(config_.model, out, true);
+    }
+    return;
+  }
+  const int v = model_->num_chunks();
+  std::vector<std::vector<LmOutput>> outs(static_cast<size_t>(m),
+                                          std::vector<LmOutput>(static_cast<size_t>(v)));
+  parallel::PipelineStageCallbacks cb;
+  cb.input_shape = [&](int mb, int) -> Shape {
+    return {model_->ActivationRows(batches[static_cast<size_t>(mb)].tokens),
+            config_.model.model_dim};
+  };
+  cb.forward = [&](int mb, int chunk, const Tensor& input) {
+    const Batch& b = batches[static_cast<size_t>(mb)];
+    ForwardOptions fo = options;
+    fo.global_token_offset = row_begins[static_cast<size_t>(mb)] * seq;
+    LmOutput o = model_->ForwardChunk(chunk, b.tokens, b.targets, input, fo);
+    totals->Add(config_.model, o, model_->chunk_has_head(chunk));
+    Tensor activation = std::move(o.activation);
+    o.activation = Tensor();
+    outs[static_cast<size_t>(mb)][static_cast<size_t>(chunk)] = std::move(o);
+    return activation;
+  };
+  cb.backward = [&](int mb, int chunk, const Tensor& grad, bool /*input_only*/) {
+    LmOutput& o = outs[static_cast<size_t>(mb)][static_cast<size_t>(chunk)];
+    Tensor dx = model_->BackwardChunk(o, grad, scale, threads_);
+    o.state.reset();  // the activations of this micro-batch chunk are no longer needed
+    return dx;
+  };
+  // The weight gradients are computed with the input gradients (B), so a zero-bubble W has
+  // nothing left to do (docs/pipeline.md).
+  cb.backward_weight = [](int, int) {};
+  parallel::RunSchedule(*hooks_->pipeline_group(), pipeline_, cb);
+}
+
 StepMetrics Trainer::Step() {
   const TrainConfig& c = config_;
   double t0 = Now();
   const int64_t world = hooks_->world_size();
   const int64_t shards = hooks_->data_size(), shard = hooks_->data_rank();
-  const int64_t row_begin = c.batch_size * shard / shards;
-  const int64_t row_end = c.batch_size * (shard + 1) / shards;
-  Batch batch = sampler_->Sample(step_, c.batch_size, row_begin, row_end);
+  // Micro-batch k is rows [k B / m, (k + 1) B / m) of the global batch; this data-parallel rank
+  // takes its share of each, so that the micro-batch (over all ranks) is that of one rank.
+  const int64_t m = c.microbatches, rows = c.batch_size / m;
+  std::vector<Batch> batches;
+  std::vector<int64_t> row_begins;
+  for (int64_t k = 0; k < m; ++k) {
+    const int64_t begin = k * rows + rows * shard / shards;
+    const int64_t end = k * rows + rows * (shard + 1) / shards;
+    batches.push_back(sampler_->Sample(step_, c.batch_size, begin, end));
+    row_begins.push_back(begin);
+  }
 
   ParameterSet& params = model_->parameters();
   hooks_->GatherParameters(params);
   model_->TakeMoeTimes();  // drop what evaluation or sampling spent in the MoE layers
+  model_->TakeTensorParallelStats();
   params.ZeroGrad();
   ForwardOptions fo;
   fo.training = true;
   fo.save_for_backward = true;
   fo.step = static_cast<uint64_t>(step_);
-  fo.global_token_offset = row_begin * c.model.seq_len;
   fo.threads = threads_;
-  LmOutput out = model_->Forward(batch.tokens, batch.targets, fo);
-  model_->Backward(out, 1.0f, threads_);
+  const int64_t moe_blocks = NumMoeBlocks(c.model);
+  StepTotals totals;
+  totals.routing.resize(static_cast<size_t>(moe_blocks));
+  RunMicrobatches(batches, row_begins, fo, &totals);
   const FeedForwardTimes moe_times = model_->TakeMoeTimes();
   const parallel::CommStats tp_stats = model_->TakeTensorParallelStats();
 
@@ -192,39 +300,48 @@ StepMetrics Trainer::Step() {
   const float lr = schedule_.At(step_);
 
   // Global metrics (token-weighted losses, summed routing statistics, non-finite MoE inputs)
-  // before the update, so that every rank decides alike whether to apply it.
-  // Each loss and routing statistic once per group of ranks that share it (tensor parallelism).
-  int64_t nonfinite_inputs = 0;
-  for (const auto& r : out.routing) nonfinite_inputs += r.nonfinite_inputs;
-  const double count = hooks_->reports_loss() ? static_cast<double>(out.count) : 0.0;
+  // before the update, so that every rank decides alike whether to apply it. Each loss and
+  // routing statistic is counted once per group of ranks that share it (tensor parallelism) and
+  // by the stage that computes it (pipeline parallelism).
+  const bool loss = hooks_->reports_loss() && totals.has_head;
   const bool routing = hooks_->reports_routing();
-  std::vector<double> sums = {out.loss * count,
-                              out.ce_loss * count,
-                              out.aux_loss * count,
-                              out.z_loss * count,
-                              count,
+  const double r_on = routing ? 1.0 : 0.0;
+  std::vector<double> sums = {loss ? totals.ce_sum : 0.0,
+                              loss ? totals.count : 0.0,
+                              r_on * totals.ffn,
+                              r_on * totals.aux,
+                              r_on * totals.z,
                               moe_times.seconds,
                               moe_times.comm_seconds,
-                              static_cast<double>(nonfinite_inputs),
+                              static_cast<double>(totals.nonfinite),
                               Now() - t0,
                               tp_stats.Bytes(parallel::Traffic::kTensor),
                               tp_stats.comm_seconds};
-  for (const auto& r : out.routing) {
-    sums.push_back(routing ? static_cast<double>(r.routed) : 0.0);
-    sums.push_back(routing ? static_cast<double>(r.dropped) : 0.0);
-    for (int64_t l : r.expert_loads) sums.push_back(routing ? static_cast<double>(l) : 0.0);
+  for (int64_t b = 0, block = 0; block < c.model.num_layers; ++block) {
+    if (!IsMoeBlock(c.model, block)) continue;
+    const RoutingStats& r = totals.routing[static_cast<size_t>(b++)];
+    sums.push_back(r_on * static_cast<double>(r.routed));
+    sums.push_back(r_on * static_cast<double>(r.dropped));
+    const int64_t experts = BlockExperts(c, block);
+    for (int64_t e = 0; e < experts; ++e) {
+      sums.push_back(static_cast<size_t>(e) < r.expert_loads.size()
+                         ? r_on * static_cast<double>(r.expert_loads[static_cast<size_t>(e)])
+                         : 0.0);
+    }
   }
   hooks_->AllReduceSum(sums);
-  StepMetrics m;
-  m.step = step_ + 1;
-  const double tokens = std::max(1.0, sums[4]);
-  m.loss = sums[0] / tokens;
-  m.ce_loss = sums[1] / tokens;
-  m.aux_loss = sums[2] / tokens;
-  m.z_loss = sums[3] / tokens;
-  if (!out.routing.empty()) {
-    m.moe_time_s = sums[5] / static_cast<double>(world);
-    m.moe_comm_s = sums[6] / static_cast<double>(world);
+  StepMetrics met;
+  met.step = step_ + 1;
+  const double tokens = std::max(1.0, sums[1]);
+  // Each MoE block's terms are reported by routing_replicas() ranks, once per micro-batch.
+  const double replicas = static_cast<double>(hooks_->routing_replicas()) * static_cast<double>(m);
+  met.ce_loss = sums[0] / tokens;
+  met.loss = met.ce_loss + sums[2] / replicas;
+  met.aux_loss = moe_blocks > 0 ? sums[3] / (replicas * static_cast<double>(moe_blocks)) : 0.0;
+  met.z_loss = moe_blocks > 0 ? sums[4] / (replicas * static_cast<double>(moe_blocks)) : 0.0;
+  if (moe_blocks > 0) {
+    met.moe_time_s = sums[5] / static_cast<double>(world);
+    met.moe_comm_s = sums[6] / static_cast<double>(world);
   }
   if (sums[7] > 0) {
     throw NonFiniteError(fmt::format(
@@ -233,52 +350,90 @@ StepMetrics Trainer::Step() {
         step_ + 1, sums[7],
         c.moe_layer_config.empty() ? "the MoE layer config" : c.moe_layer_config));
   }
-  const bool finite = std::isfinite(m.loss) && std::isfinite(grad_norm);
+  const bool finite = std::isfinite(met.loss) && std::isfinite(grad_norm);
   if (!finite && c.nonfinite == "stop") {
     throw NonFiniteError(fmt::format(
         "step {}: the loss is non-finite (loss {}, grad_norm {}); the update was not applied: "
         "lower 'lr', or set 'nonfinite' to 'skip' to skip such steps",
-        step_ + 1, m.loss, grad_norm));
+        step_ + 1, met.loss, grad_norm));
   }
   if (finite) {
     const float factor = ClipFactor(grad_norm, static_cast<float>(c.grad_clip));
     hooks_->ScaleGradients(params, factor);
     hooks_->OptimizerStep(optimizer_, params, lr);
   } else {
-    m.skipped_steps = 1;
+    met.skipped_steps = 1;
   }
   hooks_->ReleaseParameters(params);
   ++step_;
 
   // Each rank's MoE time is part of its own step time (other ranks wait for the writer between
   // steps inside their first MoE collective): shares use the rank mean of both.
-  m.rank_time_s = sums[8] / static_cast<double>(world);
-  m.tp_bytes = sums[9] / static_cast<double>(world);
-  m.tp_comm_s = sums[10] / static_cast<double>(world);
+  met.rank_time_s = sums[8] / static_cast<double>(world);
+  met.tp_bytes = sums[9] / static_cast<double>(world);
+  met.tp_comm_s = sums[10] / static_cast<double>(world);
   size_t k = 11;
-  for (const auto& r : out.routing) {
+  for (int64_t block = 0; block < c.model.num_layers; ++block) {
+    if (!IsMoeBlock(c.model, block)) continue;
     double routed = sums[k], dropped = sums[k + 1];
     k += 2;
-    m.drop_rate.push_back(routed > 0 ? dropped / routed : 0.0);
+    met.drop_rate.push_back(routed > 0 ? dropped / routed : 0.0);
     std::vector<int64_t> load;
-    for (size_t e = 0; e < r.expert_loads.size(); ++e) {
+    for (int64_t e = 0; e < BlockExperts(c, block); ++e) {
       load.push_back(CheckedToInt64(std::round(sums[k++]), "expert load", 0, INT64_MAX));
     }
-    m.expert_load.push_back(std::move(load));
+    met.expert_load.push_back(std::move(load));
   }
-  if (!m.expert_load.empty() && finite) model_->EndStep(m.expert_load);
-  m.lr = lr;
-  m.grad_norm = grad_norm;
-  m.step_time_s = Now() - t0;
-  if (m.step_time_s > 0) {
-    m.tokens_per_s = static_cast<double>(c.batch_size * c.model.seq_len) / m.step_time_s;
+  if (!met.expert_load.empty() && finite) model_->EndStep(met.expert_load);
+  met.lr = lr;
+  met.grad_norm = grad_norm;
+  met.step_time_s = Now() - t0;
+  if (met.step_time_s > 0) {
+    met.tokens_per_s = static_cast<double>(c.batch_size * c.model.seq_len) / met.step_time_s;
   }
-  return m;
+  return met;
+}
+
+LmOutput Trainer::PipelineForward(const Tensor& tokens, const Tensor& targets,
+                                  const ForwardOptions& options, bool keep_logits) {
+  if (hooks_->pipeline_stages() == 1) return model_->Forward(tokens, targets, options, keep_logits);
+  // Forward only: chunk c of pipeline rank r is virtual stage s = c p + r; it takes its input
+  // from the rank of stage s - 1 and passes its output to the rank of stage s + 1 (sends are
+  // asynchronous, receives block: every rank runs its chunks in order, which cannot deadlock).
+  comm::Communicator& group = *hooks_->pipeline_group();
+  const int p = group.size(), r = group.rank();
+  const int64_t last_stage = static_cast<int64_t>(p) * model_->num_chunks() - 1;
+  const Shape shape = {model_->ActivationRows(tokens), config_.model.model_dim};
+  constexpr uint32_t kTag = 0x5f0000;  // forward-only passes (no backward follows)
+  std::vector<comm::Work> sends;
+  std::vector<Tensor> keep;
+  LmOutput result;
+  for (int chunk = 0; chunk < model_->num_chunks(); ++chunk) {
+    const int64_t stage = static_cast<int64_t>(chunk) * p + r;
+    Tensor x;
+    if (stage > 0) {
+      x = Tensor::Empty(shape);
+      group
+          .Recv(x.raw(), static_cast<size_t>(x.numel()), DType::kFloat32, (r + p - 1) % p,
+                {.tag = kTag})
+          .Wait();
+    }
+    LmOutput o = model_->ForwardChunk(chunk, tokens, targets, x, options, keep_logits);
+    if (stage == last_stage) {
+      result = std::move(o);
+    } else {
+      keep.push_back(o.activation);
+      sends.push_back(group.Send(o.activation.raw(), static_cast<size_t>(o.activation.numel()),
+                                 DType::kFloat32, (r + 1) % p, {.tag = kTag}));
+    }
+  }
+  for (const comm::Work& w : sends) w.Wait();
+  return result;
 }
 
 double Trainer::Evaluate() {
   // Every rank takes its rows of every held-out batch (as in training), so that all ranks make
-  // the same sequence of (collective) forwards.
+  // the same sequence of (collective) forwards; the head's stage reports the loss.
   const int64_t world = hooks_->data_size(), rank = hooks_->data_rank();
   hooks_->GatherParameters(model_->parameters());
   ForwardOptions fo;
@@ -292,8 +447,8 @@ double Trainer::Evaluate() {
     const int64_t begin = rows * rank / world, end = rows * (rank + 1) / world;
     Batch b{whole.tokens.Slice(begin, end), whole.targets.Slice(begin, end)};
     fo.global_token_offset = begin * whole.tokens.size(1);
-    LmOutput out = model_->Forward(b.tokens, b.targets, fo);
-    if (out.count == 0 || !hooks_->reports_loss()) continue;  // no rows, or a tp rank's copy
+    LmOutput out = PipelineForward(b.tokens, b.targets, fo, false);
+    if (out.count == 0 || !hooks_->reports_loss()) continue;  // no rows, or not the loss's rank
     sums[0] += out.ce_loss * static_cast<double>(out.count);
     sums[1] += static_cast<double>(out.count);
   }
@@ -355,7 +510,25 @@ std::string Trainer::Sample(int64_t tokens, const std::string& prompt) {
   o.seed = config_.seed;
   o.threads = threads_;
   hooks_->GatherParameters(model_->parameters());
-  return GenerateText(*model_, o);
+  if (hooks_->pipeline_stages() == 1) return GenerateText(*model_, o);
+  // Pipelined: every step's logits come from the head's stage, broadcast to the others, so that
+  // every rank draws the same tokens.
+  ForwardOptions fo;
+  fo.training = false;
+  fo.save_for_backward = false;
+  fo.threads = threads_;
+  comm::Communicator& group = *hooks_->pipeline_group();
+  return GenerateText(
+      config_.model,
+      [&](const Tensor& window) {
+        LmOutput out = PipelineForward(window, Tensor(), fo, true);
+        Tensor logits = out.logits.defined()
+                            ? out.logits.Clone()
+                            : Tensor::Empty({window.numel(), config_.model.vocab_size});
+        group.Broadcast(logits, {.root = group.size() - 1}).Wait();
+        return logits;
+      },
+      o);
 }
 
 namespace {

@@ -293,6 +293,35 @@ TEST_F(DistributedTest, TensorParallelWithExpertsMatchesOneRank) {
   }
 }
 
+// Gradient accumulation: a dense model's steps do not depend on the micro-batch count (up to
+// float summation order); with MoE blocks each micro-batch is routed on its own, and W ranks
+// (data and tensor parallel) equal one rank with the same micro-batches.
+TEST_F(DistributedTest, MicrobatchesAccumulateGradients) {
+  TrainConfig dense = TinyMoeConfig(dir_);
+  dense.model.moe_every = 0;
+  const int kSteps = 3;
+  StepLosses one = SingleRank(dense, kSteps);
+  TrainConfig four = dense;
+  four.microbatches = 4;
+  ExpectSameRun(one, SingleRank(four, kSteps), "dense, 4 micro-batches");
+
+  TrainConfig moe = TinyMoeConfig(dir_);
+  moe.model.num_heads = 4;
+  moe.microbatches = 2;
+  StepLosses want = SingleRank(moe, kSteps);
+  // Routing per micro-batch differs from the whole batch's (capacity, drops): the runs are not
+  // the same, which is what makes the multi-rank comparison below meaningful.
+  TrainConfig whole = moe;
+  whole.microbatches = 1;
+  const StepLosses whole_run = SingleRank(whole, 1);
+  EXPECT_NE(want.drop_rate[0], whole_run.drop_rate[0]);
+  EXPECT_GT(std::abs(want.loss[0] - whole_run.loss[0]), 1e-4);
+  for (const TpLayout& l : {TpLayout{2, 1}, TpLayout{4, 1, false, false, 2, 1},
+                            TpLayout{4, 2, true, true}, TpLayout{4, 2}}) {
+    ExpectSameRun(want, OnRanks(WithLayout(moe, l), kSteps), "2 micro-batches " + Describe(l));
+  }
+}
+
 // PR-MoE's residual MLP and DeepSeek's shared expert in the MoE blocks: dense parameters
 // replicated over the ranks, their gradients reduced like the gate's. Several optimizer steps on
 // W ranks give the one-rank run's losses and parameters.

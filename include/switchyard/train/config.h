@@ -88,6 +88,19 @@ struct TrainConfig {
   // sequence_parallel, else deepspeed).
   std::string arrangement = "auto";
   int64_t etp = 1;  // Megatron arrangement: each expert's hidden dimension split over etp ranks
+  // Gradient accumulation: each step's batch in this many micro-batches (forward and backward
+  // each, gradients summed). Micro-batch k is rows [k B / m, (k + 1) B / m) of the global batch
+  // (B = batch_size), split over the data-parallel ranks; batch_size must divide by it. An MoE
+  // block routes each micro-batch on its own (capacity and losses per micro-batch).
+  int64_t microbatches = 1;
+  // Pipeline parallelism (docs/pipeline.md): the blocks split over pp stages (ranks / (tp * pp)
+  // data-parallel ranks), run by a schedule of micro-batches.
+  int64_t pp = 1;
+  std::string pipeline_schedule = "1f1b";  // fthenb | 1f1b | interleaved | zb-h1
+  int64_t virtual_stages = 1;              // model chunks per stage (interleaved)
+  // Blocks of each virtual stage, in order (pp * virtual_stages counts summing to num_layers);
+  // empty: as even as possible (the first num_layers % (pp * v) stages one block more).
+  std::vector<int64_t> pipeline_split;
 };
 
 // Flat JSON object with every key.

@@ -108,6 +108,10 @@ class DistributedHooks : public TrainHooks {
                    TensorParallelOptions tp = {});
   ~DistributedHooks() override;
 
+  // Pipeline parallelism: `stage` is the group of every rank of this rank's stage (world ranks in
+  // order; null: the world, pp 1), `tied_embedding` whether the first and last stage hold copies
+  // of the tied embedding (their gradients are summed over the embedding group).
+  void SetPipeline(std::unique_ptr<comm::Communicator> stage, bool tied_embedding);
   // Records an MoE block built by the factory (its parameter prefix and layer config), for
   // gathering and slicing its experts in checkpoints.
   void AddMoeBlock(const std::string& prefix, const moe::LayerConfig& config);
@@ -123,6 +127,10 @@ class DistributedHooks : public TrainHooks {
   bool reports_loss() const override;
   bool reports_routing() const override;
   TensorParallelContext tensor_parallel() override;
+  int pipeline_rank() const override { return coords_.pp_rank; }
+  int pipeline_stages() const override { return mesh_.pp(); }
+  comm::Communicator* pipeline_group() override;
+  int routing_replicas() const override { return mesh_.data_shards(); }
   int64_t ModelParameterCount(const ParameterSet& params) override;
   std::string LayoutDescription() const override;
   int ranks_in_process() const override { return ranks_in_process_; }
@@ -154,6 +162,9 @@ class DistributedHooks : public TrainHooks {
   void GatherExperts(TensorMap& map, const std::string& suffix);
   void SliceExperts(TensorMap& map, const std::string& suffix) const;
   parallel::Mesh BlockMesh(const MoeBlock& block) const;
+  // Every stage's part of a checkpoint map, on every rank (pp > 1: broadcast over the pipeline
+  // group, stage by stage). Collective.
+  void GatherStages(TensorMap& map);
   // The single-rank tensors of the tensor-parallel shards in `map` ("<name><suffix>"; all-gather
   // over tp, collective), or this rank's shards of them.
   void GatherTensorParallel(ParameterSet& params, TensorMap& map, const std::string& suffix);
@@ -177,6 +188,10 @@ class DistributedHooks : public TrainHooks {
   double CopiesDense() const;
   double CopiesExperts() const;
   int64_t split_elements_ = 0, dense_elements_ = 0, expert_elements_ = 0;  // this rank's
+  std::unique_ptr<comm::Communicator> stage_owned_;
+  comm::Communicator* stage_ = nullptr;  // every rank of this stage (the world with pp 1)
+  bool tied_embedding_ = false;
+  std::unique_ptr<ShardedAdamW> copy_opt_;    // tied copies (the head stage's embed.weight)
   std::unique_ptr<ShardedAdamW> split_opt_;   // tensor-parallel shards, over data_
   std::unique_ptr<ShardedAdamW> dense_opt_;   // other dense parameters, over tokens_
   std::unique_ptr<ShardedAdamW> expert_opt_;  // over expert_data_

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -26,6 +27,11 @@ struct SampleOptions {
 // Throws InvalidArgument for temperature <= 0, a model whose vocab is not bytes (256), or
 // negative sizes.
 std::string GenerateText(TransformerLm& model, const SampleOptions& options);
+// The same over any way of computing the logits (a pipelined model): `logits` maps tokens
+// int32 [1, n] to float32 [n, vocab_size] for the model of `config`.
+using LogitsFunction = std::function<Tensor(const Tensor& tokens)>;
+std::string GenerateText(const ModelConfig& config, const LogitsFunction& logits,
+                         const SampleOptions& options);
 
 // `text` made safe to print on a terminal: newlines, tabs and well-formed UTF-8 are kept; every
 // other byte (control bytes, C1 controls, bytes of malformed or overlong UTF-8 sequences) becomes

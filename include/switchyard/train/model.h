@@ -104,6 +104,20 @@ class Block {
   std::unique_ptr<FeedForward> ffn_;
 };
 
+// Which blocks this rank holds, for pipeline parallelism: consecutive ranges [begin, end) of
+// blocks, the model chunks, in the order the rank runs them (train/pipeline.h maps virtual stages
+// to chunks). The chunk starting at block 0 also holds the embeddings, the chunk ending at
+// num_layers the final norm and the output head; with a tied head and the embedding on another
+// rank, the head's chunk holds its own copy of "embed.weight" (Parameter::tied_copy), kept equal
+// by summing the two copies' gradients. Empty: one chunk, the whole model.
+struct BlockRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+struct ModelPartition {
+  std::vector<BlockRange> chunks;
+};
+
 struct ForwardOptions {
   bool training = true;
   bool save_for_backward = true;
@@ -120,8 +134,11 @@ struct LmOutput {
   double aux_loss = 0;  // mean over MoE blocks of l_aux (before coefficients; 0 when dense)
   double z_loss = 0;    // mean over MoE blocks of the router z-loss
   int64_t count = 0;    // tokens counted in ce_loss
-  std::vector<RoutingStats> routing;  // one per MoE block, in block order
-  Tensor logits;                      // [batch_size * seq_len, vocab_size] (keep_logits only)
+  std::vector<RoutingStats> routing;    // one per MoE block (of the chunk), in block order
+  std::vector<int64_t> routing_blocks;  // the transformer block index of each routing entry
+  Tensor logits;                        // [batch_size * seq_len, vocab_size] (keep_logits only)
+  // A chunk without the head: its output activation, the next chunk's input (ForwardChunk).
+  Tensor activation;
   std::shared_ptr<const ModelState> state;
 };
 
@@ -131,8 +148,10 @@ class TransformerLm {
   // its FFNs must take and return the layout of `tp` (sequence shards with sequence_parallel).
   // With a tensor-parallel group, sizes that must divide by P are checked here (InvalidArgument
   // naming the layer): vocab_size, num_heads, hidden_dim.
+  // `partition`: the chunks this rank holds (InvalidArgument for empty, overlapping, unordered
+  // or out-of-range ranges); the factory is called only for the MoE blocks held.
   TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFactory moe_factory = nullptr,
-                TensorParallelContext tp = {});
+                TensorParallelContext tp = {}, ModelPartition partition = {});
   ~TransformerLm();
   TransformerLm(const TransformerLm&) = delete;
   TransformerLm& operator=(const TransformerLm&) = delete;
@@ -140,9 +159,14 @@ class TransformerLm {
   const ModelConfig& config() const { return config_; }
   ParameterSet& parameters() { return params_; }
   const ParameterSet& parameters() const { return params_; }
+  // MoE blocks held by this rank.
   int64_t num_moe_blocks() const;
-  // Experts of each MoE block, in block order.
+  // Experts of each MoE block held, in block order.
   std::vector<int64_t> experts_per_moe_block() const;
+  const ModelPartition& partition() const { return partition_; }
+  int num_chunks() const { return static_cast<int>(partition_.chunks.size()); }
+  bool chunk_has_embedding(int chunk) const;
+  bool chunk_has_head(int chunk) const;
 
   // tokens, targets: int32 [batch_size, seq] with 1 <= seq <= config.seq_len; tokens in
   // [0, vocab_size), targets in [0, vocab_size) or < 0 (ignored). targets may be undefined
@@ -150,12 +174,27 @@ class TransformerLm {
   // Sequence parallelism needs batch_size * seq to divide by P for a training call
   // (InvalidArgument); other calls are padded with ignored sequences (causal attention: the
   // real tokens' logits do not change; MoE capacity sees the padding).
+  // The whole model: needs a partition of one chunk holding every block.
   LmOutput Forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& options,
                    bool keep_logits = false);
   // Accumulates loss_scale * d(loss)/d(parameters) into the gradients.
   void Backward(const LmOutput& forward, float loss_scale = 1.0f, int threads = 1);
+  // One chunk (pipeline parallelism). `tokens` [batch_size, seq] are the micro-batch's (every
+  // chunk needs its shape and positions); `x` is the previous chunk's activation (undefined for
+  // the embedding's chunk); `targets` are used by the head's chunk (as Forward). The output holds
+  // the loss fields for the head's chunk, else `activation`; MoE fields for the chunk's blocks.
+  LmOutput ForwardChunk(int chunk, const Tensor& tokens, const Tensor& targets, const Tensor& x,
+                        const ForwardOptions& options, bool keep_logits = false);
+  // Rows of the activation a chunk takes and gives for `tokens` [batch_size, seq]: the tokens, or
+  // with sequence parallelism this rank's share of them (after the padding Forward describes).
+  int64_t ActivationRows(const Tensor& tokens) const;
+  // Accumulates the chunk's parameter gradients; `dy` is the gradient of its activation
+  // (undefined for the head's chunk, which starts from its loss, scaled by loss_scale). Returns
+  // the gradient of its input x (undefined for the embedding's chunk).
+  Tensor BackwardChunk(const LmOutput& forward, const Tensor& dy, float loss_scale, int threads);
   // After the optimizer step: hands each MoE block its step's expert loads summed over all
-  // ranks (one vector per MoE block, in block order; see FeedForward::EndStep).
+  // ranks (one vector per MoE block of the whole model, in block order, NumMoeBlocks of the
+  // config; a partitioned model uses its blocks' entries; see FeedForward::EndStep).
   void EndStep(const std::vector<std::vector<int64_t>>& global_expert_loads);
   // The MoE FFNs' time since the last call, summed over blocks (FeedForward::TakeTimes).
   FeedForwardTimes TakeMoeTimes();
@@ -167,17 +206,19 @@ class TransformerLm {
  private:
   bool tensor_parallel() const { return tp_size() > 1; }
   Tensor Logits(const Tensor& h_full, int threads) const;
+  const BlockRange& Chunk(int chunk) const;
 
   ModelConfig config_;
   TensorParallelContext tp_;
   parallel::CommStats tp_stats_;
+  ModelPartition partition_;
   ParameterSet params_;
   std::unique_ptr<VocabParallelEmbedding> vp_embed_;  // tensor parallel
   std::unique_ptr<Embedding> embed_;
   std::unique_ptr<Embedding> pos_embed_;
-  std::vector<std::unique_ptr<Block>> blocks_;
+  std::vector<std::unique_ptr<Block>> blocks_;  // [num_layers], null for blocks not held
   std::unique_ptr<Norm> final_norm_;
-  Parameter* head_ = nullptr;  // embed.weight (tied) or head.weight
+  Parameter* head_ = nullptr;  // embed.weight (tied, or its copy) or head.weight
 };
 
 }  // namespace switchyard::train

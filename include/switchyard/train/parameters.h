@@ -52,6 +52,9 @@ struct Parameter {
   ParamOptions options;
   // Set by the tensor-parallel layers for the shards they register; kReplicated otherwise.
   TpShard tp_shard;
+  // A second copy of a parameter another pipeline stage holds (the tied embedding on the head's
+  // stage): same name and value, its gradient summed with the other copy's.
+  bool tied_copy = false;
 };
 
 class ParameterSet {

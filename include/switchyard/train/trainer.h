@@ -23,6 +23,7 @@
 #include <string_view>
 #include <vector>
 
+#include "switchyard/parallel/pipeline.h"
 #include "switchyard/train/checkpoint.h"
 #include "switchyard/train/config.h"
 #include "switchyard/train/data.h"
@@ -55,6 +56,14 @@ class TrainHooks {
   virtual int64_t ModelParameterCount(const ParameterSet& params) {
     return params.NumTrainableElements();
   }
+  // Pipeline parallelism: this rank's stage, the number of stages and the pipeline group (one
+  // rank of each stage with the same tp and data-parallel coordinates; null without pipelining).
+  virtual int pipeline_rank() const { return 0; }
+  virtual int pipeline_stages() const { return 1; }
+  virtual comm::Communicator* pipeline_group() { return nullptr; }
+  // Ranks of a stage that report routing statistics (reports_routing) for each MoE block it
+  // holds: the token shards of a stage.
+  virtual int routing_replicas() const { return 1; }
   // One line naming the parallel layout for the run's header ("" for one rank).
   virtual std::string LayoutDescription() const { return ""; }
   // The tensor-parallel layout the model is built with (none by default).
@@ -206,6 +215,14 @@ class Trainer {
   RunSummary Run(const RunOptions& options = {});
 
  private:
+  // This step's micro-batches through the model (pipelined with pp > 1), gradients accumulated.
+  struct StepTotals;
+  void RunMicrobatches(const std::vector<Batch>& batches, const std::vector<int64_t>& row_begins,
+                       const ForwardOptions& options, StepTotals* totals);
+  // A forward of `tokens` through every stage (pipeline ranks pass activations on); the head's
+  // stage returns its output (others an empty one). Collective over the pipeline group.
+  LmOutput PipelineForward(const Tensor& tokens, const Tensor& targets,
+                           const ForwardOptions& options, bool keep_logits);
   // The end of a run on the writer: sample.txt, summary.json and the final lines.
   void WriteRunEnd(const RunSummary& summary, bool moe) const;
 
@@ -223,6 +240,7 @@ class Trainer {
   std::unique_ptr<TransformerLm> model_;
   AdamW optimizer_;
   LrSchedule schedule_;
+  parallel::Schedule pipeline_;  // the pipeline schedule (pp > 1)
   int64_t step_ = 0;
 };
 
