@@ -25,7 +25,6 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cli/bench_common.h"
@@ -451,13 +450,16 @@ int RunBenchTp(const BenchTpOptions& o) {
                    compute = SummarizeTimes(r.compute).median_s,
                    blocked = SummarizeTimes(r.blocked).median_s,
                    ran = SummarizeTimes(r.ran).median_s;
-      std::optional<double> hidden = Quotient(comm + compute - step, comm);
+      // With one rank nothing is communicated: no fraction of it, no ratio.
+      const bool communicates = r.closed_form > 0;
+      std::optional<double> hidden =
+          communicates ? Quotient(comm + compute - step, comm) : std::nullopt;
       if (hidden) hidden = std::clamp(*hidden, 0.0, 1.0);
-      const std::optional<double> ratio = Quotient(comm, compute);
+      const std::optional<double> ratio = communicates ? Quotient(comm, compute) : std::nullopt;
       // What the rings can hide at most: P - 1 hops each overlap one block's GEMM, (P - 1) / P of
       // the split GEMMs; the rest of the computation runs with no hop in flight.
       std::optional<double> overlappable, bound;
-      if (r.mode == Mode::kOverlap) {
+      if (r.mode == Mode::kOverlap && communicates) {
         overlappable = SummarizeTimes(r.ring_gemms).median_s * (p - 1) / p;
         bound = Quotient(*overlappable, comm);
         if (bound) bound = std::min(*bound, 1.0);
