@@ -10,7 +10,9 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "cli/timing.h"
 #include "switchyard/comm/communicator.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/core/tensor.h"
@@ -40,6 +42,13 @@ inline std::optional<double> Quotient(double num, double den) {
   if (!(den > 0) || !std::isfinite(num) || !std::isfinite(den)) return std::nullopt;
   const double q = num / den;
   return std::isfinite(q) ? std::optional<double>(q) : std::nullopt;
+}
+// The median of what was measured when anything was (a fraction of a time that was 0 was never
+// recorded), finite; else nothing.
+inline std::optional<double> MedianIfAny(const std::vector<double>& v) {
+  if (v.empty()) return std::nullopt;
+  const double m = SummarizeTimes(v).median_s;
+  return std::isfinite(m) ? std::optional<double>(m) : std::nullopt;
 }
 inline nlohmann::json JsonOf(std::optional<double> v) {
   return v ? nlohmann::json(*v) : nlohmann::json(nullptr);

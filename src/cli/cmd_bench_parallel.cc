@@ -38,15 +38,6 @@ namespace {
 
 double Median(std::vector<double> v) { return SummarizeTimes(std::move(v)).median_s; }
 
-// A figure is printed only when it means something: the median of what was measured when
-// anything was (a fraction of a time that was 0 was never recorded), finite. Otherwise "-" in
-// the text and null in --json (docs/cli.md).
-std::optional<double> MedianIfAny(const std::vector<double>& v) {
-  if (v.empty()) return std::nullopt;
-  const double m = Median(v);
-  return std::isfinite(m) ? std::optional<double>(m) : std::nullopt;
-}
-
 // Token all-to-alls of one run, averaged over the ranks (forward + backward of the last step):
 // time blocked in them and time they ran.
 struct TokenComm {

@@ -8,7 +8,8 @@
 // row-parallel -> + h (residual), forward + backward (and under sp the all-reduce of the norm's and
 // fc2's bias gradients). Measured in the same run, interleaved per iteration and mode: the step,
 // the same collectives alone (no GEMMs) and the same computation alone (no communication), so
-// that the hidden fraction of the communication is (comm + compute - step) / comm. Also the bytes
+// that the hidden fraction of the communication is (comm + compute - step) / comm (per iteration,
+// then the median: the machine's speed drifts between iterations). Also the bytes
 // each rank put on the wire (CommStats, Traffic::kTensor) against docs/tensor_parallel.md's closed
 // form, and the activation bytes the norm/residual region and the tensor-parallel region keep for
 // backward, read from the caches the layers filled.
@@ -54,7 +55,7 @@ using parallel::Traffic;
 // (one port per sending rank, messages serialized). Chosen so that on the 2-core machines of
 // docs/PERFORMANCE.md the communication of the default block is about 0.5-1x its computation.
 constexpr double kDefaultLatencyUs = 50;
-constexpr double kDefaultGbps = 0.07;
+constexpr double kDefaultGbps = 0.1;
 
 enum class Mode : uint8_t { kTensor, kSequence, kOverlap };
 
@@ -419,8 +420,9 @@ int RunBenchTp(const BenchTpOptions& o) {
         o.latency_us, o.gbps, cores, o.iters);
     fmt::print(
         "# comm = the same collectives alone, compute = the same GEMMs, norm, activation alone, "
-        "interleaved with the step; hidden = (comm + compute - step) / comm in [0, 1]; blocked = "
-        "time the step waited in collectives, ran = time they ran (hidden or not)\n");
+        "interleaved with the step; hidden = (comm + compute - step) / comm in [0, 1] and "
+        "comm/cmp, each per iteration, then the median; blocked = time the step waited in "
+        "collectives, ran = time they ran (hidden or not)\n");
     fmt::print(
         "# bound (overlap) = the most the rings can hide: (P-1)/P of the GEMMs they split (fc1, "
         "fc2 forward and their dx; not the weight gradients), over comm\n");
@@ -450,20 +452,28 @@ int RunBenchTp(const BenchTpOptions& o) {
                    compute = SummarizeTimes(r.compute).median_s,
                    blocked = SummarizeTimes(r.blocked).median_s,
                    ran = SummarizeTimes(r.ran).median_s;
-      // With one rank nothing is communicated: no fraction of it, no ratio.
+      // Per iteration (its step, comm and compute were measured back to back, so a drift of the
+      // machine's speed between iterations cancels), then the median. With one rank nothing is
+      // communicated: no fraction of it, no ratio.
       const bool communicates = r.closed_form > 0;
-      std::optional<double> hidden =
-          communicates ? Quotient(comm + compute - step, comm) : std::nullopt;
-      if (hidden) hidden = std::clamp(*hidden, 0.0, 1.0);
-      const std::optional<double> ratio = communicates ? Quotient(comm, compute) : std::nullopt;
-      // What the rings can hide at most: P - 1 hops each overlap one block's GEMM, (P - 1) / P of
-      // the split GEMMs; the rest of the computation runs with no hop in flight.
-      std::optional<double> overlappable, bound;
-      if (r.mode == Mode::kOverlap && communicates) {
-        overlappable = SummarizeTimes(r.ring_gemms).median_s * (p - 1) / p;
-        bound = Quotient(*overlappable, comm);
-        if (bound) bound = std::min(*bound, 1.0);
+      const bool rings = r.mode == Mode::kOverlap && communicates;
+      std::vector<double> hiddens, ratios, bounds, overlappables;
+      for (size_t i = 0; communicates && i < r.step.size(); ++i) {
+        if (const auto h = Quotient(r.comm[i] + r.compute[i] - r.step[i], r.comm[i])) {
+          hiddens.push_back(std::clamp(*h, 0.0, 1.0));
+        }
+        if (const auto q = Quotient(r.comm[i], r.compute[i])) ratios.push_back(*q);
+        // What the rings can hide at most: P - 1 hops, each overlapping one block's GEMM, so
+        // (P - 1) / P of the split GEMMs; the rest of the computation runs with no hop in flight.
+        if (!rings) continue;
+        overlappables.push_back(r.ring_gemms[i] * (p - 1) / p);
+        if (const auto b = Quotient(overlappables.back(), r.comm[i])) {
+          bounds.push_back(std::min(*b, 1.0));
+        }
       }
+      const std::optional<double> hidden = MedianIfAny(hiddens), ratio = MedianIfAny(ratios),
+                                  bound = MedianIfAny(bounds),
+                                  overlappable = MedianIfAny(overlappables);
       const std::optional<double> saving =
           tp_mode != nullptr ? Quotient(static_cast<double>(tp_mode->regions.norm_residual),
                                         static_cast<double>(r.regions.norm_residual))
@@ -489,8 +499,7 @@ int RunBenchTp(const BenchTpOptions& o) {
             {"compute_alone_ms", compute * 1e3},
             {"comm_over_compute", JsonOf(ratio)},
             {"hidden_fraction", JsonOf(hidden)},
-            {"overlappable_compute_ms",
-             overlappable ? nlohmann::json(*overlappable * 1e3) : nlohmann::json(nullptr)},
+            {"overlappable_compute_ms", JsonOf(overlappable ? *overlappable * 1e3 : overlappable)},
             {"hidden_fraction_bound", JsonOf(bound)},
             {"blocked_ms", blocked * 1e3},
             {"collectives_ran_ms", ran * 1e3},

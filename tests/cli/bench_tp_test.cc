@@ -93,9 +93,7 @@ TEST(CliBenchTp, JsonLinesCarryEveryFieldAndBytesEqualTheClosedForm) {
     EXPECT_GT(j.at("comm_alone_ms").get<double>(), 0);
     EXPECT_GT(j.at("compute_alone_ms").get<double>(), 0);
     EXPECT_LE(j.at("step_min_ms").get<double>(), j.at("step_median_ms").get<double>());
-    EXPECT_NEAR(j.at("comm_over_compute").get<double>(),
-                j.at("comm_alone_ms").get<double>() / j.at("compute_alone_ms").get<double>(),
-                1e-9 * j.at("comm_over_compute").get<double>());
+    EXPECT_GT(j.at("comm_over_compute").get<double>(), 0);  // median of the iterations' ratios
     if (!j.at("hidden_fraction").is_null()) {
       EXPECT_GE(j.at("hidden_fraction").get<double>(), 0);
       EXPECT_LE(j.at("hidden_fraction").get<double>(), 1);
@@ -135,7 +133,7 @@ TEST(CliBenchTp, TextReportHasItsColumnsAndTheMemoryLine) {
       "bench tp --tp 2 --tokens 64 --model-dim 32 --hidden-dim 64 --iters 1 --warmup 0");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   for (const char* text :
-       {"EMULATED links: 50 us + 0.07 GB/s per message", "1 GEMM thread per rank", "step ms",
+       {"EMULATED links: 50 us + 0.1 GB/s per message", "1 GEMM thread per rank", "step ms",
         "comm ms", "compute ms", "comm/cmp", "hidden", "bound", "MB/step", "closed form", "norm KB",
         "tp 2", "overlap", "1/2.00 (tp 2)", "16 (P-1) (N/P) d"}) {
     EXPECT_NE(r.out.find(text), std::string::npos) << text << " missing:\n" << r.out;
