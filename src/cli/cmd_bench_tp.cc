@@ -445,7 +445,7 @@ int RunBenchTp(const BenchTpOptions& o) {
           "  {:<8} {:>8} {:>8} {:>10} {:>8} {:>7} {:>6} {:>7} {:>7} {:>9} {:>11} {:>6} {:>9} "
           "{:>9}\n",
           "mode", "step ms", "comm ms", "compute ms", "comm/cmp", "hidden", "bound", "blocked",
-          "ran", "MB/step", "closed form", "agree", "norm KB", "tp-reg KB");
+          "ran", "MB/step", "closed form", "agree", "norm KiB", "tp-reg KiB");
     }
     for (const ModeResult& r : results) {
       const double step = SummarizeTimes(r.step).median_s, comm = SummarizeTimes(r.comm).median_s,
@@ -527,8 +527,8 @@ int RunBenchTp(const BenchTpOptions& o) {
       for (const ModeResult& r : results) {
         if (r.mode == Mode::kTensor || tp_mode == nullptr) continue;
         fmt::print(
-            "  {}: the norm/residual region keeps {:.1f} KB per rank for backward against {:.1f} "
-            "KB without sequence parallelism: 1/{} (tp {})\n",
+            "  {}: the norm/residual region keeps {:.1f} KiB per rank for backward against {:.1f} "
+            "KiB without sequence parallelism: 1/{} (tp {})\n",
             ModeName(r.mode), static_cast<double>(r.regions.norm_residual) / 1024,
             static_cast<double>(tp_mode->regions.norm_residual) / 1024,
             Fixed2(Quotient(static_cast<double>(tp_mode->regions.norm_residual),

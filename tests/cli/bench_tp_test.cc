@@ -134,8 +134,8 @@ TEST(CliBenchTp, TextReportHasItsColumnsAndTheMemoryLine) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   for (const char* text :
        {"EMULATED links: 50 us + 0.1 GB/s per message", "1 GEMM thread per rank", "step ms",
-        "comm ms", "compute ms", "comm/cmp", "hidden", "bound", "MB/step", "closed form", "norm KB",
-        "tp 2", "overlap", "1/2.00 (tp 2)", "16 (P-1) (N/P) d"}) {
+        "comm ms", "compute ms", "comm/cmp", "hidden", "bound", "MB/step", "closed form",
+        "norm KiB", "tp 2", "overlap", "1/2.00 (tp 2)", "16 (P-1) (N/P) d"}) {
     EXPECT_NE(r.out.find(text), std::string::npos) << text << " missing:\n" << r.out;
   }
   EXPECT_EQ(r.out.find(" NO "), std::string::npos) << r.out;  // every row's bytes agree
