@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli/bench_common.h"
 #include "cli/command.h"
 #include "cli/flags.h"
 #include "cli/parse_numbers.h"
@@ -235,13 +236,6 @@ class Job {
   std::vector<int64_t> counts_;
 };
 
-// Max over ranks of each rank's seconds (as integer nanoseconds).
-double MaxOverRanks(Communicator& comm, double seconds) {
-  int64_t ns = static_cast<int64_t>(seconds * 1e9);
-  comm.AllReduce(&ns, &ns, 1, DType::kInt64, {.reduce_op = comm::ReduceOp::kMax}).Wait();
-  return static_cast<double>(ns) * 1e-9;
-}
-
 struct Row {
   size_t bytes = 0;
   std::string algorithm;
@@ -265,10 +259,6 @@ std::optional<double> Ratio(double num, double den) {
 std::string Cell(std::optional<double> v, int width = 10) {
   return v ? fmt::format("{:>{}.2f}", *v, width) : fmt::format("{:>{}}", "-", width);
 }
-nlohmann::json JsonOf(std::optional<double> v) {
-  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
-}
-
 void RunBench(Communicator& comm, const BenchCommOptions& o, const SizePlan& plan, bool print) {
   const CollectiveKind kind = comm::CollectiveFromName(o.op);
   const DType dtype = DTypeFromName(o.dtype);

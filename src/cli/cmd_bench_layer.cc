@@ -12,13 +12,13 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "cli/bench_common.h"
 #include "cli/bench_parallel.h"
 #include "cli/command.h"
 #include "cli/flags.h"
 #include "cli/peak_flops.h"
 #include "cli/timing.h"
 #include "switchyard/core/limits.h"
-#include "switchyard/core/rng.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/gemm_backend.h"
 #include "switchyard/moe/dispatch.h"
@@ -52,14 +52,6 @@ struct BenchLayerOptions {
   bool json = false;
   bool no_malloc_cache = false;
 };
-
-Tensor RandomTensor(Shape shape, uint64_t seed) {
-  Tensor t = Tensor::Empty(std::move(shape));
-  CounterRng rng(seed, kStreamData);
-  float* p = t.data<float>();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = 2.0f * rng.Uniform(static_cast<uint64_t>(i)) - 1;
-  return t;
-}
 
 // The expert GEMMs of one forward+backward, as the layer issues them, on private buffers of the
 // same sizes: per expert e with m_e rows, forward X W1^T (X W3^T), H W2^T; backward dY W2,

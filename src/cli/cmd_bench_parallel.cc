@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/bench_common.h"
 #include "cli/bench_parallel.h"
 #include "cli/command.h"
 #include "cli/flags.h"
@@ -25,7 +26,6 @@
 #include "cli/timing.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/limits.h"
-#include "switchyard/core/rng.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/moe/layer.h"
@@ -36,39 +36,7 @@
 namespace switchyard::cli {
 namespace {
 
-Tensor RandomTensor(Shape shape, uint64_t seed) {
-  Tensor t = Tensor::Empty(std::move(shape));
-  CounterRng rng(seed, kStreamData);
-  float* p = t.data<float>();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = 2.0f * rng.Uniform(static_cast<uint64_t>(i)) - 1;
-  return t;
-}
-
 double Median(std::vector<double> v) { return SummarizeTimes(std::move(v)).median_s; }
-
-// A figure is printed only when it means something: the median of what was measured when
-// anything was (a fraction of a time that was 0 was never recorded), finite. Otherwise "-" in
-// the text and null in --json (docs/cli.md).
-std::optional<double> MedianIfAny(const std::vector<double>& v) {
-  if (v.empty()) return std::nullopt;
-  const double m = Median(v);
-  return std::isfinite(m) ? std::optional<double>(m) : std::nullopt;
-}
-std::optional<double> Quotient(double num, double den) {
-  if (!(den > 0) || !std::isfinite(num) || !std::isfinite(den)) return std::nullopt;
-  const double q = num / den;
-  return std::isfinite(q) ? std::optional<double>(q) : std::nullopt;
-}
-nlohmann::json JsonOf(std::optional<double> v) {
-  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
-}
-// "42%" or "-".
-std::string Percent(std::optional<double> fraction) {
-  return fraction ? fmt::format("{:.0f}%", 100 * *fraction) : std::string("-");
-}
-std::string Fixed2(std::optional<double> v) {
-  return v ? fmt::format("{:.2f}", *v) : std::string("-");
-}
 
 // Token all-to-alls of one run, averaged over the ranks (forward + backward of the last step):
 // time blocked in them and time they ran.

@@ -34,7 +34,8 @@ int Main(int argc, char** argv) {
   app.require_subcommand(1);
 
   std::map<std::string, CLI::App*> parents;
-  parents["bench"] = app.add_subcommand("bench", "Benchmarks: GEMM, collectives, MoE layer");
+  parents["bench"] =
+      app.add_subcommand("bench", "Benchmarks: GEMM, collectives, MoE layer, tensor parallelism");
   parents["bench"]->require_subcommand(1);
 
   std::vector<Command> commands = RegisteredCommands();
