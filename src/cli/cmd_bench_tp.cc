@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -208,8 +209,8 @@ class MlpBlock {
   // The step's computation with no communication: the same norm, activation and residual, and the
   // same GEMMs as the layers' local work (shapes, transposes, one thread), split into P row
   // blocks in overlap mode as the rings split them. Where the step has a gathered tensor, a
-  // buffer of that shape stands in for it. Returns the seconds of the four GEMMs the rings split
-  // into blocks (fc1 and fc2 forward, their dx in backward; not the weight gradients).
+  // buffer of that shape stands in for it. Returns the seconds of the GEMMs the rings run block
+  // by block (fc1 and fc2 forward, and in backward their dx and weight gradients).
   double ComputeOnly() {
     const float* w1 = fc1_.local().weight().value.data<float>();
     const float* w2 = fc2_.local().weight().value.data<float>();
@@ -231,15 +232,20 @@ class MlpBlock {
     ColumnSums(dout_, db2_);                                        // fc2's bias gradient
     const Tensor dg = Tensor::Empty({n_, li_});
     ring_gemms += BlockGemms(Trans::kNo, dy, w2, li_, 0.0f, dg);
+    // The weight gradients run inside the backward rings too (block by block there).
+    auto t0 = std::chrono::steady_clock::now();
     kernels::Gemm(Trans::kYes, Trans::kNo, d_, li_, n_, 1.0f, dy.data<float>(), d_, g.data<float>(),
                   li_, 1.0f, dw2_.data<float>(), li_);
+    ring_gemms += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const Tensor da = Tensor::Empty(a.shape());
     kernels::ActivationBackward(act_, a.data<float>(), dg.data<float>(), da.data<float>(),
                                 a.numel());
     const Tensor du = Tensor::Empty({n_, d_});
     ring_gemms += BlockGemms(Trans::kNo, da, w1, d_, 0.0f, du);
+    t0 = std::chrono::steady_clock::now();
     kernels::Gemm(Trans::kYes, Trans::kNo, li_, d_, n_, 1.0f, da.data<float>(), li_,
                   in.data<float>(), d_, 1.0f, dw1_.data<float>(), d_);
+    ring_gemms += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ColumnSums(da, db1_);  // fc1's bias gradient
     const Tensor dx = norm_.Backward(nc, du.Slice(0, x_.size(0)));
     AddInto(dx, dout_);
@@ -424,8 +430,8 @@ int RunBenchTp(const BenchTpOptions& o) {
         "comm/cmp, each per iteration, then the median; blocked = time the step waited in "
         "collectives, ran = time they ran (hidden or not)\n");
     fmt::print(
-        "# bound (overlap) = the most the rings can hide: (P-1)/P of the GEMMs they split (fc1, "
-        "fc2 forward and their dx; not the weight gradients), over comm\n");
+        "# bound (overlap) = the most the rings can hide: (P-1)/P of the GEMMs they run block by "
+        "block (fc1, fc2 forward; their dx and weight gradients in backward), over comm\n");
   }
   for (int p : o.tp) {
     const std::vector<ModeResult> results = RunTp(o, p, modes);

@@ -176,12 +176,6 @@ void AddColumnSums(const Tensor& dy, const Parameter& bias) {
 }
 
 // The parameter gradients of y = x · W^T + b: W.grad += dy^T x, b.grad += column sums of dy.
-void AccumulateLinearGrads(const Linear& l, const Tensor& x, const Tensor& dy, int threads) {
-  ParallelGemm(Trans::kYes, Trans::kNo, l.out_dim(), l.in_dim(), x.size(0), 1.0f, dy.data<float>(),
-               l.out_dim(), x.data<float>(), l.in_dim(), 1.0f, l.weight().grad.data<float>(),
-               l.in_dim(), threads);
-  if (l.bias() != nullptr) AddColumnSums(dy, *l.bias());
-}
 
 }  // namespace
 
@@ -454,14 +448,20 @@ Tensor ColumnParallelLinear::Backward(const ColumnParallelCache& cache, const Te
   const int64_t p = group_.size(), part = n / p;
   Tensor dx = Tensor::Empty({part, in});
   const float* w = local_.weight().value.data<float>();
+  float* dw = local_.weight().grad.data<float>();
+  // Each token block's share of the weight gradient is computed inside the ring too, so that it
+  // also runs while the accumulator travels.
   RingGemmReduceScatter(
       group_, dx,
       [&](int b, const Tensor& out) {
-        ParallelGemm(Trans::kNo, Trans::kNo, part, in, lo, 1.0f, dy.data<float>() + b * part * lo,
-                     lo, w, in, 0.0f, out.data<float>(), in, threads);
+        const float* dy_b = dy.data<float>() + b * part * lo;
+        ParallelGemm(Trans::kNo, Trans::kNo, part, in, lo, 1.0f, dy_b, lo, w, in, 0.0f,
+                     out.data<float>(), in, threads);
+        ParallelGemm(Trans::kYes, Trans::kNo, lo, in, part, 1.0f, dy_b, lo,
+                     cache.x.data<float>() + b * part * in, in, 1.0f, dw, in, threads);
       },
       stats);
-  AccumulateLinearGrads(local_, cache.x, dy, threads);
+  if (local_.bias() != nullptr) AddColumnSums(dy, *local_.bias());
   return dx;
 }
 
@@ -545,14 +545,17 @@ Tensor RowParallelLinear::Backward(const RowParallelCache& cache, const Tensor& 
   Tensor dy_full = Tensor::Empty({n, out});
   Tensor dx = Tensor::Empty({n, li});
   const float* w = local_.weight().value.data<float>();
+  float* dw = local_.weight().grad.data<float>();
+  // dx and the weight gradient of each token block as soon as its dy has arrived.
   RingAllGatherGemm(
       group_, dy, dy_full,
       [&](int b, const Tensor& rows) {
         ParallelGemm(Trans::kNo, Trans::kNo, dy_rows, li, out, 1.0f, rows.data<float>(), out, w, li,
                      0.0f, dx.data<float>() + b * dy_rows * li, li, threads);
+        ParallelGemm(Trans::kYes, Trans::kNo, out, li, dy_rows, 1.0f, rows.data<float>(), out,
+                     cache.x.data<float>() + b * dy_rows * li, li, 1.0f, dw, li, threads);
       },
       stats);
-  AccumulateLinearGrads(local_, cache.x, dy_full, threads);
   return dx;
 }
 
