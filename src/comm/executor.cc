@@ -184,6 +184,7 @@ bool Work::Times(Clock::time_point* started, Clock::time_point* finished) const 
 
 void Work::Wait() const {
   if (!state_) return;
+  if (state_->run_on_wait && !state_->claimed.exchange(true)) Executor::Run(*state_);
   std::shared_ptr<Executor> executor;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -206,6 +207,8 @@ void Work::Wait() const {
 
 void Work::Wait(Milliseconds timeout) const {
   if (!state_) return;
+  // A point-to-point operation's own deadline bounds it; it runs here.
+  if (state_->run_on_wait && !state_->claimed.exchange(true)) Executor::Run(*state_);
   // Never runs the collective inline: that could block past `timeout`.
   Deadline deadline = Clock::now() + timeout;
   std::unique_lock<std::mutex> lock(state_->mu);

@@ -2,6 +2,7 @@
 // they were submitted, while the submitting thread goes on computing.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -24,7 +25,11 @@ struct WorkState {
   bool done = false;                       // guarded by mu
   uint64_t seq = 0;                        // position in the communicator's order, set by Submit
   std::function<void(uint64_t seq)> body;  // released once run
-  std::shared_ptr<Executor> executor;      // while queued: lets Wait() run it inline
+  // Point-to-point operations are in no queue: the first Wait runs the body (a wait for the
+  // transport's request) on the calling thread.
+  bool run_on_wait = false;
+  std::atomic<bool> claimed{false};
+  std::shared_ptr<Executor> executor;  // while queued: lets Wait() run it inline
   // When the body started and finished running (set by Run; read after done, under mu).
   std::chrono::steady_clock::time_point started{}, finished{};
   // The error as its type and message (guarded by mu, set before done). Each Wait() throws a

@@ -1,5 +1,7 @@
 #include "comm/group_communicator.h"
 
+#include <fmt/format.h>
+
 #include <cstring>
 #include <vector>
 
@@ -182,6 +184,71 @@ std::unique_ptr<Communicator> GroupCommunicator::Split(int color, int key, std::
   if (!*result) return nullptr;
   if (name.empty()) name = fmt::format("{}.{}", name_, color);
   return std::make_unique<GroupCommunicator>(std::move(*result), std::move(name), timeout_);
+}
+
+// ---- Point-to-point ----
+
+namespace {
+
+// Point-to-point messages use tags with the top bit set; collectives' tags ((sequence << 8) |
+// phase) never reach it.
+constexpr uint64_t kPointToPointTag = uint64_t{1} << 63;
+constexpr uint64_t kPointToPointMagic = 0x7032700000000000;  // "p2p" in the header
+
+}  // namespace
+
+Work GroupCommunicator::PointToPoint(bool send, void* data, size_t count, DType dtype, int peer,
+                                     const PointToPointOptions& options) {
+  const char* what = send ? "send" : "recv";
+  SY_REQUIRE(peer >= 0 && peer < size(), InvalidArgument,
+             "{} on group '{}': peer {} is not a rank of the group (0..{})", what, name_, peer,
+             size() - 1);
+  SY_REQUIRE(count == 0 || data != nullptr, InvalidArgument,
+             "{} on group '{}': the buffer is null but holds {} elements", what, name_, count);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    SY_REQUIRE(broken_.empty(), PeerError, "{} on group '{}': the communicator is unusable: {}",
+               what, name_, broken_);
+  }
+  const size_t bytes = count * DTypeSize(dtype);
+  const uint64_t tag = kPointToPointTag | options.tag;
+  const Milliseconds timeout = options.timeout.count() > 0 ? options.timeout : timeout_;
+  const Deadline deadline = Clock::now() + timeout;
+  MessageHeader header{kPointToPointMagic | options.tag, static_cast<uint64_t>(dtype), bytes, 0};
+  std::shared_ptr<Request> request = send ? transport_->Isend(peer, tag, data, bytes, header)
+                                          : transport_->Irecv(peer, tag, data, bytes);
+  const std::string describe =
+      fmt::format("{} of {} bytes (tag {}) with rank {} on group '{}' (rank {} of {})", what, bytes,
+                  options.tag, peer, name_, rank(), size());
+  auto state = std::make_shared<detail::WorkState>();
+  state->run_on_wait = true;
+  Transport* transport = transport_.get();
+  state->body = [transport, request, deadline, describe, send, bytes](uint64_t) {
+    Request* r = request.get();
+    try {
+      transport->Wait(std::span<Request* const>(&r, 1), deadline);
+    } catch (const Error& e) {
+      RethrowAs(e, describe + ": " + e.what());
+    }
+    if (send) return;
+    const MessageHeader& h = r->header();
+    SY_REQUIRE((h[0] & ~uint64_t{0xffffffff}) == kPointToPointMagic, PeerError,
+               "{}: the peer sent a message of another operation", describe);
+    SY_REQUIRE(r->received_bytes() == bytes, PeerError,
+               "{}: the peer sent {} bytes, {} were expected", describe, r->received_bytes(),
+               bytes);
+  };
+  return Work(std::move(state));
+}
+
+Work GroupCommunicator::Send(const void* data, size_t count, DType dtype, int peer,
+                             const PointToPointOptions& options) {
+  return PointToPoint(true, const_cast<void*>(data), count, dtype, peer, options);
+}
+
+Work GroupCommunicator::Recv(void* data, size_t count, DType dtype, int peer,
+                             const PointToPointOptions& options) {
+  return PointToPoint(false, data, count, dtype, peer, options);
 }
 
 Work GroupCommunicator::Barrier(const BarrierOptions& options) {

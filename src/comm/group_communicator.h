@@ -58,6 +58,10 @@ class GroupCommunicator final : public Communicator {
                const RootedOptions& options) override;
   Work Gather(const void* send, void* recv, size_t count, DType dtype,
               const RootedOptions& options) override;
+  Work Send(const void* data, size_t count, DType dtype, int peer,
+            const PointToPointOptions& options) override;
+  Work Recv(void* data, size_t count, DType dtype, int peer,
+            const PointToPointOptions& options) override;
 
  protected:
   Work AllToAllVDynamicRows(const void* send, std::span<const int64_t> send_rows, int64_t row_elems,
@@ -84,6 +88,9 @@ class GroupCommunicator final : public Communicator {
   // Runs on the progress thread (or inline in Work::Wait).
   void Execute(const OpInfo& info, Milliseconds timeout, uint64_t seq, const Body& body);
   void CheckRoot(CollectiveKind kind, int root) const;
+  // Send or Recv: posts the transport request now; the Work's first Wait waits for it.
+  Work PointToPoint(bool send, void* data, size_t count, DType dtype, int peer,
+                    const PointToPointOptions& options);
 
   std::unique_ptr<Transport> transport_;
   std::string name_;

@@ -415,9 +415,11 @@ void ValidateTrainConfig(const TrainConfig& c) {
              "config: 'batch_size' {} does not divide into 'microbatches' {} equal micro-batches",
              c.batch_size, c.microbatches);
   SY_REQUIRE(c.ranks % (c.tp * c.pp) == 0, InvalidArgument,
-             "config: 'tp' {} x 'pp' {} must divide 'ranks' {} (data-parallel size ranks / (tp x "
-             "pp))",
-             c.tp, c.pp, c.ranks);
+             "config: {} must divide 'ranks' {} (data-parallel size ranks / (tp x pp))",
+             c.tp == 1   ? fmt::format("'pp' {}", c.pp)
+             : c.pp == 1 ? fmt::format("'tp' {}", c.tp)
+                         : fmt::format("'tp' {} x 'pp' {}", c.tp, c.pp),
+             c.ranks);
   SY_REQUIRE(c.virtual_stages == 1 || c.pipeline_schedule == "interleaved", InvalidArgument,
              "config: 'virtual_stages' {} needs 'pipeline_schedule' interleaved (got \"{}\")",
              c.virtual_stages, c.pipeline_schedule);
@@ -471,7 +473,8 @@ const std::vector<std::string>& ResumeMustMatchKeys() {
 bool IsLayoutKey(std::string_view key) {
   return key == "ranks" || key == "ep" || key == "zero_stage" || key == "dispatch" ||
          key == "overlap_degree" || key == "threads" || key == "tp" || key == "sequence_parallel" ||
-         key == "tp_comm_overlap" || key == "arrangement" || key == "etp";
+         key == "tp_comm_overlap" || key == "arrangement" || key == "etp" || key == "pp" ||
+         key == "pipeline_schedule" || key == "virtual_stages" || key == "pipeline_split";
 }
 
 namespace {

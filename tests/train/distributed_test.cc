@@ -106,7 +106,9 @@ StepLosses OnRanks(const TrainConfig& c, int steps) {
     }
     TransformerLm& model = rt.trainer().model();
     r.tp_size = model.tp_size();
-    r.fc1_shape = model.parameters().Get("blocks.0.mlp.fc1.weight").value.shape();
+    if (const Parameter* fc1 = model.parameters().Find("blocks.0.mlp.fc1.weight")) {
+      r.fc1_shape = fc1->value.shape();
+    }
     CheckpointData d = rt.trainer().Snapshot();
     if (world.rank() == 0) {
       std::lock_guard<std::mutex> lock(mu);
@@ -267,7 +269,7 @@ TEST_F(DistributedTest, TensorParallelDenseMatchesOneRank) {
   // Tied head.
   base.model.tied_head = true;
   want = SingleRank(base, kSteps);
-  ExpectSameRun(want, OnRanks(WithLayout(base, {4, 2, true}), kSteps), "tied head tp 2 sp");
+  ExpectSameRun(want, OnRanks(WithLayout(base, TpLayout{4, 2, true}), kSteps), "tied head tp 2 sp");
 }
 
 // MoE blocks beside tensor parallelism, in both arrangements: DeepSpeed (expert groups inside the
@@ -319,6 +321,61 @@ TEST_F(DistributedTest, MicrobatchesAccumulateGradients) {
   for (const TpLayout& l : {TpLayout{2, 1}, TpLayout{4, 1, false, false, 2, 1},
                             TpLayout{4, 2, true, true}, TpLayout{4, 2}}) {
     ExpectSameRun(want, OnRanks(WithLayout(moe, l), kSteps), "2 micro-batches " + Describe(l));
+  }
+}
+
+struct PpLayout {
+  int ranks, pp;
+  const char* schedule = "1f1b";
+  int virtual_stages = 1;
+  int tp = 1;
+  bool sp = false;
+  int zero = 0;
+};
+
+std::string Describe(const PpLayout& l) {
+  return fmt::format("ranks {} pp {} {} v {} tp {}{} zero {}", l.ranks, l.pp, l.schedule,
+                     l.virtual_stages, l.tp, l.sp ? " sp" : "", l.zero);
+}
+
+TrainConfig WithLayout(TrainConfig c, const PpLayout& l) {
+  c.ranks = l.ranks;
+  c.pp = l.pp;
+  c.pipeline_schedule = l.schedule;
+  c.virtual_stages = l.virtual_stages;
+  c.tp = l.tp;
+  c.sequence_parallel = l.sp;
+  c.zero_stage = l.zero;
+  return c;
+}
+
+// Pipeline parallelism: every schedule kind, 2 and 4 stages, interleaved chunks, with data
+// parallelism (experts spread over the data-parallel ranks of each stage), tensor parallelism
+// and ZeRO, tied and untied heads: several optimizer steps equal one rank with the same
+// micro-batches.
+TEST_F(DistributedTest, PipelineMatchesOneRank) {
+  TrainConfig base = TinyMoeConfig(dir_);
+  base.model.num_layers = 4;  // blocks 1 and 3 are MoE blocks
+  base.model.num_heads = 4;
+  base.microbatches = 4;
+  const int kSteps = 3;
+  for (bool tied : {true, false}) {
+    base.model.tied_head = tied;
+    StepLosses want = SingleRank(base, kSteps);
+    std::vector<PpLayout> layouts = {
+        {2, 2, "fthenb"},
+        {2, 2, "1f1b"},
+        {2, 2, "zb-h1"},
+        {4, 4, "1f1b"},
+        {2, 2, "interleaved", 2},
+        {4, 2, "1f1b", 1, 1, false, 1},
+        {4, 2, "interleaved", 2, 2, true},
+    };
+    if (!tied) layouts = {{4, 4, "fthenb"}, {4, 2, "zb-h1", 1, 2, false, 3}};
+    for (const PpLayout& l : layouts) {
+      ExpectSameRun(want, OnRanks(WithLayout(base, l), kSteps),
+                    Describe(l) + (tied ? " tied" : " untied"));
+    }
   }
 }
 
@@ -498,7 +555,7 @@ TEST_F(DistributedTest, CheckpointsMoveBetweenTensorParallelSizes) {
   TrainConfig base = TinyMoeConfig(dir_);
   base.model.num_heads = 4;
   base.model.tied_head = false;
-  const TrainConfig tp2 = WithLayout(base, {4, 2, true, false, 2, 1});
+  const TrainConfig tp2 = WithLayout(base, TpLayout{4, 2, true, false, 2, 1});
   const std::string ck = dir_ / "ck_tp2";
   const double continued = SaveAfterAndStep(tp2, 2, ck);
   ASSERT_TRUE(std::isfinite(continued));
@@ -516,7 +573,7 @@ TEST_F(DistributedTest, CheckpointsMoveBetweenTensorParallelSizes) {
         << Describe(l);
   }
   // The reverse: saved on one rank, resumed at tp 2 and 4.
-  const TrainConfig one = WithLayout(base, {1, 1});
+  const TrainConfig one = WithLayout(base, TpLayout{1, 1});
   const std::string ck1 = dir_ / "ck_tp1";
   const double continued1 = SaveAfterAndStep(one, 2, ck1);
   for (const TpLayout& l : {TpLayout{2, 2, true, true}, TpLayout{4, 4}}) {
@@ -581,6 +638,28 @@ TEST_F(DistributedTest, RunWritesTheRunDirectoryFromRankZero) {
   for (const char* f : {"config.json", "metrics.jsonl", "loss.svg", "expert_load.svg",
                         "summary.json", "sample.txt", "checkpoints/latest"}) {
     EXPECT_TRUE(std::filesystem::exists(c.out + "/" + f)) << f;
+  }
+}
+
+// Checkpoints of a pipelined run hold the whole model (every stage's parameters, experts by
+// global id): saved at pp 2 they resume at pp 1 and pp 4 with the same next loss.
+TEST_F(DistributedTest, CheckpointsMoveBetweenPipelineSizes) {
+  TrainConfig base = TinyMoeConfig(dir_);
+  base.model.num_layers = 4;
+  base.microbatches = 4;
+  const TrainConfig pp2 = WithLayout(base, PpLayout{4, 2});
+  const std::string ck = dir_ / "ck_pp2";
+  const double continued = SaveAfterAndStep(pp2, 2, ck);
+  ASSERT_TRUE(std::isfinite(continued));
+  CheckpointData d = LoadCheckpoint(ck);
+  EXPECT_EQ(d.model.at("blocks.3.moe.experts.fc1.weight").shape(), (Shape{4, 48, 32}));
+  EXPECT_EQ(d.model.count("blocks.0.attn.qkv.weight"), 1u);
+  EXPECT_EQ(d.model.count("final_norm.weight"), 1u);
+  EXPECT_EQ(ResumeAndStep(pp2, ck), continued);  // same layout: bit for bit
+  for (const PpLayout& l :
+       {PpLayout{1, 1}, PpLayout{4, 4, "fthenb"}, PpLayout{2, 2, "interleaved", 2}}) {
+    EXPECT_NEAR(ResumeAndStep(WithLayout(base, l), ck), continued, 2e-5 * std::abs(continued))
+        << Describe(l);
   }
 }
 

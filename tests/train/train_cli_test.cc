@@ -197,6 +197,32 @@ TEST_F(TrainCliTest, TensorParallelFlags) {
   EXPECT_NE(bad.err.find("'tp' 3 must divide 'ranks' 4"), std::string::npos) << bad.err;
 }
 
+// `--pp N --microbatches M --pipeline-schedule KIND` on ranks as threads: the one-rank losses of
+// the same micro-batches, and a pipelined run's checkpoint resumes on one rank.
+TEST_F(TrainCliTest, PipelineFlags) {
+  CommandResult one = RunCommand(Command("one", "--ranks 1 --microbatches 4 --steps 3"), dir_);
+  ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
+  CommandResult pp = RunCommand(
+      Command("pp", "--ranks 2 --pp 2 --microbatches 4 --pipeline-schedule 1f1b --steps 2"), dir_);
+  ASSERT_EQ(pp.exit_code, 0) << pp.out << pp.err;
+  EXPECT_NE(pp.out.find("x pp 2"), std::string::npos) << pp.out;
+  CommandResult resumed = RunCommand(
+      Command("pp", "--ranks 1 --microbatches 4 --steps 3 --resume " + dir_ + "/pp"), dir_);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
+  const std::vector<double> want = Losses("one"), got = Losses("pp");
+  ASSERT_EQ(want.size(), 3u);
+  ASSERT_EQ(got.size(), 3u);
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], 2e-5 * want[i]) << "step " << i + 1;
+  }
+  CommandResult bad = RunCommand(Command("bad", "--pp 3 --steps 1"), dir_);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("'pp' 3 must divide 'ranks' 4"), std::string::npos) << bad.err;
+  bad = RunCommand(Command("bad", "--pp 2 --pipeline-schedule gpipe --steps 1"), dir_);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("gpipe"), std::string::npos) << bad.err;
+}
+
 TEST_F(TrainCliTest, BadFlagsAreOneLineErrors) {
   CommandResult r = RunCommand(Command("x", "--ranks 4 --ep 3"), dir_);
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
@@ -232,6 +258,21 @@ TEST_F(TrainCliTest, MpiTensorParallelGivesTheOneRankLosses) {
     for (size_t i = 0; i < got.size(); ++i) {
       EXPECT_NEAR(got[i], want[i], 2e-5 * want[i]) << layout << " step " << i + 1;
     }
+  }
+}
+
+// Pipeline stages as MPI processes: 2 stages x 1F1B equal one rank with the same micro-batches.
+TEST_F(TrainCliTest, MpiPipelineGivesTheOneRankLosses) {
+  CommandResult one = RunCommand(Command("one", "--ranks 1 --microbatches 4 --steps 3"), dir_);
+  ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
+  CommandResult m = RunCommand(std::string("bash ") + SY_MPIRUN_SCRIPT + " -np 2 " +
+                                   Command("pp", "--steps 3 --pp 2 --microbatches 4"),
+                               dir_);
+  ASSERT_EQ(m.exit_code, 0) << m.out << m.err;
+  const std::vector<double> want = Losses("one"), got = Losses("pp");
+  ASSERT_EQ(got.size(), 3u);
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], 2e-5 * want[i]) << "step " << i + 1;
   }
 }
 

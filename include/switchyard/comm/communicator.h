@@ -201,7 +201,9 @@ class Communicator {
   // ---- Point-to-point (pipeline stages) ----
   // Not ordered with the collectives (they never wait for each other in the queue); messages
   // between two ranks with one tag arrive in order. Send's buffer must stay valid until its Work
-  // completes; Recv's count must be at least the message's (a longer message is PeerError).
+  // completes; Recv's count must equal the message's (another size is PeerError). A
+  // point-to-point Work runs in no queue: it completes when waited on (IsCompleted stays false
+  // until then), and dropping it unwaited cancels the transfer.
   // A peer that never sends or receives becomes TimeoutError at the deadline, a failed peer
   // PeerError. The base class has none: InvalidArgument naming the communicator.
   virtual Work Send(const void* data, size_t count, DType dtype, int peer,
