@@ -109,9 +109,11 @@ std::vector<PipelineOp> OneFOneB(const ScheduleConfig& c, int r, bool zero_bubbl
   const int m = c.microbatches;
   const int warmup = std::min(c.stages - r - 1, m);
   for (int mb = 0; mb < warmup; ++mb) b.Forward(mb, 0);
-  // ZB-H1: W of a micro-batch waits while at most `delay` are pending, then fills the time a
-  // stage would otherwise wait for its next gradient (at the end: before each Bi's receive).
-  const int delay = c.stages - r - 1;
+  // ZB-H1: rank r may keep up to r W's pending (1F1B's rank r holds p - r micro-batches, so the
+  // peak over ranks stays 1F1B's p): the later stages run their Bi at once and send the gradient
+  // upstream sooner (Bi is shorter than B), and in the cool-down each pending W fills the time a
+  // stage waits for its next gradient.
+  const int delay = r;
   std::deque<int> pending;
   int next_b = 0;
   for (int mb = warmup; mb < m; ++mb) {
@@ -399,7 +401,8 @@ double TheoreticalBubbleFraction(const ScheduleConfig& c) {
     case ScheduleKind::kFthenB:
     case ScheduleKind::k1F1B: return (p - 1) / (m + p - 1);
     case ScheduleKind::kInterleaved1F1B: return (p - 1) / (v * m + p - 1);
-    case ScheduleKind::kZeroBubbleH1: return (p - 1) / (3 * (m + p - 1));
+    // Bubble time (p - 1)(F + Bi - W) = (p - 1) units with F = Bi = W = 1, over 3m + p - 1.
+    case ScheduleKind::kZeroBubbleH1: return (p - 1) / (3 * m + p - 1);
   }
   return 0;
 }

@@ -123,8 +123,10 @@ struct ScheduleSimulation {
 // Runs the schedule in simulated time (each rank in list order, a receive waiting for its send).
 ScheduleSimulation SimulateSchedule(const Schedule& schedule, const ScheduleCosts& costs = {});
 
-// The textbook bubble fraction of a kind with equal F and B costs: (p - 1) / (m + p - 1) for
-// FthenB and 1F1B, (p - 1) / (v m + p - 1) interleaved; for ZB-H1 about a third of 1F1B's.
+// The textbook bubble fraction (idle share of p x makespan) with F = 1, B = 2 (Bi = W = 1):
+// (p - 1) / (m + p - 1) for FthenB and 1F1B, (p - 1) / (v m + p - 1) interleaved (Megatron quotes
+// the same as bubble over ideal time, (p - 1) / (v m)), and for ZB-H1 (p - 1) / (3 m + p - 1)
+// (the zero-bubble paper's (p - 1)(F + Bi - W) idle time per rank, a third of 1F1B's).
 double TheoreticalBubbleFraction(const ScheduleConfig& config);
 
 // ---- The executor ----
