@@ -4,8 +4,10 @@
 //   - per-rank attention time: each rank's time outside blocking waits (CommStats compute), and
 //     the imbalance max/min over ranks, with the deterministic per-rank work (score elements);
 //   - the hidden fraction of the transfers: the same collectives alone (no attention) take `comm`;
-//     the step waited `blocked` in them, so hidden = 1 - blocked / comm (in [0, 1], per
-//     iteration, then the median);
+//     the rank that waited least in them (the busiest: the others also wait for its compute)
+//     waited `blocked`, so hidden = 1 - blocked / comm (in [0, 1], per iteration, then the
+//     median), next to the bound of the schedule (the ring's last gradient hop has no compute
+//     left to hide behind; Ulysses's all-to-alls are not overlapped);
 //   - bytes per rank against the closed form (docs/context_parallel.md);
 //   - the peak bytes of the tensors a rank holds in forward and in backward (CpWork), next to the
 //     [batch, heads, seq, seq] softmax the single-rank core of train/layers.h keeps.
@@ -84,9 +86,17 @@ double ClosedFormBytes(CpAlgorithm algo, int64_t p, const BenchCpOptions& o) {
   return algo == CpAlgorithm::kUlysses ? 8 * pm / static_cast<double>(p) * a : 6 * pm * a;
 }
 
+// The share of the transfers the schedule can hide: the ring overlaps every hop with a step's
+// attention except the backward's last gradient hop (1 of 3 (P - 1)); Ulysses none.
+double HiddenBound(CpAlgorithm algo, int64_t p) {
+  if (algo == CpAlgorithm::kUlysses || p == 1) return 0;
+  const double hops = 3.0 * static_cast<double>(p - 1);
+  return (hops - 1) / hops;
+}
+
 struct Result {
   Config config{};
-  std::vector<double> step, comm, blocked, hidden;
+  std::vector<double> step, comm, blocked, blocked_max, hidden;
   std::vector<double> rank_compute_max, rank_compute_min;  // per iteration
   int64_t score_max = 0, score_min = 0;                    // forward + backward
   int64_t peak_fwd = 0, peak_bwd = 0;                      // max over ranks
@@ -165,10 +175,11 @@ std::vector<Result> RunCp(const BenchCpOptions& o, int p, const std::vector<Conf
         const double comm = MaxOverRanks(world, NowSeconds() - t1);
         world.Barrier().Wait();  // every rank's figures are written
         if (r == 0 && it >= o.warmup) {
-          const double blk = *std::max_element(blocked.begin(), blocked.end());
+          const double blk = *std::min_element(blocked.begin(), blocked.end());
           res.step.push_back(step);
           res.comm.push_back(comm);
           res.blocked.push_back(blk);
+          res.blocked_max.push_back(*std::max_element(blocked.begin(), blocked.end()));
           if (const auto h = Quotient(comm - blk, comm)) {
             res.hidden.push_back(std::clamp(*h, 0.0, 1.0));
           }
@@ -197,9 +208,8 @@ int RunBenchCp(const BenchCpOptions& o) {
     for (const std::string& s : o.splits) {
       const Config c{a == "ring" ? CpAlgorithm::kRing : CpAlgorithm::kUlysses,
                      s == "plain" ? SequenceSplitKind::kPlain : SequenceSplitKind::kZigzag};
-      if (std::none_of(all.begin(), all.end(), [&](const Config& x) {
-            return x.algo == c.algo && x.split == c.split;
-          }))
+      if (std::none_of(all.begin(), all.end(),
+                       [&](const Config& x) { return x.algo == c.algo && x.split == c.split; }))
         all.push_back(c);
     }
   const int64_t d = o.heads * o.head_dim;
@@ -236,7 +246,8 @@ int RunBenchCp(const BenchCpOptions& o) {
     fmt::print(
         "# rank ms = a rank's time outside blocking waits (min..max over ranks), imbalance = "
         "max/min; scores = score elements per rank (max/min); comm = the same collectives "
-        "alone; blocked = the most a rank waited; hidden = 1 - blocked / comm\n");
+        "alone; blocked = the least and the most a rank waited in them; hidden = 1 - least "
+        "blocked / comm; bound = what the schedule can hide\n");
     fmt::print(
         "# peak = the most bytes of tensors a rank holds (forward, backward); the single-rank "
         "core of train/layers.h keeps the softmax [batch, heads, seq, seq]: {:.1f} MiB\n",
@@ -246,13 +257,14 @@ int RunBenchCp(const BenchCpOptions& o) {
     const std::vector<Result> results = RunCp(o, p, all);
     if (!o.json) {
       fmt::print("\ncp {}{}\n", p,
-                 p > cores ? fmt::format(" ({} ranks on {} cores: they time-share the cores)", p,
-                                         cores)
-                           : std::string());
-      fmt::print("  {:<8} {:<7} {:>8} {:>17} {:>9} {:>10} {:>8} {:>8} {:>7} {:>8} {:>6} {:>9} "
-                 "{:>9}\n",
-                 "algo", "split", "step ms", "rank ms min..max", "imbalance", "scores m/m",
-                 "comm ms", "blocked", "hidden", "MB/rank", "agree", "peak fwd", "peak bwd");
+                 p > cores
+                     ? fmt::format(" ({} ranks on {} cores: they time-share the cores)", p, cores)
+                     : std::string());
+      fmt::print(
+          "  {:<8} {:<7} {:>8} {:>17} {:>9} {:>10} {:>8} {:>15} {:>7} {:>6} {:>8} {:>6} "
+          "{:>9} {:>9}\n",
+          "algo", "split", "step ms", "rank ms min..max", "imbalance", "scores m/m", "comm ms",
+          "blocked min..max", "hidden", "bound", "MB/rank", "agree", "peak fwd", "peak bwd");
     }
     for (const Result& r : results) {
       const double step = SummarizeTimes(r.step).median_s;
@@ -266,49 +278,56 @@ int RunBenchCp(const BenchCpOptions& o) {
       const std::optional<double> score_ratio =
           Quotient(static_cast<double>(r.score_max), static_cast<double>(r.score_min));
       const double comm = SummarizeTimes(r.comm).median_s,
-                   blocked = SummarizeTimes(r.blocked).median_s;
+                   blocked = SummarizeTimes(r.blocked).median_s,
+                   blocked_max = SummarizeTimes(r.blocked_max).median_s;
       const std::optional<double> hidden = p > 1 ? MedianIfAny(r.hidden) : std::nullopt;
+      const double bound = HiddenBound(r.config.algo, p);  // shown for p > 1
       const double closed = ClosedFormBytes(r.config.algo, p, o);
       const bool agree = std::fabs(r.bytes_max - closed) <= 1e-9 * std::max(closed, 1.0) &&
                          std::fabs(r.bytes_min - closed) <= 1e-9 * std::max(closed, 1.0);
       if (o.json) {
-        const nlohmann::json j = {{"op", "cp"},
-                                  {"cp", p},
-                                  {"algo", AlgoName(r.config.algo)},
-                                  {"split", SplitName(r.config.split)},
-                                  {"seq", o.seq},
-                                  {"batch", o.batch},
-                                  {"heads", o.heads},
-                                  {"head_dim", o.head_dim},
-                                  {"iters", o.iters},
-                                  {"cores", cores},
-                                  {"emulation", {{"latency_us", o.latency_us}, {"gbps", o.gbps}}},
-                                  {"step_median_ms", step * 1e3},
-                                  {"rank_compute_max_ms", cmax * 1e3},
-                                  {"rank_compute_min_ms", cmin * 1e3},
-                                  {"imbalance", JsonOf(imbalance)},
-                                  {"score_elements_max", r.score_max},
-                                  {"score_elements_min", r.score_min},
-                                  {"score_imbalance", JsonOf(score_ratio)},
-                                  {"comm_alone_ms", comm * 1e3},
-                                  {"blocked_ms", blocked * 1e3},
-                                  {"hidden_fraction", JsonOf(hidden)},
-                                  {"bytes_per_rank_max", r.bytes_max},
-                                  {"bytes_per_rank_min", r.bytes_min},
-                                  {"closed_form_bytes", closed},
-                                  {"bytes_agree", agree},
-                                  {"peak_forward_bytes", r.peak_fwd},
-                                  {"peak_backward_bytes", r.peak_bwd},
-                                  {"single_rank_softmax_bytes", o.batch * o.heads * o.seq * o.seq * 4}};
+        const nlohmann::json j = {
+            {"op", "cp"},
+            {"cp", p},
+            {"algo", AlgoName(r.config.algo)},
+            {"split", SplitName(r.config.split)},
+            {"seq", o.seq},
+            {"batch", o.batch},
+            {"heads", o.heads},
+            {"head_dim", o.head_dim},
+            {"iters", o.iters},
+            {"cores", cores},
+            {"emulation", {{"latency_us", o.latency_us}, {"gbps", o.gbps}}},
+            {"step_median_ms", step * 1e3},
+            {"rank_compute_max_ms", cmax * 1e3},
+            {"rank_compute_min_ms", cmin * 1e3},
+            {"imbalance", JsonOf(imbalance)},
+            {"score_elements_max", r.score_max},
+            {"score_elements_min", r.score_min},
+            {"score_imbalance", JsonOf(score_ratio)},
+            {"comm_alone_ms", comm * 1e3},
+            {"blocked_ms", blocked * 1e3},
+            {"blocked_max_ms", blocked_max * 1e3},
+            {"hidden_fraction", JsonOf(hidden)},
+            {"hidden_fraction_bound", p > 1 ? nlohmann::json(bound) : nlohmann::json(nullptr)},
+            {"bytes_per_rank_max", r.bytes_max},
+            {"bytes_per_rank_min", r.bytes_min},
+            {"closed_form_bytes", closed},
+            {"bytes_agree", agree},
+            {"peak_forward_bytes", r.peak_fwd},
+            {"peak_backward_bytes", r.peak_bwd},
+            {"single_rank_softmax_bytes", o.batch * o.heads * o.seq * o.seq * 4}};
         fmt::print("{}\n", j.dump());
         continue;
       }
       fmt::print(
-          "  {:<8} {:<7} {:>8.1f} {:>17} {:>9} {:>10} {:>8.1f} {:>8.1f} {:>7} {:>8.2f} {:>6} "
+          "  {:<8} {:<7} {:>8.1f} {:>17} {:>9} {:>10} {:>8.1f} {:>15} {:>7} {:>6} {:>8.2f} {:>6} "
           "{:>5.1f} MiB {:>5.1f} MiB\n",
           AlgoName(r.config.algo), SplitName(r.config.split), step * 1e3,
           fmt::format("{:.1f}..{:.1f}", cmin * 1e3, cmax * 1e3), Fixed2(imbalance),
-          Fixed2(score_ratio), comm * 1e3, blocked * 1e3, Percent(hidden), r.bytes_max / 1e6,
+          Fixed2(score_ratio), comm * 1e3,
+          fmt::format("{:.1f}..{:.1f}", blocked * 1e3, blocked_max * 1e3), Percent(hidden),
+          p > 1 ? fmt::format("{:.0f}%", 100 * bound) : std::string("-"), r.bytes_max / 1e6,
           agree ? "yes" : "NO", static_cast<double>(r.peak_fwd) / (1024.0 * 1024.0),
           static_cast<double>(r.peak_bwd) / (1024.0 * 1024.0));
     }

@@ -147,8 +147,7 @@ struct Attend {
             block_lse[static_cast<size_t>(i)] = m + std::log(sum);
           }
           kernels::Gemm(Trans::kNo, Trans::kNo, tq, head_dim, nk, 1.0f, s.data(), nk,
-                        v.Row(task.b, kc.row) + task.h * head_dim, v.ld, 0.0f, o.data(),
-                        head_dim);
+                        v.Row(task.b, kc.row) + task.h * head_dim, v.ld, 0.0f, o.data(), head_dim);
           // out = out * exp(lse - lse') + o * exp(block_lse - lse'), lse' = log(e^lse + e^blse).
           for (int64_t i = 0; i < tq; ++i) {
             const float bl = block_lse[static_cast<size_t>(i)];
@@ -446,8 +445,8 @@ int64_t HeadDim(const char* what, const Tensor& t, int64_t parts, int64_t rows, 
 }  // namespace
 
 Tensor ContextParallelAttention::Forward(const Tensor& qkv, int64_t batch_size,
-                                         ContextParallelCache* cache, int threads,
-                                         CommStats* stats, CpWork* work) const {
+                                         ContextParallelCache* cache, int threads, CommStats* stats,
+                                         CpWork* work) const {
   SY_REQUIRE(batch_size > 0 && cache != nullptr, InvalidArgument,
              "context-parallel attention: batch_size must be positive and cache non-null");
   HeadDim("qkv", qkv, 3, batch_size * split_.local_len(), num_heads_);
@@ -508,9 +507,8 @@ Tensor ContextParallelAttention::RingForward(const Tensor& qkv, int64_t batch,
   return out;
 }
 
-Tensor ContextParallelAttention::RingBackward(const ContextParallelCache& cache,
-                                              const Tensor& datt, int threads, CommStats* stats,
-                                              CpWork* work) const {
+Tensor ContextParallelAttention::RingBackward(const ContextParallelCache& cache, const Tensor& datt,
+                                              int threads, CommStats* stats, CpWork* work) const {
   const int p = group_.size(), r = group_.rank();
   const Tensor& qkv = cache.qkv;
   const int64_t batch = cache.batch_size, n = split_.local_len(), d = qkv.size(1) / 3,
@@ -548,8 +546,8 @@ Tensor ContextParallelAttention::RingBackward(const ContextParallelCache& cache,
                 &dacc[1], &drecv}) +
              static_cast<int64_t>(sizeof(float)) * threads * a.ScratchFloats());
     if (s == 0) {
-      a.Backward(cache.lse.data<float>(), At(datt, 0, n), delta.data<float>(), dq,
-                 At(dqkv, d, n), At(dqkv, 2 * d, n), threads);
+      a.Backward(cache.lse.data<float>(), At(datt, 0, n), delta.data<float>(), dq, At(dqkv, d, n),
+                 At(dqkv, 2 * d, n), threads);
       continue;
     }
     const Tensor& acc = dacc[s % 2];
@@ -660,8 +658,8 @@ Tensor ContextParallelAttention::UlyssesForward(const Tensor& qkv, int64_t batch
 }
 
 Tensor ContextParallelAttention::UlyssesBackward(const ContextParallelCache& cache,
-                                                 const Tensor& datt, int threads,
-                                                 CommStats* stats, CpWork* work) const {
+                                                 const Tensor& datt, int threads, CommStats* stats,
+                                                 CpWork* work) const {
   const int64_t p = group_.size(), s = split_.seq_len(), batch = cache.batch_size,
                 dl = cache.qkv.size(1) / 3, heads = num_heads_ / p, hd = dl / heads;
   Tensor dout = ToHeads(group_, datt, batch, 1, stats);

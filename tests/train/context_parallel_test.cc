@@ -29,7 +29,8 @@ constexpr double kAtol = 2e-5;
 
 ::testing::AssertionResult AllClose(const std::string& what, const Tensor& got,
                                     const Tensor& want) {
-  if (got.shape() != want.shape()) return ::testing::AssertionFailure() << what << ": shapes differ";
+  if (got.shape() != want.shape())
+    return ::testing::AssertionFailure() << what << ": shapes differ";
   const float* g = got.data<float>();
   const float* w = want.data<float>();
   for (int64_t i = 0; i < got.numel(); ++i) {
@@ -133,8 +134,8 @@ void CheckAgainstFull(const Case& c) {
     const Tensor out = attn.Forward(split.Shard(qkv, c.batch), c.batch, &cache, c.threads,
                                     &fwd[size_t(group.rank())]);
     split.Unshard(out, att, c.batch);  // disjoint rows per rank
-    const Tensor dx = attn.Backward(cache, split.Shard(datt, c.batch), c.threads,
-                                    &bwd[size_t(group.rank())]);
+    const Tensor dx =
+        attn.Backward(cache, split.Shard(datt, c.batch), c.threads, &bwd[size_t(group.rank())]);
     split.Unshard(dx, dqkv, c.batch);
   });
   EXPECT_TRUE(AllClose("att", att, want_att));

@@ -105,9 +105,9 @@ struct CpWork {
 };
 
 struct ContextParallelCache {
-  Tensor qkv;   // the input as attention used it (Ulysses: head-sharded, full sequence)
-  Tensor out;   // the attention output in the same layout
-  Tensor lse;   // [batch_size, heads used, rows] log-sum-exp of each row's scores
+  Tensor qkv;  // the input as attention used it (Ulysses: head-sharded, full sequence)
+  Tensor out;  // the attention output in the same layout
+  Tensor lse;  // [batch_size, heads used, rows] log-sum-exp of each row's scores
   int64_t batch_size = 0;
 };
 
@@ -137,8 +137,8 @@ class ContextParallelAttention {
                      parallel::CommStats* stats, CpWork* work) const;
   Tensor RingBackward(const ContextParallelCache& cache, const Tensor& datt, int threads,
                       parallel::CommStats* stats, CpWork* work) const;
-  Tensor UlyssesForward(const Tensor& qkv, int64_t batch, ContextParallelCache* cache,
-                        int threads, parallel::CommStats* stats, CpWork* work) const;
+  Tensor UlyssesForward(const Tensor& qkv, int64_t batch, ContextParallelCache* cache, int threads,
+                        parallel::CommStats* stats, CpWork* work) const;
   Tensor UlyssesBackward(const ContextParallelCache& cache, const Tensor& datt, int threads,
                          parallel::CommStats* stats, CpWork* work) const;
 
