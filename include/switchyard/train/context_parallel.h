@@ -115,8 +115,8 @@ struct ContextParallelCache {
 // the sequence split over `group`.
 class ContextParallelAttention {
  public:
-  // InvalidArgument for num_heads <= 0, a seq_len the split does not accept, or (Ulysses)
-  // num_heads not divisible by P; messages name the group.
+  // InvalidArgument for num_heads <= 0, a seq_len the split does not accept (as SequenceSplit),
+  // or (Ulysses) num_heads not divisible by P (the message names the group).
   ContextParallelAttention(comm::Communicator& group, int64_t num_heads, int64_t seq_len,
                            ContextParallelOptions options = {});
 
