@@ -1,0 +1,318 @@
+// Context-parallel attention on in-process ranks against single-rank full attention: outputs and
+// the gradients of q, k and v for cp 2..4, Ulysses and ring, causal and not, plain and zigzag
+// splits (CausalAttentionForward/Backward for the causal case, a plain reference otherwise); the
+// bytes each call puts on the wire; the per-rank work of the two splits; the errors.
+#include "switchyard/train/context_parallel.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "switchyard/comm/inprocess.h"
+#include "switchyard/core/error.h"
+#include "switchyard/train/layers.h"
+#include "testing/random.h"
+#include "train/grad_check.h"
+
+namespace switchyard::train {
+namespace {
+
+using parallel::CommStats;
+using parallel::Traffic;
+using testing::RandomTensor;
+
+constexpr double kRtol = 1e-4;
+constexpr double kAtol = 2e-5;
+
+::testing::AssertionResult AllClose(const std::string& what, const Tensor& got,
+                                    const Tensor& want) {
+  if (got.shape() != want.shape())
+    return ::testing::AssertionFailure() << what << ": shapes differ";
+  const float* g = got.data<float>();
+  const float* w = want.data<float>();
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    if (!(std::abs(g[i] - w[i]) <= kAtol + kRtol * std::abs(w[i])))
+      return ::testing::AssertionFailure()
+             << what << ": element " << i << " is " << g[i] << ", expected " << w[i];
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Plain attention (causal or not) over qkv [batch * seq, 3 * D]: att, and d(qkv) for datt.
+void ReferenceAttention(const Tensor& qkv, const Tensor& datt, int64_t batch, int64_t heads,
+                        bool causal, Tensor* att, Tensor* dqkv) {
+  const int64_t rows = qkv.size(0), s = rows / batch, d = qkv.size(1) / 3, hd = d / heads;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  *att = Tensor::Zeros({rows, d});
+  *dqkv = Tensor::Zeros({rows, 3 * d});
+  const float* x = qkv.data<float>();
+  const float* dy = datt.data<float>();
+  float* y = att->data<float>();
+  float* dx = dqkv->data<float>();
+  std::vector<double> p(static_cast<size_t>(s)), dp(static_cast<size_t>(s));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < s; ++i) {
+        const int64_t qi = (b * s + i) * 3 * d + h * hd;
+        const int64_t keys = causal ? i + 1 : s;
+        double m = -1e300, sum = 0;
+        for (int64_t j = 0; j < keys; ++j) {
+          const int64_t kj = (b * s + j) * 3 * d + d + h * hd;
+          double dot = 0;
+          for (int64_t c = 0; c < hd; ++c) dot += double(x[qi + c]) * x[kj + c];
+          p[size_t(j)] = dot * scale;
+          m = std::max(m, p[size_t(j)]);
+        }
+        for (int64_t j = 0; j < keys; ++j) sum += (p[size_t(j)] = std::exp(p[size_t(j)] - m));
+        double pd = 0;
+        for (int64_t j = 0; j < keys; ++j) {
+          p[size_t(j)] /= sum;
+          const int64_t vj = (b * s + j) * 3 * d + 2 * d + h * hd;
+          const int64_t oi = (b * s + i) * d + h * hd;
+          double dpj = 0;
+          for (int64_t c = 0; c < hd; ++c) {
+            y[oi + c] += static_cast<float>(p[size_t(j)] * x[vj + c]);
+            dpj += double(dy[oi + c]) * x[vj + c];
+            dx[vj + c] += static_cast<float>(p[size_t(j)] * dy[oi + c]);  // dv
+          }
+          dp[size_t(j)] = dpj;
+          pd += p[size_t(j)] * dpj;
+        }
+        for (int64_t j = 0; j < keys; ++j) {
+          const double ds = p[size_t(j)] * (dp[size_t(j)] - pd) * scale;
+          const int64_t kj = (b * s + j) * 3 * d + d + h * hd;
+          for (int64_t c = 0; c < hd; ++c) {
+            dx[qi + c] += static_cast<float>(ds * x[kj + c]);
+            dx[kj + c] += static_cast<float>(ds * x[qi + c]);
+          }
+        }
+      }
+}
+
+struct Case {
+  int cp;
+  CpAlgorithm algorithm;
+  SequenceSplitKind split;
+  bool causal;
+  int64_t seq_len;
+  int64_t batch = 2;
+  int64_t heads = 12;
+  int64_t head_dim = 4;
+  int threads = 1;
+};
+
+std::string Name(const Case& c) {
+  return std::string(c.algorithm == CpAlgorithm::kRing ? "ring" : "ulysses") + " cp " +
+         std::to_string(c.cp) + (c.split == SequenceSplitKind::kPlain ? " plain" : " zigzag") +
+         (c.causal ? " causal" : " full") + " seq " + std::to_string(c.seq_len);
+}
+
+// Runs the case on cp in-process ranks against the single-rank reference; checks att, d(qkv) and
+// the bytes on the wire against their closed forms.
+void CheckAgainstFull(const Case& c) {
+  SCOPED_TRACE(Name(c));
+  const int64_t d = c.heads * c.head_dim, rows = c.batch * c.seq_len;
+  const Tensor qkv = RandomTensor({rows, 3 * d}, 11);
+  const Tensor datt = RandomTensor({rows, d}, 12);
+  Tensor want_att, want_dqkv;
+  if (c.causal) {
+    Tensor probs;
+    want_att = CausalAttentionForward(qkv, c.batch, c.heads, 1, &probs);
+    want_dqkv = CausalAttentionBackward(qkv, probs, datt, c.batch, c.heads, 1);
+  } else {
+    ReferenceAttention(qkv, datt, c.batch, c.heads, false, &want_att, &want_dqkv);
+  }
+  const Tensor att = Tensor::Zeros({rows, d}), dqkv = Tensor::Zeros({rows, 3 * d});
+  std::vector<CommStats> fwd(size_t(c.cp)), bwd(size_t(c.cp));
+  comm::RunInProcess(c.cp, [&](comm::Communicator& group) {
+    ContextParallelAttention attn(group, c.heads, c.seq_len, {c.algorithm, c.split, c.causal});
+    const SequenceSplit& split = attn.split();
+    ContextParallelCache cache;
+    const Tensor out = attn.Forward(split.Shard(qkv, c.batch), c.batch, &cache, c.threads,
+                                    &fwd[size_t(group.rank())]);
+    split.Unshard(out, att, c.batch);  // disjoint rows per rank
+    const Tensor dx =
+        attn.Backward(cache, split.Shard(datt, c.batch), c.threads, &bwd[size_t(group.rank())]);
+    split.Unshard(dx, dqkv, c.batch);
+  });
+  EXPECT_TRUE(AllClose("att", att, want_att));
+  EXPECT_TRUE(AllClose("dq|dk|dv", dqkv, want_dqkv));
+  // Bytes this rank sends (float32): per-rank activation [batch * seq / P, D] = a.
+  const double p = c.cp, a = double(rows) / p * double(d) * 4;
+  double want_fwd = 0, want_bwd = 0;
+  if (c.algorithm == CpAlgorithm::kUlysses) {
+    want_fwd = want_bwd = (p - 1) / p * 4 * a;  // q, k, v and att (forward); their gradients
+  } else {
+    want_fwd = (p - 1) * 2 * a;      // k | v blocks
+    want_bwd = 2 * (p - 1) * 2 * a;  // k | v blocks and their gradients
+  }
+  for (int r = 0; r < c.cp; ++r) {
+    EXPECT_DOUBLE_EQ(fwd[size_t(r)].Bytes(Traffic::kTensor), want_fwd) << "rank " << r;
+    EXPECT_DOUBLE_EQ(bwd[size_t(r)].Bytes(Traffic::kTensor), want_bwd) << "rank " << r;
+    EXPECT_DOUBLE_EQ(fwd[size_t(r)].TotalBytes(), want_fwd);
+  }
+}
+
+class ContextParallelMatchesFull
+    : public ::testing::TestWithParam<std::tuple<int, CpAlgorithm, SequenceSplitKind, bool>> {};
+
+TEST_P(ContextParallelMatchesFull, OutputAndGradients) {
+  const auto [cp, algorithm, split, causal] = GetParam();
+  // Odd chunk lengths: plain 5 rows per rank (seq 15 at cp 3), zigzag chunks of 3.
+  const int64_t seq = split == SequenceSplitKind::kPlain ? 5 * cp : 6 * cp;
+  CheckAgainstFull({cp, algorithm, split, causal, seq});
+}
+
+std::string ParamName(
+    const ::testing::TestParamInfo<std::tuple<int, CpAlgorithm, SequenceSplitKind, bool>>& info) {
+  const auto& [cp, algorithm, split, causal] = info.param;
+  return std::string(algorithm == CpAlgorithm::kRing ? "Ring" : "Ulysses") + "Cp" +
+         std::to_string(cp) + (split == SequenceSplitKind::kPlain ? "Plain" : "Zigzag") +
+         (causal ? "Causal" : "Full");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, ContextParallelMatchesFull,
+    ::testing::Combine(::testing::Values(2, 3, 4),
+                       ::testing::Values(CpAlgorithm::kUlysses, CpAlgorithm::kRing),
+                       ::testing::Values(SequenceSplitKind::kPlain, SequenceSplitKind::kZigzag),
+                       ::testing::Bool()),
+    ParamName);
+
+// Chunks longer than the kernels' query tile, several threads, one sequence, cp 1.
+TEST(ContextParallel, LongChunksAndThreads) {
+  CheckAgainstFull({2, CpAlgorithm::kRing, SequenceSplitKind::kPlain, true, 150, 1, 2, 8, 2});
+  CheckAgainstFull({2, CpAlgorithm::kRing, SequenceSplitKind::kZigzag, true, 284, 1, 2, 8, 2});
+  CheckAgainstFull({2, CpAlgorithm::kUlysses, SequenceSplitKind::kZigzag, false, 140, 1, 2, 8, 2});
+  CheckAgainstFull({1, CpAlgorithm::kRing, SequenceSplitKind::kZigzag, true, 70, 2, 3, 8, 2});
+  CheckAgainstFull({1, CpAlgorithm::kUlysses, SequenceSplitKind::kPlain, false, 33, 2, 3, 8});
+}
+
+TEST(SequenceSplit, PositionsOfPlainAndZigzag) {
+  const SequenceSplit plain(SequenceSplitKind::kPlain, 9, 3, 1);
+  EXPECT_EQ(plain.local_len(), 3);
+  EXPECT_EQ(plain.Positions(), (std::vector<int64_t>{3, 4, 5}));
+  // 8 tokens, cp 2: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+  const SequenceSplit z0(SequenceSplitKind::kZigzag, 8, 2, 0);
+  const SequenceSplit z1(SequenceSplitKind::kZigzag, 8, 2, 1);
+  EXPECT_EQ(z0.Positions(), (std::vector<int64_t>{0, 1, 6, 7}));
+  EXPECT_EQ(z1.Positions(), (std::vector<int64_t>{2, 3, 4, 5}));
+  EXPECT_EQ(z0.Position(2), 6);
+  EXPECT_THROW(z0.Position(4), InvalidArgument);
+  // Shard then Unshard over every rank restores the tensor.
+  const Tensor full = RandomTensor({2 * 12, 3}, 5), back = Tensor::Zeros({2 * 12, 3});
+  for (int r = 0; r < 3; ++r) {
+    const SequenceSplit s(SequenceSplitKind::kZigzag, 12, 3, r);
+    const Tensor local = s.Shard(full, 2);
+    ASSERT_EQ(local.size(0), 2 * 4);
+    // Row 1 of sequence 1 on this rank is global position Position(1) of sequence 1.
+    EXPECT_EQ(local.data<float>()[(4 + 1) * 3], full.data<float>()[(12 + s.Position(1)) * 3]);
+    s.Unshard(local, back, 2);
+  }
+  EXPECT_TRUE(AllClose("shard/unshard", back, full));
+}
+
+template <typename F>
+void ExpectInvalid(F&& f, const std::vector<std::string>& needles) {
+  try {
+    f();
+    ADD_FAILURE() << "no InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    const std::string what = e.what();
+    for (const auto& n : needles) EXPECT_NE(what.find(n), std::string::npos) << what;
+  }
+}
+
+TEST(SequenceSplit, LengthsThatDoNotDivideAreRejected) {
+  ExpectInvalid([] { SequenceSplit(SequenceSplitKind::kPlain, 10, 3, 0); },
+                {"sequence length 10", "3 equal chunks", "context-parallel group of 3"});
+  ExpectInvalid([] { SequenceSplit(SequenceSplitKind::kZigzag, 9, 3, 0); },
+                {"sequence length 9", "6 equal chunks", "zigzag"});
+  ExpectInvalid([] { SequenceSplit(SequenceSplitKind::kZigzag, 12, 2, 2); }, {"rank 2"});
+  EXPECT_EQ(SequenceSplit::Multiple(SequenceSplitKind::kZigzag, 3), 6);
+  EXPECT_EQ(SequenceSplit::Multiple(SequenceSplitKind::kPlain, 3), 3);
+  // The same check in the attention, on every rank.
+  comm::RunInProcess(2, [](comm::Communicator& group) {
+    ExpectInvalid([&] { ContextParallelAttention(group, 4, 10, {}); },
+                  {"sequence length 10", "4 equal chunks"});
+  });
+}
+
+TEST(ContextParallel, UlyssesNeedsHeadsDivisibleByCp) {
+  comm::RunInProcess(4, [](comm::Communicator& group) {
+    ExpectInvalid(
+        [&] {
+          ContextParallelAttention(group, 6, 16,
+                                   {CpAlgorithm::kUlysses, SequenceSplitKind::kPlain, true});
+        },
+        {"Ulysses", "6 heads", "context-parallel size 4"});
+    // Ring attention has no such constraint.
+    ContextParallelAttention ring(group, 6, 16, {CpAlgorithm::kRing, SequenceSplitKind::kPlain});
+    EXPECT_EQ(ring.num_heads(), 6);
+    // Shapes are checked.
+    ContextParallelCache cache;
+    ExpectInvalid([&] { (void)ring.Forward(Tensor::Zeros({2 * 4, 17}), 2, &cache); }, {"qkv"});
+  });
+}
+
+// Score elements per rank for causal ring attention: the plain split gives rank r (r + 1) blocks
+// of the rank's whole length n (ratio max/min = cp); the zigzag split gives every rank 2 cp + 1
+// chunk pairs of n / 2 (balanced). Ulysses computes the whole triangle for its heads: balanced
+// under both splits. Without the mask every rank computes cp n^2.
+TEST(ContextParallel, ZigzagBalancesCausalWork) {
+  constexpr int kCp = 4;
+  constexpr int64_t kSeq = 32, kBatch = 1, kHeads = 4, kHeadDim = 2, kN = kSeq / kCp;
+  const Tensor qkv = RandomTensor({kBatch * kSeq, 3 * kHeads * kHeadDim}, 3);
+  auto run = [&](CpAlgorithm algo, SequenceSplitKind split, bool causal) {
+    std::vector<CpWork> work(kCp);
+    comm::RunInProcess(kCp, [&](comm::Communicator& group) {
+      ContextParallelAttention attn(group, kHeads, kSeq, {algo, split, causal});
+      ContextParallelCache cache;
+      attn.Forward(attn.split().Shard(qkv, kBatch), kBatch, &cache, 1, nullptr,
+                   &work[size_t(group.rank())]);
+    });
+    std::vector<int64_t> out;
+    for (const CpWork& w : work) out.push_back(w.score_elements);
+    return out;
+  };
+  const int64_t unit = kBatch * kHeads * kN * kN;
+  EXPECT_EQ(run(CpAlgorithm::kRing, SequenceSplitKind::kPlain, true),
+            (std::vector<int64_t>{1 * unit, 2 * unit, 3 * unit, 4 * unit}));
+  const int64_t zig = (2 * kCp + 1) * unit / 4;
+  EXPECT_EQ(run(CpAlgorithm::kRing, SequenceSplitKind::kZigzag, true),
+            (std::vector<int64_t>(kCp, zig)));
+  EXPECT_EQ(run(CpAlgorithm::kRing, SequenceSplitKind::kPlain, false),
+            (std::vector<int64_t>(kCp, kCp * unit)));
+  // Ulysses: heads / cp heads over the full sequence's chunk pairs.
+  EXPECT_EQ(run(CpAlgorithm::kUlysses, SequenceSplitKind::kPlain, true),
+            (std::vector<int64_t>(kCp, (kCp * (kCp + 1) / 2) * unit / kCp)));
+  EXPECT_EQ(run(CpAlgorithm::kUlysses, SequenceSplitKind::kZigzag, true),
+            (std::vector<int64_t>(kCp, zig)));
+}
+
+// The memory held per rank shrinks with cp (no [seq, seq] softmax is kept).
+TEST(ContextParallel, PeakBytesShrinkWithCp) {
+  constexpr int64_t kSeq = 256, kHeads = 4, kHeadDim = 8, kD = kHeads * kHeadDim;
+  const Tensor qkv = RandomTensor({kSeq, 3 * kD}, 3);
+  auto peak = [&](int cp) {
+    std::vector<CpWork> work(static_cast<size_t>(cp));
+    comm::RunInProcess(cp, [&](comm::Communicator& group) {
+      ContextParallelAttention attn(group, kHeads, kSeq, {});
+      ContextParallelCache cache;
+      attn.Forward(attn.split().Shard(qkv, 1), 1, &cache, 1, nullptr, &work[size_t(group.rank())]);
+    });
+    return work[0].peak_bytes;
+  };
+  const int64_t p1 = peak(1), p2 = peak(2), p4 = peak(4);
+  // At least the input, output and log-sum-exp; far below the full softmax (kHeads x kSeq^2).
+  EXPECT_GE(p1, (4 * kSeq * kD + kHeads * kSeq) * 4);
+  EXPECT_LT(p1, kHeads * kSeq * kSeq * 4);
+  EXPECT_LT(p2, p1);
+  EXPECT_LT(p4, p2);
+}
+
+}  // namespace
+}  // namespace switchyard::train
