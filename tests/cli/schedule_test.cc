@@ -1,5 +1,5 @@
-// `switchyard schedule`: the JSON of a schedule (ops per rank, bubble against the theory, peak in
-// flight), the SVG timeline, and one-line errors for bad flags.
+// `switchyard schedule` and `switchyard bench pipeline`: the JSON of a schedule (ops per rank,
+// bubble against the theory, peak in flight), the SVG timeline, and one-line errors for bad flags.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -58,6 +58,32 @@ TEST(ScheduleCli, BadFlagsAreOneLineErrors) {
     EXPECT_NE(r.exit_code, 0) << args;
     EXPECT_NE(r.err.find("error"), std::string::npos) << args << ": " << r.err;
   }
+}
+
+// `switchyard bench pipeline`: the executor over emulated links; the activation memory it holds
+// per rank is what the simulation predicts (deterministic), the timing is only reported.
+TEST(BenchPipelineCli, MeasuredMemoryIsTheSchedulesPeak) {
+  for (const char* kind : {"fthenb", "1f1b", "zb-h1"}) {
+    const auto r = RunSwitchyard(fmt::format(
+        "bench pipeline --pp 3 --microbatches 4 --kind {} --forward-ms 0.5 --activation-kib 4 "
+        "--json",
+        kind));
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    ASSERT_EQ(j.at("ranks").size(), 3u);
+    for (const auto& rank : j.at("ranks")) {
+      EXPECT_EQ(rank.at("peak_activation_bytes").get<int64_t>(),
+                rank.at("simulated_peak_in_flight").get<int64_t>() * 4096)
+          << kind;
+      EXPECT_EQ(rank.at("peak_in_flight"), rank.at("simulated_peak_in_flight")) << kind;
+    }
+    const double measured = j.at("measured_bubble_fraction").get<double>();
+    EXPECT_GE(measured, 0.0);
+    EXPECT_LT(measured, 1.0);
+  }
+  const auto bad = RunSwitchyard("bench pipeline --pp 0");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("--pp"), std::string::npos) << bad.err;
 }
 
 }  // namespace
