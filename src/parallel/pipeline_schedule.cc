@@ -185,7 +185,6 @@ namespace {
 
 bool IsSend(OpKind k) { return k == OpKind::kSendActivation || k == OpKind::kSendGradient; }
 bool IsRecv(OpKind k) { return k == OpKind::kRecvActivation || k == OpKind::kRecvGradient; }
-bool IsCompute(OpKind k) { return !IsSend(k) && !IsRecv(k); }
 
 double Cost(const ScheduleCosts& c, OpKind k) {
   switch (k) {
