@@ -77,6 +77,8 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("tp_comm_overlap", c.tp_comm_overlap);
   fn("arrangement", c.arrangement);
   fn("etp", c.etp);
+  fn("cp", c.cp);
+  fn("cp_algo", c.cp_algo);
   fn("microbatches", c.microbatches);
   fn("pp", c.pp);
   fn("pipeline_schedule", c.pipeline_schedule);
@@ -263,6 +265,8 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"tp_comm_overlap", "sequence-parallel all-gather/reduce-scatter as rings under the GEMMs"},
       {"arrangement", "experts beside tp: auto | deepspeed | megatron"},
       {"etp", "expert tensor-parallel size (megatron arrangement)"},
+      {"cp", "context-parallel size: each sequence split over cp ranks"},
+      {"cp_algo", "context-parallel attention: ring | ulysses"},
       {"microbatches", "micro-batches per step (gradient accumulation; divides batch_size)"},
       {"pp", "pipeline stages (divides ranks / tp)"},
       {"pipeline_schedule", "pipeline schedule: fthenb | 1f1b | interleaved | zb-h1"},
@@ -409,6 +413,23 @@ void ValidateTrainConfig(const TrainConfig& c) {
     }
   }
   at_least("microbatches", static_cast<double>(c.microbatches), 1);
+  at_least("cp", static_cast<double>(c.cp), 1);
+  SY_REQUIRE(c.cp_algo == "ring" || c.cp_algo == "ulysses", InvalidArgument,
+             "config: 'cp_algo' must be \"ring\" or \"ulysses\", got \"{}\"", c.cp_algo);
+  if (c.cp > 1) {
+    SY_REQUIRE(c.tp == 1, InvalidArgument,
+               "config: 'cp' {} with 'tp' {}: context and tensor parallelism together are not "
+               "supported yet",
+               c.cp, c.tp);
+    SY_REQUIRE(c.model.seq_len % (2 * c.cp) == 0, InvalidArgument,
+               "config: 'seq_len' {} does not split over 'cp' {} ranks: the load-balanced "
+               "(zigzag) split needs a multiple of 2 x cp = {}",
+               c.model.seq_len, c.cp, 2 * c.cp);
+    SY_REQUIRE(c.cp_algo != "ulysses" || c.model.num_heads % c.cp == 0, InvalidArgument,
+               "config: 'cp_algo' ulysses splits the heads over the cp ranks: 'num_heads' {} "
+               "does not divide by 'cp' {}",
+               c.model.num_heads, c.cp);
+  }
   at_least("pp", static_cast<double>(c.pp), 1);
   at_least("virtual_stages", static_cast<double>(c.virtual_stages), 1);
   SY_REQUIRE(c.batch_size % c.microbatches == 0, InvalidArgument,
@@ -420,6 +441,10 @@ void ValidateTrainConfig(const TrainConfig& c) {
              : c.pp == 1 ? fmt::format("'tp' {}", c.tp)
                          : fmt::format("'tp' {} x 'pp' {}", c.tp, c.pp),
              c.ranks);
+  SY_REQUIRE(c.ranks % (c.tp * c.pp * c.cp) == 0, InvalidArgument,
+             "config: 'cp' {} x 'tp' {} x 'pp' {} must divide 'ranks' {} (data-parallel size "
+             "ranks / (tp x pp x cp))",
+             c.cp, c.tp, c.pp, c.ranks);
   SY_REQUIRE(c.virtual_stages == 1 || c.pipeline_schedule == "interleaved", InvalidArgument,
              "config: 'virtual_stages' {} needs 'pipeline_schedule' interleaved (got \"{}\")",
              c.virtual_stages, c.pipeline_schedule);
@@ -474,7 +499,8 @@ bool IsLayoutKey(std::string_view key) {
   return key == "ranks" || key == "ep" || key == "zero_stage" || key == "dispatch" ||
          key == "overlap_degree" || key == "threads" || key == "tp" || key == "sequence_parallel" ||
          key == "tp_comm_overlap" || key == "arrangement" || key == "etp" || key == "pp" ||
-         key == "pipeline_schedule" || key == "virtual_stages" || key == "pipeline_split";
+         key == "pipeline_schedule" || key == "virtual_stages" || key == "pipeline_split" ||
+         key == "cp" || key == "cp_algo";
 }
 
 namespace {

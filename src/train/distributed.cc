@@ -109,9 +109,11 @@ int TrainExpertParallelSize(const TrainConfig& config, int world_size) {
 
 parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int world_size) {
   SY_REQUIRE(world_size >= 1, InvalidArgument, "ranks: expected >= 1, got {}", world_size);
-  SY_REQUIRE(config.tp >= 1 && config.pp >= 1 && world_size % (config.tp * config.pp) == 0,
-             InvalidArgument, "config: 'tp' {} x 'pp' {} must divide the number of ranks {}",
-             config.tp, config.pp, world_size);
+  SY_REQUIRE(config.tp >= 1 && config.pp >= 1 && config.cp >= 1 &&
+                 world_size % (config.tp * config.pp * config.cp) == 0,
+             InvalidArgument,
+             "config: 'tp' {} x 'pp' {} x 'cp' {} must divide the number of ranks {}", config.tp,
+             config.pp, config.cp, world_size);
   const parallel::Arrangement arrangement = TrainArrangement(config);
   const int ep = TrainExpertParallelSize(config, world_size);
   SY_REQUIRE(world_size % ep == 0, InvalidArgument,
@@ -137,6 +139,7 @@ parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int wo
   o.mesh.world_size = world_size;
   o.mesh.tp = static_cast<int>(config.tp);
   o.mesh.pp = static_cast<int>(config.pp);
+  o.mesh.cp = static_cast<int>(config.cp);
   o.mesh.ep = ep;
   o.mesh.etp = static_cast<int>(config.etp);
   o.mesh.arrangement = arrangement;
@@ -299,6 +302,11 @@ bool DistributedHooks::reports_routing() const {
   return coords_.tp_rank == 0 || mesh_.sequence_parallel();
 }
 
+ContextParallelContext DistributedHooks::context_parallel() {
+  if (mesh_.cp() == 1) return {};
+  return ContextParallelContext{&groups_->Get(parallel::GroupKind::kContext), cp_options_};
+}
+
 comm::Communicator* DistributedHooks::pipeline_group() {
   return mesh_.pp() > 1 ? &groups_->Get(parallel::GroupKind::kPipeline) : nullptr;
 }
@@ -407,7 +415,11 @@ std::string DistributedHooks::LayoutDescription() const {
   } else {
     experts = fmt::format("; ZeRO stage {}", zero_stage_);
   }
-  const std::string pp = mesh_.pp() > 1 ? fmt::format(" x pp {}", mesh_.pp()) : std::string();
+  std::string pp = mesh_.pp() > 1 ? fmt::format(" x pp {}", mesh_.pp()) : std::string();
+  if (mesh_.cp() > 1) {
+    pp += fmt::format(" x cp {} ({})", mesh_.cp(),
+                      cp_options_.algorithm == CpAlgorithm::kUlysses ? "ulysses" : "ring");
+  }
   return fmt::format("{} rank{} = {} x dp {}{}{}", world_.size(), world_.size() == 1 ? "" : "s", tp,
                      mesh_.dp(), pp, experts);
 }
@@ -648,6 +660,12 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
   hooks_ = std::make_unique<DistributedHooks>(
       groups_, static_cast<int>(config.zero_stage), ranks_in_process, zero,
       dedup ? parallel::GroupKind::kExpertHolders : parallel::GroupKind::kExpertData, tp);
+  if (config.cp > 1) {
+    hooks_->SetContextParallel(ContextParallelOptions{
+        .algorithm = config.cp_algo == "ulysses" ? CpAlgorithm::kUlysses : CpAlgorithm::kRing,
+        .split = SequenceSplitKind::kZigzag,
+        .causal = true});
+  }
   if (config.pp > 1) {
     // Every rank of this stage (collective over the world): checkpoints gather the experts of
     // the stage's MoE blocks over it.

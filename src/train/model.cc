@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <utility>
 
 #include "switchyard/kernels/gemm.h"
@@ -56,8 +57,11 @@ bool IsMoeBlock(const ModelConfig& c, int64_t i) {
 
 Block::Block(ParameterSet& params, const std::string& prefix, const ModelConfig& c,
              const std::function<std::unique_ptr<FeedForward>()>& make_ffn, uint64_t seed,
-             const TensorParallelContext* tp, parallel::CommStats* tp_stats)
-    : norm1_(params, prefix + "norm1.", c.model_dim, c.norm) {
+             const TensorParallelContext* tp, parallel::CommStats* tp_stats,
+             const ContextParallelContext* cp)
+    : norm1_(params, prefix + "norm1.", c.model_dim, c.norm),
+      cp_(cp != nullptr && cp->group != nullptr && cp->group->size() > 1 ? cp : nullptr),
+      num_heads_(c.num_heads) {
   // Registered in module order: norm1, attn, norm2, then the FFN.
   const float proj_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
   if (tp != nullptr && tp->group != nullptr && tp->group->size() > 1) {
@@ -92,8 +96,20 @@ Tensor Block::Forward(const Tensor& x, int64_t batch_size, const FeedForwardCont
   const int threads = context.threads;
   Tensor n1 = norm1_.Forward(x, save ? &cache->norm1 : nullptr, threads);
   AttentionCache* ac = save ? &cache->attn : nullptr;
-  Tensor h = attn_ ? attn_->Forward(n1, batch_size, threads, ac)
-                   : tp_attn_->Forward(n1, batch_size, threads, ac);
+  Tensor h;
+  if (cp_ != nullptr) {
+    // The projections on this rank's tokens, the core across the context-parallel group.
+    const int64_t seq = x.size(0) / batch_size * cp_->group->size();
+    ContextParallelAttention core(*cp_->group, num_heads_, seq, cp_->options);
+    Tensor qkv = attn_->qkv().Forward(n1, threads);
+    ContextParallelCache scratch;  // the core fills one even when nothing is kept
+    Tensor att = core.Forward(qkv, batch_size, save ? &cache->cp_attn : &scratch, threads);
+    h = attn_->proj().Forward(att, threads);
+    if (save) *ac = AttentionCache{n1, qkv, Tensor(), att, batch_size};
+  } else {
+    h = attn_ ? attn_->Forward(n1, batch_size, threads, ac)
+              : tp_attn_->Forward(n1, batch_size, threads, ac);
+  }
   AddInPlace(h, x, threads);  // h = x + attn(norm1(x))
   cache->ffn = ffn_->Forward(norm2_->Forward(h, save ? &cache->norm2 : nullptr, threads), context);
   Tensor y = cache->ffn.y;
@@ -107,8 +123,17 @@ Tensor Block::Backward(const BlockCache& cache, const Tensor& dy, float loss_sca
   Tensor dh =
       norm2_->Backward(cache.norm2, ffn_->Backward(cache.ffn, dy, loss_scale, threads), threads);
   AddInPlace(dh, dy, threads);
-  Tensor da = attn_ ? attn_->Backward(cache.attn, dh, threads)
-                    : tp_attn_->Backward(cache.attn, dh, threads);
+  Tensor da;
+  if (cp_ != nullptr) {
+    const AttentionCache& a = cache.attn;
+    const int64_t seq = a.x.size(0) / a.batch_size * cp_->group->size();
+    ContextParallelAttention core(*cp_->group, num_heads_, seq, cp_->options);
+    Tensor datt = attn_->proj().Backward(a.att, dh, threads);
+    da = attn_->qkv().Backward(a.x, core.Backward(cache.cp_attn, datt, threads), threads);
+  } else {
+    da = attn_ ? attn_->Backward(cache.attn, dh, threads)
+               : tp_attn_->Backward(cache.attn, dh, threads);
+  }
   Tensor dx = norm1_.Backward(cache.norm1, da, threads);
   AddInPlace(dx, dh, threads);
   return dx;
@@ -148,10 +173,15 @@ ModelPartition CheckedPartition(ModelPartition partition, int64_t layers) {
 }  // namespace
 
 TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFactory moe_factory,
-                             TensorParallelContext tp, ModelPartition partition)
-    : config_(std::move(config)), tp_(tp) {
+                             TensorParallelContext tp, ModelPartition partition,
+                             ContextParallelContext cp)
+    : config_(std::move(config)), tp_(tp), cp_(cp) {
   const ModelConfig& c = config_;
   ValidateModelConfig(c);
+  SY_REQUIRE(!context_parallel() || !tensor_parallel(), InvalidArgument,
+             "context parallelism together with tensor parallelism is not supported yet (cp {}, "
+             "tp {})",
+             cp_.group->size(), tp_size());
   partition_ = CheckedPartition(std::move(partition), c.num_layers);
   bool has_embedding = false, has_head = false;
   for (int i = 0; i < num_chunks(); ++i) {
@@ -197,8 +227,9 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
       SY_CHECK(ffn != nullptr && ffn->is_moe(), "MoE factory returned no MoE FFN for block {}", i);
       return ffn;
     };
-    blocks_[static_cast<size_t>(i)] = std::make_unique<Block>(params_, prefix, c, make_ffn, seed,
-                                                              split ? &tp_ : nullptr, &tp_stats_);
+    blocks_[static_cast<size_t>(i)] =
+        std::make_unique<Block>(params_, prefix, c, make_ffn, seed, split ? &tp_ : nullptr,
+                                &tp_stats_, context_parallel() ? &cp_ : nullptr);
   }
   if (!has_head) return;
   final_norm_ = std::make_unique<Norm>(params_, "final_norm.", c.model_dim, c.norm);
@@ -279,6 +310,10 @@ int64_t TransformerLm::ActivationRows(const Tensor& tokens) const {
              tokens.defined() ? tokens.ToString() : "undefined");
   const int64_t seq = tokens.size(1), p = tp_size();
   int64_t batch = tokens.size(0);
+  if (context_parallel()) {
+    const int64_t multiple = SequenceSplit::Multiple(cp_.options.split, cp_.group->size());
+    return batch * ((seq + multiple - 1) / multiple * multiple) / cp_.group->size();
+  }
   if (!tensor_parallel() || !tp_.options.sequence_parallel) return batch * seq;
   while ((batch * seq) % p != 0) ++batch;
   return batch * seq / p;
@@ -328,7 +363,35 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
       std::copy_n(targets_in.data<int32_t>(), targets_in.numel(), targets.data<int32_t>());
     }
   }
-  const int64_t n = batch * seq;
+  // Context parallelism: this rank's positions of every sequence (the sequence padded at its
+  // end to what the split accepts, for calls without backward).
+  int64_t seq_used = seq;
+  std::optional<SequenceSplit> cp_split;
+  if (context_parallel()) {
+    const int64_t multiple = SequenceSplit::Multiple(cp_.options.split, cp_.group->size());
+    if (seq % multiple != 0) {
+      SY_REQUIRE(!options.save_for_backward, InvalidArgument,
+                 "context parallelism: sequences of {} tokens do not split over {} ranks (a "
+                 "multiple of {} is needed): choose seq_len accordingly",
+                 seq, cp_.group->size(), multiple);
+      seq_used = (seq + multiple - 1) / multiple * multiple;
+      Tensor t = Tensor::Zeros({batch, seq_used}, DType::kInt32);
+      Tensor g = Tensor::Empty({batch, seq_used}, DType::kInt32);
+      std::fill_n(g.data<int32_t>(), g.numel(), -1);
+      for (int64_t b = 0; b < batch; ++b) {
+        std::copy_n(tokens.data<int32_t>() + b * seq, seq, t.data<int32_t>() + b * seq_used);
+        if (has_targets) {
+          std::copy_n(targets.data<int32_t>() + b * seq, seq, g.data<int32_t>() + b * seq_used);
+        }
+      }
+      tokens = t;
+      if (has_targets) targets = g;
+    }
+    cp_split.emplace(cp_.options.split, seq_used, cp_.group->size(), cp_.group->rank());
+    tokens = cp_split->Shard(tokens.Reshape({batch * seq_used}), batch);
+    if (has_targets) targets = cp_split->Shard(targets.Reshape({batch * seq_used}), batch);
+  }
+  const int64_t n = cp_split ? batch * cp_split->local_len() : batch * seq;
   // The rows this rank's residual stream holds: all n, or its n / P with sequence parallelism.
   const int64_t row_begin = sp ? tp_.group->rank() * (n / p) : 0;
   const int64_t rows = sp ? n / p : n;
@@ -340,8 +403,11 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
   Tensor x;
   if (first) {
     state->positions = Tensor::Empty({rows}, DType::kInt32);
-    for (int64_t i = 0; i < rows; ++i)
-      state->positions.data<int32_t>()[i] = static_cast<int32_t>((row_begin + i) % seq);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t position =
+          cp_split ? cp_split->Position(i % cp_split->local_len()) : (row_begin + i) % seq;
+      state->positions.data<int32_t>()[i] = static_cast<int32_t>(position);
+    }
     x = split ? vp_embed_->Forward(state->tokens, &tp_stats_) : embed_->Forward(state->tokens);
     AddInPlace(x, pos_embed_->Forward(state->positions), options.threads);
   } else {
@@ -400,6 +466,23 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
   out.loss = out.ce_loss + ffn_loss;
   if (keep_logits || !has_targets) {
     if (split) logits = GatherColumns(*tp_.group, logits, &tp_stats_);
+    if (cp_split) {
+      // Every rank's positions back into sequence order, then without the padding.
+      const int cps = cp_.group->size();
+      const int64_t vocab = logits.size(1);
+      Tensor parts = Tensor::Empty({cps * n, vocab});
+      cp_.group->AllGather(logits, parts).Wait();
+      Tensor full = Tensor::Empty({batch * seq_used, vocab});
+      for (int q = 0; q < cps; ++q) {
+        SequenceSplit(cp_.options.split, seq_used, cps, q)
+            .Unshard(parts.Slice(q * n, (q + 1) * n), full, batch);
+      }
+      logits = Tensor::Empty({batch * seq, vocab});
+      for (int64_t b = 0; b < batch; ++b) {
+        std::copy_n(full.data<float>() + b * seq_used * vocab, seq * vocab,
+                    logits.data<float>() + b * seq * vocab);
+      }
+    }
     out.logits = batch == real_batch ? logits : logits.Slice(0, real_batch * seq);
   }
   if (options.save_for_backward) {

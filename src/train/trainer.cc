@@ -165,7 +165,7 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
     pipeline_ = parallel::MakeSchedule(PipelineScheduleConfig(c));
   }
   model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory), tp,
-                                           std::move(partition));
+                                           std::move(partition), hooks_->context_parallel());
   optimizer_ = AdamW(AdamWOptions{.beta1 = static_cast<float>(c.beta1),
                                   .beta2 = static_cast<float>(c.beta2),
                                   .eps = static_cast<float>(c.adam_eps),

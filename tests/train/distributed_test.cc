@@ -379,6 +379,47 @@ TEST_F(DistributedTest, PipelineMatchesOneRank) {
   }
 }
 
+// Context parallelism: each sequence's positions split over cp ranks (zigzag), attention across
+// them by ring attention or Ulysses, alone, with data parallelism and with pipeline stages; with
+// MoE blocks whose capacity does not bind (the cp ranks' token order differs from one rank's, so
+// capacity drops would be decided on other tokens).
+TEST_F(DistributedTest, ContextParallelMatchesOneRank) {
+  TrainConfig base = TinyMoeConfig(dir_);
+  base.model.moe_every = 0;
+  base.model.num_heads = 4;
+  const int kSteps = 3;
+  struct CpLayout {
+    int ranks, cp;
+    const char* algo;
+    int pp = 1;
+  };
+  auto with = [](TrainConfig c, const CpLayout& l) {
+    c.ranks = l.ranks;
+    c.cp = l.cp;
+    c.cp_algo = l.algo;
+    c.pp = l.pp;
+    if (l.pp > 1) c.microbatches = 2;
+    return c;
+  };
+  StepLosses want = SingleRank(base, kSteps);
+  for (const CpLayout& l :
+       {CpLayout{2, 2, "ring"}, CpLayout{2, 2, "ulysses"}, CpLayout{4, 4, "ring"},
+        CpLayout{4, 2, "ring"}, CpLayout{4, 4, "ulysses"}}) {
+    ExpectSameRun(want, OnRanks(with(base, l), kSteps),
+                  fmt::format("ranks {} cp {} {}", l.ranks, l.cp, l.algo));
+  }
+  TrainConfig two = base;
+  two.microbatches = 2;
+  ExpectSameRun(SingleRank(two, kSteps), OnRanks(with(base, CpLayout{4, 2, "ring", 2}), kSteps),
+                "ranks 4 cp 2 pp 2");
+  TrainConfig moe = TinyMoeConfig(dir_);
+  moe.model.num_heads = 4;
+  moe.capacity_factor = 4.0;  // no drops
+  want = SingleRank(moe, kSteps);
+  for (double d : want.drop_rate) EXPECT_EQ(d, 0.0);
+  ExpectSameRun(want, OnRanks(with(moe, CpLayout{4, 2, "ring"}), kSteps), "moe ranks 4 cp 2");
+}
+
 // PR-MoE's residual MLP and DeepSeek's shared expert in the MoE blocks: dense parameters
 // replicated over the ranks, their gradients reduced like the gate's. Several optimizer steps on
 // W ranks give the one-rank run's losses and parameters.

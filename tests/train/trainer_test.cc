@@ -93,9 +93,9 @@ TEST(TrainConfigTest, JsonRoundTripAndErrors) {
   EXPECT_EQ(s.data, "/some/file.txt");
   EXPECT_DOUBLE_EQ(s.lr, 1e-3);
   EXPECT_THROW(SetTrainConfigValue(s, "steps", "many"), InvalidArgument);
-  // ... experts_per_block, tp, sequence_parallel, tp_comm_overlap, arrangement, etp, microbatches,
-  // pp, pipeline_schedule, virtual_stages, pipeline_split.
-  EXPECT_EQ(TrainConfigKeys().size(), 57u);
+  // ... experts_per_block, tp, sequence_parallel, tp_comm_overlap, arrangement, etp, cp, cp_algo,
+  // microbatches, pp, pipeline_schedule, virtual_stages, pipeline_split.
+  EXPECT_EQ(TrainConfigKeys().size(), 59u);
   s.batch_size = 0;
   EXPECT_THROW(ValidateTrainConfig(s), InvalidArgument);
 }

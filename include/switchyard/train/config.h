@@ -88,6 +88,11 @@ struct TrainConfig {
   // sequence_parallel, else deepspeed).
   std::string arrangement = "auto";
   int64_t etp = 1;  // Megatron arrangement: each expert's hidden dimension split over etp ranks
+  // Context parallelism (docs/context_parallel.md): each sequence's positions split over cp ranks
+  // (zigzag: seq_len must divide by 2 cp), attention across them by cp_algo ring | ulysses
+  // (num_heads divisible by cp). Not with tp > 1 yet.
+  int64_t cp = 1;
+  std::string cp_algo = "ring";
   // Gradient accumulation: each step's batch in this many micro-batches (forward and backward
   // each, gradients summed). Micro-batch k is rows [k B / m, (k + 1) B / m) of the global batch
   // (B = batch_size), split over the data-parallel ranks; batch_size must divide by it. An MoE

@@ -127,6 +127,8 @@ class DistributedHooks : public TrainHooks {
   bool reports_loss() const override;
   bool reports_routing() const override;
   TensorParallelContext tensor_parallel() override;
+  ContextParallelContext context_parallel() override;
+  void SetContextParallel(const ContextParallelOptions& options) { cp_options_ = options; }
   int pipeline_rank() const override { return coords_.pp_rank; }
   int pipeline_stages() const override { return mesh_.pp(); }
   comm::Communicator* pipeline_group() override;
@@ -181,6 +183,7 @@ class DistributedHooks : public TrainHooks {
   comm::Communicator& tokens_;       // every rank with tokens of its own (replicated dense)
   comm::Communicator& expert_data_;  // ranks holding the same expert shard (expert_sync)
   TensorParallelOptions tp_options_;
+  ContextParallelOptions cp_options_;
   parallel::RankCoords coords_;
   std::vector<MoeBlock> moe_blocks_;
   // How many ranks hold a copy of each element of the three optimizers' parameters.

@@ -134,6 +134,10 @@ class CausalSelfAttention {
                       int64_t num_heads, float init_std, float proj_init_std, uint64_t seed);
 
   int64_t num_heads() const { return num_heads_; }
+  // The projections, for a caller that runs another attention core between them (context
+  // parallelism).
+  const Linear& qkv() const { return qkv_; }
+  const Linear& proj() const { return proj_; }
 
   // x [batch_size * seq_len, model_dim]; num_tokens must divide by batch_size.
   Tensor Forward(const Tensor& x, int64_t batch_size, int threads, AttentionCache* cache) const;

@@ -24,6 +24,7 @@
 
 #include "switchyard/core/tensor.h"
 #include "switchyard/kernels/ops.h"
+#include "switchyard/train/context_parallel.h"
 #include "switchyard/train/feed_forward.h"
 #include "switchyard/train/layers.h"
 #include "switchyard/train/parameters.h"
@@ -70,9 +71,19 @@ struct TensorParallelContext {
   TensorParallelOptions options;
 };
 
+// Context parallelism (docs/context_parallel.md): with a group of P > 1 ranks each rank holds
+// seq / P positions of every sequence (the split of `options`) and the attention core runs across
+// the group (Ulysses or ring attention); everything else works on the rank's tokens. Every rank
+// of the group passes the same tokens and targets. Not combined with tensor parallelism yet.
+struct ContextParallelContext {
+  comm::Communicator* group = nullptr;  // null or one rank: no context parallelism
+  ContextParallelOptions options;
+};
+
 struct BlockCache {
   NormCache norm1;
   AttentionCache attn;
+  ContextParallelCache cp_attn;  // context parallelism: the attention core's cache
   NormCache norm2;
   FeedForwardOutput ffn;
 };
@@ -85,7 +96,8 @@ class Block {
   // `tp` (may be null: one rank) splits the attention over its group.
   Block(ParameterSet& params, const std::string& prefix, const ModelConfig& config,
         const std::function<std::unique_ptr<FeedForward>()>& make_ffn, uint64_t seed,
-        const TensorParallelContext* tp = nullptr, parallel::CommStats* tp_stats = nullptr);
+        const TensorParallelContext* tp = nullptr, parallel::CommStats* tp_stats = nullptr,
+        const ContextParallelContext* cp = nullptr);
 
   FeedForward& ffn() const { return *ffn_; }
 
@@ -100,6 +112,8 @@ class Block {
   Norm norm1_;
   std::unique_ptr<CausalSelfAttention> attn_;         // one rank
   std::unique_ptr<TensorParallelAttention> tp_attn_;  // tensor parallel
+  const ContextParallelContext* cp_ = nullptr;        // context parallel: attn_'s core over it
+  int64_t num_heads_ = 0;
   std::unique_ptr<Norm> norm2_;
   std::unique_ptr<FeedForward> ffn_;
 };
@@ -151,7 +165,8 @@ class TransformerLm {
   // `partition`: the chunks this rank holds (InvalidArgument for empty, overlapping, unordered
   // or out-of-range ranges); the factory is called only for the MoE blocks held.
   TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFactory moe_factory = nullptr,
-                TensorParallelContext tp = {}, ModelPartition partition = {});
+                TensorParallelContext tp = {}, ModelPartition partition = {},
+                ContextParallelContext cp = {});
   ~TransformerLm();
   TransformerLm(const TransformerLm&) = delete;
   TransformerLm& operator=(const TransformerLm&) = delete;
@@ -205,11 +220,13 @@ class TransformerLm {
 
  private:
   bool tensor_parallel() const { return tp_size() > 1; }
+  bool context_parallel() const { return cp_.group != nullptr && cp_.group->size() > 1; }
   Tensor Logits(const Tensor& h_full, int threads) const;
   const BlockRange& Chunk(int chunk) const;
 
   ModelConfig config_;
   TensorParallelContext tp_;
+  ContextParallelContext cp_;
   parallel::CommStats tp_stats_;
   ModelPartition partition_;
   ParameterSet params_;

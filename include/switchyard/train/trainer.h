@@ -66,8 +66,9 @@ class TrainHooks {
   virtual int routing_replicas() const { return 1; }
   // One line naming the parallel layout for the run's header ("" for one rank).
   virtual std::string LayoutDescription() const { return ""; }
-  // The tensor-parallel layout the model is built with (none by default).
+  // The tensor- and context-parallel layouts the model is built with (none by default).
   virtual TensorParallelContext tensor_parallel() { return {}; }
+  virtual ContextParallelContext context_parallel() { return {}; }
 
   // After backward: turn this rank's gradients into the global batch's (average over the
   // data-parallel group for dense parameters, over ep_dp for experts; ZeRO-2 reduce-scatters).
