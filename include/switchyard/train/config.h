@@ -153,8 +153,9 @@ ResolvedTrainConfig ResolveTrainConfig(const TrainConfigSources& sources);
 // The keys a resumed run must share with its checkpoint (model shape, MoE sizes, seed, batch).
 const std::vector<std::string>& ResumeMustMatchKeys();
 // The layout keys (ranks, ep, zero_stage, dispatch, overlap_degree, threads, tp, sequence_parallel,
-// tp_comm_overlap, arrangement, etp, pp, pipeline_schedule, virtual_stages, pipeline_split): where
-// a run runs, not what it computes; a resumed run does not take them from its checkpoint.
+// tp_comm_overlap, arrangement, etp, pp, pipeline_schedule, virtual_stages, pipeline_split, cp,
+// cp_algo): where a run runs, not what it computes; a resumed run does not take them from its
+// checkpoint.
 bool IsLayoutKey(std::string_view key);
 
 // Every key with a one-line description, in TrainConfigToJson's order (for command-line flags).
