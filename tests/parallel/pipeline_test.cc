@@ -56,9 +56,12 @@ TEST(PipelineSchedule, EveryKindValidatesAndMatchesTheTheory) {
         }
         for (int r = 0; r < p; ++r) {
           const int peak = sim.peak_in_flight[static_cast<size_t>(r)];
-          if (kind == ScheduleKind::kFthenB) EXPECT_EQ(peak, m) << what << " rank " << r;
-          if (kind == ScheduleKind::k1F1B)
+          if (kind == ScheduleKind::kFthenB) {
+            EXPECT_EQ(peak, m) << what << " rank " << r;
+          }
+          if (kind == ScheduleKind::k1F1B) {
             EXPECT_EQ(peak, std::min(p - r, m)) << what << " rank " << r;
+          }
         }
       }
       for (int v = 2; v <= 3 && m % p == 0; ++v) {
