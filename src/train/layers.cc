@@ -7,6 +7,7 @@
 
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/ops.h"
+#include "switchyard/train/weight_grad.h"
 #include "train/parallel_for.h"
 
 namespace switchyard::train {
@@ -63,16 +64,21 @@ Tensor Linear::Backward(const Tensor& x, const Tensor& dy, int threads) const {
   Tensor dx = Tensor::Empty({n, in_dim_});
   ParallelGemm(Trans::kNo, Trans::kNo, n, in_dim_, out_dim_, 1.0f, dyp, out_dim_,
                weight_->value.data<float>(), in_dim_, 0.0f, dx.data<float>(), in_dim_, threads);
-  // dW += dy^T x: split over the rows of dW (out_dim), each a sum over all tokens.
-  ParallelGemm(Trans::kYes, Trans::kNo, out_dim_, in_dim_, n, 1.0f, dyp, out_dim_, x.data<float>(),
-               in_dim_, 1.0f, weight_->grad.data<float>(), in_dim_, threads);
-  if (bias_ != nullptr) {
-    float* db = bias_->grad.data<float>();
-    for (int64_t i = 0; i < n; ++i) {
-      const float* row = dyp + i * out_dim_;
-      for (int64_t j = 0; j < out_dim_; ++j) db[j] += row[j];
+  // dW += dy^T x: split over the rows of dW (out_dim), each a sum over all tokens. Deferred to a
+  // zero-bubble W when the caller asks (train/weight_grad.h); dy is the caller's, so the deferred
+  // work keeps its own copy.
+  RunOrDeferWeightGrad([this, n, threads, x, dy = DeferringWeightGrads() ? dy.Clone() : dy] {
+    const float* g = dy.data<float>();
+    ParallelGemm(Trans::kYes, Trans::kNo, out_dim_, in_dim_, n, 1.0f, g, out_dim_, x.data<float>(),
+                 in_dim_, 1.0f, weight_->grad.data<float>(), in_dim_, threads);
+    if (bias_ != nullptr) {
+      float* db = bias_->grad.data<float>();
+      for (int64_t i = 0; i < n; ++i) {
+        const float* row = g + i * out_dim_;
+        for (int64_t j = 0; j < out_dim_; ++j) db[j] += row[j];
+      }
     }
-  }
+  });
   return dx;
 }
 

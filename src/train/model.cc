@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "switchyard/kernels/gemm.h"
+#include "switchyard/train/weight_grad.h"
 #include "train/parallel_for.h"
 
 namespace switchyard::train {
@@ -535,9 +536,12 @@ Tensor TransformerLm::BackwardChunk(const LmOutput& forward, const Tensor& dy, f
     ParallelGemm(Trans::kNo, Trans::kNo, n, c.model_dim, lv, 1.0f, dlogits.data<float>(), lv,
                  head_->value.data<float>(), c.model_dim, 0.0f, dh.data<float>(), c.model_dim,
                  threads);
-    ParallelGemm(Trans::kYes, Trans::kNo, lv, c.model_dim, n, 1.0f, dlogits.data<float>(), lv,
-                 s.h.data<float>(), c.model_dim, 1.0f, head_->grad.data<float>(), c.model_dim,
-                 threads);
+    // The head's weight gradient: a zero-bubble W when deferred (train/weight_grad.h); dlogits
+    // and h are not written after this, so the work shares them.
+    RunOrDeferWeightGrad([head = head_, lv, n, d = c.model_dim, threads, dlogits, h = s.h] {
+      ParallelGemm(Trans::kYes, Trans::kNo, lv, d, n, 1.0f, dlogits.data<float>(), lv,
+                   h.data<float>(), d, 1.0f, head->grad.data<float>(), d, threads);
+    });
     if (tensor_parallel()) {
       if (tp_.options.sequence_parallel) {
         dh = ReduceScatterSequence("output head dh", *tp_.group, dh, &tp_stats_);

@@ -22,6 +22,7 @@
 #include "switchyard/train/pipeline.h"
 #include "switchyard/train/progress.h"
 #include "switchyard/train/run_dir.h"
+#include "switchyard/train/weight_grad.h"
 
 namespace switchyard::train {
 
@@ -249,15 +250,25 @@ void Trainer::RunMicrobatches(const std::vector<Batch>& batches,
     outs[static_cast<size_t>(mb)][static_cast<size_t>(chunk)] = std::move(o);
     return activation;
   };
-  cb.backward = [&](int mb, int chunk, const Tensor& grad, bool /*input_only*/) {
+  // Zero-bubble: B (input_only) queues the dense layers' weight-gradient GEMMs of its
+  // (micro-batch, chunk) and the schedule's W runs them (train/weight_grad.h).
+  std::vector<std::vector<WeightGradQueue>> deferred(
+      static_cast<size_t>(m), std::vector<WeightGradQueue>(static_cast<size_t>(v)));
+  cb.backward = [&](int mb, int chunk, const Tensor& grad, bool input_only) {
     LmOutput& o = outs[static_cast<size_t>(mb)][static_cast<size_t>(chunk)];
-    Tensor dx = model_->BackwardChunk(o, grad, scale, threads_);
+    Tensor dx;
+    if (input_only) {
+      DeferWeightGrads defer(deferred[static_cast<size_t>(mb)][static_cast<size_t>(chunk)]);
+      dx = model_->BackwardChunk(o, grad, scale, threads_);
+    } else {
+      dx = model_->BackwardChunk(o, grad, scale, threads_);
+    }
     o.state.reset();  // the activations of this micro-batch chunk are no longer needed
     return dx;
   };
-  // The weight gradients are computed with the input gradients (B), so a zero-bubble W has
-  // nothing left to do (docs/pipeline.md).
-  cb.backward_weight = [](int, int) {};
+  cb.backward_weight = [&](int mb, int chunk) {
+    deferred[static_cast<size_t>(mb)][static_cast<size_t>(chunk)].Run();
+  };
   parallel::RunSchedule(*hooks_->pipeline_group(), pipeline_, cb);
 }
 

@@ -371,11 +371,25 @@ TEST_F(DistributedTest, PipelineMatchesOneRank) {
         {4, 2, "1f1b", 1, 1, false, 1},
         {4, 2, "interleaved", 2, 2, true},
     };
-    if (!tied) layouts = {{4, 4, "fthenb"}, {4, 2, "zb-h1", 1, 2, false, 3}};
+    if (!tied) layouts = {{4, 4, "fthenb"}, {4, 4, "zb-h1"}, {4, 2, "zb-h1", 1, 2, false, 3}};
     for (const PpLayout& l : layouts) {
       ExpectSameRun(want, OnRanks(WithLayout(base, l), kSteps),
                     Describe(l) + (tied ? " tied" : " untied"));
     }
+  }
+}
+
+// Interleaved 1F1B on 4 stages: 8 blocks in 8 virtual stages (2 chunks per rank), with the MoE
+// blocks spread over them.
+TEST_F(DistributedTest, InterleavedPipelineOnFourStagesMatchesOneRank) {
+  TrainConfig base = TinyMoeConfig(dir_);
+  base.model.num_layers = 8;
+  base.model.num_heads = 4;
+  base.microbatches = 4;
+  const int kSteps = 2;
+  StepLosses want = SingleRank(base, kSteps);
+  for (const PpLayout& l : {PpLayout{4, 4, "interleaved", 2}, PpLayout{4, 4, "zb-h1"}}) {
+    ExpectSameRun(want, OnRanks(WithLayout(base, l), kSteps), Describe(l) + " 8 blocks");
   }
 }
 
