@@ -32,8 +32,8 @@ Tensor TensorFromArray(py::handle obj, std::string_view name) {
     a = py::reinterpret_borrow<py::array>(obj);
   } else {
     a = AsFloat32Array(obj);
-    SY_REQUIRE(a, InvalidArgument, "{}: expected a float32 array (or something NumPy converts to one)",
-               name);
+    SY_REQUIRE(a, InvalidArgument,
+               "{}: expected a float32 array (or something NumPy converts to one)", name);
   }
   Shape shape(a.shape(), a.shape() + a.ndim());
   if (a.size() == 0) return Tensor::Zeros(shape);
@@ -50,15 +50,9 @@ py::object ArrayFromTensor(const Tensor& t) {
   if (!t.defined()) return py::none();
   py::dtype dtype;
   switch (t.dtype()) {
-    case DType::kFloat32:
-      dtype = py::dtype::of<float>();
-      break;
-    case DType::kInt32:
-      dtype = py::dtype::of<int32_t>();
-      break;
-    case DType::kInt64:
-      dtype = py::dtype::of<int64_t>();
-      break;
+    case DType::kFloat32: dtype = py::dtype::of<float>(); break;
+    case DType::kInt32: dtype = py::dtype::of<int32_t>(); break;
+    case DType::kInt64: dtype = py::dtype::of<int64_t>(); break;
     default: {
       Tensor f = t.To(DType::kFloat32);
       return ArrayFromTensor(f);
@@ -100,8 +94,9 @@ template <typename Params, typename Fn>
 void ForEachSlot(Params& p, Fn&& fn) {
   fn("gate.weight", p.gate_weight);
   fn("gate.expert_bias", p.expert_bias);
-  const std::pair<const char*, decltype(&p.experts)> groups[] = {
-      {"experts", &p.experts}, {"residual_mlp", &p.residual_mlp}, {"shared_experts", &p.shared_mlp}};
+  const std::pair<const char*, decltype(&p.experts)> groups[] = {{"experts", &p.experts},
+                                                                 {"residual_mlp", &p.residual_mlp},
+                                                                 {"shared_experts", &p.shared_mlp}};
   for (const auto& [prefix, w] : groups) {
     fn(fmt::format("{}.fc1.weight", prefix), w->fc1_weight);
     fn(fmt::format("{}.fc1.bias", prefix), w->fc1_bias);

@@ -119,8 +119,8 @@ void BindLayer(py::module_& m) {
       .def("forward", &PyMoeLayer::Forward, py::arg("params"), py::arg("x"),
            py::arg("training") = true, py::arg("step") = 0, py::arg("global_token_offset") = 0,
            py::arg("threads") = 1, py::arg("save_for_backward") = true)
-      .def("backward", &PyMoeLayer::Backward, py::arg("params"), py::arg("forward"),
-           py::arg("dy"), py::arg("threads") = 1, py::arg("aux_loss_coef") = py::none(),
+      .def("backward", &PyMoeLayer::Backward, py::arg("params"), py::arg("forward"), py::arg("dy"),
+           py::arg("threads") = 1, py::arg("aux_loss_coef") = py::none(),
            py::arg("z_loss_coef") = py::none());
   m.def("wraps_without_copy", &WrapsWithoutCopy, py::arg("array"),
         "True if the layer reads this array in place (C-contiguous, aligned float32).");
@@ -133,9 +133,10 @@ PYBIND11_MODULE(_switchyard, m) {
   using namespace switchyard::python;
   m.doc() = "switchyard's MoE layer (C++) over NumPy arrays; see docs/python.md";
   m.attr("__version__") = kVersion;
-  py::register_exception<InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
-  py::register_exception<TimeoutError>(m, "TimeoutError", PyExc_TimeoutError);
+  // Translators are tried last-registered first: the base class goes first.
   py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
+  py::register_exception<TimeoutError>(m, "TimeoutError", PyExc_TimeoutError);
+  py::register_exception<InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
 
   BindForward(m);
   BindLayer(m);

@@ -99,11 +99,10 @@ class PyParallelLayer {
     parallel::ParallelOptions o = OptionsFromDict(options);
     parallel::Mesh mesh = parallel::LayerMesh(config, o, world_->size());
     // Layers whose meshes have the same groups share them (collective on first use).
-    const std::string key =
-        fmt::format("{} tp{} ep{} etp{} {} sp{} n{}", world_->size(), o.mesh.tp, mesh.ep(),
-                    o.mesh.etp, parallel::ArrangementName(o.mesh.arrangement),
-                    o.mesh.sequence_parallel ? int(*o.mesh.sequence_parallel) : -1,
-                    config.num_experts);
+    const std::string key = fmt::format(
+        "{} tp{} ep{} etp{} {} sp{} n{}", world_->size(), o.mesh.tp, mesh.ep(), o.mesh.etp,
+        parallel::ArrangementName(o.mesh.arrangement),
+        o.mesh.sequence_parallel ? int(*o.mesh.sequence_parallel) : -1, config.num_experts);
     auto& cached = State().groups[key];
     if (!cached) {
       py::gil_scoped_release nogil;
@@ -167,7 +166,8 @@ class PyParallelLayer {
       return *layer_;
     }
     auto& sibling = siblings_[{c.aux_loss_coef, c.z_loss_coef}];
-    if (!sibling) sibling = std::make_unique<parallel::ParallelMoeLayer>(c, layer_->options(), groups_);
+    if (!sibling)
+      sibling = std::make_unique<parallel::ParallelMoeLayer>(c, layer_->options(), groups_);
     return *sibling;
   }
   int rank() const { return world_->rank(); }
@@ -190,7 +190,8 @@ void BindParallel(py::module_& m) {
       .def_property_readonly("rank", &PyParallelLayer::rank)
       .def_property_readonly("world_size", &PyParallelLayer::world_size)
       .def_property_readonly(
-          "first_expert", [](const PyParallelLayer& l) { return l.layer().shard_spec().first_expert; })
+          "first_expert",
+          [](const PyParallelLayer& l) { return l.layer().shard_spec().first_expert; })
       .def_property_readonly(
           "local_experts",
           [](const PyParallelLayer& l) { return l.layer().shard_spec().local_experts; })

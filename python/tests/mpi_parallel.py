@@ -71,8 +71,9 @@ def check_numpy_layer(experts, dropless, options):
 
 def check_torch_module():
     # The same model (same seed) on one rank and across the ranks, three SGD steps; every rank
-    # feeds its part of each global batch. The objective is the sum over ranks of
-    # sum(y * w) + 0.01 * l_aux / world, i.e. the whole batch's sum(y * w) + 0.01 * l_aux.
+    # feeds its part of each global batch and adds 0.01 * l_aux (the whole batch's l_aux, the same
+    # on every rank) to its loss: the synced gradients are those of the whole batch's
+    # sum(y * w) + 0.01 * l_aux.
     kw = dict(gate_type={"type": "top", "k": 2, "capacity_factor": 1.0}, model_dim=8,
               experts={"type": "ffn", "count_per_node": 2, "hidden_size_per_expert": 12,
                        "activation_fn": torch.nn.functional.gelu}, threads=1)
@@ -95,7 +96,7 @@ def check_torch_module():
         opt_p.zero_grad()
         xp = x[b:e].clone().requires_grad_(True)
         yp = par(xp)
-        ((yp * w[b:e]).sum() + 0.01 * yp.l_aux / world).backward()
+        ((yp * w[b:e]).sum() + 0.01 * yp.l_aux).backward()
         tag = "torch step %d" % step
         close(tag + " y", yp.detach().numpy(), y.detach()[b:e].numpy())
         close(tag + " gate grad", par.gates[0].wg.weight.grad.numpy(),

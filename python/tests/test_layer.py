@@ -88,30 +88,40 @@ def test_lifetimes():
 
 def objective(layer, params, x, dy):
     out = layer.forward(params, x, training=False)
-    return float(np.sum(out.y.astype(np.float64) * dy)) + CONFIG["aux_loss_coef"] * out.l_aux
+    value = float(np.sum(out.y.astype(np.float64) * dy)) + CONFIG["aux_loss_coef"] * out.l_aux
+    return value, out.routing["topk_idx"].copy()
 
 
 def test_backward_against_finite_differences():
-    # No drops (cf 0) so the objective is smooth around the point; float64 differences of the
-    # float32 layer with a step large enough for float32 rounding.
+    # No drops (cf 0); float64 differences of the float32 layer with a step large enough for
+    # float32 rounding. The objective jumps where a token's top-k set changes: a probe whose
+    # perturbation changes the routing is replaced by another (at least 4 checked per tensor).
     cfg = dict(CONFIG, capacity_factor=0.0)
     layer = switchyard.MoeLayer(cfg)
     params = layer.init_params(seed=5)
     x, dy = inputs(tokens=12, seed=4)
     grads = layer.backward(params, layer.forward(params, x), dy)
+    _, routing = objective(layer, params, x, dy)
     rng = np.random.default_rng(9)
     h = 1e-2
     for name, array in list(params.items()) + [("x", x)]:
-        for _ in range(4):
+        checked = 0
+        for _ in range(40):
             idx = tuple(rng.integers(0, s) for s in array.shape)
             old = array[idx]
             array[idx] = old + h
-            up = objective(layer, params, x, dy)
+            up, r_up = objective(layer, params, x, dy)
             array[idx] = old - h
-            down = objective(layer, params, x, dy)
+            down, r_down = objective(layer, params, x, dy)
             array[idx] = old
+            if not (np.array_equal(r_up, routing) and np.array_equal(r_down, routing)):
+                continue
             numeric = (up - down) / (2 * h)
             assert grads[name][idx] == pytest.approx(numeric, rel=2e-2, abs=2e-3), (name, idx)
+            checked += 1
+            if checked == 4:
+                break
+        assert checked == 4, name
 
 
 def test_equals_plain_pytorch_reference():
