@@ -114,7 +114,7 @@ def corpus(directory="/usr/share/games/fortunes"):
             data += f.read()
     if not data:
         sys.exit("no fortune files in %s (install fortunes-min: bash scripts/setup.sh)" % directory)
-    return torch.frombuffer(bytes(data), dtype=torch.uint8).long()
+    return torch.frombuffer(data, dtype=torch.uint8).long()
 
 
 def svg(path, steps, curves, title):
@@ -207,9 +207,28 @@ def main():
     t_pl = med([r[4] for r in rows[skip:]])
     print("median step time (steps %d..%d): switchyard.torch.MoE %.1f ms, plain PyTorch MoE "
           "%.1f ms (ratio %.2f)" % (skip, len(rows) - 1, 1e3 * t_sy, 1e3 * t_pl, t_pl / t_sy))
-    print("final loss (mean of the last 20 steps): switchyard %.4f, plain %.4f"
+    print("final loss (mean of the last 20 steps): switchyard %.4f, plain %.4f; largest "
+          "difference of the two losses at one step %.2e"
           % (sum(r[1] for r in rows[-20:]) / len(rows[-20:]),
-             sum(r[2] for r in rows[-20:]) / len(rows[-20:])))
+             sum(r[2] for r in rows[-20:]) / len(rows[-20:]),
+             max(abs(r[1] - r[2]) for r in rows)))
+    # The MoE layers alone: forward + backward of one block's MoE on a batch of activations,
+    # interleaved, median of the repetitions.
+    x = torch.randn(args.batch * args.seq, d)
+    dy = torch.randn_like(x)
+    layer_times = ([], [])
+    for _ in range(5 if args.smoke else 60):
+        for i, model in enumerate((model_sy, model_pl)):
+            moe = model.blocks[0].moe
+            xi = x.clone().requires_grad_(True)
+            t0 = time.perf_counter()
+            y = moe(xi)
+            ((y * dy).sum() + 0.01 * y.l_aux).backward()
+            layer_times[i].append(time.perf_counter() - t0)
+    print("MoE layer alone, forward + backward of [%d, %d] (median): switchyard.torch.MoE %.2f ms, "
+          "plain PyTorch MoE %.2f ms (ratio %.2f)"
+          % (args.batch * args.seq, d, 1e3 * med(layer_times[0]), 1e3 * med(layer_times[1]),
+             med(layer_times[1]) / med(layer_times[0])))
     if args.out and not args.smoke:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "losses.csv"), "w") as f:
