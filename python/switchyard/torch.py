@@ -102,7 +102,7 @@ class MoE(torch.nn.Module):
     Arguments (Tutel's names): gate_type {'type': 'top', 'k', 'capacity_factor', 'gate_noise'},
     model_dim, experts {'type': 'ffn', 'count_per_node', 'hidden_size_per_expert',
     'activation_fn', 'has_fc1_bias', 'has_fc2_bias'}, normalize_gate, batch_prioritized_routing,
-    is_gshard_loss, a2a_ffn_overlap_degree, use_2dh.
+    is_gshard_loss, a2a_ffn_overlap_degree (with parallel), seeds (gate seed, experts seed).
     switchyard's: num_experts (global; instead of count_per_node), hidden_size_per_expert, top_k,
     capacity_factor, activation, config (more layer.json keys, docs/moe.md), threads (compute
     threads of the C++ layer; default torch.get_num_threads()), parallel (a dict of
@@ -129,6 +129,9 @@ class MoE(torch.nn.Module):
         if experts.get("type", "ffn") != "ffn":
             raise ValueError("experts['type']: expected 'ffn', got %r" % experts["type"])
         parallel = dict(parallel) if parallel is not None else None
+        if use_2dh:
+            raise ValueError("use_2dh: pass parallel={'hierarchical_ranks_per_node': n, ...} "
+                             "(switchyard's 2DH all-to-all needs the ranks per node)")
 
         k = top_k if top_k is not None else gate_type.get("k", 2)
         cf = capacity_factor if capacity_factor is not None else gate_type.get("capacity_factor",
@@ -168,20 +171,27 @@ class MoE(torch.nn.Module):
 
         if parallel is None:
             self._impl = _sy.MoeLayer(cfg)
-            local, hs, first, shards = num_experts, hidden, 0, 1
+            local, hs, shards = num_experts, hidden, 1
         else:
             if a2a_ffn_overlap_degree != 1:
                 parallel.setdefault("overlap_degree", a2a_ffn_overlap_degree)
             self._impl = _sy.ParallelMoeLayer(cfg, **parallel)
-            local, first = self._impl.local_experts, self._impl.first_expert
+            local = self._impl.local_experts
             shards = self._impl.shards
             hs = hidden // shards
         self.config = cfg
         self.num_local_experts, self.sharded_count = local, shards
 
+        # Tutel's seeds: (gate seed, experts seed), each None or an int seeding torch before that
+        # part is initialized.
+        seeds = tuple(seeds or ()) + (None, None)
+        if seeds[0] is not None:
+            torch.manual_seed(seeds[0])
         self.gates = torch.nn.ModuleList([_Gate(model_dim, num_experts)])
         self.experts = _Experts(local, hs, model_dim, -(-model_dim // shards), bias)
-        self._init_parameters(num_experts, hidden, model_dim, bias, first, shards)
+        if seeds[1] is not None:
+            torch.manual_seed(seeds[1])
+        self._init_parameters(num_experts, hidden, model_dim, bias)
 
     # The parameters in the order the autograd function takes them, with switchyard's names.
     _names = ("gate.weight", "experts.fc1.weight", "experts.fc1.bias", "experts.fc2.weight",
@@ -193,7 +203,7 @@ class MoE(torch.nn.Module):
                 e.batched_fc2_w.transpose(1, 2), e.batched_fc2_bias)
 
     @torch.no_grad()
-    def _init_parameters(self, num_experts, hidden, model_dim, bias, first, shards):
+    def _init_parameters(self, num_experts, hidden, model_dim, bias):
         # torch.nn.Linear's default per expert (as Tutel): U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
         # The full tensors are drawn on every rank (same seed -> same model as on one rank) and
         # each rank keeps its shard.

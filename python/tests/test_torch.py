@@ -148,3 +148,13 @@ def test_bad_input_is_a_clear_error():
         MoE(model_dim=8, experts={"hidden_size_per_expert": 4, "activation_fn": torch.tanh})
     with pytest.raises(ValueError, match="top_k"):
         MoE(model_dim=8, hidden_size_per_expert=4, num_experts=2, top_k=0)
+
+
+def test_tutel_seeds():
+    kw = dict(model_dim=8, experts={"count_per_node": 2, "hidden_size_per_expert": 4})
+    a, b, c = MoE(**kw, seeds=(1, 2)), MoE(**kw, seeds=(1, 2)), MoE(**kw, seeds=(1, 3))
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), n
+        assert torch.equal(pa, pc) == n.startswith("gates"), n
+    with pytest.raises(ValueError, match="hierarchical_ranks_per_node"):
+        MoE(**kw, use_2dh=True)
