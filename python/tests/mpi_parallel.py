@@ -38,9 +38,23 @@ def split(total):
 
 
 def shard_of(full, layer, name):
-    """The rank's shard of a full expert tensor [E, ...] (unsharded experts: n = 1)."""
-    first, local = layer.first_expert, layer.local_experts
-    return full[name][first:first + local]
+    """The rank's shard of a full expert tensor (docs/parallel.md: experts [first, first + local),
+    and with n H-shards, shard i of the hidden dimension; fc2's bias in chunks of ceil(M / n))."""
+    f, l, n, i = layer.first_expert, layer.local_experts, layer.shards, layer.shard
+    t = full[name][f:f + l]
+    if name in ("experts.fc1.weight", "experts.fc1.bias"):
+        hs = t.shape[1] // n
+        return t[:, i * hs:(i + 1) * hs]
+    if name == "experts.fc2.weight":
+        hs = t.shape[2] // n
+        return t[:, :, i * hs:(i + 1) * hs]
+    if name == "experts.fc2.bias":
+        mc = -(-t.shape[1] // n)
+        chunk = np.zeros((l, mc), t.dtype)
+        part = t[:, i * mc:(i + 1) * mc]
+        chunk[:, :part.shape[1]] = part
+        return chunk
+    raise KeyError(name)
 
 
 def check_numpy_layer(experts, dropless, options):
@@ -110,8 +124,11 @@ def check_torch_module():
 
 def main():
     layouts = [{"ep": world}, {"ep": world, "dispatch": "alltoallv"},
-               {"ep": world, "dispatch": "allgather"}, {"ep": world, "batch_scope": "global",
-                                                        "overlap_degree": 2}]
+               {"ep": world, "dispatch": "allgather"}, {"ep": world, "overlap_degree": 2},
+               {"ep": max(1, world // 2)}]  # expert replicas (expert-data-parallel groups)
+    if world >= 2:
+        # Megatron's folding with expert tensor parallelism: each expert split along H over 2.
+        layouts.append({"arrangement": "megatron", "etp": 2, "ep": world // 2})
     for options in layouts:
         check_numpy_layer(world, dropless=False, options=options)
         check_numpy_layer(2 * world, dropless=True, options=options)
@@ -141,12 +158,9 @@ def check_numpy_layer_sharded(options):
     close("sharded y", out.y, ref.y[b:e])
     close("sharded grad x", grads["x"], ref_g["x"][b:e])
     close("sharded grad gate", grads["gate.weight"], ref_g["gate.weight"])
-    hs, i, f = 12 // par.shards, par.shard, par.first_expert
-    l = par.local_experts
-    close("sharded fc1", grads["experts.fc1.weight"],
-          ref_g["experts.fc1.weight"][f:f + l, i * hs:(i + 1) * hs])
-    close("sharded fc2", grads["experts.fc2.weight"],
-          ref_g["experts.fc2.weight"][f:f + l, :, i * hs:(i + 1) * hs])
+    for name in ("experts.fc1.weight", "experts.fc1.bias", "experts.fc2.weight",
+                 "experts.fc2.bias"):
+        close("sharded grad " + name, grads[name], shard_of(ref_g, par, name))
 
 
 if __name__ == "__main__":
