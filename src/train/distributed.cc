@@ -385,6 +385,12 @@ void DistributedHooks::BeginStep(ParameterSet& params) {
     gathered_ = false;
   }
   for (ShardedAdamW* o : Optimizers()) o->ZeroGradients();
+  if (steps_ == 1) {
+    // The peak is that of the training steps: the model was built with every value on every
+    // rank and the gradients committed; from here on each stage holds what it keeps.
+    meter_.Reset();
+    meter_.Sample();
+  }
   // Trainable parameters outside the optimizers (none today) still start from zero.
   for (Parameter& p : params.all()) {
     if (p.options.trainable && p.grad.defined() && p.grad.numel() > 0 &&
@@ -414,6 +420,8 @@ void DistributedHooks::AfterBlock(int64_t block, bool backward) {
   }
   if (backward && overlap_ && last_microbatch_ && mesh_.pp() == 1) {
     for (ShardedAdamW* o : Optimizers()) o->LaunchUnitReduction(block);
+    const float inv = 1.0f / static_cast<float>(mesh_.dp() * mesh_.cp());
+    for (ShardedAdamW* o : Optimizers()) o->PollReductions(inv);
   }
 }
 

@@ -250,6 +250,7 @@ void ShardedAdamW::ZeroGradients() {
   }
   Sample();
   grads_->Release(0, grads_->size());
+  for (Bucket& b : buckets_) b.reduced = false;
 }
 
 void ShardedAdamW::LaunchReduction(Bucket& b) {
@@ -271,7 +272,7 @@ void ShardedAdamW::LaunchReduction(Bucket& b) {
 
 void ShardedAdamW::LaunchUnitReduction(int64_t unit) {
   for (Bucket& b : buckets_) {
-    if (b.unit != unit || b.reducing) continue;
+    if (b.unit != unit || b.reducing || b.reduced) continue;
     LaunchReduction(b);
     ++times_.overlapped;
   }
@@ -299,13 +300,23 @@ void ShardedAdamW::FinishReduction(Bucket& b, float scale) {
     Release(b, /*values=*/false);
   }
   b.reducing = false;
+  b.reduced = true;
+}
+
+void ShardedAdamW::PollReductions(float scale) {
+  for (Bucket& b : buckets_) {
+    if (b.reducing && b.reduction.IsCompleted()) FinishReduction(b, scale);
+  }
 }
 
 void ShardedAdamW::ReduceGradients(float scale) {
   for (Bucket& b : buckets_) {
-    if (!b.reducing) LaunchReduction(b);
+    if (!b.reducing && !b.reduced) LaunchReduction(b);
   }
-  for (Bucket& b : buckets_) FinishReduction(b, scale);
+  for (Bucket& b : buckets_) {
+    if (b.reducing) FinishReduction(b, scale);
+    b.reduced = false;  // the round is complete
+  }
   Sample();
 }
 

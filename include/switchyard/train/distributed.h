@@ -122,7 +122,7 @@ class DistributedHooks : public TrainHooks, public BlockObserver {
   void SetPipeline(std::unique_ptr<comm::Communicator> stage, bool tied_embedding);
   // Reduction of gradient buckets during the backward (see the class comment).
   void SetOverlapGradReduce(bool overlap) { overlap_ = overlap; }
-  // The peak memory of this rank's optimizer buffers so far (MemoryMeter).
+  // The peak memory of this rank's optimizer buffers during the training steps (MemoryMeter).
   const ZeroMemory& peak_memory() const { return meter_.peak(); }
   // The formula bytes for this rank: parameters + gradients + optimizer state as ZeRO shards
   // them (4 bytes per parameter and gradient element, 8 of state), summed over the optimizers.

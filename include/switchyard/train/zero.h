@@ -91,6 +91,8 @@ class MemoryMeter {
   // Samples the current sum; keeps the largest total (and its parts).
   void Sample();
   const ZeroMemory& peak() const { return peak_; }
+  // Forgets the peak (the next Sample starts it again).
+  void Reset() { peak_ = ZeroMemory{}; }
   ZeroMemory Current() const;
 
  private:
@@ -157,6 +159,10 @@ class ShardedAdamW {
   // Starts the reduction of the buckets of `unit` (a block index, -1 for the parameters outside
   // blocks) that are not started yet: their gradients must be final. Collective.
   void LaunchUnitReduction(int64_t unit);
+  // Finishes the launched reductions that have completed (their buckets get the reduced gradient
+  // times `scale`, the same `scale` ReduceGradients will be given; stages 2/3 give back the rest
+  // of the bucket's gradients). Never blocks, issues no collective. Local.
+  void PollReductions(float scale);
   // Sums every trainable parameter's gradient over the group and multiplies it by `scale` (the
   // trainer passes 1 / data shards). Stages 0/1: all-reduce, every rank then holds the full
   // result. Stages 2/3: reduce-scatter, only the own range holds the result; the rest reads 0
@@ -219,6 +225,7 @@ class ShardedAdamW {
     int64_t state_offset = 0;            // of its stepped range within exp_avg_
     comm::Work reduction;                // in flight when `reducing`
     bool reducing = false;
+    bool reduced = false;         // finished since the last ZeroGradients
     std::vector<float> received;  // reduce-scatter output (c), while reducing
     comm::Work gather;            // stage 3 all-gather in flight when `gathering`
     bool gathering = false;
