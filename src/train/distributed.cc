@@ -452,6 +452,8 @@ void DistributedHooks::FillSummary(RunSummary* summary) {
   const ReductionTimes t = TakeReductionTimes();
   run_times_.reduce_seconds += t.reduce_seconds;
   run_times_.blocked_seconds += t.blocked_seconds;
+  run_times_.buckets += t.buckets;
+  run_times_.overlapped += t.overlapped;
   // Per rank: the peak and its parts, the formula, the reduction times (one-hot rows, summed).
   const ZeroMemory& peak = meter_.peak();
   constexpr size_t kRow = 8;
@@ -598,6 +600,8 @@ void DistributedHooks::ReleaseParameters(ParameterSet& params) {
   const ReductionTimes t = TakeReductionTimes();
   run_times_.reduce_seconds += t.reduce_seconds;
   run_times_.blocked_seconds += t.blocked_seconds;
+  run_times_.buckets += t.buckets;
+  run_times_.overlapped += t.overlapped;
   if (zero_stage_ < 3) return;
   copy_opt_->ReleaseParameters();
   split_opt_->ReleaseParameters();

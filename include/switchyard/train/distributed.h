@@ -129,6 +129,8 @@ class DistributedHooks : public TrainHooks, public BlockObserver {
   int64_t FormulaBytes() const;
   // Reduction times of the optimizers since the last call, summed.
   ReductionTimes TakeReductionTimes();
+  // Reduction times and bucket counts summed over the steps so far.
+  const ReductionTimes& run_reduction_times() const { return run_times_; }
 
   // Records an MoE block built by the factory (its parameter prefix and layer config), for
   // gathering and slicing its experts in checkpoints.

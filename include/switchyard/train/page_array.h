@@ -6,7 +6,8 @@
 // Memory is measured, not estimated: ResidentBytes() asks the kernel (mincore) which of the
 // array's pages are in memory. Transparent huge pages are turned off for the mapping so that one
 // write commits one page, which makes the count deterministic for a given sequence of writes and
-// releases.
+// releases. Reading a released page maps the system's shared zero page, which counts as in
+// memory too (it is not allocated); ZeRO never reads what it released.
 //
 // Thread-safety: Release and ResidentBytes may run while another thread reads or writes other
 // pages; a page released while it is being written ends up in either state.
