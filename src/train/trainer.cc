@@ -1003,12 +1003,13 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                summary.peak_rss_bytes / mib);
   }
   if (std::isfinite(summary.grad_reduce_s) && summary.grad_reduce_s > 0) {
+    // The collectives' run time counts from this rank's launch, waiting for later peers
+    // included; the blocked time is what the step paid.
     fmt::print(out,
-               "  gradient reduction: {:.2f} ms per step and rank, {:.0f}% of it hidden behind the "
-               "backward (blocked {:.2f} ms; overlap_grad_reduce {})\n",
-               1e3 * summary.grad_reduce_s,
-               100 * std::max(0.0, 1 - summary.grad_reduce_blocked_s / summary.grad_reduce_s),
-               1e3 * summary.grad_reduce_blocked_s, c.overlap_grad_reduce ? "on" : "off");
+               "  gradient reduction: blocked {:.2f} ms per step and rank waiting for it "
+               "(its collectives ran {:.2f} ms from launch to finish; overlap_grad_reduce {})\n",
+               1e3 * summary.grad_reduce_blocked_s, 1e3 * summary.grad_reduce_s,
+               c.overlap_grad_reduce ? "on" : "off");
   }
   fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{})\n", run_dir,
              moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "");

@@ -180,8 +180,9 @@ struct RunSummary {
   int64_t zero_peak_state = 0;
   int64_t zero_peak_scratch = 0;
   int64_t zero_formula_bytes = 0;
-  // Gradient reduction per step (rank mean): time the bucket collectives ran, and the part of it
-  // the rank spent blocked waiting for them (the rest was hidden behind the backward).
+  // Gradient reduction per step (rank mean): time the bucket collectives ran (from the launch on
+  // the rank to their end, waiting for later peers included), and the time the rank spent
+  // blocked waiting for them. Hidden share: 1 - blocked / blocked without overlap.
   double grad_reduce_s = NAN;
   double grad_reduce_blocked_s = NAN;
   int64_t peak_rss_bytes = 0;  // this process (every rank thread in it)
