@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "switchyard/comm/inprocess.h"
+#include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/train/distributed.h"
 #include "switchyard/train/page_array.h"
@@ -187,6 +188,24 @@ Outcome RunLayout(const TrainConfig& c, int steps) {
     }
   });
   return out;
+}
+
+TEST(ZeroMemoryTest, BucketSizeIsCheckedAndTheOverlapIsAKey) {
+  TrainConfig c;
+  c.bucket_mb = -1;
+  try {
+    ValidateTrainConfig(c);
+    ADD_FAILURE() << "a negative bucket_mb was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("bucket_mb"), std::string::npos) << e.what();
+  }
+  TrainConfig d;
+  SetTrainConfigValue(d, "overlap_grad_reduce", "false");
+  SetTrainConfigValue(d, "bucket_mb", "0.5");
+  EXPECT_FALSE(d.overlap_grad_reduce);
+  EXPECT_EQ(d.bucket_mb, 0.5);
+  EXPECT_TRUE(IsLayoutKey("overlap_grad_reduce"));
+  EXPECT_TRUE(IsLayoutKey("bucket_mb"));
 }
 
 TEST(ZeroMemoryTest, OverlappedReductionGivesTheSameRunBitForBit) {
