@@ -324,7 +324,9 @@ TEST(ZeroMemoryTest, Stage3GathersEachBlockJustBeforeItRuns) {
       if (ranks > 1) model.SetBlockObserver(&check);
       std::vector<double> mine;
       for (int s = 0; s < 2; ++s) mine.push_back(rt.trainer().Step().loss);
-      if (ranks > 1) EXPECT_EQ(check.calls, 2 * 2 * c.model.num_layers);  // forward + backward
+      if (ranks > 1) {
+        EXPECT_EQ(check.calls, 2 * 2 * c.model.num_layers);  // forward + backward
+      }
       std::lock_guard<std::mutex> lock(mu);
       if (world.rank() == 0) losses[ranks - 1] = mine;
     });
