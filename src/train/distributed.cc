@@ -421,7 +421,7 @@ void DistributedHooks::AfterBlock(int64_t block, bool backward) {
   if (backward && overlap_ && last_microbatch_ && mesh_.pp() == 1) {
     for (ShardedAdamW* o : Optimizers()) o->LaunchUnitReduction(block);
     const float inv = 1.0f / static_cast<float>(mesh_.dp() * mesh_.cp());
-    for (ShardedAdamW* o : Optimizers()) o->PollReductions(inv);
+    for (ShardedAdamW* o : Optimizers()) o->FinishUnitReduction(block + 1, inv);
   }
 }
 

@@ -303,9 +303,9 @@ void ShardedAdamW::FinishReduction(Bucket& b, float scale) {
   b.reduced = true;
 }
 
-void ShardedAdamW::PollReductions(float scale) {
+void ShardedAdamW::FinishUnitReduction(int64_t unit, float scale) {
   for (Bucket& b : buckets_) {
-    if (b.reducing && b.reduction.IsCompleted()) FinishReduction(b, scale);
+    if (b.unit == unit && b.reducing) FinishReduction(b, scale);
   }
 }
 

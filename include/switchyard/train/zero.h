@@ -159,10 +159,12 @@ class ShardedAdamW {
   // Starts the reduction of the buckets of `unit` (a block index, -1 for the parameters outside
   // blocks) that are not started yet: their gradients must be final. Collective.
   void LaunchUnitReduction(int64_t unit);
-  // Finishes the launched reductions that have completed (their buckets get the reduced gradient
-  // times `scale`, the same `scale` ReduceGradients will be given; stages 2/3 give back the rest
-  // of the bucket's gradients). Never blocks, issues no collective. Local.
-  void PollReductions(float scale);
+  // Waits for the launched reductions of `unit`'s buckets and finishes them: they get the reduced
+  // gradient times `scale` (the `scale` ReduceGradients will be given) and stages 2/3 give back
+  // the rest of the bucket's gradients. The hooks call it for the block after the one whose
+  // backward just ended, so that at most two blocks' reductions are in flight and what is freed
+  // when does not depend on timing. Issues no collective.
+  void FinishUnitReduction(int64_t unit, float scale);
   // Sums every trainable parameter's gradient over the group and multiplies it by `scale` (the
   // trainer passes 1 / data shards). Stages 0/1: all-reduce, every rank then holds the full
   // result. Stages 2/3: reduce-scatter, only the own range holds the result; the rest reads 0
