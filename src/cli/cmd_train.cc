@@ -31,6 +31,8 @@ struct TrainOptions {
   std::string resume;
   std::string transport = "auto";
   bool plain = false;
+  double link_latency_us = 0;  // emulated link between in-process ranks (0 and 0: none)
+  double link_gbps = 0;
   std::map<std::string, std::string> values;  // flag -> text, only for flags given
 };
 
@@ -69,8 +71,17 @@ int RunTrain(const TrainOptions& o) {
   run.run.resume = o.resume;
   if (o.plain) run.run.interactive = 0;
   if (transport != "mpi") train::ValidateTrainConfig(config);  // before the ranks are used
+  comm::InProcessOptions inprocess;
+  if (o.link_latency_us > 0 || o.link_gbps > 0) {
+    SY_REQUIRE(transport != "mpi", InvalidArgument,
+               "--link-latency-us / --link-gbps emulate links between in-process ranks; they do "
+               "not apply to --transport mpi");
+    inprocess.emulation =
+        comm::EmulationOptions{{o.link_latency_us, o.link_gbps}, {o.link_latency_us, o.link_gbps}};
+    RequireEmulationFitsDeadline(*inprocess.emulation, inprocess.timeout, "", 0);
+  }
   std::unique_ptr<comm::Launcher> launcher =
-      MakeLauncher(transport, static_cast<int>(config.ranks), {}, "train");
+      MakeLauncher(transport, static_cast<int>(config.ranks), inprocess, "train");
   if (transport == "mpi") {
     // Under mpirun a chosen number of ranks must equal the world size; otherwise it is taken.
     const int started = launcher->world_size();
@@ -116,6 +127,13 @@ SY_REGISTER_COMMAND(Command{
       app.add_option("--transport", o->transport,
                      "inproc (ranks as threads) | mpi (ranks as mpirun's processes) | auto");
       app.add_flag("--plain", o->plain, "print progress as plain lines even on a terminal");
+      app.add_option("--link-latency-us", o->link_latency_us,
+                     "emulated latency per message between the in-process ranks, microseconds "
+                     "(with --link-gbps; for measuring communication overlap)")
+          ->check(FiniteIn(0, 1e12));
+      app.add_option("--link-gbps", o->link_gbps,
+                     "emulated bandwidth between the in-process ranks, GB/s (0 = unlimited)")
+          ->check(FiniteIn(0, 1e12));
       AddTrainConfigFlags(
           app, [o](const std::string& key, const std::string& text) { o->values[key] = text; });
       return [o] { return RunTrain(*o); };

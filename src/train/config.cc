@@ -70,6 +70,8 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("ranks", c.ranks);
   fn("ep", c.ep);
   fn("zero_stage", c.zero_stage);
+  fn("overlap_grad_reduce", c.overlap_grad_reduce);
+  fn("bucket_mb", c.bucket_mb);
   fn("dispatch", c.dispatch);
   fn("overlap_degree", c.overlap_degree);
   fn("tp", c.tp);
@@ -258,6 +260,8 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"ranks", "ranks (threads of this process; under mpirun: the MPI world)"},
       {"ep", "expert-parallel size (0: all ranks)"},
       {"zero_stage", "ZeRO stage of the optimizer: 0, 1, 2 or 3"},
+      {"overlap_grad_reduce", "reduce gradient buckets while the backward goes on"},
+      {"bucket_mb", "gradient bucket size in MiB (0: one bucket per block)"},
       {"dispatch", "MoE dispatcher: alltoall | alltoallv | allgather"},
       {"overlap_degree", "a2a-FFN overlap degree D of the MoE blocks (1: none)"},
       {"tp", "tensor-parallel size (divides ranks, num_heads, hidden_dim, vocab_size)"},
@@ -361,6 +365,7 @@ void ValidateTrainConfig(const TrainConfig& c) {
   at_least("warmup_steps", static_cast<double>(c.warmup_steps), 0);
   at_least("weight_decay", c.weight_decay, 0);
   at_least("grad_clip", c.grad_clip, 0);
+  at_least("bucket_mb", c.bucket_mb, 0);
   at_least("log_every", static_cast<double>(c.log_every), 1);
   at_least("eval_every", static_cast<double>(c.eval_every), 0);
   at_least("eval_tokens", static_cast<double>(c.eval_tokens), 0);
@@ -496,11 +501,11 @@ const std::vector<std::string>& ResumeMustMatchKeys() {
 }
 
 bool IsLayoutKey(std::string_view key) {
-  return key == "ranks" || key == "ep" || key == "zero_stage" || key == "dispatch" ||
-         key == "overlap_degree" || key == "threads" || key == "tp" || key == "sequence_parallel" ||
-         key == "tp_comm_overlap" || key == "arrangement" || key == "etp" || key == "pp" ||
-         key == "pipeline_schedule" || key == "virtual_stages" || key == "pipeline_split" ||
-         key == "cp" || key == "cp_algo";
+  return key == "ranks" || key == "ep" || key == "zero_stage" || key == "overlap_grad_reduce" ||
+         key == "bucket_mb" || key == "dispatch" || key == "overlap_degree" || key == "threads" ||
+         key == "tp" || key == "sequence_parallel" || key == "tp_comm_overlap" ||
+         key == "arrangement" || key == "etp" || key == "pp" || key == "pipeline_schedule" ||
+         key == "virtual_stages" || key == "pipeline_split" || key == "cp" || key == "cp_algo";
 }
 
 namespace {

@@ -19,6 +19,7 @@
 #include "switchyard/moe/gate.h"
 #include "switchyard/parallel/expert_shard.h"
 #include "switchyard/train/data.h"
+#include "switchyard/train/moe_feed_forward.h"
 #include "switchyard/train/zero.h"
 
 namespace switchyard::train {
@@ -189,6 +190,7 @@ FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
     for (int64_t i = 0; i < x.numel(); ++i) nonfinite += std::isfinite(p[i]) ? 0 : 1;
   }
   auto state = std::make_shared<ParallelMoeState>();
+  RebindLayerParams(*params_, prefix_, &shard_);
   state->out = layer.Forward(shard_, x, o);
   const moe::LayerOutput& out = state->out.layer;
   const moe::LayerConfig& c = layer.config();
@@ -226,6 +228,7 @@ Tensor ParallelMoeFeedForward::Backward(const FeedForwardOutput& forward, const 
     d = dy.Clone();
     Scale(d, 1.0f / scale);
   }
+  RebindLayerParams(*params_, prefix_, &shard_);
   parallel::ParallelGradients g = layer.Backward(shard_, s.out, d, threads);
   for (const auto& [name, grad] : moe::ParamsToMap(layer.config(), g.params)) {
     Parameter& p = params_->Get(prefix_ + name);
@@ -249,6 +252,7 @@ FeedForwardTimes ParallelMoeFeedForward::TakeTimes() {
 void ParallelMoeFeedForward::EndStep(std::span<const int64_t> global_expert_loads) {
   const moe::LayerConfig& c = layer_.config();
   if (!c.expert_bias) return;
+  RebindLayerParams(*params_, prefix_, &shard_);
   moe::UpdateExpertBias(global_expert_loads, c.expert_bias_update_rate, shard_.expert_bias);
 }
 
@@ -262,7 +266,7 @@ DistributedHooks::DistributedHooks(std::shared_ptr<parallel::ProcessGroups> grou
       mesh_(groups_->mesh()),
       zero_stage_(zero_stage),
       ranks_in_process_(ranks_in_process),
-      poison_non_owned_(zero.poison_non_owned),
+      zero_options_(zero),
       tp_group_(groups_->Get(parallel::GroupKind::kTensor)),
       data_(groups_->Get(parallel::GroupKind::kData)),
       tokens_(groups_->Get(parallel::GroupKind::kTokens)),
@@ -342,10 +346,15 @@ void DistributedHooks::Prepare(ParameterSet& params, const AdamW& optimizer) {
     for (const Parameter* p : ps) n += p->value.numel();
     return n;
   };
+  for (const auto* list : {&split, &dense, &experts, &copies}) {
+    for (Parameter* p : *list) owned_by_optimizer_.insert(p);
+  }
   split_elements_ = count(split);
   dense_elements_ = count(dense);
   expert_elements_ = count(experts);
-  const ZeroOptions zero{.poison_non_owned = poison_non_owned_};
+  ZeroOptions zero = zero_options_;
+  zero.bucket_per_block = true;
+  zero.meter = &meter_;
   // A tied copy is reduced like the parameter it copies (a tensor-parallel shard or not).
   SY_CHECK(copies.size() <= 1, "more than one tied copy");
   copy_opt_ = std::make_unique<ShardedAdamW>(
@@ -356,6 +365,129 @@ void DistributedHooks::Prepare(ParameterSet& params, const AdamW& optimizer) {
       std::make_unique<ShardedAdamW>(dense, tokens_, zero_stage_, optimizer.options(), zero);
   expert_opt_ =
       std::make_unique<ShardedAdamW>(experts, expert_data_, zero_stage_, optimizer.options(), zero);
+}
+
+std::vector<ShardedAdamW*> DistributedHooks::Optimizers() const {
+  if (!dense_opt_) return {};
+  return {copy_opt_.get(), split_opt_.get(), dense_opt_.get(), expert_opt_.get()};
+}
+
+void DistributedHooks::BeginStep(ParameterSet& params) {
+  SY_CHECK(dense_opt_ != nullptr, "DistributedHooks: Prepare() was not called");
+  in_step_ = true;
+  last_microbatch_ = true;
+  ++steps_;
+  if (zero_stage_ == 3) {
+    // The blocks are gathered one at a time by BeforeBlock; the rest for the whole step.
+    for (ShardedAdamW* o : Optimizers()) o->ReleaseParameters();
+    for (ShardedAdamW* o : Optimizers()) o->PrefetchUnit(-1);
+    for (ShardedAdamW* o : Optimizers()) o->GatherUnit(-1);
+    gathered_ = false;
+  }
+  for (ShardedAdamW* o : Optimizers()) o->ZeroGradients();
+  if (steps_ == 1) {
+    // The peak is that of the training steps: the model was built with every value on every
+    // rank and the gradients committed; from here on each stage holds what it keeps.
+    meter_.Reset();
+    meter_.Sample();
+  }
+  // Trainable parameters outside the optimizers (none today) still start from zero.
+  for (Parameter& p : params.all()) {
+    if (p.options.trainable && p.grad.defined() && p.grad.numel() > 0 &&
+        !owned_by_optimizer_.contains(&p)) {
+      p.grad.SetZero();
+    }
+  }
+}
+
+void DistributedHooks::BeforeBlock(int64_t block, bool backward) {
+  if (!in_step_ || zero_stage_ != 3) return;
+  for (ShardedAdamW* o : Optimizers()) o->PrefetchUnit(block);
+  for (ShardedAdamW* o : Optimizers()) o->GatherUnit(block);
+  // The block that runs next on this rank (one pipeline stage: every block is this rank's).
+  const int64_t next = backward ? block - 1 : block + 1;
+  if (mesh_.pp() == 1) {
+    for (ShardedAdamW* o : Optimizers()) {
+      if (o->HasUnit(next)) o->PrefetchUnit(next);
+    }
+  }
+}
+
+void DistributedHooks::AfterBlock(int64_t block, bool backward) {
+  if (!in_step_) return;
+  if (zero_stage_ == 3) {
+    for (ShardedAdamW* o : Optimizers()) o->ReleaseUnit(block);
+  }
+  if (backward && overlap_ && last_microbatch_ && mesh_.pp() == 1) {
+    for (ShardedAdamW* o : Optimizers()) o->LaunchUnitReduction(block);
+    const float inv = 1.0f / static_cast<float>(mesh_.dp() * mesh_.cp());
+    for (ShardedAdamW* o : Optimizers()) o->FinishUnitReduction(block + 1, inv);
+  }
+}
+
+ReductionTimes DistributedHooks::TakeReductionTimes() {
+  ReductionTimes sum;
+  for (ShardedAdamW* o : Optimizers()) {
+    ReductionTimes t = o->TakeReductionTimes();
+    sum.reduce_seconds += t.reduce_seconds;
+    sum.blocked_seconds += t.blocked_seconds;
+    sum.buckets += t.buckets;
+    sum.overlapped += t.overlapped;
+  }
+  return sum;
+}
+
+int64_t DistributedHooks::FormulaBytes() const {
+  int64_t bytes = 0;
+  for (ShardedAdamW* o : Optimizers()) {
+    const int64_t n = o->num_elements(), own = o->owned_elements();
+    bytes += 4 * (zero_stage_ >= 3 ? own : n);  // parameters
+    bytes += 4 * (zero_stage_ >= 2 ? own : n);  // gradients
+    bytes += 8 * (zero_stage_ >= 1 ? own : n);  // exp_avg, exp_avg_sq
+  }
+  return bytes;
+}
+
+void DistributedHooks::FillSummary(RunSummary* summary) {
+  const ReductionTimes t = TakeReductionTimes();
+  run_times_.reduce_seconds += t.reduce_seconds;
+  run_times_.blocked_seconds += t.blocked_seconds;
+  run_times_.buckets += t.buckets;
+  run_times_.overlapped += t.overlapped;
+  // Per rank: the peak and its parts, the formula, the reduction times (one-hot rows, summed).
+  const ZeroMemory& peak = meter_.peak();
+  constexpr size_t kRow = 8;
+  const size_t w = static_cast<size_t>(world_.size());
+  std::vector<double> rows(kRow * w, 0.0);
+  double* mine = rows.data() + kRow * static_cast<size_t>(world_.rank());
+  mine[0] = static_cast<double>(peak.total());
+  mine[1] = static_cast<double>(peak.values);
+  mine[2] = static_cast<double>(peak.gradients);
+  mine[3] = static_cast<double>(peak.state);
+  mine[4] = static_cast<double>(peak.scratch);
+  mine[5] = static_cast<double>(FormulaBytes());
+  mine[6] = run_times_.reduce_seconds;
+  mine[7] = run_times_.blocked_seconds;
+  AllReduceSum(rows);
+  size_t top = 0;
+  double reduce = 0, blocked = 0;
+  for (size_t q = 0; q < w; ++q) {
+    if (rows[kRow * q] > rows[kRow * top]) top = q;
+    reduce += rows[kRow * q + 6];
+    blocked += rows[kRow * q + 7];
+  }
+  const double* r = rows.data() + kRow * top;
+  summary->zero_peak_bytes = static_cast<int64_t>(r[0]);
+  summary->zero_peak_values = static_cast<int64_t>(r[1]);
+  summary->zero_peak_gradients = static_cast<int64_t>(r[2]);
+  summary->zero_peak_state = static_cast<int64_t>(r[3]);
+  summary->zero_peak_scratch = static_cast<int64_t>(r[4]);
+  summary->zero_formula_bytes = static_cast<int64_t>(r[5]);
+  if (steps_ > 0) {
+    const double per = static_cast<double>(w) * static_cast<double>(steps_);
+    summary->grad_reduce_s = reduce / per;
+    summary->grad_reduce_blocked_s = blocked / per;
+  }
 }
 
 void DistributedHooks::ReduceGradients(ParameterSet& params) {
@@ -464,6 +596,12 @@ void DistributedHooks::GatherParameters(ParameterSet& params) {
 }
 
 void DistributedHooks::ReleaseParameters(ParameterSet& params) {
+  in_step_ = false;
+  const ReductionTimes t = TakeReductionTimes();
+  run_times_.reduce_seconds += t.reduce_seconds;
+  run_times_.blocked_seconds += t.blocked_seconds;
+  run_times_.buckets += t.buckets;
+  run_times_.overlapped += t.overlapped;
   if (zero_stage_ < 3) return;
   copy_opt_->ReleaseParameters();
   split_opt_->ReleaseParameters();
@@ -657,9 +795,12 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
                      options.dispatch != parallel::DispatchKind::kAllGather;
   const TensorParallelOptions tp{.sequence_parallel = config.tp > 1 && config.sequence_parallel,
                                  .comm_overlap = config.tp > 1 && config.tp_comm_overlap};
+  ZeroOptions buckets = zero;
+  buckets.bucket_elements = static_cast<int64_t>(config.bucket_mb * 1024 * 1024 / sizeof(float));
   hooks_ = std::make_unique<DistributedHooks>(
-      groups_, static_cast<int>(config.zero_stage), ranks_in_process, zero,
+      groups_, static_cast<int>(config.zero_stage), ranks_in_process, buckets,
       dedup ? parallel::GroupKind::kExpertHolders : parallel::GroupKind::kExpertData, tp);
+  hooks_->SetOverlapGradReduce(config.overlap_grad_reduce);
   if (config.cp > 1) {
     hooks_->SetContextParallel(ContextParallelOptions{
         .algorithm = config.cp_algo == "ulysses" ? CpAlgorithm::kUlysses : CpAlgorithm::kRing,

@@ -431,7 +431,9 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
   for (int64_t i = range.begin; i < range.end; ++i) {
     BlockCache& cache = state->blocks[static_cast<size_t>(i - range.begin)];
     const Block& block = *blocks_[static_cast<size_t>(i)];
+    if (observer_ != nullptr) observer_->BeforeBlock(i, /*backward=*/false);
     x = block.Forward(x, batch, ctx, &cache);
+    if (observer_ != nullptr) observer_->AfterBlock(i, /*backward=*/false);
     ffn_loss += cache.ffn.loss;
     if (block.ffn().is_moe()) {
       ++moe_blocks;
@@ -557,8 +559,10 @@ Tensor TransformerLm::BackwardChunk(const LmOutput& forward, const Tensor& dy, f
     dx = dy;  // blocks do not write the gradient they are given
   }
   for (int64_t i = range.end; i-- > range.begin;) {
+    if (observer_ != nullptr) observer_->BeforeBlock(i, /*backward=*/true);
     dx = blocks_[static_cast<size_t>(i)]->Backward(s.blocks[static_cast<size_t>(i - range.begin)],
                                                    dx, loss_scale, threads);
+    if (observer_ != nullptr) observer_->AfterBlock(i, /*backward=*/true);
   }
   if (!chunk_has_embedding(s.chunk)) return dx;
   if (tensor_parallel()) {

@@ -43,6 +43,7 @@ FeedForwardOutput MoeFeedForward::Forward(const Tensor& x, const FeedForwardCont
   o.training = context.training;
   const moe::MoeLayer& layer = layer_;
   auto state = std::make_shared<MoeState>();
+  RebindLayerParams(*params_, prefix_, &layer_params_);
   state->out = layer.Forward(layer_params_, x, o);
   const moe::LayerOutput& out = state->out;
   const moe::LayerConfig& c = layer.config();
@@ -76,6 +77,7 @@ Tensor MoeFeedForward::Backward(const FeedForwardOutput& forward, const Tensor& 
     float* p = d.data<float>();
     for (int64_t i = 0; i < d.numel(); ++i) p[i] /= loss_scale;
   }
+  RebindLayerParams(*params_, prefix_, &layer_params_);
   moe::LayerGradients g = layer.Backward(layer_params_, s.out, d, threads);
   for (const auto& [name, grad] : moe::ParamsToMap(layer.config(), g.params)) {
     Parameter& p = params_->Get(prefix_ + name);
@@ -99,6 +101,7 @@ FeedForwardTimes MoeFeedForward::TakeTimes() { return std::exchange(times_, Feed
 void MoeFeedForward::EndStep(std::span<const int64_t> global_expert_loads) {
   const moe::LayerConfig& c = layer_.config();
   if (!c.expert_bias) return;
+  RebindLayerParams(*params_, prefix_, &layer_params_);
   moe::UpdateExpertBias(global_expert_loads, c.expert_bias_update_rate, layer_params_.expert_bias);
 }
 
@@ -112,6 +115,29 @@ FeedForwardFactory MoeFeedForwardFactory(
                                                         ParameterSet& params, uint64_t seed) {
     return std::make_unique<MoeFeedForward>(params, prefix, config_of_block(block), seed);
   };
+}
+
+void RebindLayerParams(const ParameterSet& params, const std::string& prefix,
+                       moe::LayerParams* layer) {
+  auto rebind = [&](const std::string& name, Tensor& t) {
+    if (!t.defined()) return;
+    const Parameter* p = params.Find(prefix + name);
+    if (p != nullptr && !p->value.SharesStorageWith(t)) t = p->value;
+  };
+  auto mlp = [&](const std::string& group, moe::ExpertWeights& w) {
+    rebind(group + "fc1.weight", w.fc1_weight);
+    rebind(group + "fc1.bias", w.fc1_bias);
+    rebind(group + "fc2.weight", w.fc2_weight);
+    rebind(group + "fc2.bias", w.fc2_bias);
+    rebind(group + "fc3.weight", w.fc3_weight);
+  };
+  rebind("gate.weight", layer->gate_weight);
+  rebind("gate.expert_bias", layer->expert_bias);
+  mlp("experts.", layer->experts);
+  mlp("residual_mlp.", layer->residual_mlp);
+  rebind("coefficient.weight", layer->coefficient_weight);
+  rebind("coefficient.bias", layer->coefficient_bias);
+  mlp("shared_experts.", layer->shared_mlp);
 }
 
 }  // namespace switchyard::train

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -167,6 +168,7 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
   }
   model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory), tp,
                                            std::move(partition), hooks_->context_parallel());
+  model_->SetBlockObserver(hooks_->block_observer());
   optimizer_ = AdamW(AdamWOptions{.beta1 = static_cast<float>(c.beta1),
                                   .beta2 = static_cast<float>(c.beta2),
                                   .eps = static_cast<float>(c.adam_eps),
@@ -222,6 +224,7 @@ void Trainer::RunMicrobatches(const std::vector<Batch>& batches,
   const int64_t seq = config_.model.seq_len;
   if (hooks_->pipeline_stages() == 1) {
     for (int64_t k = 0; k < m; ++k) {
+      hooks_->BeginMicrobatch(k, m);
       ForwardOptions fo = options;
       fo.global_token_offset = row_begins[static_cast<size_t>(k)] * seq;
       LmOutput out = model_->Forward(batches[static_cast<size_t>(k)].tokens,
@@ -290,10 +293,9 @@ StepMetrics Trainer::Step() {
   }
 
   ParameterSet& params = model_->parameters();
-  hooks_->GatherParameters(params);
   model_->TakeMoeTimes();  // drop what evaluation or sampling spent in the MoE layers
   model_->TakeTensorParallelStats();
-  params.ZeroGrad();
+  hooks_->BeginStep(params);
   ForwardOptions fo;
   fo.training = true;
   fo.save_for_backward = true;
@@ -860,6 +862,8 @@ RunSummary Trainer::Run(const RunOptions& options) {
       summary.tokens_per_s = sorted[sorted.size() / 2];
     }
     if (c.sample_tokens > 0) summary.sample = Sample(c.sample_tokens);
+    hooks_->FillSummary(&summary);
+    if (rusage u{}; getrusage(RUSAGE_SELF, &u) == 0) summary.peak_rss_bytes = u.ru_maxrss * 1024;
     std::exception_ptr writer_error = Capture([&] {
       if (writer) {
         write_figures();
@@ -938,7 +942,18 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
             {"moe_comm_share", finite(summary.moe_comm_share)},
             {"tp_bytes_per_step", finite(summary.tp_bytes_per_step)},
             {"tp_comm_share", finite(summary.tp_comm_share)},
-            {"skipped_steps", summary.skipped_steps}};
+            {"skipped_steps", summary.skipped_steps},
+            {"grad_reduce_s", finite(summary.grad_reduce_s)},
+            {"grad_reduce_blocked_s", finite(summary.grad_reduce_blocked_s)},
+            {"peak_rss_bytes", summary.peak_rss_bytes}};
+  if (summary.zero_peak_bytes > 0) {
+    s["zero_memory"] = {{"peak_bytes", summary.zero_peak_bytes},
+                        {"parameters", summary.zero_peak_values},
+                        {"gradients", summary.zero_peak_gradients},
+                        {"optimizer_state", summary.zero_peak_state},
+                        {"reduction_buffers", summary.zero_peak_scratch},
+                        {"formula_bytes", summary.zero_formula_bytes}};
+  }
   // Only what is known: a value that is not (no step ran, a dense model) is left out.
   for (auto it = s.begin(); it != s.end();) it = it->is_null() ? s.erase(it) : std::next(it);
   if (c.sample_tokens > 0) WriteTextFileAtomic(run_dir + "/sample.txt", summary.sample);
@@ -986,6 +1001,26 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                "  tensor parallel: {:.2f} MB per step and rank on the wire, blocked in those "
                "collectives {:.0f}% of step time\n",
                summary.tp_bytes_per_step / 1e6, 100 * summary.tp_comm_share);
+  }
+  if (summary.zero_peak_bytes > 0) {
+    const double mib = 1024.0 * 1024.0;
+    fmt::print(out,
+               "  ZeRO-{} memory per rank (peak of the largest rank, measured): {:.2f} MiB = "
+               "parameters {:.2f} + gradients {:.2f} + optimizer state {:.2f} + reduction buffers "
+               "{:.2f}; formula {:.2f} MiB; process peak RSS {:.1f} MiB\n",
+               c.zero_stage, summary.zero_peak_bytes / mib, summary.zero_peak_values / mib,
+               summary.zero_peak_gradients / mib, summary.zero_peak_state / mib,
+               summary.zero_peak_scratch / mib, summary.zero_formula_bytes / mib,
+               summary.peak_rss_bytes / mib);
+  }
+  if (std::isfinite(summary.grad_reduce_s) && summary.grad_reduce_s > 0) {
+    // The collectives' run time counts from this rank's launch, waiting for later peers
+    // included; the blocked time is what the step paid.
+    fmt::print(out,
+               "  gradient reduction: blocked {:.2f} ms per step and rank waiting for it "
+               "(its collectives ran {:.2f} ms from launch to finish; overlap_grad_reduce {})\n",
+               1e3 * summary.grad_reduce_blocked_s, 1e3 * summary.grad_reduce_s,
+               c.overlap_grad_reduce ? "on" : "off");
   }
   fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{})\n", run_dir,
              moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "");

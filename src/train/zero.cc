@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cstring>
 #include <limits>
+#include <string_view>
 #include <utility>
 
 #include "switchyard/core/error.h"
@@ -30,13 +32,56 @@ class Fingerprint {
 
 constexpr float kPoison = std::numeric_limits<float>::quiet_NaN();
 
+// The block index of "blocks.<i>.<...>", -1 for other names.
+int64_t UnitOf(const std::string& name) {
+  constexpr std::string_view kPrefix = "blocks.";
+  if (!name.starts_with(kPrefix)) return -1;
+  int64_t v = 0;
+  size_t i = kPrefix.size();
+  if (i >= name.size() || name[i] < '0' || name[i] > '9') return -1;
+  for (; i < name.size() && name[i] >= '0' && name[i] <= '9'; ++i) v = v * 10 + (name[i] - '0');
+  return i < name.size() && name[i] == '.' ? v : -1;
+}
+
+using comm::Clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+double NowSeconds() { return Seconds(Clock::now().time_since_epoch()); }
+
+// A tensor of `shape` viewing array[offset...]; the handle keeps the array alive.
+Tensor View(const std::shared_ptr<PageArray>& array, int64_t offset, const Shape& shape) {
+  float* p = array->data() == nullptr ? nullptr : array->data() + offset;
+  if (NumElements(shape) == 0) return Tensor::Zeros(shape);
+  return Tensor::FromBlob(p, shape, DType::kFloat32, [keep = array](void*) {});
+}
+
 }  // namespace
+
+void MemoryMeter::Sample() {
+  ZeroMemory now = Current();
+  if (now.total() > peak_.total()) peak_ = now;
+}
+
+ZeroMemory MemoryMeter::Current() const {
+  ZeroMemory sum;
+  for (const ShardedAdamW* o : opts_) {
+    ZeroMemory m = o->MemoryUse();
+    sum.values += m.values;
+    sum.gradients += m.gradients;
+    sum.state += m.state;
+    sum.scratch += m.scratch;
+  }
+  return sum;
+}
 
 ShardedAdamW::ShardedAdamW(std::vector<Parameter*> params, comm::Communicator& group, int stage,
                            AdamWOptions options, ZeroOptions zero)
     : group_(group), stage_(stage), options_(options), zero_(zero) {
   SY_REQUIRE(stage >= 0 && stage <= 3, InvalidArgument, "ShardedAdamW: stage must be 0..3, got {}",
              stage);
+  SY_REQUIRE(zero.bucket_elements >= 0, InvalidArgument,
+             "ShardedAdamW: bucket_elements must be >= 0, got {}", zero.bucket_elements);
   AdamW validate(options);  // same option checks and messages as AdamW
   Fingerprint fingerprint;
   fingerprint.AddValue(stage);
@@ -44,6 +89,8 @@ ShardedAdamW::ShardedAdamW(std::vector<Parameter*> params, comm::Communicator& g
   fingerprint.AddValue(std::bit_cast<uint32_t>(options.beta2));
   fingerprint.AddValue(std::bit_cast<uint32_t>(options.eps));
   fingerprint.AddValue(std::bit_cast<uint32_t>(options.weight_decay));
+  fingerprint.AddValue(zero.bucket_elements);
+  fingerprint.AddValue(zero.bucket_per_block);
   for (size_t i = 0; i < params.size(); ++i) {
     Parameter* p = params[i];
     SY_REQUIRE(p != nullptr, InvalidArgument, "ShardedAdamW: parameter {} is null", i);
@@ -62,7 +109,6 @@ ShardedAdamW::ShardedAdamW(std::vector<Parameter*> params, comm::Communicator& g
                  p->name);
     }
     params_.push_back(p);
-    offsets_.push_back(total_);
     total_ += p->value.numel();
     fingerprint.Add(p->name.data(), p->name.size() + 1);
     fingerprint.AddValue(p->value.dim());
@@ -70,7 +116,7 @@ ShardedAdamW::ShardedAdamW(std::vector<Parameter*> params, comm::Communicator& g
     fingerprint.AddValue(p->options.weight_decay);
   }
 
-  // Every rank must see the same flat layout: compare fingerprints (one int64 per rank).
+  // Every rank must see the same layout: compare fingerprints (one int64 per rank).
   const int g = group_.size();
   std::vector<int64_t> prints(static_cast<size_t>(g));
   const int64_t mine = fingerprint.value();
@@ -83,14 +129,73 @@ ShardedAdamW::ShardedAdamW(std::vector<Parameter*> params, comm::Communicator& g
                group_.name(), q);
   }
 
-  chunk_ = (total_ + g - 1) / g;
+  // Buckets, in parameter order.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t unit = zero_.bucket_per_block ? UnitOf(params_[i]->name) : -1;
+    const bool fresh =
+        buckets_.empty() || buckets_.back().unit != unit ||
+        (zero_.bucket_elements > 0 && buckets_.back().numel >= zero_.bucket_elements);
+    if (fresh) {
+      Bucket b;
+      b.unit = unit;
+      b.first = i;
+      buckets_.push_back(std::move(b));
+    }
+    buckets_.back().last = i + 1;
+    buckets_.back().numel += params_[i]->value.numel();
+  }
   const int r = group_.rank();
-  own_begin_ = std::min(total_, static_cast<int64_t>(r) * chunk_);
-  own_end_ = std::min(total_, own_begin_ + chunk_);
-  exp_avg_.assign(static_cast<size_t>(state_end() - state_begin()), 0.0f);
+  int64_t base = 0, state = 0;
+  for (Bucket& b : buckets_) {
+    b.base = base;
+    b.chunk = (b.numel + g - 1) / g;
+    b.own_begin = base + std::min(b.numel, static_cast<int64_t>(r) * b.chunk);
+    b.own_end = base + std::min(b.numel, static_cast<int64_t>(r + 1) * b.chunk);
+    int64_t at = base;
+    for (size_t i = b.first; i < b.last; ++i) {
+      offsets_.push_back(at);
+      at += params_[i]->value.numel();
+    }
+    b.state_offset = state;
+    state += StateEnd(b) - StateBegin(b);
+    base += b.chunk * g;
+  }
+
+  // Move values and gradients into the arrays.
+  values_ = std::make_shared<PageArray>(base);
+  grads_ = std::make_shared<PageArray>(base);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter& p = *params_[i];
+    Tensor v = View(values_, offsets_[i], p.value.shape());
+    Tensor gr = View(grads_, offsets_[i], p.value.shape());
+    if (p.value.numel() > 0) {
+      v.CopyFrom(p.value);
+      gr.CopyFrom(p.grad);
+    }
+    p.value = std::move(v);
+    p.grad = std::move(gr);
+  }
+  exp_avg_.assign(static_cast<size_t>(state), 0.0f);
   exp_avg_sq_.assign(exp_avg_.size(), 0.0f);
-  scratch_.assign(static_cast<size_t>(chunk_ * g), 0.0f);
-  shard_.assign(static_cast<size_t>(chunk_), 0.0f);
+  if (zero_.meter != nullptr) zero_.meter->Register(this);
+}
+
+ShardedAdamW::~ShardedAdamW() = default;
+
+int64_t ShardedAdamW::owned_elements() const {
+  int64_t n = 0;
+  for (const Bucket& b : buckets_) n += b.own_end - b.own_begin;
+  return n;
+}
+
+int64_t ShardedAdamW::own_begin() const {
+  SY_CHECK(buckets_.size() <= 1, "own_begin: more than one bucket");
+  return buckets_.empty() ? 0 : buckets_[0].own_begin;
+}
+
+int64_t ShardedAdamW::own_end() const {
+  SY_CHECK(buckets_.size() <= 1, "own_end: more than one bucket");
+  return buckets_.empty() ? 0 : buckets_[0].own_end;
 }
 
 std::vector<ShardedAdamW::Segment> ShardedAdamW::Segments(int64_t begin, int64_t end) const {
@@ -98,142 +203,303 @@ std::vector<ShardedAdamW::Segment> ShardedAdamW::Segments(int64_t begin, int64_t
   for (size_t i = 0; i < params_.size(); ++i) {
     int64_t lo = offsets_[i], hi = lo + params_[i]->value.numel();
     int64_t a = std::max(lo, begin), b = std::min(hi, end);
-    if (a < b) out.push_back({params_[i], a - lo, a, b - a});
+    if (a < b) out.push_back({params_[i], i, a - lo, a, b - a});
   }
   return out;
 }
 
-void ShardedAdamW::ReduceGradients(float scale) {
-  if (total_ == 0) return;
-  float* flat = scratch_.data();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i]->grad.numel() == 0) continue;  // no storage to copy from
-    std::memcpy(flat + offsets_[i], params_[i]->grad.data<float>(), params_[i]->grad.nbytes());
+ZeroMemory ShardedAdamW::MemoryUse() const {
+  ZeroMemory m;
+  const int64_t pe = PageArray::PageElements();
+  const int64_t page_bytes = pe * static_cast<int64_t>(sizeof(float));
+  auto count = [&](const PageArray& array, bool values) {
+    std::vector<bool> pages = array.ResidentPages();
+    for (const Bucket& b : buckets_) {
+      // A collective in flight writes (or reads) the whole bucket: count it whole.
+      if (!(values ? b.gathering : b.reducing)) continue;
+      const int64_t end = b.base + b.chunk * group_.size();
+      for (int64_t q = b.base / pe; q < (end + pe - 1) / pe; ++q) {
+        pages[static_cast<size_t>(q)] = true;
+      }
+    }
+    int64_t n = 0;
+    for (bool in : pages) n += in ? 1 : 0;
+    return n * page_bytes;
+  };
+  m.values = count(*values_, true);
+  m.gradients = count(*grads_, false);
+  m.state = static_cast<int64_t>((exp_avg_.capacity() + exp_avg_sq_.capacity()) * sizeof(float));
+  for (const Bucket& b : buckets_) {
+    m.scratch +=
+        static_cast<int64_t>((b.received.capacity() + b.staged.capacity()) * sizeof(float));
   }
+  return m;
+}
+
+void ShardedAdamW::Sample() const {
+  if (zero_.meter != nullptr) zero_.meter->Sample();
+}
+
+ReductionTimes ShardedAdamW::TakeReductionTimes() {
+  return std::exchange(times_, ReductionTimes{});
+}
+
+void ShardedAdamW::ZeroGradients() {
+  for (const Bucket& b : buckets_) {
+    SY_CHECK(!b.reducing, "ZeroGradients while a reduction is in flight");
+  }
+  Sample();
+  grads_->Release(0, grads_->size());
+  for (Bucket& b : buckets_) b.reduced = false;
+}
+
+void ShardedAdamW::LaunchReduction(Bucket& b) {
+  b.reducing = true;
+  if (group_.size() == 1 || b.numel == 0) {
+    b.reduction = comm::Work();
+    return;
+  }
+  float* flat = grads_->data() + b.base;
   if (stage_ <= 1) {
-    group_.AllReduce(flat, flat, static_cast<size_t>(total_), DType::kFloat32).Wait();
-    for (size_t i = 0; i < params_.size(); ++i) {
-      float* g = params_[i]->grad.data<float>();
-      const float* s = flat + offsets_[i];
-      for (int64_t j = 0; j < params_[i]->grad.numel(); ++j) g[j] = s[j] * scale;
+    b.reduction = group_.AllReduce(flat, flat, static_cast<size_t>(b.numel), DType::kFloat32);
+  } else {
+    // The padding [numel, g c) is never written: it reads 0.
+    b.received.assign(static_cast<size_t>(b.chunk), 0.0f);
+    b.reduction = group_.ReduceScatter(flat, b.received.data(), static_cast<size_t>(b.chunk),
+                                       DType::kFloat32);
+  }
+}
+
+void ShardedAdamW::LaunchUnitReduction(int64_t unit) {
+  for (Bucket& b : buckets_) {
+    if (b.unit != unit || b.reducing || b.reduced) continue;
+    LaunchReduction(b);
+    ++times_.overlapped;
+  }
+}
+
+void ShardedAdamW::FinishReduction(Bucket& b, float scale) {
+  const double t0 = NowSeconds();
+  b.reduction.Wait();
+  times_.blocked_seconds += NowSeconds() - t0;
+  Clock::time_point started, finished;
+  if (b.reduction.Times(&started, &finished)) times_.reduce_seconds += Seconds(finished - started);
+  ++times_.buckets;
+  b.reduction = comm::Work();
+  if (stage_ <= 1 || group_.size() == 1) {
+    float* g = grads_->data() + b.base;
+    for (int64_t j = 0; j < b.numel; ++j) g[j] = g[j] * scale;
+  } else {
+    const int64_t r0 = b.base + static_cast<int64_t>(group_.rank()) * b.chunk;
+    float* g = grads_->data();
+    for (int64_t j = b.own_begin; j < b.own_end; ++j) {
+      g[j] = b.received[static_cast<size_t>(j - r0)] * scale;
+    }
+    Sample();
+    std::vector<float>().swap(b.received);
+    Release(b, /*values=*/false);
+  }
+  b.reducing = false;
+  b.reduced = true;
+}
+
+void ShardedAdamW::FinishUnitReduction(int64_t unit, float scale) {
+  for (Bucket& b : buckets_) {
+    if (b.unit == unit && b.reducing) FinishReduction(b, scale);
+  }
+}
+
+void ShardedAdamW::ReduceGradients(float scale) {
+  for (Bucket& b : buckets_) {
+    if (!b.reducing && !b.reduced) LaunchReduction(b);
+  }
+  for (Bucket& b : buckets_) {
+    if (b.reducing) FinishReduction(b, scale);
+    b.reduced = false;  // the round is complete
+  }
+  Sample();
+}
+
+void ShardedAdamW::Release(Bucket& b, bool values) {
+  if (group_.size() == 1 && values) return;  // owns everything
+  if (stage_ <= 1 && !values) return;
+  PageArray& array = values ? *values_ : *grads_;
+  if (zero_.poison_non_owned) {
+    for (auto [begin, end] :
+         {std::pair{b.base, b.own_begin}, std::pair{b.own_end, b.base + b.numel}}) {
+      if (begin < end) std::fill(array.data() + begin, array.data() + end, kPoison);
     }
     return;
   }
-  std::fill(scratch_.begin() + total_, scratch_.end(), 0.0f);  // padding
-  group_.ReduceScatter(flat, shard_.data(), static_cast<size_t>(chunk_), DType::kFloat32).Wait();
-  for (const Segment& s : Segments(own_begin_, own_end_)) {
-    float* g = s.param->grad.data<float>() + s.param_offset;
-    const float* src = shard_.data() + (s.flat_offset - own_begin_);
-    for (int64_t j = 0; j < s.length; ++j) g[j] = src[j] * scale;
-  }
-  if (zero_.poison_non_owned) PoisonNonOwned(/*values=*/false);
+  array.Release(b.base, b.own_begin);
+  array.Release(b.own_end, b.base + b.chunk * group_.size());
 }
 
 double ShardedAdamW::OwnGradSquaredNorm() const {
   double total = 0;
-  for (const Segment& s : Segments(own_begin_, own_end_)) {
-    const float* g = s.param->grad.data<float>() + s.param_offset;
-    double sum = 0;
-    for (int64_t j = 0; j < s.length; ++j) sum += static_cast<double>(g[j]) * g[j];
-    total += sum;
+  for (const Bucket& b : buckets_) {
+    for (const Segment& s : Segments(b.own_begin, b.own_end)) {
+      const float* g = s.param->grad.data<float>() + s.param_offset;
+      double sum = 0;
+      for (int64_t j = 0; j < s.length; ++j) sum += static_cast<double>(g[j]) * g[j];
+      total += sum;
+    }
   }
   return total;
 }
 
 void ShardedAdamW::ScaleGradients(float factor) {
   if (factor == 1.0f) return;
-  const int64_t begin = stage_ <= 1 ? 0 : own_begin_;
-  const int64_t end = stage_ <= 1 ? total_ : own_end_;
-  for (const Segment& s : Segments(begin, end)) {
-    float* g = s.param->grad.data<float>() + s.param_offset;
-    for (int64_t j = 0; j < s.length; ++j) g[j] *= factor;
+  for (const Bucket& b : buckets_) {
+    const int64_t begin = stage_ <= 1 ? b.base : b.own_begin;
+    const int64_t end = stage_ <= 1 ? b.base + b.numel : b.own_end;
+    float* g = grads_->data();
+    for (int64_t j = begin; j < end; ++j) g[j] *= factor;
   }
 }
 
 void ShardedAdamW::Step(float lr) {
   ++step_;
   has_state_ = true;
-  const int64_t base = state_begin();
-  for (const Segment& s : Segments(base, state_end())) {
-    const float wd = s.param->options.weight_decay ? options_.weight_decay : 0.0f;
-    const int64_t k = s.flat_offset - base;
-    AdamWUpdate(s.param->value.data<float>() + s.param_offset,
-                s.param->grad.data<float>() + s.param_offset, exp_avg_.data() + k,
-                exp_avg_sq_.data() + k, s.length, options_, lr, wd, step_);
+  for (const Bucket& b : buckets_) {
+    const int64_t base = StateBegin(b);
+    for (const Segment& s : Segments(base, StateEnd(b))) {
+      const float wd = s.param->options.weight_decay ? options_.weight_decay : 0.0f;
+      const int64_t k = b.state_offset + (s.flat_offset - base);
+      AdamWUpdate(s.param->value.data<float>() + s.param_offset,
+                  s.param->grad.data<float>() + s.param_offset, exp_avg_.data() + k,
+                  exp_avg_sq_.data() + k, s.length, options_, lr, wd, step_);
+    }
   }
   if (stage_ == 1 || stage_ == 2) {
-    AllGatherValues();
-  } else if (stage_ == 3 && zero_.poison_non_owned) {
-    PoisonNonOwned(/*values=*/true);  // stale: their owners stepped them
+    for (Bucket& b : buckets_) LaunchGather(b);
+    for (Bucket& b : buckets_) FinishGather(b);
+  } else if (stage_ == 3) {
+    // Stale: their owners stepped them.
+    for (Bucket& b : buckets_) {
+      SY_CHECK(!b.gathering, "Step while a gather is in flight");
+      Sample();
+      Release(b, /*values=*/true);
+      b.gathered = group_.size() == 1;
+    }
   }
+}
+
+void ShardedAdamW::LaunchGather(Bucket& b) {
+  if (b.gathering) return;
+  b.gathering = true;
+  if (group_.size() == 1 || b.numel == 0) {
+    b.gather = comm::Work();
+    return;
+  }
+  const int64_t r0 = b.base + static_cast<int64_t>(group_.rank()) * b.chunk;
+  b.staged.assign(static_cast<size_t>(b.chunk), 0.0f);
+  std::copy(values_->data() + b.own_begin, values_->data() + b.own_end,
+            b.staged.begin() + (b.own_begin - r0));
+  b.gather = group_.AllGather(b.staged.data(), values_->data() + b.base,
+                              static_cast<size_t>(b.chunk), DType::kFloat32);
+}
+
+void ShardedAdamW::FinishGather(Bucket& b) {
+  if (!b.gathering) return;
+  b.gather.Wait();
+  b.gather = comm::Work();
+  std::vector<float>().swap(b.staged);
+  b.gathering = false;
+  b.gathered = true;
 }
 
 void ShardedAdamW::GatherParameters() {
-  if (stage_ == 3) AllGatherValues();
+  if (stage_ != 3) return;
+  for (Bucket& b : buckets_) {
+    if (!b.gathered) LaunchGather(b);
+  }
+  for (Bucket& b : buckets_) FinishGather(b);
 }
 
 void ShardedAdamW::ReleaseParameters() {
-  if (stage_ == 3 && zero_.poison_non_owned) PoisonNonOwned(/*values=*/true);
-}
-
-void ShardedAdamW::AllGatherValues() {
-  if (total_ == 0 || group_.size() == 1) return;  // one rank owns everything
-  std::fill(shard_.begin(), shard_.end(), 0.0f);
-  for (const Segment& s : Segments(own_begin_, own_end_)) {
-    std::memcpy(shard_.data() + (s.flat_offset - own_begin_),
-                s.param->value.data<float>() + s.param_offset, sizeof(float) * s.length);
-  }
-  group_.AllGather(shard_.data(), scratch_.data(), static_cast<size_t>(chunk_), DType::kFloat32)
-      .Wait();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i]->value.numel() == 0) continue;
-    std::memcpy(params_[i]->value.data<float>(), scratch_.data() + offsets_[i],
-                params_[i]->value.nbytes());
+  if (stage_ != 3) return;
+  for (Bucket& b : buckets_) {
+    FinishGather(b);
+    if (!b.gathered) continue;
+    Sample();
+    Release(b, /*values=*/true);
+    b.gathered = group_.size() == 1;
   }
 }
 
-void ShardedAdamW::PoisonNonOwned(bool values) {
-  for (auto [begin, end] : {std::pair{int64_t{0}, own_begin_}, std::pair{own_end_, total_}}) {
-    for (const Segment& s : Segments(begin, end)) {
-      Tensor& t = values ? s.param->value : s.param->grad;
-      std::fill_n(t.data<float>() + s.param_offset, s.length, kPoison);
-    }
+bool ShardedAdamW::HasUnit(int64_t unit) const {
+  for (const Bucket& b : buckets_) {
+    if (b.unit == unit) return true;
+  }
+  return false;
+}
+
+void ShardedAdamW::PrefetchUnit(int64_t unit) {
+  if (stage_ != 3) return;
+  for (Bucket& b : buckets_) {
+    if (b.unit == unit && !b.gathered) LaunchGather(b);
+  }
+}
+
+void ShardedAdamW::GatherUnit(int64_t unit) {
+  if (stage_ != 3) return;
+  PrefetchUnit(unit);
+  for (Bucket& b : buckets_) {
+    if (b.unit == unit) FinishGather(b);
+  }
+}
+
+void ShardedAdamW::ReleaseUnit(int64_t unit) {
+  if (stage_ != 3) return;
+  for (Bucket& b : buckets_) {
+    if (b.unit != unit) continue;
+    FinishGather(b);
+    if (!b.gathered) continue;
+    Sample();
+    Release(b, /*values=*/true);
+    b.gathered = group_.size() == 1;
   }
 }
 
 TensorMap ShardedAdamW::FullState() {
   TensorMap out;
   if (!has_state_) return out;
-  // Full flat exp_avg / exp_avg_sq: local at stage 0, else all-gathered as per-rank blocks
-  // [own exp_avg, padded to c | own exp_avg_sq, padded to c].
-  const float* m = exp_avg_.data();
-  const float* v = exp_avg_sq_.data();
-  std::vector<float> full_m, full_v;
-  if (stage_ >= 1 && group_.size() > 1 && total_ > 0) {
-    const int g = group_.size();
-    const size_t c = static_cast<size_t>(chunk_);
-    std::vector<float> send(2 * c, 0.0f), recv(2 * c * static_cast<size_t>(g));
-    std::copy(exp_avg_.begin(), exp_avg_.end(), send.begin());
-    std::copy(exp_avg_sq_.begin(), exp_avg_sq_.end(), send.begin() + static_cast<ptrdiff_t>(c));
-    group_.AllGather(send.data(), recv.data(), 2 * c, DType::kFloat32).Wait();
-    full_m.resize(static_cast<size_t>(total_));
-    full_v.resize(static_cast<size_t>(total_));
-    for (int q = 0; q < g; ++q) {
-      const size_t begin = std::min(static_cast<size_t>(q) * c, static_cast<size_t>(total_));
-      const size_t n = std::min(c, static_cast<size_t>(total_) - begin);
-      const float* block = recv.data() + 2 * c * static_cast<size_t>(q);
-      std::copy_n(block, n, full_m.begin() + static_cast<ptrdiff_t>(begin));
-      std::copy_n(block + c, n, full_v.begin() + static_cast<ptrdiff_t>(begin));
+  // Full exp_avg / exp_avg_sq over the arrays' offsets: local at stage 0 (or one rank), else
+  // all-gathered per bucket as per-rank blocks [own exp_avg, padded to c | own exp_avg_sq, too].
+  const int g = group_.size();
+  std::vector<float> full_m(static_cast<size_t>(values_->size())), full_v(full_m.size());
+  for (const Bucket& b : buckets_) {
+    const size_t k = static_cast<size_t>(b.state_offset);
+    if (stage_ == 0 || g == 1) {
+      const size_t n = static_cast<size_t>(StateEnd(b) - StateBegin(b));
+      std::copy_n(exp_avg_.begin() + static_cast<ptrdiff_t>(k), n, full_m.begin() + StateBegin(b));
+      std::copy_n(exp_avg_sq_.begin() + static_cast<ptrdiff_t>(k), n,
+                  full_v.begin() + StateBegin(b));
+      continue;
     }
-    m = full_m.data();
-    v = full_v.data();
+    if (b.numel == 0) continue;
+    const size_t c = static_cast<size_t>(b.chunk);
+    const size_t own = static_cast<size_t>(b.own_end - b.own_begin);
+    std::vector<float> send(2 * c, 0.0f), recv(2 * c * static_cast<size_t>(g));
+    std::copy_n(exp_avg_.begin() + static_cast<ptrdiff_t>(k), own, send.begin());
+    std::copy_n(exp_avg_sq_.begin() + static_cast<ptrdiff_t>(k), own,
+                send.begin() + static_cast<ptrdiff_t>(c));
+    group_.AllGather(send.data(), recv.data(), 2 * c, DType::kFloat32).Wait();
+    for (int q = 0; q < g; ++q) {
+      const size_t begin = std::min(static_cast<size_t>(q) * c, static_cast<size_t>(b.numel));
+      const size_t n = std::min(c, static_cast<size_t>(b.numel) - begin);
+      const float* block = recv.data() + 2 * c * static_cast<size_t>(q);
+      std::copy_n(block, n, full_m.begin() + b.base + static_cast<ptrdiff_t>(begin));
+      std::copy_n(block + c, n, full_v.begin() + b.base + static_cast<ptrdiff_t>(begin));
+    }
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     const Parameter& p = *params_[i];
     Tensor tm = Tensor::Empty(p.value.shape());
     Tensor tv = Tensor::Empty(p.value.shape());
-    std::copy_n(m + offsets_[i], p.value.numel(), tm.data<float>());
-    std::copy_n(v + offsets_[i], p.value.numel(), tv.data<float>());
+    std::copy_n(full_m.data() + offsets_[i], p.value.numel(), tm.data<float>());
+    std::copy_n(full_v.data() + offsets_[i], p.value.numel(), tv.data<float>());
     out.emplace(p.name + ".exp_avg", std::move(tm));
     out.emplace(p.name + ".exp_avg_sq", std::move(tv));
   }
@@ -259,16 +525,14 @@ void ShardedAdamW::LoadFullState(const TensorMap& tensors, int64_t step) {
     }
     loaded.emplace_back(std::move(found[0]), std::move(found[1]));
   }
-  const int64_t base = state_begin();
-  std::vector<float> m(static_cast<size_t>(state_end() - base));
-  std::vector<float> v(m.size());
-  size_t i = 0;
-  for (const Segment& s : Segments(base, state_end())) {
-    while (params_[i] != s.param) ++i;
-    std::copy_n(loaded[i].first.data<float>() + s.param_offset, s.length,
-                m.begin() + (s.flat_offset - base));
-    std::copy_n(loaded[i].second.data<float>() + s.param_offset, s.length,
-                v.begin() + (s.flat_offset - base));
+  std::vector<float> m(exp_avg_.size()), v(exp_avg_.size());
+  for (const Bucket& b : buckets_) {
+    const int64_t base = StateBegin(b);
+    for (const Segment& s : Segments(base, StateEnd(b))) {
+      const auto at = static_cast<ptrdiff_t>(b.state_offset + (s.flat_offset - base));
+      std::copy_n(loaded[s.index].first.data<float>() + s.param_offset, s.length, m.begin() + at);
+      std::copy_n(loaded[s.index].second.data<float>() + s.param_offset, s.length, v.begin() + at);
+    }
   }
   exp_avg_ = std::move(m);
   exp_avg_sq_ = std::move(v);

@@ -74,6 +74,11 @@ struct TrainConfig {
   int64_t zero_stage = 0;             // ZeRO stage 0-3 of the optimizer
   std::string dispatch = "alltoall";  // alltoall | alltoallv | allgather
   int64_t overlap_degree = 1;         // Tutel's a2a-FFN overlap degree D of the MoE blocks
+  // Data-parallel gradient reduction (docs/training.md, "Memory and overlap"): a block's buckets
+  // are reduced while the backward goes on (asynchronous collectives); buckets of at most about
+  // bucket_mb MiB of float32 gradients (0: one per block and one for the rest).
+  bool overlap_grad_reduce = true;
+  double bucket_mb = 25;
   // Tensor parallelism (docs/tensor_parallel.md): the dense layers split over tp ranks (the data-
   // parallel size is ranks / tp); tp must divide ranks, num_heads, hidden_dim and vocab_size.
   int64_t tp = 1;
@@ -152,10 +157,10 @@ ResolvedTrainConfig ResolveTrainConfig(const TrainConfigSources& sources);
 
 // The keys a resumed run must share with its checkpoint (model shape, MoE sizes, seed, batch).
 const std::vector<std::string>& ResumeMustMatchKeys();
-// The layout keys (ranks, ep, zero_stage, dispatch, overlap_degree, threads, tp, sequence_parallel,
-// tp_comm_overlap, arrangement, etp, pp, pipeline_schedule, virtual_stages, pipeline_split, cp,
-// cp_algo): where a run runs, not what it computes; a resumed run does not take them from its
-// checkpoint.
+// The layout keys (ranks, ep, zero_stage, overlap_grad_reduce, bucket_mb, dispatch, overlap_degree,
+// threads, tp, sequence_parallel, tp_comm_overlap, arrangement, etp, pp, pipeline_schedule,
+// virtual_stages, pipeline_split, cp, cp_algo): where a run runs, not what it computes; a resumed
+// run does not take them from its checkpoint.
 bool IsLayoutKey(std::string_view key);
 
 // Every key with a one-line description, in TrainConfigToJson's order (for command-line flags).

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "switchyard/comm/communicator.h"
@@ -41,11 +42,9 @@
 #include "switchyard/parallel/moe_parallel.h"
 #include "switchyard/train/config.h"
 #include "switchyard/train/trainer.h"
+#include "switchyard/train/zero.h"
 
 namespace switchyard::train {
-
-class ShardedAdamW;
-struct ZeroOptions;
 
 // The parallel options of a config's MoE blocks on a world of `world_size` ranks (the run's mesh:
 // tp, sequence parallelism, the arrangement, ep, etp). Throws InvalidArgument naming the key (an
@@ -93,7 +92,16 @@ class ParallelMoeFeedForward : public FeedForward {
 };
 
 // Data parallelism, ZeRO and expert-parallel checkpoints as TrainHooks (trainer.h).
-class DistributedHooks : public TrainHooks {
+//
+// Buckets, overlap and ZeRO-3 per block (docs/training.md, "Memory and overlap"): the optimizers
+// cut their parameters into buckets per transformer block (and by ZeroOptions::bucket_elements).
+// As the block observer of the model, the hooks, during a training step: at stage 3 gather a
+// block's values just before its forward and its backward, give them back after, and start the
+// gather of the block that runs next (prefetch); with overlap_grad_reduce and one pipeline stage,
+// start the reduction of a block's buckets as soon as its backward on the step's last
+// micro-batch is done. Every rank runs the same blocks in the same order, so the collectives are
+// issued in the same order on every rank.
+class DistributedHooks : public TrainHooks, public BlockObserver {
  public:
   // `groups`: the run's process groups, those of the MoE blocks (every block the same mesh).
   // Gradients are summed over the ranks holding the same values and divided by the data-parallel
@@ -112,6 +120,18 @@ class DistributedHooks : public TrainHooks {
   // order; null: the world, pp 1), `tied_embedding` whether the first and last stage hold copies
   // of the tied embedding (their gradients are summed over the embedding group).
   void SetPipeline(std::unique_ptr<comm::Communicator> stage, bool tied_embedding);
+  // Reduction of gradient buckets during the backward (see the class comment).
+  void SetOverlapGradReduce(bool overlap) { overlap_ = overlap; }
+  // The peak memory of this rank's optimizer buffers during the training steps (MemoryMeter).
+  const ZeroMemory& peak_memory() const { return meter_.peak(); }
+  // The formula bytes for this rank: parameters + gradients + optimizer state as ZeRO shards
+  // them (4 bytes per parameter and gradient element, 8 of state), summed over the optimizers.
+  int64_t FormulaBytes() const;
+  // Reduction times of the optimizers since the last call, summed.
+  ReductionTimes TakeReductionTimes();
+  // Reduction times and bucket counts summed over the steps so far.
+  const ReductionTimes& run_reduction_times() const { return run_times_; }
+
   // Records an MoE block built by the factory (its parameter prefix and layer config), for
   // gathering and slicing its experts in checkpoints.
   void AddMoeBlock(const std::string& prefix, const moe::LayerConfig& config);
@@ -140,6 +160,12 @@ class DistributedHooks : public TrainHooks {
   // Optimizer-state floats held by this rank (shows ZeRO's sharding); 0 before the first step.
   int64_t optimizer_state_elements() const;
 
+  void BeginStep(ParameterSet& params) override;
+  void BeginMicrobatch(int64_t k, int64_t m) override { last_microbatch_ = k + 1 == m; }
+  BlockObserver* block_observer() override { return this; }
+  void BeforeBlock(int64_t block, bool backward) override;
+  void AfterBlock(int64_t block, bool backward) override;
+  void FillSummary(RunSummary* summary) override;
   void ReduceGradients(ParameterSet& params) override;
   double GradSquaredNorm(const ParameterSet& params) override;
   void ScaleGradients(ParameterSet& params, float factor) override;
@@ -177,7 +203,16 @@ class DistributedHooks : public TrainHooks {
   const parallel::Mesh& mesh_;
   int zero_stage_;
   int ranks_in_process_;
-  bool poison_non_owned_ = false;
+  ZeroOptions zero_options_;  // poison_non_owned, buckets (the meter is meter_)
+  MemoryMeter meter_;
+  bool overlap_ = true;
+  bool last_microbatch_ = true;
+  bool in_step_ = false;
+  int64_t steps_ = 0;
+  ReductionTimes run_times_;  // summed over the run's steps
+  // The optimizers, in the order every rank calls them (null before Prepare).
+  std::vector<ShardedAdamW*> Optimizers() const;
+  std::unordered_set<const Parameter*> owned_by_optimizer_;
   comm::Communicator& tp_group_;     // the tensor-parallel group
   comm::Communicator& data_;         // same tp rank: the tensor-parallel shards' replicas
   comm::Communicator& tokens_;       // every rank with tokens of its own (replicated dense)
@@ -205,7 +240,8 @@ class DistributedHooks : public TrainHooks {
 // and the Trainer. Collective over `world`.
 class RankTrainer {
  public:
-  // `zero`: ShardedAdamW's checking options (tests poison non-owned values with NaN).
+  // `zero`: ShardedAdamW's checking options (tests poison non-owned values with NaN); the bucket
+  // options come from the config (bucket_mb).
   RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process,
               const ZeroOptions& zero);
   RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process);

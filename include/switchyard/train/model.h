@@ -156,6 +156,17 @@ struct LmOutput {
   std::shared_ptr<const ModelState> state;
 };
 
+// Called around each transformer block's forward and backward pass, in the order the passes run
+// (blocks in reverse order in backward): ZeRO-3 gathers a block's parameters just before and
+// gives them back after; the gradient reduction of a block's parameters starts after its
+// backward (DistributedHooks).
+class BlockObserver {
+ public:
+  virtual ~BlockObserver() = default;
+  virtual void BeforeBlock(int64_t block, bool backward) = 0;
+  virtual void AfterBlock(int64_t block, bool backward) = 0;
+};
+
 class TransformerLm {
  public:
   // Validates the config. A model with MoE blocks needs `moe_factory` (InvalidArgument without);
@@ -217,6 +228,9 @@ class TransformerLm {
   // the last call (Traffic::kTensor), then restarts.
   int tp_size() const { return tp_.group != nullptr ? tp_.group->size() : 1; }
   parallel::CommStats TakeTensorParallelStats();
+  // Calls `observer` around every block's forward and backward from now on (null: none). It
+  // must outlive its use.
+  void SetBlockObserver(BlockObserver* observer) { observer_ = observer; }
 
  private:
   bool tensor_parallel() const { return tp_size() > 1; }
@@ -236,6 +250,7 @@ class TransformerLm {
   std::vector<std::unique_ptr<Block>> blocks_;  // [num_layers], null for blocks not held
   std::unique_ptr<Norm> final_norm_;
   Parameter* head_ = nullptr;  // embed.weight (tied, or its copy) or head.weight
+  BlockObserver* observer_ = nullptr;
 };
 
 }  // namespace switchyard::train

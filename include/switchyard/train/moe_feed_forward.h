@@ -54,4 +54,11 @@ FeedForwardFactory MoeFeedForwardFactory(const moe::LayerConfig& config);
 FeedForwardFactory MoeFeedForwardFactory(
     std::function<moe::LayerConfig(int64_t block)> config_of_block);
 
+// Points the tensors of `layer` at the current values of the parameters "<prefix><name>" of
+// `params` (the names moe::ParamsToMap gives). An MoE FFN keeps its weights in a LayerParams that
+// shares storage with its parameters; when an optimizer moves the parameters' values into buffers
+// of its own (ShardedAdamW), the FFN calls this before using the LayerParams.
+void RebindLayerParams(const ParameterSet& params, const std::string& prefix,
+                       moe::LayerParams* layer);
+
 }  // namespace switchyard::train

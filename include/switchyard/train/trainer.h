@@ -34,6 +34,8 @@
 
 namespace switchyard::train {
 
+struct RunSummary;
+
 // Where data parallelism, ZeRO and expert parallelism plug in. The defaults are one rank.
 class TrainHooks {
  public:
@@ -87,6 +89,17 @@ class TrainHooks {
   }
   // Optimizer steps taken (the AdamW bias-correction count).
   virtual int64_t OptimizerStepCount(const AdamW& optimizer) { return optimizer.step(); }
+  // At the start of a training step: the parameters its forward needs, and zero gradients.
+  virtual void BeginStep(ParameterSet& params) {
+    GatherParameters(params);
+    params.ZeroGrad();
+  }
+  // Before micro-batch k of m of a step (pipeline_stages() == 1 only).
+  virtual void BeginMicrobatch(int64_t k, int64_t m) {}
+  // At the end of a run: fills the summary's ZeRO memory and reduction figures. Collective.
+  virtual void FillSummary(RunSummary* summary) {}
+  // Called around the model's blocks (model.h); null: nothing to call.
+  virtual BlockObserver* block_observer() { return nullptr; }
   // Before any use of the parameter values (training step, evaluation, sampling, checkpoint):
   // ZeRO-3 all-gathers them from the shards here. Idempotent until ReleaseParameters.
   virtual void GatherParameters(ParameterSet& params) {}
@@ -158,6 +171,21 @@ struct RunSummary {
   // the share of step time blocked in their collectives (NaN without tensor parallelism).
   double tp_bytes_per_step = NAN;
   double tp_comm_share = NAN;
+  // ZeRO buffers (distributed runs, zero.h): the largest over ranks of the peak bytes held by
+  // the optimizer's arrays (parameters, gradients, state, reduction buffers; measured), that
+  // rank's parts, and the formula figure for it (parameters + gradients + state per rank).
+  int64_t zero_peak_bytes = 0;
+  int64_t zero_peak_values = 0;
+  int64_t zero_peak_gradients = 0;
+  int64_t zero_peak_state = 0;
+  int64_t zero_peak_scratch = 0;
+  int64_t zero_formula_bytes = 0;
+  // Gradient reduction per step (rank mean): time the bucket collectives ran (from the launch on
+  // the rank to their end, waiting for later peers included), and the time the rank spent
+  // blocked waiting for them. Hidden share: 1 - blocked / blocked without overlap.
+  double grad_reduce_s = NAN;
+  double grad_reduce_blocked_s = NAN;
+  int64_t peak_rss_bytes = 0;  // this process (every rank thread in it)
   std::string sample;
   std::string run_dir;
 };
