@@ -46,6 +46,9 @@ namespace switchyard::train {
 
 class ShardedAdamW;
 struct ZeroOptions;
+namespace internal {
+class StepTrace;  // src/train/step_trace.h
+}  // namespace internal
 
 // The parallel options of a config's MoE blocks on a world of `world_size` ranks (the run's mesh:
 // tp, sequence parallelism, the arrangement, ep, etp). Throws InvalidArgument naming the key (an
@@ -73,6 +76,9 @@ class ParallelMoeFeedForward : public FeedForward {
   bool is_moe() const override { return true; }
   int64_t num_experts() const override { return layer_.config().num_experts; }
   const parallel::ParallelMoeLayer& layer() const { return layer_; }
+  parallel::ParallelMoeLayer& layer() { return layer_; }
+  // The config's adaptive_r text: the r of each step (AdaptiveRAtStep). Default: "default".
+  void set_adaptive_r(std::string text) { adaptive_r_ = std::move(text); }
 
   FeedForwardOutput Forward(const Tensor& x, const FeedForwardContext& context) override;
   Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
@@ -89,6 +95,7 @@ class ParallelMoeFeedForward : public FeedForward {
   // The data shards whose mean losses the gradients average (dp x cp; with sequence parallelism
   // the tp ranks of a shard hold parts of its tokens but share its loss).
   int data_shards_ = 1;
+  std::string adaptive_r_ = "default";
   FeedForwardTimes times_;
 };
 
@@ -112,6 +119,10 @@ class DistributedHooks : public TrainHooks {
   // order; null: the world, pp 1), `tied_embedding` whether the first and last stage hold copies
   // of the tied embedding (their gradients are summed over the embedding group).
   void SetPipeline(std::unique_ptr<comm::Communicator> stage, bool tied_embedding);
+  // Traces step `step` (1-based) of every rank into `path` (written by world rank 0); the MoE
+  // layers given to AddTracedLayer record into it.
+  void SetStepTrace(int64_t step, const std::string& path);
+  void AddTracedLayer(parallel::ParallelMoeLayer* layer);
   // Records an MoE block built by the factory (its parameter prefix and layer config), for
   // gathering and slicing its experts in checkpoints.
   void AddMoeBlock(const std::string& prefix, const moe::LayerConfig& config);
@@ -121,6 +132,8 @@ class DistributedHooks : public TrainHooks {
   void Prepare(ParameterSet& params, const AdamW& optimizer);
 
   int rank() const override;
+  void StepBegins(int64_t step) override;
+  void StepEnds(int64_t step) override;
   int world_size() const override;
   int data_rank() const override;
   int data_size() const override;
@@ -199,6 +212,7 @@ class DistributedHooks : public TrainHooks {
   std::unique_ptr<ShardedAdamW> dense_opt_;   // other dense parameters, over tokens_
   std::unique_ptr<ShardedAdamW> expert_opt_;  // over expert_data_
   bool gathered_ = true;
+  std::unique_ptr<internal::StepTrace> trace_;  // null: no step traced
 };
 
 // One rank of a distributed run: the process groups (built once, here), hooks, the MoE factory
