@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <mutex>
+#include <numeric>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <utility>
@@ -324,6 +325,7 @@ void DistributedHooks::StepBegins(int64_t step) {
 void DistributedHooks::StepEnds(int64_t step) {
   if (trace_) trace_->End(step);
 }
+
 int DistributedHooks::world_size() const { return world_.size(); }
 int DistributedHooks::data_rank() const { return coords_.dp_rank; }
 int DistributedHooks::data_size() const { return mesh_.dp(); }
@@ -690,7 +692,10 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
                          const ZeroOptions& zero) {
   parallel::ParallelOptions options = TrainParallelOptions(config, world.size());
   if (config.a2a_algo == "2dh" && config.a2a_ranks_per_node == 0) {
-    options.hierarchical_ranks_per_node = world.topology().ranks_per_node;
+    // The launcher's node size, as far as it divides the expert group (the nodes of the 2DH
+    // all-to-all are consecutive ranks of the expert group).
+    options.hierarchical_ranks_per_node =
+        std::gcd(std::max(1, world.topology().ranks_per_node), options.mesh.ep);
   }
   // The run's process groups: built once, shared by every MoE block and the optimizer (every
   // block's experts split over them alike, TrainParallelOptions checks).
