@@ -7,8 +7,8 @@
 #include <chrono>
 #include <cmath>
 #include <mutex>
-#include <numeric>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <optional>
 #include <utility>
 
