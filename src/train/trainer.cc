@@ -981,8 +981,9 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                "collectives {:.0f}% of step time\n",
                summary.tp_bytes_per_step / 1e6, 100 * summary.tp_comm_share);
   }
-  fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{})\n", run_dir,
-             moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "");
+  fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{}{})\n", run_dir,
+             moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "",
+             std::filesystem::exists(run_dir + "/trace.json") ? ", trace.json" : "");
   if (c.sample_tokens > 0) {
     fmt::print(out, "sample (temperature {}):\n{}\n", c.temperature,
                EscapeForTerminal(summary.sample));
