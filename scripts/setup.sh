@@ -15,7 +15,7 @@ PACKAGES=(
   libfmt-dev                 # formatting
   clang clang-format libclang-rt-14-dev  # libFuzzer targets, format check
   ccache                     # optional: cheap rebuilds across work trees (used when present)
-  fortunes-min fortune-mod   # default training corpus (text files under /usr/share/games/fortunes)
+  fortunes fortunes-min fortune-mod   # default training corpus (text under /usr/share/games/fortunes)
   pybind11-dev python3-dev   # the Python module (docs/python.md)
   python3-numpy python3-torch python3-mpi4py python3-pytest  # its tests and example
 )

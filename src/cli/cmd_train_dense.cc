@@ -15,6 +15,7 @@
 #include "cli/flags.h"
 #include "cli/launch.h"
 #include "cli/peak_flops.h"
+#include "switchyard/core/error.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/train/checkpoint.h"
 #include "switchyard/train/trainer.h"
@@ -41,6 +42,10 @@ int RunTrainDense(const TrainDenseOptions& o) {
   if (!o.resume.empty() && !resolved.out_given) {
     config.out = train::RunDirectoryOfCheckpoint(o.resume);
   }
+  SY_REQUIRE(config.trace_step == 0, InvalidArgument,
+             "config: 'trace_step' records the ranks of a distributed run: use `switchyard train "
+             "--ranks 1 --trace_step {}` (train-dense has no communication layer to trace)",
+             config.trace_step);
   KeepFreedMemoryForTraining();
   kernels::SetBlasThreads(1);  // the trainer splits its GEMMs over its own threads
   train::Trainer trainer(config);

@@ -14,6 +14,8 @@
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/json.h"
 #include "switchyard/core/limits.h"
+#include "switchyard/parallel/moe_parallel.h"
+#include "switchyard/parallel/schedule.h"
 #include "switchyard/train/checkpoint.h"
 
 namespace switchyard::train {
@@ -44,7 +46,10 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("aux_loss_coef", c.aux_loss_coef);
   fn("z_loss_coef", c.z_loss_coef);
   fn("moe_layer_config", c.moe_layer_config);
+  fn("check_finite", c.check_finite);
+  fn("routing_scope", c.routing_scope);
   fn("data", c.data);
+  fn("val_data", c.val_data);
   fn("val_fraction", c.val_fraction);
   fn("steps", c.steps);
   fn("batch_size", c.batch_size);
@@ -67,6 +72,7 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("sample_tokens", c.sample_tokens);
   fn("temperature", c.temperature);
   fn("threads", c.threads);
+  fn("trace_step", c.trace_step);
   fn("ranks", c.ranks);
   fn("ep", c.ep);
   fn("zero_stage", c.zero_stage);
@@ -74,6 +80,11 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("bucket_mb", c.bucket_mb);
   fn("dispatch", c.dispatch);
   fn("overlap_degree", c.overlap_degree);
+  fn("adaptive_r", c.adaptive_r);
+  fn("a2a_algo", c.a2a_algo);
+  fn("a2a_ranks_per_node", c.a2a_ranks_per_node);
+  fn("smart_schedule", c.smart_schedule);
+  fn("shadow_experts", c.shadow_experts);
   fn("tp", c.tp);
   fn("sequence_parallel", c.sequence_parallel);
   fn("tp_comm_overlap", c.tp_comm_overlap);
@@ -118,7 +129,14 @@ struct FromJsonVisitor {
       if (!v.is_boolean()) throw bad("true or false");
       dst = v.get<bool>();
     } else if constexpr (std::is_same_v<T, std::string>) {
-      if (!v.is_string()) throw bad("a string");
+      // Keys whose text may be a bare number (--adaptive_r 2, "smart_schedule": 2).
+      const std::string k = key;
+      const bool numeric = k == "adaptive_r" || k == "smart_schedule" || k == "shadow_experts";
+      if (numeric && v.is_number_integer()) {
+        dst = std::to_string(v.get<int64_t>());
+        return;
+      }
+      if (!v.is_string()) throw bad(numeric ? "a string or an integer" : "a string");
       dst = v.get<std::string>();
     } else if constexpr (std::is_same_v<T, NormKind>) {
       if (!v.is_string()) throw bad("\"layernorm\" or \"rmsnorm\"");
@@ -234,7 +252,10 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"aux_loss_coef", "load-balancing loss coefficient"},
       {"z_loss_coef", "router z-loss coefficient"},
       {"moe_layer_config", "layer.json with the other MoE options (preset, drop policy, ...)"},
-      {"data", "training text file (default: the fortunes corpus)"},
+      {"check_finite", "MoE blocks reject non-finite inputs (true | false)"},
+      {"routing_scope", "MoE capacity, drops and balancing losses over: global | per_rank"},
+      {"data", "training text: files and directories, comma-separated (default: fortunes)"},
+      {"val_data", "held-out text for the validation loss, as data (default: val_fraction)"},
       {"val_fraction", "fraction of records held out for the validation loss"},
       {"steps", "training steps"},
       {"batch_size", "sequences per step (global)"},
@@ -257,6 +278,7 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"sample_tokens", "bytes of text generated at the end"},
       {"temperature", "sampling temperature"},
       {"threads", "compute threads (0: the threading policy)"},
+      {"trace_step", "write step N's timeline (every rank) to <out>/trace.json (0: none)"},
       {"ranks", "ranks (threads of this process; under mpirun: the MPI world)"},
       {"ep", "expert-parallel size (0: all ranks)"},
       {"zero_stage", "ZeRO stage of the optimizer: 0, 1, 2 or 3"},
@@ -264,6 +286,11 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"bucket_mb", "gradient bucket size in MiB (0: one bucket per block)"},
       {"dispatch", "MoE dispatcher: alltoall | alltoallv | allgather"},
       {"overlap_degree", "a2a-FFN overlap degree D of the MoE blocks (1: none)"},
+      {"adaptive_r", "Tutel's adaptive r: default | auto | R | R0,R1,... (one per step, in turn)"},
+      {"a2a_algo", "MoE token all-to-all: flat | 2dh (hierarchical)"},
+      {"a2a_ranks_per_node", "ranks per node of the 2dh all-to-all (0: the machine's)"},
+      {"smart_schedule", "FasterMoE's smart schedule: off | auto | group size g"},
+      {"shadow_experts", "FasterMoE's shadow experts: none | auto | E1,E2,..."},
       {"tp", "tensor-parallel size (divides ranks, num_heads, hidden_dim, vocab_size)"},
       {"sequence_parallel", "shard norms and the residual stream along the sequence over tp"},
       {"tp_comm_overlap", "sequence-parallel all-gather/reduce-scatter as rings under the GEMMs"},
@@ -284,12 +311,13 @@ std::vector<ConfigKey> TrainConfigKeys() {
     SY_CHECK(it != kHelp.end(), "no help for config key '{}'", key);
     using T = std::decay_t<decltype(field)>;
     const std::string k = key;
-    const char* type = std::is_same_v<T, std::vector<int64_t>>                ? "LIST"
-                       : std::is_same_v<T, bool>                              ? "BOOL"
-                       : std::is_integral_v<T>                                ? "INT"
-                       : std::is_floating_point_v<T>                          ? "FLOAT"
-                       : k == "data" || k == "out" || k == "moe_layer_config" ? "PATH"
-                                                                              : "NAME";
+    const char* type = std::is_same_v<T, std::vector<int64_t>> ? "LIST"
+                       : std::is_same_v<T, bool>               ? "BOOL"
+                       : std::is_integral_v<T>                 ? "INT"
+                       : std::is_floating_point_v<T>           ? "FLOAT"
+                       : k == "data" || k == "val_data" || k == "out" || k == "moe_layer_config"
+                           ? "PATH"
+                           : "NAME";
     keys.push_back({key, it->second, type});
   });
   return keys;
@@ -349,6 +377,7 @@ moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
   j["z_loss_coef"] = c.z_loss_coef;
   j["activation"] = std::string(kernels::ActivationName(c.model.activation));
   j["seed"] = c.seed;
+  if (c.check_finite) j["check_finite"] = true;  // false keeps the file's value
   return moe::LayerConfigFromJson(j.dump());
 }
 
@@ -485,6 +514,43 @@ void ValidateTrainConfig(const TrainConfig& c) {
              InvalidArgument,
              "config: 'dispatch' must be \"alltoall\", \"alltoallv\" or \"allgather\", got \"{}\"",
              c.dispatch);
+  SY_REQUIRE(c.routing_scope == "global" || c.routing_scope == "per_rank", InvalidArgument,
+             "config: 'routing_scope' must be \"global\" or \"per_rank\", got \"{}\"",
+             c.routing_scope);
+  SY_REQUIRE(c.a2a_algo == "flat" || c.a2a_algo == "2dh", InvalidArgument,
+             "config: 'a2a_algo' must be \"flat\" or \"2dh\", got \"{}\"", c.a2a_algo);
+  at_least("a2a_ranks_per_node", static_cast<double>(c.a2a_ranks_per_node), 0);
+  at_least("trace_step", static_cast<double>(c.trace_step), 0);
+  (void)AdaptiveRAtStep(c.adaptive_r, 0);  // parses every entry
+  try {
+    (void)parallel::SmartGroupFromString(c.smart_schedule);
+    (void)parallel::ShadowFromString(c.shadow_experts);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(
+        fmt::format("config: 'smart_schedule' \"{}\" / 'shadow_experts' "
+                    "\"{}\": {}",
+                    c.smart_schedule, c.shadow_experts, e.what()));
+  }
+}
+
+int AdaptiveRAtStep(std::string_view adaptive_r, int64_t step) {
+  std::vector<int> rs;
+  const std::string text(adaptive_r);
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    at = comma + 1;
+    try {
+      rs.push_back(parallel::AdaptiveRFromString(item));
+    } catch (const InvalidArgument&) {
+      throw InvalidArgument(fmt::format(
+          "config: 'adaptive_r' \"{}\": expected \"default\", \"auto\", an integer r >= 0 or a "
+          "comma-separated list of those (one per step, in turn); \"{}\" is none of them",
+          text, item));
+    }
+  }
+  return rs[static_cast<size_t>(step % static_cast<int64_t>(rs.size()))];
 }
 
 }  // namespace switchyard::train
@@ -505,7 +571,9 @@ bool IsLayoutKey(std::string_view key) {
          key == "bucket_mb" || key == "dispatch" || key == "overlap_degree" || key == "threads" ||
          key == "tp" || key == "sequence_parallel" || key == "tp_comm_overlap" ||
          key == "arrangement" || key == "etp" || key == "pp" || key == "pipeline_schedule" ||
-         key == "virtual_stages" || key == "pipeline_split" || key == "cp" || key == "cp_algo";
+         key == "virtual_stages" || key == "pipeline_split" || key == "cp" || key == "cp_algo" ||
+         key == "adaptive_r" || key == "a2a_algo" || key == "a2a_ranks_per_node" ||
+         key == "smart_schedule" || key == "shadow_experts" || key == "trace_step";
 }
 
 namespace {
@@ -523,6 +591,7 @@ constexpr std::pair<const char*, const char*> kSharedMoeKeys[] = {
     {"z_loss_coef", "z_loss_coef"},
     {"activation", "activation"},
     {"seed", "seed"},
+    {"check_finite", "check_finite"},
 };
 
 // Takes the moe_layer_config file's values for the shared keys no source set explicitly;

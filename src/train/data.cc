@@ -1,5 +1,6 @@
 #include "switchyard/train/data.h"
 
+#include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
@@ -12,7 +13,10 @@
 
 namespace switchyard::train {
 
-std::vector<std::string> DefaultCorpusFiles(const std::string& dir) {
+namespace {
+
+// The regular files of a directory, sorted; symlinks and ".dat" (fortune index) files skipped.
+std::vector<std::string> DirectoryFiles(const std::string& dir) {
   namespace fs = std::filesystem;
   std::vector<std::string> files;
   std::error_code ec;
@@ -23,11 +27,62 @@ std::vector<std::string> DefaultCorpusFiles(const std::string& dir) {
       files.push_back(entry.path().string());
     }
   }
-  SY_REQUIRE(!files.empty(), IoError,
-             "default corpus: no fortune files in '{}' (install the Debian packages fortunes-min "
-             "and fortune-mod with scripts/setup.sh, or set 'data' to a text file)",
-             dir);
   std::sort(files.begin(), files.end());
+  return files;
+}
+
+}  // namespace
+
+std::vector<std::string> DefaultCorpusFiles(const std::string& dir) {
+  std::vector<std::string> files = DirectoryFiles(dir);
+  SY_REQUIRE(!files.empty(), IoError,
+             "default corpus: no fortune files in '{}' (install the Debian packages fortunes, "
+             "fortunes-min and fortune-mod with scripts/setup.sh, or set 'data' to a text file)",
+             dir);
+  return files;
+}
+
+std::string DefaultCorpusNote(const std::vector<std::string>& files) {
+  namespace fs = std::filesystem;
+  int64_t bytes = 0;
+  for (const std::string& f : files) {
+    std::error_code ec;
+    const auto size = fs::file_size(f, ec);
+    if (!ec) bytes += static_cast<int64_t>(size);
+  }
+  if (bytes >= kFullFortunesBytes) return "";
+  return fmt::format(
+      "note: the default corpus holds only {} bytes (Debian's fortunes-min); install the package "
+      "'fortunes' (scripts/setup.sh) for the full corpus of about 2.6 MB that the documented "
+      "figures use",
+      bytes);
+}
+
+std::vector<std::string> ExpandDataPaths(const std::string& list, std::string_view key) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> files;
+  size_t at = 0;
+  while (at <= list.size()) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    const std::string entry = list.substr(at, comma - at);
+    at = comma + 1;
+    SY_REQUIRE(!entry.empty(), InvalidArgument,
+               "config: '{}' \"{}\": expected a comma-separated list of files and directories, "
+               "found an empty entry",
+               key, list);
+    std::error_code ec;
+    if (fs::is_directory(entry, ec)) {
+      std::vector<std::string> in_dir = DirectoryFiles(entry);
+      SY_REQUIRE(!in_dir.empty(), IoError, "config: '{}': the directory '{}' holds no text file",
+                 key, entry);
+      files.insert(files.end(), in_dir.begin(), in_dir.end());
+    } else {
+      SY_REQUIRE(fs::exists(entry, ec), IoError,
+                 "config: '{}': '{}' does not exist (expected a text file or a directory)", key,
+                 entry);
+      files.push_back(entry);
+    }
+  }
   return files;
 }
 
@@ -99,6 +154,30 @@ Corpus LoadCorpus(const std::vector<std::string>& files, double val_fraction) {
   Corpus c = CorpusFromText(text, val_fraction);
   c.files = files;
   return c;
+}
+
+Corpus LoadRunCorpus(const std::string& data, const std::string& val_data, double val_fraction,
+                     std::string* note) {
+  const std::vector<std::string> train =
+      data.empty() ? DefaultCorpusFiles() : ExpandDataPaths(data, "data");
+  if (note != nullptr) *note = data.empty() ? DefaultCorpusNote(train) : "";
+  if (val_data.empty()) return LoadCorpus(train, val_fraction);
+  Corpus c = LoadCorpus(train, 0.0);
+  const std::vector<std::string> held = ExpandDataPaths(val_data, "val_data");
+  Corpus v = LoadCorpus(held, 0.0);
+  c.val = std::move(v.train);
+  c.val_records = v.records;
+  c.files.insert(c.files.end(), held.begin(), held.end());
+  return c;
+}
+
+std::vector<std::string> RunCorpusFiles(const std::string& data, const std::string& val_data) {
+  std::vector<std::string> files =
+      data.empty() ? DefaultCorpusFiles() : ExpandDataPaths(data, "data");
+  if (!val_data.empty()) {
+    for (std::string& f : ExpandDataPaths(val_data, "val_data")) files.push_back(std::move(f));
+  }
+  return files;
 }
 
 double UnigramEntropy(const std::vector<uint8_t>& tokens) {

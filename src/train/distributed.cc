@@ -8,6 +8,7 @@
 #include <cmath>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <optional>
 #include <utility>
 
@@ -21,6 +22,7 @@
 #include "switchyard/train/data.h"
 #include "switchyard/train/moe_feed_forward.h"
 #include "switchyard/train/zero.h"
+#include "train/step_trace.h"
 
 namespace switchyard::train {
 namespace {
@@ -76,9 +78,7 @@ comm::ConfigEntries AgreementEntries(const TrainConfig& config, const RunOptions
     }
     return all;
   };
-  entries.emplace_back(
-      "data (content)",
-      digest(config.data.empty() ? DefaultCorpusFiles() : std::vector<std::string>{config.data}));
+  entries.emplace_back("data (content)", digest(RunCorpusFiles(config.data, config.val_data)));
   if (!config.moe_layer_config.empty()) {
     entries.emplace_back("moe_layer_config (content)", digest({config.moe_layer_config}));
   }
@@ -146,8 +146,19 @@ parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int wo
   o.mesh.arrangement = arrangement;
   if (config.tp > 1) o.mesh.sequence_parallel = config.sequence_parallel;
   o.dispatch = parallel::DispatchKindFromName(config.dispatch);
-  o.batch_scope = parallel::BatchScope::kGlobal;
+  o.batch_scope = parallel::BatchScopeFromName(config.routing_scope);
   o.overlap_degree = static_cast<int>(config.overlap_degree);
+  if (config.a2a_algo == "2dh") {
+    SY_REQUIRE(o.dispatch == parallel::DispatchKind::kAllToAll, InvalidArgument,
+               "config: 'a2a_algo' 2dh is the fixed-capacity all-to-all's: it needs 'dispatch' "
+               "alltoall, got \"{}\"",
+               config.dispatch);
+    // 0: the machine's ranks per node (RankTrainer takes them from the world's topology).
+    o.hierarchical_ranks_per_node =
+        config.a2a_ranks_per_node > 0 ? static_cast<int>(config.a2a_ranks_per_node) : world_size;
+  }
+  o.smart_group = parallel::SmartGroupFromString(config.smart_schedule);
+  o.shadow = parallel::ShadowFromString(config.shadow_experts);
   return o;
 }
 
@@ -183,6 +194,7 @@ FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
   o.threads = context.threads;
   o.save_for_backward = context.save_for_backward;
   o.training = context.training;
+  o.adaptive_r = AdaptiveRAtStep(adaptive_r_, static_cast<int64_t>(context.step));
   parallel::ParallelMoeLayer& layer = layer_;
   int64_t nonfinite = 0;
   if (layer.config().check_finite && x.dtype() == DType::kFloat32) {
@@ -221,8 +233,11 @@ Tensor ParallelMoeFeedForward::Backward(const FeedForwardOutput& forward, const 
   parallel::ParallelMoeLayer& layer = layer_;
   // The layer differentiates sum(y * d) + (this rank's share of) the loss terms. This rank must
   // contribute sum(y * dy) + D * loss_scale * share (distributed.h: gradients are summed over the
-  // ranks and divided by D), so pass d = dy / (D * loss_scale) and scale the results back.
-  const float scale = static_cast<float>(data_shards_) * loss_scale;
+  // ranks and divided by D), so pass d = dy / (D * loss_scale) and scale the results back. In the
+  // per-rank scope the layer differentiates this rank's own loss terms, whose mean over the D
+  // shards is the objective's: the share is loss / D, so the factor is loss_scale alone.
+  const bool per_rank = layer.options().batch_scope == parallel::BatchScope::kPerRank;
+  const float scale = (per_rank ? 1.0f : static_cast<float>(data_shards_)) * loss_scale;
   Tensor d = dy;
   if (scale != 1.0f) {
     d = dy.Clone();
@@ -298,6 +313,23 @@ void DistributedHooks::AddMoeBlock(const std::string& prefix, const moe::LayerCo
 }
 
 int DistributedHooks::rank() const { return world_.rank(); }
+
+void DistributedHooks::SetStepTrace(int64_t step, const std::string& path) {
+  trace_ = step > 0 ? std::make_unique<internal::StepTrace>(world_, step, path) : nullptr;
+}
+
+void DistributedHooks::AddTracedLayer(parallel::ParallelMoeLayer* layer) {
+  if (trace_) trace_->AddLayer(layer);
+}
+
+void DistributedHooks::StepBegins(int64_t step) {
+  if (trace_) trace_->Begin(step);
+}
+
+void DistributedHooks::StepEnds(int64_t step) {
+  if (trace_) trace_->End(step);
+}
+
 int DistributedHooks::world_size() const { return world_.size(); }
 int DistributedHooks::data_rank() const { return coords_.dp_rank; }
 int DistributedHooks::data_size() const { return mesh_.dp(); }
@@ -492,6 +524,12 @@ void DistributedHooks::FillSummary(RunSummary* summary) {
 
 void DistributedHooks::ReduceGradients(ParameterSet& params) {
   SY_CHECK(dense_opt_ != nullptr, "DistributedHooks: Prepare() was not called");
+  if (trace_) {
+    trace_->Add("forward + backward", "step", parallel::TraceStream::kCompute,
+                trace_->step_begin_s(), internal::StepTrace::Now());
+  }
+  const internal::StepTrace::Span span(trace_.get(), "gradient reduce", "sync",
+                                       parallel::TraceStream::kComm);
   // Every rank's gradients are those of its data shard's mean loss (the MoE blocks scale theirs
   // alike): summed over the holders of the same values, divided by the number of data shards.
   const float inv = 1.0f / static_cast<float>(mesh_.dp() * mesh_.cp());
@@ -523,6 +561,8 @@ double DistributedHooks::CopiesExperts() const {
 }
 
 double DistributedHooks::GradSquaredNorm(const ParameterSet& params) {
+  const internal::StepTrace::Span span(trace_.get(), "gradient norm", "sync",
+                                       parallel::TraceStream::kComm);
   // Each rank's own ranges, weighted so that every distinct element counts once over the world.
   double own[1] = {split_opt_->OwnGradSquaredNorm() / CopiesSplit() +
                    dense_opt_->OwnGradSquaredNorm() / CopiesDense() +
@@ -575,6 +615,8 @@ void DistributedHooks::ScaleGradients(ParameterSet& params, float factor) {
 }
 
 void DistributedHooks::OptimizerStep(AdamW& optimizer, ParameterSet& params, float lr) {
+  const internal::StepTrace::Span span(trace_.get(), "optimizer step", "optimizer",
+                                       parallel::TraceStream::kCompute);
   copy_opt_->Step(lr);
   split_opt_->Step(lr);
   dense_opt_->Step(lr);
@@ -588,6 +630,8 @@ int64_t DistributedHooks::OptimizerStepCount(const AdamW& optimizer) {
 
 void DistributedHooks::GatherParameters(ParameterSet& params) {
   if (gathered_) return;
+  const internal::StepTrace::Span span(trace_.get(), "parameter all-gather", "sync",
+                                       parallel::TraceStream::kComm);
   copy_opt_->GatherParameters();
   split_opt_->GatherParameters();
   dense_opt_->GatherParameters();
@@ -784,7 +828,13 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
 
 RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process,
                          const ZeroOptions& zero) {
-  const parallel::ParallelOptions options = TrainParallelOptions(config, world.size());
+  parallel::ParallelOptions options = TrainParallelOptions(config, world.size());
+  if (config.a2a_algo == "2dh" && config.a2a_ranks_per_node == 0) {
+    // The launcher's node size, as far as it divides the expert group (the nodes of the 2DH
+    // all-to-all are consecutive ranks of the expert group).
+    options.hierarchical_ranks_per_node =
+        std::gcd(std::max(1, world.topology().ranks_per_node), options.mesh.ep);
+  }
   // The run's process groups: built once, shared by every MoE block and the optimizer (every
   // block's experts split over them alike, TrainParallelOptions checks).
   const moe::LayerConfig first = MoeBlockLayerConfig(config, config.model.moe_every - 1);
@@ -801,6 +851,22 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
       groups_, static_cast<int>(config.zero_stage), ranks_in_process, buckets,
       dedup ? parallel::GroupKind::kExpertHolders : parallel::GroupKind::kExpertData, tp);
   hooks_->SetOverlapGradReduce(config.overlap_grad_reduce);
+  hooks_->SetStepTrace(config.trace_step, config.out + "/trace.json");
+  if (config.model.moe_every > 0) {
+    // Every adaptive r the run will use must suit the experts' H-shards (n = ep / E when the
+    // experts are fewer than the ep ranks, else 1): 0 or a divisor of n.
+    const int shards = groups_->mesh().shards();
+    const auto entries = static_cast<int64_t>(
+        std::count(config.adaptive_r.begin(), config.adaptive_r.end(), ',') + 1);
+    for (int64_t s = 0; s < entries; ++s) {
+      const int r = AdaptiveRAtStep(config.adaptive_r, s);
+      SY_REQUIRE(r < 0 || r == 0 || shards % r == 0, InvalidArgument,
+                 "config: 'adaptive_r' \"{}\": r = {} is neither 0 nor a divisor of the {} "
+                 "H-shard(s) of each expert (ep / num_experts when the experts are fewer than "
+                 "the ep ranks, else 1)",
+                 config.adaptive_r, r, shards);
+    }
+  }
   if (config.cp > 1) {
     hooks_->SetContextParallel(ContextParallelOptions{
         .algorithm = config.cp_algo == "ulysses" ? CpAlgorithm::kUlysses : CpAlgorithm::kRing,
@@ -821,7 +887,11 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
                                                          ParameterSet& params, uint64_t seed) {
       const moe::LayerConfig layer = MoeBlockLayerConfig(config, block);
       hooks->AddMoeBlock(prefix, layer);
-      return std::make_unique<ParallelMoeFeedForward>(params, prefix, layer, options, groups, seed);
+      auto ffn =
+          std::make_unique<ParallelMoeFeedForward>(params, prefix, layer, options, groups, seed);
+      ffn->set_adaptive_r(config.adaptive_r);
+      hooks->AddTracedLayer(&ffn->layer());
+      return ffn;
     };
   }
   trainer_ = std::make_unique<Trainer>(config, std::move(factory), hooks);

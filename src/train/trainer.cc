@@ -122,18 +122,20 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
       c.model.moe_every > 0 ? MoeLayerConfig(c) : moe::LayerConfig{};  // validates it
   check_finite_ = c.model.moe_every > 0 && moe_layer.check_finite;
 
-  corpus_ = c.data.empty() ? LoadCorpus(DefaultCorpusFiles(), c.val_fraction)
-                           : LoadCorpus({c.data}, c.val_fraction);
+  corpus_ = LoadRunCorpus(c.data, c.val_data, c.val_fraction, &corpus_note_);
   data_json_ = DataIdentityJson(corpus_);
   unigram_entropy_ = UnigramEntropy(corpus_.train);
   sampler_ = std::make_unique<BatchSampler>(corpus_.train, c.model.seq_len, c.seed);
   eval_batches_ = EvaluationBatches(corpus_.val, c.model.seq_len, c.batch_size, c.eval_tokens,
                                     hooks_->data_size());
-  SY_REQUIRE(c.val_fraction == 0 || !eval_batches_.empty(), InvalidArgument,
-             "data: the held-out text ({} bytes, val_fraction {}) is shorter than one evaluation "
-             "window of seq_len + 1 = {} tokens: use a longer text, a larger val_fraction or a "
-             "smaller seq_len, or val_fraction 0 to train without a validation loss",
-             corpus_.val.size(), c.val_fraction, c.model.seq_len + 1);
+  SY_REQUIRE((c.val_data.empty() && c.val_fraction == 0) || !eval_batches_.empty(), InvalidArgument,
+             "data: the held-out text ({} bytes, {}) is shorter than one evaluation window of "
+             "seq_len + 1 = {} tokens: use a longer text, a larger val_fraction or a smaller "
+             "seq_len, or val_fraction 0 to train without a validation loss",
+             corpus_.val.size(),
+             c.val_data.empty() ? fmt::format("val_fraction {}", c.val_fraction)
+                                : fmt::format("val_data {}", c.val_data),
+             c.model.seq_len + 1);
 
   if (moe_factory == nullptr && c.model.moe_every > 0) {
     moe_factory =
@@ -278,6 +280,7 @@ void Trainer::RunMicrobatches(const std::vector<Batch>& batches,
 StepMetrics Trainer::Step() {
   const TrainConfig& c = config_;
   double t0 = Now();
+  hooks_->StepBegins(step_ + 1);
   const int64_t world = hooks_->world_size();
   const int64_t shards = hooks_->data_size(), shard = hooks_->data_rank();
   // Micro-batch k is rows [k B / m, (k + 1) B / m) of the global batch; this data-parallel rank
@@ -404,6 +407,7 @@ StepMetrics Trainer::Step() {
   if (met.step_time_s > 0) {
     met.tokens_per_s = static_cast<double>(c.batch_size * c.model.seq_len) / met.step_time_s;
   }
+  hooks_->StepEnds(met.step);
   return met;
 }
 
@@ -651,6 +655,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
                c.data.empty() ? std::string("fortunes corpus") : c.data, corpus_.train.size(),
                corpus_.val.size(), unigram_entropy_, c.steps, c.batch_size,
                c.batch_size * c.model.seq_len, threads_, run_dir);
+    if (!corpus_note_.empty()) fmt::print(out, "{}\n", corpus_note_);
     const std::string layout = hooks_->LayoutDescription();
     if (!layout.empty()) fmt::print(out, "layout: {}\n", layout);
   }
@@ -1022,8 +1027,9 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                1e3 * summary.grad_reduce_blocked_s, 1e3 * summary.grad_reduce_s,
                c.overlap_grad_reduce ? "on" : "off");
   }
-  fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{})\n", run_dir,
-             moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "");
+  fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{}{})\n", run_dir,
+             moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "",
+             std::filesystem::exists(run_dir + "/trace.json") ? ", trace.json" : "");
   if (c.sample_tokens > 0) {
     fmt::print(out, "sample (temperature {}):\n{}\n", c.temperature,
                EscapeForTerminal(summary.sample));

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -221,6 +222,49 @@ TEST_F(TrainCliTest, PipelineFlags) {
   bad = RunCommand(Command("bad", "--pp 2 --pipeline-schedule gpipe --steps 1"), dir_);
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("gpipe"), std::string::npos) << bad.err;
+}
+
+// The MoE layer's options as flags (adaptive r switched every step, 2DH, a separate held-out
+// file) give the one-rank losses; --trace_step writes the step's timeline of every rank, which
+// `switchyard trace-svg` draws.
+TEST_F(TrainCliTest, LayerOptionFlagsAndTheStepTrace) {
+  std::string held;
+  for (int i = 0; i < 40; ++i) held += "a held-out line " + std::to_string(i) + ".\n%\n";
+  WriteTextFileAtomic(dir_ + "/held.txt", held);
+  const std::string common =
+      "--num_experts 2 --top_k 1 --steps 3 --val_data " + dir_ + "/held.txt ";
+  CommandResult one = RunCommand(Command("one", common + "--ranks 1"), dir_);
+  ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
+  CommandResult four = RunCommand(
+      Command("four", common + "--ranks 4 --adaptive_r 1,0 --a2a_algo 2dh --a2a_ranks_per_node 2 "
+                               "--trace_step 2"),
+      dir_);
+  ASSERT_EQ(four.exit_code, 0) << four.out << four.err;
+  const std::vector<double> want = Losses("one"), got = Losses("four");
+  ASSERT_EQ(want.size(), 3u);
+  ASSERT_EQ(got.size(), 3u);
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], 2e-5 * want[i]) << "step " << i + 1;
+  }
+  const std::string trace = dir_ + "/four/trace.json";
+  ASSERT_TRUE(fs::exists(trace));
+  const nlohmann::json j = nlohmann::json::parse(ReadAll(trace));
+  std::set<int> tids;
+  for (const nlohmann::json& e : j.at("traceEvents")) {
+    if (e.at("ph") == "X") tids.insert(e.at("tid").get<int>());
+  }
+  EXPECT_EQ(tids, (std::set<int>{0, 1, 2, 3, 4, 5, 6, 7}));  // 4 ranks x compute, comm
+  CommandResult svg = RunCommand(
+      std::string(SY_SWITCHYARD_BIN) + " trace-svg " + trace + " " + dir_ + "/four/trace.svg",
+      dir_);
+  ASSERT_EQ(svg.exit_code, 0) << svg.out << svg.err;
+  const std::string picture = ReadAll(dir_ + "/four/trace.svg");
+  EXPECT_NE(picture.find("rank 3"), std::string::npos);
+  EXPECT_NE(picture.find("gradient reduce"), std::string::npos);
+  // A bad value names the key.
+  CommandResult bad = RunCommand(Command("bad", "--routing_scope local --steps 1"), dir_);
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("'routing_scope'"), std::string::npos) << bad.err;
 }
 
 TEST_F(TrainCliTest, BadFlagsAreOneLineErrors) {

@@ -34,9 +34,21 @@ struct TrainConfig {
   // file's values for the keys the user did not set (explicit values win over defaults).
   // "": the moe::LayerConfig defaults.
   std::string moe_layer_config;
+  // The MoE layer's check_finite (moe/config.h): a non-finite value in an MoE block's input
+  // stops the step with an error naming it.
+  bool check_finite = false;
+  // How an MoE block decides capacity, drops and the balancing losses: "global" (over the whole
+  // batch: W ranks equal one rank) or "per_rank" (Tutel's and DeepSpeed's: over each data-
+  // parallel rank's own tokens; W data-parallel ranks equal one rank with microbatches = W).
+  std::string routing_scope = "global";
 
   // Data.
-  std::string data;  // a text file; "" = the fortunes corpus (kFortunesDir)
+  // Training text: files and directories (every regular file in a directory, sorted; ".dat"
+  // indexes and symlinks skipped), comma-separated; "" = the fortunes corpus (kFortunesDir).
+  std::string data;
+  // Held-out text for the validation loss, in the same form; "" = every k-th record of `data`
+  // (val_fraction). When set, all of `data` trains and val_fraction is not used.
+  std::string val_data;
   double val_fraction = 0.1;
 
   // Optimization.
@@ -66,6 +78,9 @@ struct TrainConfig {
   int64_t sample_tokens = 400;     // generated at the end; 0: none
   double temperature = 0.8;
   int threads = 0;  // compute threads of this rank; 0: the policy of core/threading.h
+  // > 0: a Chrome trace-event timeline of step trace_step (1-based, as the metrics' step), every
+  // rank's compute and communication, written to <out>/trace.json (switchyard trace-svg draws it).
+  int64_t trace_step = 0;
 
   // Parallel layout (switchyard train; train/distributed.h). A checkpoint does not depend on it:
   // a run may resume under another layout.
@@ -79,6 +94,20 @@ struct TrainConfig {
   // bucket_mb MiB of float32 gradients (0: one per block and one for the rest).
   bool overlap_grad_reduce = true;
   double bucket_mb = 25;
+  // Tutel's adaptive r of the MoE blocks (experts split into H-shards when ep > num_experts):
+  // "default" (r = 1, Megatron arrangement r = shards), "auto" (the cheapest by the volume
+  // model), an integer r (0, or a divisor of the shards) or a list "r0,r1,..." used in turn, one
+  // entry per step (step s takes entry s % length). Results do not depend on it.
+  std::string adaptive_r = "default";
+  // The token all-to-all of the MoE blocks: "flat" or "2dh" (Tutel's two-dimensional
+  // hierarchical all-to-all over nodes of a2a_ranks_per_node ranks; 0: the ranks the machine
+  // puts on one node).
+  std::string a2a_algo = "flat";
+  int64_t a2a_ranks_per_node = 0;
+  // FasterMoE's smart schedule of the MoE blocks: "off", "auto" or a group size g.
+  std::string smart_schedule = "off";
+  // FasterMoE's shadow experts: "none", "auto" or a list of expert indices "0,3".
+  std::string shadow_experts = "none";
   // Tensor parallelism (docs/tensor_parallel.md): the dense layers split over tp ranks (the data-
   // parallel size is ranks / tp); tp must divide ranks, num_heads, hidden_dim and vocab_size.
   int64_t tp = 1;
@@ -159,7 +188,8 @@ ResolvedTrainConfig ResolveTrainConfig(const TrainConfigSources& sources);
 const std::vector<std::string>& ResumeMustMatchKeys();
 // The layout keys (ranks, ep, zero_stage, overlap_grad_reduce, bucket_mb, dispatch, overlap_degree,
 // threads, tp, sequence_parallel, tp_comm_overlap, arrangement, etp, pp, pipeline_schedule,
-// virtual_stages, pipeline_split, cp, cp_algo): where a run runs, not what it computes; a resumed
+// virtual_stages, pipeline_split, cp, cp_algo, adaptive_r, a2a_algo, a2a_ranks_per_node,
+// smart_schedule, shadow_experts, trace_step): where a run runs, not what it computes; a resumed
 // run does not take them from its checkpoint.
 bool IsLayoutKey(std::string_view key);
 
@@ -174,5 +204,10 @@ std::vector<ConfigKey> TrainConfigKeys();
 // Sets one key from command-line text: a JSON value (4, 0.5, true) or, when that does not
 // parse, a bare string (--data corpus.txt). Errors as TrainConfigFromJson.
 void SetTrainConfigValue(TrainConfig& config, std::string_view key, std::string_view text);
+
+// The adaptive r of step `step` (0-based) from the text of the key adaptive_r, as
+// parallel::ParallelOptions takes it (parallel::kAdaptiveRDefault / kAdaptiveRAuto or r >= 0).
+// InvalidArgument naming the key for malformed text.
+int AdaptiveRAtStep(std::string_view adaptive_r, int64_t step);
 
 }  // namespace switchyard::train

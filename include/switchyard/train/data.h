@@ -3,7 +3,9 @@
 // of the best model that ignores context, which a trained model must get well below).
 //
 // The default corpus is the `fortunes` files that scripts/setup.sh installs (Debian packages
-// fortunes-min and fortune-mod): text records separated by lines holding a single "%".
+// fortunes, fortunes-min and fortune-mod, about 2.6 MB): text records separated by lines holding
+// a single "%". With only fortunes-min installed (about 100 KB) the default run trains on that and
+// says so (DefaultCorpusNote).
 //
 // Thread-safety: Corpus and BatchSampler are immutable after construction.
 #pragma once
@@ -23,6 +25,17 @@ inline constexpr const char* kFortunesDir = "/usr/share/games/fortunes";
 // ".dat" index files are skipped). Throws IoError naming the directory and the packages to
 // install when there are none.
 std::vector<std::string> DefaultCorpusFiles(const std::string& dir = kFortunesDir);
+// Bytes of the full `fortunes` package's text; a default corpus below kFullFortunesBytes is
+// fortunes-min alone.
+inline constexpr int64_t kFullFortunesBytes = 1000000;
+// "" when `files` (DefaultCorpusFiles) hold the full package, else a one-line note naming the
+// bytes found and the package to install.
+std::string DefaultCorpusNote(const std::vector<std::string>& files);
+
+// The files of a comma-separated list of files and directories (the keys data and val_data): a
+// directory gives its regular files as DefaultCorpusFiles does. IoError naming `key` and the
+// entry when one does not exist or a directory holds no file; InvalidArgument for an empty entry.
+std::vector<std::string> ExpandDataPaths(const std::string& list, std::string_view key);
 
 // Cuts text into records whose concatenation is the text: a record ends after a line that is
 // exactly "%" (fortune files); text without such lines is cut at the first line end after
@@ -44,6 +57,15 @@ struct Corpus {
 Corpus LoadCorpus(const std::vector<std::string>& files, double val_fraction);
 // The same from text in memory (`files` stays empty).
 Corpus CorpusFromText(std::string_view text, double val_fraction);
+
+// A run's corpus from its keys: `data` (ExpandDataPaths; "" = DefaultCorpusFiles()) and either
+// `val_data` (held out whole; all of `data` trains) or every k-th record of `data`
+// (val_fraction). `files` lists the training files, then the held-out ones. `note` (may be null)
+// receives DefaultCorpusNote for the default corpus, else "".
+Corpus LoadRunCorpus(const std::string& data, const std::string& val_data, double val_fraction,
+                     std::string* note = nullptr);
+// Every file a run reads (training, then held-out), as LoadRunCorpus would.
+std::vector<std::string> RunCorpusFiles(const std::string& data, const std::string& val_data);
 
 // Unigram (byte frequency) entropy of the tokens, in nats: -sum_b p_b ln p_b.
 double UnigramEntropy(const std::vector<uint8_t>& tokens);

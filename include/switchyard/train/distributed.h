@@ -46,6 +46,12 @@
 
 namespace switchyard::train {
 
+class ShardedAdamW;
+struct ZeroOptions;
+namespace internal {
+class StepTrace;  // src/train/step_trace.h
+}  // namespace internal
+
 // The parallel options of a config's MoE blocks on a world of `world_size` ranks (the run's mesh:
 // tp, sequence parallelism, the arrangement, ep, etp). Throws InvalidArgument naming the key (an
 // ep that does not divide ranks, an E that ep does not divide and that does not divide ep, an
@@ -72,6 +78,9 @@ class ParallelMoeFeedForward : public FeedForward {
   bool is_moe() const override { return true; }
   int64_t num_experts() const override { return layer_.config().num_experts; }
   const parallel::ParallelMoeLayer& layer() const { return layer_; }
+  parallel::ParallelMoeLayer& layer() { return layer_; }
+  // The config's adaptive_r text: the r of each step (AdaptiveRAtStep). Default: "default".
+  void set_adaptive_r(std::string text) { adaptive_r_ = std::move(text); }
 
   FeedForwardOutput Forward(const Tensor& x, const FeedForwardContext& context) override;
   Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
@@ -88,6 +97,7 @@ class ParallelMoeFeedForward : public FeedForward {
   // The data shards whose mean losses the gradients average (dp x cp; with sequence parallelism
   // the tp ranks of a shard hold parts of its tokens but share its loss).
   int data_shards_ = 1;
+  std::string adaptive_r_ = "default";
   FeedForwardTimes times_;
 };
 
@@ -132,6 +142,10 @@ class DistributedHooks : public TrainHooks, public BlockObserver {
   // Reduction times and bucket counts summed over the steps so far.
   const ReductionTimes& run_reduction_times() const { return run_times_; }
 
+  // Traces step `step` (1-based) of every rank into `path` (written by world rank 0); the MoE
+  // layers given to AddTracedLayer record into it.
+  void SetStepTrace(int64_t step, const std::string& path);
+  void AddTracedLayer(parallel::ParallelMoeLayer* layer);
   // Records an MoE block built by the factory (its parameter prefix and layer config), for
   // gathering and slicing its experts in checkpoints.
   void AddMoeBlock(const std::string& prefix, const moe::LayerConfig& config);
@@ -141,6 +155,8 @@ class DistributedHooks : public TrainHooks, public BlockObserver {
   void Prepare(ParameterSet& params, const AdamW& optimizer);
 
   int rank() const override;
+  void StepBegins(int64_t step) override;
+  void StepEnds(int64_t step) override;
   int world_size() const override;
   int data_rank() const override;
   int data_size() const override;
@@ -234,6 +250,7 @@ class DistributedHooks : public TrainHooks, public BlockObserver {
   std::unique_ptr<ShardedAdamW> dense_opt_;   // other dense parameters, over tokens_
   std::unique_ptr<ShardedAdamW> expert_opt_;  // over expert_data_
   bool gathered_ = true;
+  std::unique_ptr<internal::StepTrace> trace_;  // null: no step traced
 };
 
 // One rank of a distributed run: the process groups (built once, here), hooks, the MoE factory

@@ -42,6 +42,9 @@ class TrainHooks {
   virtual ~TrainHooks() = default;
 
   virtual int rank() const { return 0; }
+  // Around every training step (`step` 1-based, as StepMetrics::step): for the step trace.
+  virtual void StepBegins(int64_t step) {}
+  virtual void StepEnds(int64_t step) {}
   virtual int world_size() const { return 1; }
   // Ranks sharing this process's cores (ranks as threads), for the threading policy.
   virtual int ranks_in_process() const { return 1; }
@@ -265,6 +268,7 @@ class Trainer {
   std::unique_ptr<BatchSampler> sampler_;
   std::vector<Batch> eval_batches_;
   std::string data_json_;
+  std::string corpus_note_;    // DefaultCorpusNote of the default corpus, else ""
   bool check_finite_ = false;  // the MoE layers' check_finite
   std::unique_ptr<TransformerLm> model_;
   AdamW optimizer_;
