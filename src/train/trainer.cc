@@ -225,6 +225,8 @@ void Trainer::RunMicrobatches(const std::vector<Batch>& batches,
       fo.global_token_offset = row_begins[static_cast<size_t>(k)] * seq;
       LmOutput out = model_->Forward(batches[static_cast<size_t>(k)].tokens,
                                      batches[static_cast<size_t>(k)].targets, fo);
+      saved_activation_bytes_ =
+          std::max(saved_activation_bytes_, model_->SavedActivationBytes(out));
       model_->Backward(out, scale, threads_);
       totals->Add(config_.model, out, true);
     }
@@ -663,6 +665,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
   summary.run_dir = run_dir;
   summary.unigram_entropy = unigram_entropy_;
   summary.parameters = params;
+  summary.saved_activation_bytes = saved_activation_bytes_;
   summary.flops_per_token =
       TrainingFlopsPerToken(c.model, moe ? c.num_experts : 0, c.top_k, c.expert_hidden_dim);
   for (const StepMetrics& m : history) {
@@ -927,7 +930,8 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
             {"moe_comm_share", finite(summary.moe_comm_share)},
             {"tp_bytes_per_step", finite(summary.tp_bytes_per_step)},
             {"tp_comm_share", finite(summary.tp_comm_share)},
-            {"skipped_steps", summary.skipped_steps}};
+            {"skipped_steps", summary.skipped_steps},
+            {"saved_activation_bytes", summary.saved_activation_bytes}};
   // Only what is known: a value that is not (no step ran, a dense model) is left out.
   for (auto it = s.begin(); it != s.end();) it = it->is_null() ? s.erase(it) : std::next(it);
   if (c.sample_tokens > 0) WriteTextFileAtomic(run_dir + "/sample.txt", summary.sample);
@@ -975,6 +979,14 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                "  tensor parallel: {:.2f} MB per step and rank on the wire, blocked in those "
                "collectives {:.0f}% of step time\n",
                summary.tp_bytes_per_step / 1e6, 100 * summary.tp_comm_share);
+  }
+  if (summary.saved_activation_bytes > 0) {
+    fmt::print(out,
+               "  activations kept for backward: {:.2f} MiB per micro-batch (recompute {}, "
+               "precision {}{})\n",
+               static_cast<double>(summary.saved_activation_bytes) / (1 << 20),
+               RecomputeName(c.model.recompute), PrecisionName(c.model.precision),
+               moe ? "; MoE FFN state not counted" : "");
   }
   fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{})\n", run_dir,
              moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "");

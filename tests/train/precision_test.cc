@@ -289,7 +289,8 @@ TEST(RecomputeTest, FullAndSelectiveEqualKeepingEverythingBitForBit) {
 }
 
 // Two ranks with the experts split over them (the recomputed MoE forward repeats its
-// all-to-all), and two tensor-parallel ranks (the recomputed block repeats its all-reduces).
+// all-to-all), two tensor-parallel ranks (the recomputed block repeats its collectives), two
+// context-parallel ranks (ring attention again) and two pipeline stages.
 TEST(RecomputeTest, OnSeveralRanksEqualKeepingEverythingBitForBit) {
   TempDir dir;
   TrainConfig moe = TinyConfig(dir);
@@ -300,12 +301,21 @@ TEST(RecomputeTest, OnSeveralRanksEqualKeepingEverythingBitForBit) {
   tp.ranks = 2;
   tp.tp = 2;
   tp.sequence_parallel = true;
-  for (TrainConfig c : {moe, tp}) {
+  TrainConfig cp = TinyConfig(dir);  // full only: selective is refused with cp
+  cp.ranks = 2;
+  cp.cp = 2;
+  TrainConfig pp = TinyConfig(dir);
+  pp.ranks = 2;
+  pp.pp = 2;
+  pp.microbatches = 2;
+  for (TrainConfig c : {moe, tp, cp, pp}) {
     const RunResult none = TrainOnRanks(c, 3);
     for (Recompute r : {Recompute::kFull, Recompute::kSelective}) {
+      if (c.cp > 1 && r == Recompute::kSelective) continue;
       c.model.recompute = r;
-      ExpectBitIdentical(none, TrainOnRanks(c, 3),
-                         fmt::format("tp {} ep {} {}", c.tp, c.ep, RecomputeName(r)));
+      ExpectBitIdentical(
+          none, TrainOnRanks(c, 3),
+          fmt::format("tp {} ep {} cp {} pp {} {}", c.tp, c.ep, c.cp, c.pp, RecomputeName(r)));
     }
   }
 }

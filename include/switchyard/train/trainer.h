@@ -158,6 +158,9 @@ struct RunSummary {
   // the share of step time blocked in their collectives (NaN without tensor parallelism).
   double tp_bytes_per_step = NAN;
   double tp_comm_share = NAN;
+  // Bytes of activations one micro-batch's forward kept for backward on this rank
+  // (TransformerLm::SavedActivationBytes: what `recompute` and `precision` change).
+  int64_t saved_activation_bytes = 0;
   std::string sample;
   std::string run_dir;
 };
@@ -232,6 +235,7 @@ class Trainer {
   TrainHooks default_hooks_;
   TrainHooks* hooks_;
   int threads_ = 1;
+  int64_t saved_activation_bytes_ = 0;  // the largest of the run's micro-batches
   Corpus corpus_;
   double unigram_entropy_ = NAN;
   std::unique_ptr<BatchSampler> sampler_;
