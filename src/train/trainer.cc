@@ -15,6 +15,7 @@
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/limits.h"
 #include "switchyard/core/threading.h"
+#include "switchyard/kernels/cpu_features.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/gemm_backend.h"
 #include "switchyard/train/generate.h"
@@ -665,7 +666,6 @@ RunSummary Trainer::Run(const RunOptions& options) {
   summary.run_dir = run_dir;
   summary.unigram_entropy = unigram_entropy_;
   summary.parameters = params;
-  summary.saved_activation_bytes = saved_activation_bytes_;
   summary.flops_per_token =
       TrainingFlopsPerToken(c.model, moe ? c.num_experts : 0, c.top_k, c.expert_hidden_dim);
   for (const StepMetrics& m : history) {
@@ -837,6 +837,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
     bar.Finish();
     summary.steps = step_;
     summary.seconds = Now() - run_start;
+    summary.saved_activation_bytes = saved_activation_bytes_;
     summary.final_val_ce_loss = last_val;
     if (model_->tp_size() > 1 && run_steps > 0 && run_tp_time > 0) {
       summary.tp_bytes_per_step = run_tp_bytes / static_cast<double>(run_steps);
@@ -987,6 +988,15 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                static_cast<double>(summary.saved_activation_bytes) / (1 << 20),
                RecomputeName(c.model.recompute), PrecisionName(c.model.precision),
                moe ? "; MoE FFN state not counted" : "");
+  }
+  if (c.model.precision == Precision::kBFloat16) {
+    const kernels::CpuFeatures& f = kernels::HostCpuFeatures();
+    fmt::print(out,
+               "  precision bf16: {}; the GEMMs convert bf16 operands to fp32 and run the fp32 "
+               "kernel, so bf16 saves memory here, not time\n",
+               f.avx512_bf16 || f.amx_bf16
+                   ? "this CPU has bf16 arithmetic (AVX512-BF16/AMX), not used by this version"
+                   : "this CPU has no bf16 arithmetic (no AVX512-BF16, no AMX)");
   }
   fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{})\n", run_dir,
              moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "");
