@@ -32,13 +32,14 @@ Tensor CausalAttentionForward(const Tensor& qkv, int64_t batch_size, int64_t num
              "attention qkv: expected [batch_size * seq_len, 3 * num_heads * head_dim] with "
              "batch_size {} and num_heads {}, got {}",
              batch_size, num_heads, qkv.defined() ? ShapeToString(qkv.shape()) : "undefined");
-  ExpectDType("attention qkv", qkv, DType::kFloat32);
+  const bool bf16 = qkv.dtype() == DType::kBFloat16;  // mixed precision
+  const Tensor qkv_values = ToFloat32(qkv, threads);
   const int64_t m = qkv.size(1) / 3, heads = num_heads, hd = m / heads;
   const int64_t seq = qkv.size(0) / batch_size;
   Tensor probs = Tensor::Empty({batch_size, heads, seq, seq});
   Tensor att = Tensor::Empty({qkv.size(0), m});
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const float* qkvp = qkv.data<float>();
+  const float* qkvp = qkv_values.data<float>();
   float* pp = probs.data<float>();
   float* ap = att.data<float>();
   ParallelFor(batch_size * heads, threads, [&](int64_t begin, int64_t end) {
@@ -53,13 +54,14 @@ Tensor CausalAttentionForward(const Tensor& qkv, int64_t batch_size, int64_t num
       for (int64_t i = 0; i < seq; ++i) {
         float* row = p + i * seq;
         kernels::SoftmaxRows(row, row, 1, i + 1);
+        if (bf16) RoundToBFloat16(row, i + 1);  // the product's operand (and what is kept)
         std::fill(row + i + 1, row + seq, 0.0f);
       }
       kernels::Gemm(Trans::kNo, Trans::kNo, seq, hd, seq, 1.0f, p, seq, v, 3 * m, 0.0f,
                     ap + b * seq * m + h * hd, m);
     }
   });
-  if (probs_out != nullptr) *probs_out = probs;
+  if (probs_out != nullptr) *probs_out = bf16 ? ToBFloat16(probs, threads) : probs;
   return att;
 }
 
@@ -71,9 +73,13 @@ Tensor CausalAttentionBackward(const Tensor& qkv, const Tensor& probs, const Ten
   ExpectShape("attention datt", datt, {num_tokens, m});
   Tensor dqkv = Tensor::Empty({num_tokens, 3 * m});
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const float* qkvp = qkv.data<float>();
-  const float* pp = probs.data<float>();
-  const float* dap = datt.data<float>();
+  // Mixed precision: bfloat16 qkv and probs, datt and dS enter the products as bfloat16 values.
+  const bool bf16 = qkv.dtype() == DType::kBFloat16;
+  const Tensor qkv_values = ToFloat32(qkv, threads), probs_values = ToFloat32(probs, threads);
+  const Tensor datt_values = bf16 ? BFloat16Values(datt, threads) : datt;
+  const float* qkvp = qkv_values.data<float>();
+  const float* pp = probs_values.data<float>();
+  const float* dap = datt_values.data<float>();
   float* dqkvp = dqkv.data<float>();
   ParallelFor(batch_size * heads, threads, [&](int64_t begin, int64_t end) {
     std::vector<float> dp(static_cast<size_t>(seq * seq));
@@ -96,6 +102,7 @@ Tensor CausalAttentionBackward(const Tensor& qkv, const Tensor& probs, const Ten
       for (int64_t i = 0; i < seq; ++i) {
         float* row = dp.data() + i * seq;
         kernels::SoftmaxRowsBackward(p + i * seq, row, row, 1, i + 1);
+        if (bf16) RoundToBFloat16(row, i + 1);
         std::fill(row + i + 1, row + seq, 0.0f);
       }
       // dQ = dS k * scale; dK = dS^T q * scale.
@@ -109,11 +116,23 @@ Tensor CausalAttentionBackward(const Tensor& qkv, const Tensor& probs, const Ten
 }
 
 Tensor CausalSelfAttention::Forward(const Tensor& x, int64_t batch_size, int threads,
-                                    AttentionCache* cache) const {
+                                    AttentionCache* cache, Precision precision) const {
   SY_REQUIRE(batch_size > 0 && x.defined() && x.dim() == 2 && x.size(0) % batch_size == 0,
              InvalidArgument,
              "attention x: expected [batch_size * seq_len, model_dim] with batch_size {}, got {}",
              batch_size, x.defined() ? ShapeToString(x.shape()) : "undefined");
+  if (precision == Precision::kBFloat16) {
+    // Every tensor the backward keeps is bfloat16; the products see bfloat16 values.
+    Tensor xb = ToBFloat16(x, threads);
+    Tensor qkv = ToBFloat16(qkv_.Forward(xb, threads), threads);
+    Tensor probs;
+    Tensor att = ToBFloat16(
+        CausalAttentionForward(qkv, batch_size, num_heads_, threads, cache ? &probs : nullptr),
+        threads);
+    Tensor y = proj_.Forward(att, threads);
+    if (cache != nullptr) *cache = AttentionCache{xb, qkv, probs, att, batch_size};
+    return y;
+  }
   Tensor qkv = qkv_.Forward(x, threads);
   Tensor probs;
   Tensor att = CausalAttentionForward(qkv, batch_size, num_heads_, threads, &probs);

@@ -93,6 +93,8 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("cp", c.cp);
   fn("cp_algo", c.cp_algo);
   fn("microbatches", c.microbatches);
+  fn("recompute", c.model.recompute);
+  fn("precision", c.model.precision);
   fn("pp", c.pp);
   fn("pipeline_schedule", c.pipeline_schedule);
   fn("virtual_stages", c.virtual_stages);
@@ -107,6 +109,10 @@ struct ToJsonVisitor {
       j[key] = std::string(NormKindName(v));
     } else if constexpr (std::is_same_v<T, kernels::Activation>) {
       j[key] = std::string(kernels::ActivationName(v));
+    } else if constexpr (std::is_same_v<T, Recompute>) {
+      j[key] = std::string(RecomputeName(v));
+    } else if constexpr (std::is_same_v<T, Precision>) {
+      j[key] = std::string(PrecisionName(v));
     } else {
       j[key] = v;
     }
@@ -144,6 +150,12 @@ struct FromJsonVisitor {
     } else if constexpr (std::is_same_v<T, kernels::Activation>) {
       if (!v.is_string()) throw bad("\"relu\", \"gelu\" or \"silu\"");
       dst = kernels::ActivationFromName(v.get<std::string>());
+    } else if constexpr (std::is_same_v<T, Recompute>) {
+      if (!v.is_string()) throw bad("\"none\", \"full\" or \"selective\"");
+      dst = RecomputeFromName(v.get<std::string>());
+    } else if constexpr (std::is_same_v<T, Precision>) {
+      if (!v.is_string()) throw bad("\"fp32\" or \"bf16\"");
+      dst = PrecisionFromName(v.get<std::string>());
     } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
       // A JSON array, or the command line's "4,8" (a string).
       const char* expected = "a list of integers >= 1 ([4, 8] or \"4,8\")";
@@ -299,6 +311,8 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"cp", "context-parallel size: each sequence split over cp ranks"},
       {"cp_algo", "context-parallel attention: ring | ulysses"},
       {"microbatches", "micro-batches per step (gradient accumulation; divides batch_size)"},
+      {"recompute", "activation recomputation: none | full (per block) | selective (attention)"},
+      {"precision", "fp32 | bf16 (bfloat16 GEMM operands and saved activations, fp32 master)"},
       {"pp", "pipeline stages (divides ranks / tp)"},
       {"pipeline_schedule", "pipeline schedule: fthenb | 1f1b | interleaved | zb-h1"},
       {"virtual_stages", "model chunks per pipeline stage (interleaved schedule)"},
@@ -464,6 +478,14 @@ void ValidateTrainConfig(const TrainConfig& c) {
                "does not divide by 'cp' {}",
                c.model.num_heads, c.cp);
   }
+  SY_REQUIRE(c.model.precision == Precision::kFloat32 || (c.tp == 1 && c.cp == 1), InvalidArgument,
+             "config: 'precision' bf16 is not supported with 'tp' {} / 'cp' {} yet (tensor- and "
+             "context-parallel layers compute in float32): use 'precision' fp32",
+             c.tp, c.cp);
+  SY_REQUIRE(c.model.recompute != Recompute::kSelective || c.cp == 1, InvalidArgument,
+             "config: 'recompute' selective with 'cp' {}: the context-parallel attention core "
+             "already recomputes its probabilities in backward; use 'recompute' none or full",
+             c.cp);
   at_least("pp", static_cast<double>(c.pp), 1);
   at_least("virtual_stages", static_cast<double>(c.virtual_stages), 1);
   SY_REQUIRE(c.batch_size % c.microbatches == 0, InvalidArgument,

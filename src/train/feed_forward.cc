@@ -5,6 +5,7 @@
 namespace switchyard::train {
 namespace {
 
+// float32, or bfloat16 under mixed precision.
 struct DenseState {
   Tensor x;  // [num_tokens, model_dim]
   Tensor h;  // [num_tokens, hidden_dim] fc1 output, before the activation
@@ -22,16 +23,21 @@ DenseFeedForward::DenseFeedForward(ParameterSet& params, const std::string& pref
       fc2_(params, prefix + "fc2.", hidden_dim, model_dim, true, out_init_std, seed) {}
 
 FeedForwardOutput DenseFeedForward::Forward(const Tensor& x, const FeedForwardContext& context) {
-  Tensor h = fc1_.Forward(x, context.threads);
+  const bool bf16 = context.precision == Precision::kBFloat16;
+  const Tensor x_in = bf16 ? ToBFloat16(x, context.threads) : x;
+  Tensor h = fc1_.Forward(x_in, context.threads);
   Tensor a = Tensor::Empty(h.shape());
   ParallelFor(h.numel(), context.threads, [&](int64_t begin, int64_t end) {
     kernels::ActivationForward(activation_, h.data<float>() + begin, a.data<float>() + begin,
                                end - begin);
   });
+  if (bf16) a = ToBFloat16(a, context.threads);
   FeedForwardOutput out;
   out.y = fc2_.Forward(a, context.threads);
-  if (context.save_for_backward)
-    out.state = std::make_shared<const DenseState>(DenseState{x, h, a});
+  if (context.save_for_backward) {
+    if (bf16) h = ToBFloat16(h, context.threads);
+    out.state = std::make_shared<const DenseState>(DenseState{x_in, h, a});
+  }
   return out;
 }
 
@@ -40,11 +46,19 @@ Tensor DenseFeedForward::Backward(const FeedForwardOutput& forward, const Tensor
   SY_CHECK(forward.state != nullptr, "DenseFeedForward::Backward needs save_for_backward");
   const auto& s = *static_cast<const DenseState*>(forward.state.get());
   Tensor da = fc2_.Backward(s.a, dy, threads);
+  const Tensor h = ToFloat32(s.h, threads);
   ParallelFor(da.numel(), threads, [&](int64_t begin, int64_t end) {
     float* d = da.data<float>() + begin;
-    kernels::ActivationBackward(activation_, s.h.data<float>() + begin, d, d, end - begin);
+    kernels::ActivationBackward(activation_, h.data<float>() + begin, d, d, end - begin);
   });
   return fc1_.Backward(s.x, da, threads);
+}
+
+void DenseFeedForward::SavedTensors(const FeedForwardOutput& forward,
+                                    std::vector<Tensor>* out) const {
+  if (forward.state == nullptr) return;
+  const auto& s = *static_cast<const DenseState*>(forward.state.get());
+  out->insert(out->end(), {s.x, s.h, s.a});
 }
 
 }  // namespace switchyard::train

@@ -21,7 +21,8 @@ int64_t Rows(std::string_view what, const Tensor& t, int64_t cols) {
              "{}: expected a 2-d tensor [num_tokens, {}], got {}", what, cols,
              t.defined() ? ShapeToString(t.shape()) : "undefined");
   ExpectShape(what, t, {kAnySize, cols});
-  ExpectDType(what, t, DType::kFloat32);
+  SY_REQUIRE(t.dtype() == DType::kFloat32 || t.dtype() == DType::kBFloat16, InvalidArgument,
+             "{}: expected float32 or bfloat16, got {}", what, DTypeName(t.dtype()));
   return t.size(0);
 }
 
@@ -41,7 +42,7 @@ Linear::Linear(ParameterSet& params, const std::string& prefix, int64_t in_dim, 
   if (bias) bias_ = &params.Add(prefix + "bias", Tensor::Zeros({out_dim}));
 }
 
-Tensor Linear::Forward(const Tensor& x, int threads) const {
+Tensor Linear::Forward(const Tensor& x, int threads, Precision precision) const {
   int64_t n = Rows("Linear x", x, in_dim_);
   Tensor y = Tensor::Empty({n, out_dim_});
   float* yp = y.data<float>();
@@ -50,6 +51,13 @@ Tensor Linear::Forward(const Tensor& x, int threads) const {
     const float* b = bias_->value.data<float>();
     for (int64_t i = 0; i < n; ++i) std::copy_n(b, out_dim_, yp + i * out_dim_);
     beta = 1.0f;
+  }
+  if (precision == Precision::kBFloat16 || x.dtype() == DType::kBFloat16) {
+    // Mixed precision: bfloat16 operands (the weight's working copy), float32 accumulation.
+    Tensor xb = ToBFloat16(x, threads), wb = ToBFloat16(weight_->value, threads);
+    ParallelGemmBFloat16(Trans::kNo, Trans::kYes, n, out_dim_, in_dim_, 1.0f, xb.data<BFloat16>(),
+                         in_dim_, wb.data<BFloat16>(), in_dim_, beta, yp, out_dim_, threads);
+    return y;
   }
   ParallelGemm(Trans::kNo, Trans::kYes, n, out_dim_, in_dim_, 1.0f, x.data<float>(), in_dim_,
                weight_->value.data<float>(), in_dim_, beta, yp, out_dim_, threads);
@@ -60,6 +68,7 @@ Tensor Linear::Backward(const Tensor& x, const Tensor& dy, int threads) const {
   int64_t n = Rows("Linear x", x, in_dim_);
   ExpectShape("Linear dy", dy, {n, out_dim_});
   ExpectDType("Linear dy", dy, DType::kFloat32);
+  if (x.dtype() == DType::kBFloat16) return BackwardBFloat16(x, dy, threads);
   const float* dyp = dy.data<float>();
   Tensor dx = Tensor::Empty({n, in_dim_});
   ParallelGemm(Trans::kNo, Trans::kNo, n, in_dim_, out_dim_, 1.0f, dyp, out_dim_,
@@ -76,6 +85,30 @@ Tensor Linear::Backward(const Tensor& x, const Tensor& dy, int threads) const {
       for (int64_t i = 0; i < n; ++i) {
         const float* row = g + i * out_dim_;
         for (int64_t j = 0; j < out_dim_; ++j) db[j] += row[j];
+      }
+    }
+  });
+  return dx;
+}
+
+Tensor Linear::BackwardBFloat16(const Tensor& x, const Tensor& dy, int threads) const {
+  const int64_t n = x.size(0);
+  Tensor dyb = ToBFloat16(dy, threads), wb = ToBFloat16(weight_->value, threads);
+  const BFloat16* dyp = dyb.data<BFloat16>();
+  Tensor dx = Tensor::Empty({n, in_dim_});
+  ParallelGemmBFloat16(Trans::kNo, Trans::kNo, n, in_dim_, out_dim_, 1.0f, dyp, out_dim_,
+                       wb.data<BFloat16>(), in_dim_, 0.0f, dx.data<float>(), in_dim_, threads);
+  // The weight gradient, deferred to a zero-bubble W when asked (dyb is this call's own copy).
+  RunOrDeferWeightGrad([this, n, threads, x, dyb] {
+    const BFloat16* g = dyb.data<BFloat16>();
+    ParallelGemmBFloat16(Trans::kYes, Trans::kNo, out_dim_, in_dim_, n, 1.0f, g, out_dim_,
+                         x.data<BFloat16>(), in_dim_, 1.0f, weight_->grad.data<float>(), in_dim_,
+                         threads);
+    if (bias_ != nullptr) {
+      float* db = bias_->grad.data<float>();
+      for (int64_t i = 0; i < n; ++i) {
+        const BFloat16* row = g + i * out_dim_;
+        for (int64_t j = 0; j < out_dim_; ++j) db[j] += static_cast<float>(row[j]);
       }
     }
   });
@@ -137,6 +170,7 @@ Norm::Norm(ParameterSet& params, const std::string& prefix, int64_t dim, NormKin
 
 Tensor Norm::Forward(const Tensor& x, NormCache* cache, int threads) const {
   int64_t n = Rows("Norm x", x, dim_);
+  ExpectDType("Norm x", x, DType::kFloat32);
   Tensor y = Tensor::Empty({n, dim_});
   Tensor mean = kind_ == NormKind::kLayerNorm ? Tensor::Empty({n}) : Tensor();
   Tensor rstd = Tensor::Empty({n});
@@ -174,7 +208,8 @@ Tensor Norm::Forward(const Tensor& x, NormCache* cache, int threads) const {
 Tensor Norm::Backward(const NormCache& cache, const Tensor& dy, int threads) const {
   int64_t n = Rows("Norm x", cache.x, dim_);
   ExpectShape("Norm dy", dy, {n, dim_});
-  const float* xp = cache.x.data<float>();
+  const Tensor x = ToFloat32(cache.x, threads);  // kept as bfloat16 under mixed precision
+  const float* xp = x.data<float>();
   const float* dyp = dy.data<float>();
   const float* w = weight_->value.data<float>();
   const float* mp = kind_ == NormKind::kLayerNorm ? cache.mean.data<float>() : nullptr;

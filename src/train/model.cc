@@ -13,6 +13,23 @@ namespace switchyard::train {
 
 using kernels::Trans;
 
+Recompute RecomputeFromName(std::string_view name) {
+  if (name == "none") return Recompute::kNone;
+  if (name == "full") return Recompute::kFull;
+  if (name == "selective") return Recompute::kSelective;
+  throw InvalidArgument(
+      fmt::format("recompute: expected 'none', 'full' or 'selective', got '{}'", name));
+}
+
+std::string_view RecomputeName(Recompute recompute) {
+  switch (recompute) {
+    case Recompute::kNone: return "none";
+    case Recompute::kFull: return "full";
+    case Recompute::kSelective: return "selective";
+  }
+  return "none";
+}
+
 void ValidateModelConfig(const ModelConfig& c) {
   auto positive = [](const char* name, int64_t v) {
     SY_REQUIRE(v > 0, InvalidArgument, "model config: '{}' must be >= 1, got {}", name, v);
@@ -60,7 +77,9 @@ Block::Block(ParameterSet& params, const std::string& prefix, const ModelConfig&
              const std::function<std::unique_ptr<FeedForward>()>& make_ffn, uint64_t seed,
              const TensorParallelContext* tp, parallel::CommStats* tp_stats,
              const ContextParallelContext* cp)
-    : norm1_(params, prefix + "norm1.", c.model_dim, c.norm),
+    : recompute_(c.recompute),
+      precision_(c.precision),
+      norm1_(params, prefix + "norm1.", c.model_dim, c.norm),
       cp_(cp != nullptr && cp->group != nullptr && cp->group->size() > 1 ? cp : nullptr),
       num_heads_(c.num_heads) {
   // Registered in module order: norm1, attn, norm2, then the FFN.
@@ -90,12 +109,13 @@ void AddInPlace(const Tensor& acc, const Tensor& x, int threads) {
 
 }  // namespace
 
-Tensor Block::Forward(const Tensor& x, int64_t batch_size, const FeedForwardContext& context,
-                      BlockCache* cache) const {
-  SY_CHECK(cache != nullptr, "Block::Forward needs a cache");
+Tensor Block::ForwardAll(const Tensor& x, int64_t batch_size, const FeedForwardContext& context,
+                         BlockCache* cache) const {
   bool save = context.save_for_backward;
   const int threads = context.threads;
+  const bool bf16 = precision_ == Precision::kBFloat16;
   Tensor n1 = norm1_.Forward(x, save ? &cache->norm1 : nullptr, threads);
+  if (save && bf16) cache->norm1.x = ToBFloat16(cache->norm1.x, threads);
   AttentionCache* ac = save ? &cache->attn : nullptr;
   Tensor h;
   if (cp_ != nullptr) {
@@ -108,19 +128,21 @@ Tensor Block::Forward(const Tensor& x, int64_t batch_size, const FeedForwardCont
     h = attn_->proj().Forward(att, threads);
     if (save) *ac = AttentionCache{n1, qkv, Tensor(), att, batch_size};
   } else {
-    h = attn_ ? attn_->Forward(n1, batch_size, threads, ac)
+    h = attn_ ? attn_->Forward(n1, batch_size, threads, ac, precision_)
               : tp_attn_->Forward(n1, batch_size, threads, ac);
   }
   AddInPlace(h, x, threads);  // h = x + attn(norm1(x))
-  cache->ffn = ffn_->Forward(norm2_->Forward(h, save ? &cache->norm2 : nullptr, threads), context);
+  Tensor n2 = norm2_->Forward(h, save ? &cache->norm2 : nullptr, threads);
+  if (save && bf16) cache->norm2.x = ToBFloat16(cache->norm2.x, threads);
+  cache->ffn = ffn_->Forward(n2, context);
   Tensor y = cache->ffn.y;
   cache->ffn.y = Tensor();    // the caller owns y; backward does not need it
   AddInPlace(y, h, threads);  // y = h + ffn(norm2(h))
   return y;
 }
 
-Tensor Block::Backward(const BlockCache& cache, const Tensor& dy, float loss_scale,
-                       int threads) const {
+Tensor Block::BackwardAll(const BlockCache& cache, const Tensor& dy, float loss_scale,
+                          int threads) const {
   Tensor dh =
       norm2_->Backward(cache.norm2, ffn_->Backward(cache.ffn, dy, loss_scale, threads), threads);
   AddInPlace(dh, dy, threads);
@@ -138,6 +160,65 @@ Tensor Block::Backward(const BlockCache& cache, const Tensor& dy, float loss_sca
   Tensor dx = norm1_.Backward(cache.norm1, da, threads);
   AddInPlace(dx, dh, threads);
   return dx;
+}
+
+// ---- Activation recomputation (Block) ----
+
+Tensor Block::Forward(const Tensor& x, int64_t batch_size, const FeedForwardContext& context_in,
+                      BlockCache* cache) const {
+  SY_CHECK(cache != nullptr, "Block::Forward needs a cache");
+  FeedForwardContext context = context_in;
+  context.precision = precision_;
+  if (!context.save_for_backward || recompute_ == Recompute::kNone) {
+    return ForwardAll(x, batch_size, context, cache);
+  }
+  if (recompute_ == Recompute::kFull) {
+    // Keep the input and the call's settings (step and token offset key the MoE routing draws,
+    // so the forward in Backward routes the same way); nothing else.
+    FeedForwardContext no_save = context;
+    no_save.save_for_backward = false;
+    BlockCache scratch;
+    Tensor y = ForwardAll(x, batch_size, no_save, &scratch);
+    cache->ffn = std::move(scratch.ffn);  // loss terms and routing statistics, no state
+    cache->input = x;                     // blocks do not write their input
+    cache->context = context;
+    cache->batch_size = batch_size;
+    return y;
+  }
+  Tensor y = ForwardAll(x, batch_size, context, cache);
+  if (cp_ == nullptr) {  // selective: recomputed from qkv in Backward
+    cache->attn.probs = Tensor();
+    cache->attn.att = Tensor();
+  }
+  return y;
+}
+
+void Block::RecomputeAttentionCore(AttentionCache& a, int threads) const {
+  const int64_t heads = attn_ ? num_heads_ : tp_attn_->local_heads();
+  Tensor att = CausalAttentionForward(a.qkv, a.batch_size, heads, threads, &a.probs);
+  a.att = a.qkv.dtype() == DType::kBFloat16 ? ToBFloat16(att, threads) : att;
+}
+
+Tensor Block::Backward(const BlockCache& cache, const Tensor& dy, float loss_scale,
+                       int threads) const {
+  if (cache.input.defined()) {  // full: the block's forward again, keeping everything
+    BlockCache full;
+    ForwardAll(cache.input, cache.batch_size, cache.context, &full);
+    return BackwardAll(full, dy, loss_scale, threads);
+  }
+  if (recompute_ == Recompute::kSelective && cp_ == nullptr && !cache.attn.probs.defined()) {
+    BlockCache with_core = cache;
+    RecomputeAttentionCore(with_core.attn, threads);
+    return BackwardAll(with_core, dy, loss_scale, threads);
+  }
+  return BackwardAll(cache, dy, loss_scale, threads);
+}
+
+void Block::SavedTensors(const BlockCache& c, std::vector<Tensor>* out) const {
+  out->insert(out->end(), {c.norm1.x, c.norm1.mean, c.norm1.rstd, c.attn.x, c.attn.qkv,
+                           c.attn.probs, c.attn.att, c.cp_attn.qkv, c.cp_attn.out, c.cp_attn.lse,
+                           c.norm2.x, c.norm2.mean, c.norm2.rstd, c.input});
+  ffn_->SavedTensors(c.ffn, out);
 }
 
 // ---- TransformerLm ----
@@ -183,6 +264,16 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
              "context parallelism together with tensor parallelism is not supported yet (cp {}, "
              "tp {})",
              cp_.group->size(), tp_size());
+  SY_REQUIRE(c.precision == Precision::kFloat32 || (!tensor_parallel() && !context_parallel()),
+             InvalidArgument,
+             "'precision' bf16 is not supported with tensor or context parallelism yet (tp {}, "
+             "cp {}): use 'precision' fp32 there",
+             tp_size(), context_parallel() ? cp_.group->size() : 1);
+  SY_REQUIRE(c.recompute != Recompute::kSelective || !context_parallel(), InvalidArgument,
+             "'recompute' selective with context parallelism (cp {}): the context-parallel "
+             "attention core already recomputes its probabilities in backward; use 'recompute' "
+             "none or full",
+             context_parallel() ? cp_.group->size() : 1);
   partition_ = CheckedPartition(std::move(partition), c.num_layers);
   bool has_embedding = false, has_head = false;
   for (int i = 0; i < num_chunks(); ++i) {
@@ -288,6 +379,12 @@ parallel::CommStats TransformerLm::TakeTensorParallelStats() {
 Tensor TransformerLm::Logits(const Tensor& h_full, int threads) const {
   const int64_t n = h_full.size(0), d = config_.model_dim, lv = head_->value.size(0);
   Tensor logits = Tensor::Empty({n, lv});
+  if (config_.precision == Precision::kBFloat16) {
+    Tensor hb = ToBFloat16(h_full, threads), wb = ToBFloat16(head_->value, threads);
+    ParallelGemmBFloat16(Trans::kNo, Trans::kYes, n, lv, d, 1.0f, hb.data<BFloat16>(), d,
+                         wb.data<BFloat16>(), d, 0.0f, logits.data<float>(), lv, threads);
+    return logits;
+  }
   ParallelGemm(Trans::kNo, Trans::kYes, n, lv, d, 1.0f, h_full.data<float>(), d,
                head_->value.data<float>(), d, 0.0f, logits.data<float>(), lv, threads);
   return logits;
@@ -490,9 +587,34 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
   }
   if (options.save_for_backward) {
     state->h = h;
+    if (c.precision == Precision::kBFloat16) {  // the head's GEMM operands, kept as bfloat16
+      state->h = ToBFloat16(h, options.threads);
+      state->dlogits = ToBFloat16(state->dlogits, options.threads);
+    }
     out.state = state;
   }
   return out;
+}
+
+int64_t TransformerLm::SavedActivationBytes(const LmOutput& forward) const {
+  if (forward.state == nullptr) return 0;
+  const ModelState& s = *forward.state;
+  std::vector<Tensor> kept{s.final_norm.x, s.final_norm.mean, s.final_norm.rstd, s.h, s.dlogits};
+  const BlockRange range = Chunk(s.chunk);
+  for (int64_t i = range.begin; i < range.end; ++i) {
+    blocks_[static_cast<size_t>(i)]->SavedTensors(s.blocks[static_cast<size_t>(i - range.begin)],
+                                                  &kept);
+  }
+  // Each storage once (a tensor may be kept by two caches, e.g. the last block's output).
+  std::vector<const void*> seen;
+  int64_t bytes = 0;
+  for (const Tensor& t : kept) {
+    if (!t.defined() || t.numel() == 0) continue;
+    if (std::find(seen.begin(), seen.end(), t.raw()) != seen.end()) continue;
+    seen.push_back(t.raw());
+    bytes += static_cast<int64_t>(t.nbytes());
+  }
+  return bytes;
 }
 
 FeedForwardTimes TransformerLm::TakeMoeTimes() {
@@ -527,23 +649,35 @@ Tensor TransformerLm::BackwardChunk(const LmOutput& forward, const Tensor& dy, f
   Tensor dx;
   if (chunk_has_head(s.chunk)) {
     const int64_t n = s.tokens.numel(), lv = head_->value.size(0);
-    Tensor dlogits = s.dlogits;
+    const bool bf16 = s.dlogits.dtype() == DType::kBFloat16;
+    Tensor dlogits = ToFloat32(s.dlogits, threads);
     if (loss_scale != 1.0f) {
-      dlogits = dlogits.Clone();
+      dlogits = bf16 ? dlogits : dlogits.Clone();
       float* d = dlogits.data<float>();
       for (int64_t i = 0; i < dlogits.numel(); ++i) d[i] *= loss_scale;
     }
     // The head over this rank's vocabulary columns: dh is a partial sum over the group.
     Tensor dh = Tensor::Empty({n, c.model_dim});
-    ParallelGemm(Trans::kNo, Trans::kNo, n, c.model_dim, lv, 1.0f, dlogits.data<float>(), lv,
-                 head_->value.data<float>(), c.model_dim, 0.0f, dh.data<float>(), c.model_dim,
-                 threads);
-    // The head's weight gradient: a zero-bubble W when deferred (train/weight_grad.h); dlogits
+    // The head's weight gradient is a zero-bubble W when deferred (train/weight_grad.h); dlogits
     // and h are not written after this, so the work shares them.
-    RunOrDeferWeightGrad([head = head_, lv, n, d = c.model_dim, threads, dlogits, h = s.h] {
-      ParallelGemm(Trans::kYes, Trans::kNo, lv, d, n, 1.0f, dlogits.data<float>(), lv,
-                   h.data<float>(), d, 1.0f, head->grad.data<float>(), d, threads);
-    });
+    if (bf16) {
+      Tensor db = ToBFloat16(dlogits, threads), wb = ToBFloat16(head_->value, threads);
+      ParallelGemmBFloat16(Trans::kNo, Trans::kNo, n, c.model_dim, lv, 1.0f, db.data<BFloat16>(),
+                           lv, wb.data<BFloat16>(), c.model_dim, 0.0f, dh.data<float>(),
+                           c.model_dim, threads);
+      RunOrDeferWeightGrad([head = head_, lv, n, d = c.model_dim, threads, db, h = s.h] {
+        ParallelGemmBFloat16(Trans::kYes, Trans::kNo, lv, d, n, 1.0f, db.data<BFloat16>(), lv,
+                             h.data<BFloat16>(), d, 1.0f, head->grad.data<float>(), d, threads);
+      });
+    } else {
+      ParallelGemm(Trans::kNo, Trans::kNo, n, c.model_dim, lv, 1.0f, dlogits.data<float>(), lv,
+                   head_->value.data<float>(), c.model_dim, 0.0f, dh.data<float>(), c.model_dim,
+                   threads);
+      RunOrDeferWeightGrad([head = head_, lv, n, d = c.model_dim, threads, dlogits, h = s.h] {
+        ParallelGemm(Trans::kYes, Trans::kNo, lv, d, n, 1.0f, dlogits.data<float>(), lv,
+                     h.data<float>(), d, 1.0f, head->grad.data<float>(), d, threads);
+      });
+    }
     if (tensor_parallel()) {
       if (tp_.options.sequence_parallel) {
         dh = ReduceScatterSequence("output head dh", *tp_.group, dh, &tp_stats_);

@@ -16,6 +16,7 @@
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/limits.h"
 #include "switchyard/core/threading.h"
+#include "switchyard/kernels/cpu_features.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/gemm_backend.h"
 #include "switchyard/train/generate.h"
@@ -231,6 +232,8 @@ void Trainer::RunMicrobatches(const std::vector<Batch>& batches,
       fo.global_token_offset = row_begins[static_cast<size_t>(k)] * seq;
       LmOutput out = model_->Forward(batches[static_cast<size_t>(k)].tokens,
                                      batches[static_cast<size_t>(k)].targets, fo);
+      saved_activation_bytes_ =
+          std::max(saved_activation_bytes_, model_->SavedActivationBytes(out));
       model_->Backward(out, scale, threads_);
       totals->Add(config_.model, out, true);
     }
@@ -852,6 +855,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
     bar.Finish();
     summary.steps = step_;
     summary.seconds = Now() - run_start;
+    summary.saved_activation_bytes = saved_activation_bytes_;
     summary.final_val_ce_loss = last_val;
     if (model_->tp_size() > 1 && run_steps > 0 && run_tp_time > 0) {
       summary.tp_bytes_per_step = run_tp_bytes / static_cast<double>(run_steps);
@@ -950,7 +954,8 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
             {"skipped_steps", summary.skipped_steps},
             {"grad_reduce_s", finite(summary.grad_reduce_s)},
             {"grad_reduce_blocked_s", finite(summary.grad_reduce_blocked_s)},
-            {"peak_rss_bytes", summary.peak_rss_bytes}};
+            {"peak_rss_bytes", summary.peak_rss_bytes},
+            {"saved_activation_bytes", summary.saved_activation_bytes}};
   if (summary.zero_peak_bytes > 0) {
     s["zero_memory"] = {{"peak_bytes", summary.zero_peak_bytes},
                         {"parameters", summary.zero_peak_values},
@@ -1026,6 +1031,23 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                "(its collectives ran {:.2f} ms from launch to finish; overlap_grad_reduce {})\n",
                1e3 * summary.grad_reduce_blocked_s, 1e3 * summary.grad_reduce_s,
                c.overlap_grad_reduce ? "on" : "off");
+  }
+  if (summary.saved_activation_bytes > 0) {
+    fmt::print(out,
+               "  activations kept for backward: {:.2f} MiB per micro-batch (recompute {}, "
+               "precision {}{})\n",
+               static_cast<double>(summary.saved_activation_bytes) / (1 << 20),
+               RecomputeName(c.model.recompute), PrecisionName(c.model.precision),
+               moe ? "; MoE FFN state not counted" : "");
+  }
+  if (c.model.precision == Precision::kBFloat16) {
+    const kernels::CpuFeatures& f = kernels::HostCpuFeatures();
+    fmt::print(out,
+               "  precision bf16: {}; the GEMMs convert bf16 operands to fp32 and run the fp32 "
+               "kernel, so bf16 saves memory here, not time\n",
+               f.avx512_bf16 || f.amx_bf16
+                   ? "this CPU has bf16 arithmetic (AVX512-BF16/AMX), not used by this version"
+                   : "this CPU has no bf16 arithmetic (no AVX512-BF16, no AMX)");
   }
   fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{}{})\n", run_dir,
              moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "",

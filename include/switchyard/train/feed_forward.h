@@ -45,6 +45,9 @@ struct FeedForwardContext {
   bool training = true;
   bool save_for_backward = true;
   int threads = 1;
+  // bfloat16 mixed precision (mixed_precision.h): the dense MLP keeps bfloat16 activations and
+  // multiplies bfloat16 operands; MoE FFNs run in float32 whatever this says.
+  Precision precision = Precision::kFloat32;
 };
 
 // Routing statistics of one MoE forward (empty for a dense FFN).
@@ -86,6 +89,9 @@ class FeedForward {
   virtual void EndStep(std::span<const int64_t> global_expert_loads) {}
   // The time spent since the last call (zero for FFNs that do not measure it), then restarts.
   virtual FeedForwardTimes TakeTimes() { return {}; }
+  // Appends the tensors `forward` keeps for Backward (for counting saved activation bytes);
+  // FFNs whose state is opaque to the train layer (the MoE layers) append nothing.
+  virtual void SavedTensors(const FeedForwardOutput& forward, std::vector<Tensor>* out) const {}
 };
 
 // Builds the FFN of block `block_index`. `prefix` is where its parameters go (e.g.
@@ -106,6 +112,7 @@ class DenseFeedForward : public FeedForward {
   FeedForwardOutput Forward(const Tensor& x, const FeedForwardContext& context) override;
   Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
                   int threads) override;
+  void SavedTensors(const FeedForwardOutput& forward, std::vector<Tensor>* out) const override;
 
  private:
   kernels::Activation activation_;

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "switchyard/core/tensor.h"
+#include "switchyard/train/mixed_precision.h"
 #include "switchyard/train/parameters.h"
 
 namespace switchyard::train {
@@ -35,12 +36,17 @@ class Linear {
   Parameter& weight() const { return *weight_; }
   Parameter* bias() const { return bias_; }
 
-  Tensor Forward(const Tensor& x, int threads = 1) const;
-  // dy [num_tokens, out_dim], x the forward's input. Accumulates weight/bias gradients and
-  // returns dx [num_tokens, in_dim].
+  // x float32 or bfloat16. With a bfloat16 x or Precision::kBFloat16 the product takes x and the
+  // weight as bfloat16 values and accumulates in float32 (mixed_precision.h); y is float32.
+  Tensor Forward(const Tensor& x, int threads = 1, Precision precision = Precision::kFloat32) const;
+  // dy [num_tokens, out_dim], x the forward's input (float32, or bfloat16: then dy and the weight
+  // enter the products as bfloat16 values too). Accumulates weight/bias gradients (float32) and
+  // returns dx [num_tokens, in_dim] (float32).
   Tensor Backward(const Tensor& x, const Tensor& dy, int threads = 1) const;
 
  private:
+  Tensor BackwardBFloat16(const Tensor& x, const Tensor& dy, int threads) const;
+
   int64_t in_dim_;
   int64_t out_dim_;
   Parameter* weight_;
@@ -79,7 +85,7 @@ NormKind NormKindFromName(std::string_view name);
 std::string_view NormKindName(NormKind kind);
 
 struct NormCache {
-  Tensor x;     // [num_tokens, dim] input
+  Tensor x;     // [num_tokens, dim] input (float32, or bfloat16 under mixed precision)
   Tensor mean;  // [num_tokens] (LayerNorm only)
   Tensor rstd;  // [num_tokens] 1 / sqrt(var + eps) or 1 / rms
 };
@@ -103,6 +109,8 @@ class Norm {
   Parameter* bias_ = nullptr;
 };
 
+// Under bfloat16 mixed precision every tensor here is bfloat16. Selective recomputation keeps x
+// and qkv only (probs and att undefined, recomputed from qkv in backward).
 struct AttentionCache {
   Tensor x;      // [num_tokens, model_dim] input
   Tensor qkv;    // [num_tokens, 3 * model_dim]: q | k | v, head h at columns h * head_dim
@@ -118,7 +126,8 @@ struct AttentionCache {
 // seq_len, seq_len] (zero above the diagonal) Backward needs.
 Tensor CausalAttentionForward(const Tensor& qkv, int64_t batch_size, int64_t num_heads, int threads,
                               Tensor* probs);
-// d(qkv) [num_tokens, 3 * D] from datt [num_tokens, D], the forward's qkv and probs.
+// d(qkv) [num_tokens, 3 * D] (float32) from datt [num_tokens, D], the forward's qkv and probs
+// (bfloat16 qkv and probs: every product's operands rounded to bfloat16 values, float32 sums).
 Tensor CausalAttentionBackward(const Tensor& qkv, const Tensor& probs, const Tensor& datt,
                                int64_t batch_size, int64_t num_heads, int threads);
 
@@ -139,8 +148,10 @@ class CausalSelfAttention {
   const Linear& qkv() const { return qkv_; }
   const Linear& proj() const { return proj_; }
 
-  // x [batch_size * seq_len, model_dim]; num_tokens must divide by batch_size.
-  Tensor Forward(const Tensor& x, int64_t batch_size, int threads, AttentionCache* cache) const;
+  // x [batch_size * seq_len, model_dim]; num_tokens must divide by batch_size. With
+  // Precision::kBFloat16 the cache holds bfloat16 tensors (mixed_precision.h).
+  Tensor Forward(const Tensor& x, int64_t batch_size, int threads, AttentionCache* cache,
+                 Precision precision = Precision::kFloat32) const;
   Tensor Backward(const AttentionCache& cache, const Tensor& dy, int threads) const;
 
  private:

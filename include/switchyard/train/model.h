@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "switchyard/core/tensor.h"
@@ -31,6 +32,16 @@
 #include "switchyard/train/tensor_parallel.h"
 
 namespace switchyard::train {
+
+// Activation recomputation (docs/training.md "Activation recomputation"): what a block keeps for
+// backward. kFull keeps only each block's input and runs the block's forward again in backward
+// (MoE blocks included: same routing draws, collectives repeated); kSelective keeps everything but
+// the attention core's probabilities and output, recomputed from qkv in backward (Megatron's
+// selective recomputation).
+enum class Recompute : uint8_t { kNone, kFull, kSelective };
+// "none" | "full" | "selective"; InvalidArgument naming the key `recompute` otherwise.
+Recompute RecomputeFromName(std::string_view name);
+std::string_view RecomputeName(Recompute recompute);
 
 struct ModelConfig {
   int64_t vocab_size = 256;  // byte-level tokens
@@ -46,6 +57,9 @@ struct ModelConfig {
   // blocks 1, 3, ...; 1: every block; 0: a dense model).
   int64_t moe_every = 0;
   float init_std = 0.02f;  // N(0, init_std^2); residual projections use init_std / sqrt(2 L)
+  // How a training step computes, not what the model is (a checkpoint resumes under any value).
+  Recompute recompute = Recompute::kNone;
+  Precision precision = Precision::kFloat32;  // bf16: mixed precision (mixed_precision.h)
 };
 
 // Throws InvalidArgument naming the field and what was expected.
@@ -85,7 +99,11 @@ struct BlockCache {
   AttentionCache attn;
   ContextParallelCache cp_attn;  // context parallelism: the attention core's cache
   NormCache norm2;
-  FeedForwardOutput ffn;
+  FeedForwardOutput ffn;  // with Recompute::kFull: the statistics only (no state)
+  // Recompute::kFull: the block's input and the forward's settings, to run it again in backward.
+  Tensor input;
+  FeedForwardContext context;
+  int64_t batch_size = 0;
 };
 
 // One pre-norm transformer block: "<prefix>norm1.", "<prefix>attn.", "<prefix>norm2." and the
@@ -104,11 +122,25 @@ class Block {
   // x [batch_size * seq_len, model_dim] (this rank's rows of it with sequence parallelism;
   // batch_size counts whole sequences). `cache` receives the FFN's output statistics and, with
   // context.save_for_backward, what Backward needs.
+  // What is kept follows the config's `recompute` and `precision`; context.precision is set by
+  // the block from its config.
   Tensor Forward(const Tensor& x, int64_t batch_size, const FeedForwardContext& context,
                  BlockCache* cache) const;
   Tensor Backward(const BlockCache& cache, const Tensor& dy, float loss_scale, int threads) const;
+  // Appends every tensor `cache` keeps for Backward (FFN state as FeedForward::SavedTensors).
+  void SavedTensors(const BlockCache& cache, std::vector<Tensor>* out) const;
 
  private:
+  // The block without recomputation: fills all of `cache` when context.save_for_backward.
+  Tensor ForwardAll(const Tensor& x, int64_t batch_size, const FeedForwardContext& context,
+                    BlockCache* cache) const;
+  Tensor BackwardAll(const BlockCache& cache, const Tensor& dy, float loss_scale,
+                     int threads) const;
+  // Selective recomputation: the attention core's probs and att from the kept qkv.
+  void RecomputeAttentionCore(AttentionCache& attn, int threads) const;
+
+  Recompute recompute_ = Recompute::kNone;
+  Precision precision_ = Precision::kFloat32;
   Norm norm1_;
   std::unique_ptr<CausalSelfAttention> attn_;         // one rank
   std::unique_ptr<TensorParallelAttention> tp_attn_;  // tensor parallel
@@ -222,6 +254,11 @@ class TransformerLm {
   // ranks (one vector per MoE block of the whole model, in block order, NumMoeBlocks of the
   // config; a partitioned model uses its blocks' entries; see FeedForward::EndStep).
   void EndStep(const std::vector<std::vector<int64_t>>& global_expert_loads);
+  // Bytes of the activations `forward` keeps for Backward (each storage counted once): the
+  // blocks' caches (a dense FFN's state; an MoE FFN's state is not visible here and not counted),
+  // the final norm's, the head's input and d(loss)/d(logits). Deterministic for a config and
+  // batch shape: what recomputation and mixed precision save.
+  int64_t SavedActivationBytes(const LmOutput& forward) const;
   // The MoE FFNs' time since the last call, summed over blocks (FeedForward::TakeTimes).
   FeedForwardTimes TakeMoeTimes();
   // Tensor-parallel size (1 without a group) and the bytes the tensor-parallel layers moved since

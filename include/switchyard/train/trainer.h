@@ -189,6 +189,9 @@ struct RunSummary {
   double grad_reduce_s = NAN;
   double grad_reduce_blocked_s = NAN;
   int64_t peak_rss_bytes = 0;  // this process (every rank thread in it)
+  // Bytes of activations one micro-batch's forward kept for backward on this rank
+  // (TransformerLm::SavedActivationBytes: what `recompute` and `precision` change).
+  int64_t saved_activation_bytes = 0;
   std::string sample;
   std::string run_dir;
 };
@@ -263,6 +266,7 @@ class Trainer {
   TrainHooks default_hooks_;
   TrainHooks* hooks_;
   int threads_ = 1;
+  int64_t saved_activation_bytes_ = 0;  // the largest of the run's micro-batches
   Corpus corpus_;
   double unigram_entropy_ = NAN;
   std::unique_ptr<BatchSampler> sampler_;
