@@ -274,7 +274,7 @@ class Hop {
   void Finish(CommStats* stats) {
     const double t0 = Now();
     work_.Wait();
-    AccountWork("cp ring hop", work_, stats, Traffic::kTensor, bytes_, issued_, t0, Now());
+    AccountWork("cp ring hop", work_, stats, Traffic::kContext, bytes_, issued_, t0, Now());
     work_ = comm::Work();
   }
 
@@ -593,7 +593,7 @@ Tensor ToHeads(comm::Communicator& g, const Tensor& local, int64_t batch, int64_
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t f = 0; f < parts; ++f)
         std::copy_n(x + i * parts * w + f * w + q * wl, wl, sp + (q * rows + i) * cols + f * wl);
-  parallel::internal::AllToAll(g, send, recv, {}, Traffic::kTensor, stats);
+  parallel::internal::AllToAll(g, send, recv, {}, Traffic::kContext, stats);
   Tensor out = Tensor::Empty({batch * p * n, cols});
   const float* rp = recv.data<float>();
   float* o = out.data<float>();
@@ -614,7 +614,7 @@ Tensor ToSequence(comm::Communicator& g, const Tensor& gathered, int64_t batch, 
   for (int64_t q = 0; q < p; ++q)
     for (int64_t b = 0; b < batch; ++b)
       std::copy_n(x + (b * p * n + q * n) * cols, n * cols, sp + (q * rows + b * n) * cols);
-  parallel::internal::AllToAll(g, send, recv, {}, Traffic::kTensor, stats);
+  parallel::internal::AllToAll(g, send, recv, {}, Traffic::kContext, stats);
   Tensor out = Tensor::Empty({rows, parts * w});
   const float* rp = recv.data<float>();
   float* o = out.data<float>();

@@ -94,8 +94,9 @@ TEST(TrainConfigTest, JsonRoundTripAndErrors) {
   EXPECT_DOUBLE_EQ(s.lr, 1e-3);
   EXPECT_THROW(SetTrainConfigValue(s, "steps", "many"), InvalidArgument);
   // ... experts_per_block, tp, sequence_parallel, tp_comm_overlap, arrangement, etp, cp, cp_algo,
-  // microbatches, pp, pipeline_schedule, virtual_stages, pipeline_split.
-  EXPECT_EQ(TrainConfigKeys().size(), 59u);
+  // attention_core, memory_budget_mib, microbatches, pp, pipeline_schedule, virtual_stages,
+  // pipeline_split.
+  EXPECT_EQ(TrainConfigKeys().size(), 61u);
   s.batch_size = 0;
   EXPECT_THROW(ValidateTrainConfig(s), InvalidArgument);
 }

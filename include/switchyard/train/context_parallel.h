@@ -20,8 +20,8 @@
 //   tokens this rank holds. Forward fills the cache; Backward returns d(qkv) in qkv's layout.
 // - The core never materializes the [seq_len, seq_len] softmax: it keeps each row's log-sum-exp
 //   and recomputes the probabilities in Backward (FlashAttention's recipe).
-// - Bytes are counted in `stats` (may be null) under Traffic::kTensor (the activation traffic
-//   of the model-parallel attention), in the bus convention of parallel/comm_stats.h.
+// - Bytes are counted in `stats` (may be null) under Traffic::kContext, in the bus convention of
+//   parallel/comm_stats.h.
 // Thread-safety: the calls run collectives on `group`, one at a time, in the same order on every
 // rank; Forward and Backward do not write the object.
 #pragma once
