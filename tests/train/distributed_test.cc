@@ -509,6 +509,15 @@ TEST_F(DistributedTest, ContextWithTensorParallelMatchesOneRank) {
                                              2 * (p - 1) / p * 4 * 3 * n))
         << name(l);
   }
+  // An odd number of sequences per step: with sequence parallelism the tp ranks' halves of a cp
+  // rank's tokens then cut through a sequence (3 sequences x 8 positions, 12 rows per tp rank),
+  // so the second tp rank's rows start in the middle of one (its positions must say so).
+  TrainConfig odd = base;
+  odd.batch_size = 3;
+  const StepLosses want_odd = SingleRank(odd, kSteps);
+  for (const Layout& l : {Layout{4, 2, 2, "ring", true}, Layout{4, 2, 2, "ulysses", true}}) {
+    ExpectSameRun(want_odd, OnRanks(with(odd, l), kSteps), "batch 3 " + name(l));
+  }
   // MoE blocks (no drops: the cp ranks' token order is not one rank's), DeepSpeed and Megatron.
   TrainConfig moe = TinyMoeConfig(dir_);
   moe.model.num_heads = 4;
