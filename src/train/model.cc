@@ -5,7 +5,6 @@
 #include <optional>
 #include <utility>
 
-#include "switchyard/comm/inprocess.h"
 #include "switchyard/kernels/gemm.h"
 #include "train/parallel_for.h"
 
@@ -61,7 +60,7 @@ Block::Block(ParameterSet& params, const std::string& prefix, const ModelConfig&
              const TensorParallelContext* tp, parallel::CommStats* tp_stats,
              const ContextParallelContext* cp)
     : norm1_(params, prefix + "norm1.", c.model_dim, c.norm),
-      cp_(cp != nullptr && cp->group != nullptr ? cp : nullptr),
+      cp_(cp != nullptr && (cp->group != nullptr || cp->flash) ? cp : nullptr),
       stats_(tp_stats),
       num_heads_(c.num_heads) {
   // Registered in module order: norm1, attn, norm2, then the FFN.
@@ -93,7 +92,7 @@ void AddInPlace(const Tensor& acc, const Tensor& x, int threads) {
 
 ContextParallelAttention Block::Core(int64_t rows, int64_t batch_size) const {
   // rows: this rank's tokens of batch_size sequences (all of them on one rank).
-  const int p = cp_->group->size();
+  const int p = cp_->group != nullptr ? cp_->group->size() : 1;
   const int64_t seq = rows / batch_size * p;
   const int64_t heads = tp_attn_ ? tp_attn_->local_heads() : num_heads_;
   ContextParallelOptions options = cp_->options;
@@ -101,6 +100,7 @@ ContextParallelAttention Block::Core(int64_t rows, int64_t batch_size) const {
   if (p == 1 && seq % SequenceSplit::Multiple(options.split, 1) != 0) {
     options.split = SequenceSplitKind::kPlain;
   }
+  if (cp_->group == nullptr) return ContextParallelAttention(heads, seq, options);
   return ContextParallelAttention(*cp_->group, heads, seq, options);
 }
 
@@ -213,10 +213,9 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
                "context-parallel ranks: num_heads {} does not divide by tp {} x cp {}",
                c.num_heads, tp_size(), cp_size());
   } else if (cp_.flash) {
-    // The same core on this rank alone: no communication (ring attention with one rank).
-    solo_ = std::move(comm::CreateInProcessWorld(1, {.name = "attention"}).front());
+    // The same core on this rank alone, without a group (ring attention: nothing travels).
     core_ = ContextParallelContext{
-        solo_.get(), {CpAlgorithm::kRing, SequenceSplitKind::kZigzag, /*causal=*/true}, true};
+        nullptr, {CpAlgorithm::kRing, SequenceSplitKind::kZigzag, /*causal=*/true}, true};
   }
   partition_ = CheckedPartition(std::move(partition), c.num_layers);
   bool has_embedding = false, has_head = false;
@@ -263,9 +262,9 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
       SY_CHECK(ffn != nullptr && ffn->is_moe(), "MoE factory returned no MoE FFN for block {}", i);
       return ffn;
     };
-    blocks_[static_cast<size_t>(i)] =
-        std::make_unique<Block>(params_, prefix, c, make_ffn, seed, split ? &tp_ : nullptr,
-                                &tp_stats_, core_.group != nullptr ? &core_ : nullptr);
+    blocks_[static_cast<size_t>(i)] = std::make_unique<Block>(
+        params_, prefix, c, make_ffn, seed, split ? &tp_ : nullptr, &tp_stats_,
+        core_.group != nullptr || core_.flash ? &core_ : nullptr);
   }
   if (!has_head) return;
   final_norm_ = std::make_unique<Norm>(params_, "final_norm.", c.model_dim, c.norm);

@@ -192,6 +192,26 @@ TEST(ContextParallel, LongChunksAndThreads) {
   CheckAgainstFull({1, CpAlgorithm::kUlysses, SequenceSplitKind::kPlain, false, 33, 2, 3, 8});
 }
 
+// The core on one rank without a group (a one-rank model's memory-lean core): the causal
+// single-rank attention, whichever algorithm is asked for (one rank runs ring: nothing travels).
+TEST(ContextParallel, OneRankWithoutGroup) {
+  const int64_t batch = 2, seq = 70, heads = 3, d = heads * 8;
+  const Tensor qkv = RandomTensor({batch * seq, 3 * d}, 21);
+  const Tensor datt = RandomTensor({batch * seq, d}, 22);
+  Tensor probs;
+  const Tensor want_att = CausalAttentionForward(qkv, batch, heads, 1, &probs);
+  const Tensor want_dqkv = CausalAttentionBackward(qkv, probs, datt, batch, heads, 1);
+  for (const CpAlgorithm algorithm : {CpAlgorithm::kRing, CpAlgorithm::kUlysses}) {
+    ContextParallelAttention attn(heads, seq, {algorithm, SequenceSplitKind::kZigzag, true});
+    EXPECT_EQ(attn.options().algorithm, CpAlgorithm::kRing);
+    ContextParallelCache cache;
+    CommStats stats;
+    EXPECT_TRUE(AllClose("att", attn.Forward(qkv, batch, &cache, 2, &stats), want_att));
+    EXPECT_TRUE(AllClose("dqkv", attn.Backward(cache, datt, 2, &stats), want_dqkv));
+    EXPECT_EQ(stats.TotalBytes(), 0);
+  }
+}
+
 TEST(SequenceSplit, PositionsOfPlainAndZigzag) {
   const SequenceSplit plain(SequenceSplitKind::kPlain, 9, 3, 1);
   EXPECT_EQ(plain.local_len(), 3);

@@ -238,9 +238,8 @@ class TransformerLm {
   ModelConfig config_;
   TensorParallelContext tp_;
   ContextParallelContext cp_;
-  // The attention core's group: cp_, or with cp_.flash and no context parallelism a group of
-  // this rank alone (solo_).
-  std::unique_ptr<comm::Communicator> solo_;
+  // The attention core the blocks run: cp_, or with cp_.flash and no context parallelism the
+  // core on this rank alone (no group); none (group null, flash false): the softmax core.
   ContextParallelContext core_;
   parallel::CommStats tp_stats_;
   ModelPartition partition_;
