@@ -168,7 +168,7 @@ std::vector<Result> RunCp(const BenchCpOptions& o, int p, const std::vector<Conf
         scores[r] = fwork.score_elements + bwork.score_elements;
         fw[r] = fwork;
         bw[r] = bwork;
-        bytes[r] = fs.Bytes(Traffic::kTensor) + bs.Bytes(Traffic::kTensor);
+        bytes[r] = fs.Bytes(Traffic::kContext) + bs.Bytes(Traffic::kContext);
         world.Barrier().Wait();
         const double t1 = NowSeconds();
         CommOnly(world, cfg.algo, act, act3, recv, recv3, kv, kv_recv);

@@ -8,6 +8,7 @@
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/limits.h"
+#include "switchyard/core/memory_account.h"
 
 namespace switchyard {
 namespace {
@@ -17,7 +18,18 @@ constexpr std::align_val_t kAlignment{64};
 std::shared_ptr<std::byte[]> Allocate(size_t bytes) {
   if (bytes == 0) return nullptr;
   auto* p = static_cast<std::byte*>(::operator new[](bytes, kAlignment));
-  return std::shared_ptr<std::byte[]>(p, [](std::byte* q) { ::operator delete[](q, kAlignment); });
+  std::shared_ptr<MemoryAccount> account = CurrentMemoryAccount();
+  if (account == nullptr) {
+    return std::shared_ptr<std::byte[]>(p,
+                                        [](std::byte* q) { ::operator delete[](q, kAlignment); });
+  }
+  // Charged to this thread's account until freed (core/memory_account.h).
+  const auto n = static_cast<int64_t>(bytes);
+  account->Charge(n);
+  return std::shared_ptr<std::byte[]>(p, [account = std::move(account), n](std::byte* q) {
+    account->Release(n);
+    ::operator delete[](q, kAlignment);
+  });
 }
 
 // Element count of a shape from input, and its bytes fit in int64 (and so in size_t).

@@ -42,6 +42,7 @@ std::string_view TrafficName(Traffic traffic) {
     case Traffic::kRouting: return "routing";
     case Traffic::kWeights: return "weights";
     case Traffic::kTensor: return "tensor";
+    case Traffic::kContext: return "context";
     case Traffic::kCount: break;
   }
   return "?";

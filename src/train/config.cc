@@ -92,6 +92,8 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("etp", c.etp);
   fn("cp", c.cp);
   fn("cp_algo", c.cp_algo);
+  fn("attention_core", c.attention_core);
+  fn("memory_budget_mib", c.memory_budget_mib);
   fn("microbatches", c.microbatches);
   fn("recompute", c.model.recompute);
   fn("precision", c.model.precision);
@@ -310,6 +312,11 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"etp", "expert tensor-parallel size (megatron arrangement)"},
       {"cp", "context-parallel size: each sequence split over cp ranks"},
       {"cp_algo", "context-parallel attention: ring | ulysses"},
+      {"attention_core",
+       "auto | softmax (keeps [seq, seq] probabilities) | flash (log-sum-exp, no [seq, seq]); "
+       "auto: flash with cp > 1"},
+      {"memory_budget_mib",
+       "refuse a layout whose per-rank memory estimate exceeds this (0: none)"},
       {"microbatches", "micro-batches per step (gradient accumulation; divides batch_size)"},
       {"recompute", "activation recomputation: none | full (per block) | selective (attention)"},
       {"precision", "fp32 | bf16 (bfloat16 GEMM operands and saved activations, fp32 master)"},
@@ -464,19 +471,27 @@ void ValidateTrainConfig(const TrainConfig& c) {
   at_least("cp", static_cast<double>(c.cp), 1);
   SY_REQUIRE(c.cp_algo == "ring" || c.cp_algo == "ulysses", InvalidArgument,
              "config: 'cp_algo' must be \"ring\" or \"ulysses\", got \"{}\"", c.cp_algo);
+  SY_REQUIRE(
+      c.attention_core == "auto" || c.attention_core == "softmax" || c.attention_core == "flash",
+      InvalidArgument,
+      "config: 'attention_core' must be \"auto\", \"softmax\" or \"flash\", got \"{}\"",
+      c.attention_core);
+  SY_REQUIRE(std::isfinite(c.memory_budget_mib) && c.memory_budget_mib >= 0, InvalidArgument,
+             "config: 'memory_budget_mib' must be a number >= 0 (0: no budget), got {}",
+             c.memory_budget_mib);
   if (c.cp > 1) {
-    SY_REQUIRE(c.tp == 1, InvalidArgument,
-               "config: 'cp' {} with 'tp' {}: context and tensor parallelism together are not "
-               "supported yet",
-               c.cp, c.tp);
+    SY_REQUIRE(c.attention_core != "softmax", InvalidArgument,
+               "config: 'attention_core' softmax keeps the whole [seq_len, seq_len] "
+               "probabilities on one rank, which 'cp' {} splits: use \"auto\" or \"flash\"",
+               c.cp);
     SY_REQUIRE(c.model.seq_len % (2 * c.cp) == 0, InvalidArgument,
                "config: 'seq_len' {} does not split over 'cp' {} ranks: the load-balanced "
                "(zigzag) split needs a multiple of 2 x cp = {}",
                c.model.seq_len, c.cp, 2 * c.cp);
-    SY_REQUIRE(c.cp_algo != "ulysses" || c.model.num_heads % c.cp == 0, InvalidArgument,
-               "config: 'cp_algo' ulysses splits the heads over the cp ranks: 'num_heads' {} "
-               "does not divide by 'cp' {}",
-               c.model.num_heads, c.cp);
+    SY_REQUIRE(c.cp_algo != "ulysses" || c.model.num_heads % (c.cp * c.tp) == 0, InvalidArgument,
+               "config: 'cp_algo' ulysses splits each tensor-parallel rank's heads over the cp "
+               "ranks: 'num_heads' {} does not divide by 'tp' {} x 'cp' {} = {}",
+               c.model.num_heads, c.tp, c.cp, c.tp * c.cp);
   }
   SY_REQUIRE(c.model.precision == Precision::kFloat32 || (c.tp == 1 && c.cp == 1), InvalidArgument,
              "config: 'precision' bf16 is not supported with 'tp' {} / 'cp' {} yet (tensor- and "
@@ -594,8 +609,9 @@ bool IsLayoutKey(std::string_view key) {
          key == "tp" || key == "sequence_parallel" || key == "tp_comm_overlap" ||
          key == "arrangement" || key == "etp" || key == "pp" || key == "pipeline_schedule" ||
          key == "virtual_stages" || key == "pipeline_split" || key == "cp" || key == "cp_algo" ||
-         key == "adaptive_r" || key == "a2a_algo" || key == "a2a_ranks_per_node" ||
-         key == "smart_schedule" || key == "shadow_experts" || key == "trace_step";
+         key == "attention_core" || key == "memory_budget_mib" || key == "adaptive_r" ||
+         key == "a2a_algo" || key == "a2a_ranks_per_node" || key == "smart_schedule" ||
+         key == "shadow_experts" || key == "trace_step";
 }
 
 namespace {

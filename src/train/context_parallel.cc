@@ -274,7 +274,7 @@ class Hop {
   void Finish(CommStats* stats) {
     const double t0 = Now();
     work_.Wait();
-    AccountWork("cp ring hop", work_, stats, Traffic::kTensor, bytes_, issued_, t0, Now());
+    AccountWork("cp ring hop", work_, stats, Traffic::kContext, bytes_, issued_, t0, Now());
     work_ = comm::Work();
   }
 
@@ -416,7 +416,7 @@ void SequenceSplit::Unshard(const Tensor& local, const Tensor& full, int64_t bat
 
 ContextParallelAttention::ContextParallelAttention(comm::Communicator& group, int64_t num_heads,
                                                    int64_t seq_len, ContextParallelOptions options)
-    : group_(group),
+    : group_(&group),
       num_heads_(num_heads),
       options_(options),
       split_(options.split, seq_len, group.size(), group.rank()) {
@@ -427,6 +427,17 @@ ContextParallelAttention::ContextParallelAttention(comm::Communicator& group, in
              "Ulysses attention: {} heads do not divide by the context-parallel size {} (group "
              "'{}'); each rank attends over num_heads / cp heads",
              num_heads, group.size(), group.name());
+}
+
+ContextParallelAttention::ContextParallelAttention(int64_t num_heads, int64_t seq_len,
+                                                   ContextParallelOptions options)
+    : group_(nullptr),
+      num_heads_(num_heads),
+      options_(options),
+      split_(options.split, seq_len, 1, 0) {
+  SY_REQUIRE(num_heads > 0, InvalidArgument,
+             "context-parallel attention: num_heads must be positive, got {}", num_heads);
+  options_.algorithm = CpAlgorithm::kRing;  // one rank: nothing travels
 }
 
 namespace {
@@ -473,7 +484,7 @@ Tensor ContextParallelAttention::Backward(const ContextParallelCache& cache, con
 Tensor ContextParallelAttention::RingForward(const Tensor& qkv, int64_t batch,
                                              ContextParallelCache* cache, int threads,
                                              CommStats* stats, CpWork* work) const {
-  const int p = group_.size(), r = group_.rank();
+  const int p = split_.cp(), r = split_.rank();
   const int64_t n = split_.local_len(), d = qkv.size(1) / 3, hd = d / num_heads_;
   Tensor out = Tensor::Zeros({batch * n, d});
   Tensor lse = Tensor::Full({batch, num_heads_, n}, kNegInf);
@@ -490,7 +501,7 @@ Tensor ContextParallelAttention::RingForward(const Tensor& qkv, int64_t batch,
   Hop hop;
   for (int s = 0; s < p; ++s) {
     const Tensor& cur = kv[s % 2];
-    if (s + 1 < p) hop.Start(group_, cur, kv[(s + 1) % 2]);
+    if (s + 1 < p) hop.Start(*group_, cur, kv[(s + 1) % 2]);
     a.k = At(cur, 0, n);
     a.v = At(cur, d, n);
     a.k_chunks = SequenceSplit(split_.kind(), split_.seq_len(), p, ((r - s) % p + p) % p).chunks();
@@ -509,7 +520,7 @@ Tensor ContextParallelAttention::RingForward(const Tensor& qkv, int64_t batch,
 
 Tensor ContextParallelAttention::RingBackward(const ContextParallelCache& cache, const Tensor& datt,
                                               int threads, CommStats* stats, CpWork* work) const {
-  const int p = group_.size(), r = group_.rank();
+  const int p = split_.cp(), r = split_.rank();
   const Tensor& qkv = cache.qkv;
   const int64_t batch = cache.batch_size, n = split_.local_len(), d = qkv.size(1) / 3,
                 hd = d / num_heads_;
@@ -536,7 +547,7 @@ Tensor ContextParallelAttention::RingBackward(const ContextParallelCache& cache,
   for (int s = 0; s < p; ++s) {
     const Tensor& cur = kv[s % 2];
     if (s > 0) kv_hop.Finish(stats);
-    if (s + 1 < p) kv_hop.Start(group_, cur, kv[(s + 1) % 2]);
+    if (s + 1 < p) kv_hop.Start(*group_, cur, kv[(s + 1) % 2]);
     a.k = At(cur, 0, n);
     a.v = At(cur, d, n);
     a.k_chunks = SequenceSplit(split_.kind(), split_.seq_len(), p, ((r - s) % p + p) % p).chunks();
@@ -560,7 +571,7 @@ Tensor ContextParallelAttention::RingBackward(const ContextParallelCache& cache,
       const float* y = drecv.data<float>();
       for (int64_t i = 0; i < acc.numel(); ++i) x[i] += y[i];
     }
-    grad_hop.Start(group_, acc, drecv);
+    grad_hop.Start(*group_, acc, drecv);
   }
   if (p > 1) {
     grad_hop.Finish(stats);
@@ -593,7 +604,7 @@ Tensor ToHeads(comm::Communicator& g, const Tensor& local, int64_t batch, int64_
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t f = 0; f < parts; ++f)
         std::copy_n(x + i * parts * w + f * w + q * wl, wl, sp + (q * rows + i) * cols + f * wl);
-  parallel::internal::AllToAll(g, send, recv, {}, Traffic::kTensor, stats);
+  parallel::internal::AllToAll(g, send, recv, {}, Traffic::kContext, stats);
   Tensor out = Tensor::Empty({batch * p * n, cols});
   const float* rp = recv.data<float>();
   float* o = out.data<float>();
@@ -614,7 +625,7 @@ Tensor ToSequence(comm::Communicator& g, const Tensor& gathered, int64_t batch, 
   for (int64_t q = 0; q < p; ++q)
     for (int64_t b = 0; b < batch; ++b)
       std::copy_n(x + (b * p * n + q * n) * cols, n * cols, sp + (q * rows + b * n) * cols);
-  parallel::internal::AllToAll(g, send, recv, {}, Traffic::kTensor, stats);
+  parallel::internal::AllToAll(g, send, recv, {}, Traffic::kContext, stats);
   Tensor out = Tensor::Empty({rows, parts * w});
   const float* rp = recv.data<float>();
   float* o = out.data<float>();
@@ -630,9 +641,9 @@ Tensor ToSequence(comm::Communicator& g, const Tensor& gathered, int64_t batch, 
 Tensor ContextParallelAttention::UlyssesForward(const Tensor& qkv, int64_t batch,
                                                 ContextParallelCache* cache, int threads,
                                                 CommStats* stats, CpWork* work) const {
-  const int64_t p = group_.size(), s = split_.seq_len(), d = qkv.size(1) / 3,
+  const int64_t p = group_->size(), s = split_.seq_len(), d = qkv.size(1) / 3,
                 heads = num_heads_ / p, hd = d / num_heads_, dl = d / p;
-  Tensor g = ToHeads(group_, qkv, batch, 3, stats);
+  Tensor g = ToHeads(*group_, qkv, batch, 3, stats);
   Tensor out = Tensor::Zeros({batch * s, dl});
   Tensor lse = Tensor::Full({batch, heads, s}, kNegInf);
   Attend a;
@@ -646,7 +657,7 @@ Tensor ContextParallelAttention::UlyssesForward(const Tensor& qkv, int64_t batch
   a.q_chunks = GatheredChunks(split_);
   a.k_chunks = a.q_chunks;
   a.Forward(At(out, 0, s), lse.data<float>(), threads);
-  Tensor att = ToSequence(group_, out, batch, 1, stats);
+  Tensor att = ToSequence(*group_, out, batch, 1, stats);
   Note(work, a.ScoreElements(),
        Bytes({&qkv, &g, &out, &lse, &att}) +
            static_cast<int64_t>(sizeof(float)) * threads * a.ScratchFloats());
@@ -660,9 +671,9 @@ Tensor ContextParallelAttention::UlyssesForward(const Tensor& qkv, int64_t batch
 Tensor ContextParallelAttention::UlyssesBackward(const ContextParallelCache& cache,
                                                  const Tensor& datt, int threads, CommStats* stats,
                                                  CpWork* work) const {
-  const int64_t p = group_.size(), s = split_.seq_len(), batch = cache.batch_size,
+  const int64_t p = group_->size(), s = split_.seq_len(), batch = cache.batch_size,
                 dl = cache.qkv.size(1) / 3, heads = num_heads_ / p, hd = dl / heads;
-  Tensor dout = ToHeads(group_, datt, batch, 1, stats);
+  Tensor dout = ToHeads(*group_, datt, batch, 1, stats);
   Tensor delta = RowDots(At(dout, 0, s), At(cache.out, 0, s), batch, heads, hd);
   Tensor dg = Tensor::Zeros({batch * s, 3 * dl});
   Attend a;
@@ -677,7 +688,7 @@ Tensor ContextParallelAttention::UlyssesBackward(const ContextParallelCache& cac
   a.k_chunks = a.q_chunks;
   a.Backward(cache.lse.data<float>(), At(dout, 0, s), delta.data<float>(), At(dg, 0, s),
              At(dg, dl, s), At(dg, 2 * dl, s), threads);
-  Tensor dqkv = ToSequence(group_, dg, batch, 3, stats);
+  Tensor dqkv = ToSequence(*group_, dg, batch, 3, stats);
   Note(work, a.ScoreElements(),
        Bytes({&cache.qkv, &cache.out, &cache.lse, &datt, &dout, &delta, &dg, &dqkv}) +
            static_cast<int64_t>(sizeof(float)) * threads * a.ScratchFloats());

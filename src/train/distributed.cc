@@ -15,6 +15,7 @@
 #include "switchyard/comm/agree.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
+#include "switchyard/core/memory_account.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/core/safetensors.h"
 #include "switchyard/moe/gate.h"
@@ -283,7 +284,9 @@ DistributedHooks::DistributedHooks(std::shared_ptr<parallel::ProcessGroups> grou
       ranks_in_process_(ranks_in_process),
       zero_options_(zero),
       tp_group_(groups_->Get(parallel::GroupKind::kTensor)),
-      data_(groups_->Get(parallel::GroupKind::kData)),
+      // The replicas of a tensor-parallel shard: the same tp rank over dp and cp (each cp rank
+      // holds other tokens; with cp 1 the data-parallel group).
+      data_(groups_->Get(parallel::GroupKind::kDataContext)),
       tokens_(groups_->Get(parallel::GroupKind::kTokens)),
       expert_data_(groups_->Get(expert_sync)),
       tp_options_(tp),
@@ -923,6 +926,8 @@ RunSummary RunDistributedTraining(comm::Launcher& launcher, const TrainConfig& c
       sharing = std::max(sharing, world.topology().ranks_per_node);
       RequireTrainingMemory(c, sharing);
     }
+    // Tensors this rank's thread allocates are counted (the run summary's measured peak).
+    ScopedMemoryAccount account(std::make_shared<MemoryAccount>());
     RankTrainer rank(c, world, sharing);
     RunSummary s = rank.trainer().Run(options.run);
     if (world.rank() == 0 || agree) {

@@ -80,7 +80,8 @@ Block::Block(ParameterSet& params, const std::string& prefix, const ModelConfig&
     : recompute_(c.recompute),
       precision_(c.precision),
       norm1_(params, prefix + "norm1.", c.model_dim, c.norm),
-      cp_(cp != nullptr && cp->group != nullptr && cp->group->size() > 1 ? cp : nullptr),
+      cp_(cp != nullptr && (cp->group != nullptr || cp->flash) ? cp : nullptr),
+      stats_(tp_stats),
       num_heads_(c.num_heads) {
   // Registered in module order: norm1, attn, norm2, then the FFN.
   const float proj_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
@@ -109,6 +110,20 @@ void AddInPlace(const Tensor& acc, const Tensor& x, int threads) {
 
 }  // namespace
 
+ContextParallelAttention Block::Core(int64_t rows, int64_t batch_size) const {
+  // rows: this rank's tokens of batch_size sequences (all of them on one rank).
+  const int p = cp_->group != nullptr ? cp_->group->size() : 1;
+  const int64_t seq = rows / batch_size * p;
+  const int64_t heads = tp_attn_ ? tp_attn_->local_heads() : num_heads_;
+  ContextParallelOptions options = cp_->options;
+  // One rank holds the sequence in order under either split; the plain one takes any length.
+  if (p == 1 && seq % SequenceSplit::Multiple(options.split, 1) != 0) {
+    options.split = SequenceSplitKind::kPlain;
+  }
+  if (cp_->group == nullptr) return ContextParallelAttention(heads, seq, options);
+  return ContextParallelAttention(*cp_->group, heads, seq, options);
+}
+
 Tensor Block::ForwardAll(const Tensor& x, int64_t batch_size, const FeedForwardContext& context,
                          BlockCache* cache) const {
   bool save = context.save_for_backward;
@@ -119,14 +134,18 @@ Tensor Block::ForwardAll(const Tensor& x, int64_t batch_size, const FeedForwardC
   AttentionCache* ac = save ? &cache->attn : nullptr;
   Tensor h;
   if (cp_ != nullptr) {
-    // The projections on this rank's tokens, the core across the context-parallel group.
-    const int64_t seq = x.size(0) / batch_size * cp_->group->size();
-    ContextParallelAttention core(*cp_->group, num_heads_, seq, cp_->options);
-    Tensor qkv = attn_->qkv().Forward(n1, threads);
+    // The projections on this rank's tokens (tensor parallel: its heads, the tokens gathered
+    // over the tp group with sequence parallelism), the core across the context-parallel group.
+    ColumnParallelCache qc;
+    const Tensor qkv = tp_attn_ ? tp_attn_->qkv().Forward(n1, &qc, threads, tp_attn_->stats())
+                                : attn_->qkv().Forward(n1, threads);
+    const ContextParallelAttention core = Core(qkv.size(0), batch_size);
     ContextParallelCache scratch;  // the core fills one even when nothing is kept
-    Tensor att = core.Forward(qkv, batch_size, save ? &cache->cp_attn : &scratch, threads);
-    h = attn_->proj().Forward(att, threads);
-    if (save) *ac = AttentionCache{n1, qkv, Tensor(), att, batch_size};
+    Tensor att = core.Forward(qkv, batch_size, save ? &cache->cp_attn : &scratch, threads, stats_);
+    h = tp_attn_ ? tp_attn_->proj().Forward(att, nullptr, threads, tp_attn_->stats())
+                 : attn_->proj().Forward(att, threads);
+    // The core keeps what it needs of qkv itself.
+    if (save) *ac = AttentionCache{tp_attn_ ? qc.x : n1, Tensor(), Tensor(), att, batch_size};
   } else {
     h = attn_ ? attn_->Forward(n1, batch_size, threads, ac, precision_)
               : tp_attn_->Forward(n1, batch_size, threads, ac);
@@ -149,10 +168,17 @@ Tensor Block::BackwardAll(const BlockCache& cache, const Tensor& dy, float loss_
   Tensor da;
   if (cp_ != nullptr) {
     const AttentionCache& a = cache.attn;
-    const int64_t seq = a.x.size(0) / a.batch_size * cp_->group->size();
-    ContextParallelAttention core(*cp_->group, num_heads_, seq, cp_->options);
-    Tensor datt = attn_->proj().Backward(a.att, dh, threads);
-    da = attn_->qkv().Backward(a.x, core.Backward(cache.cp_attn, datt, threads), threads);
+    const ContextParallelAttention core = Core(a.att.size(0), a.batch_size);
+    if (tp_attn_) {
+      parallel::CommStats* tp_stats = tp_attn_->stats();
+      const Tensor datt = tp_attn_->proj().Backward(RowParallelCache{a.att}, dh, threads, tp_stats);
+      da = tp_attn_->qkv().Backward(ColumnParallelCache{a.x},
+                                    core.Backward(cache.cp_attn, datt, threads, stats_), threads,
+                                    tp_stats);
+    } else {
+      const Tensor datt = attn_->proj().Backward(a.att, dh, threads);
+      da = attn_->qkv().Backward(a.x, core.Backward(cache.cp_attn, datt, threads, stats_), threads);
+    }
   } else {
     da = attn_ ? attn_->Backward(cache.attn, dh, threads)
                : tp_attn_->Backward(cache.attn, dh, threads);
@@ -260,10 +286,19 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
     : config_(std::move(config)), tp_(tp), cp_(cp) {
   const ModelConfig& c = config_;
   ValidateModelConfig(c);
-  SY_REQUIRE(!context_parallel() || !tensor_parallel(), InvalidArgument,
-             "context parallelism together with tensor parallelism is not supported yet (cp {}, "
-             "tp {})",
-             cp_.group->size(), tp_size());
+  if (context_parallel()) {
+    core_ = cp_;
+    SY_REQUIRE(cp_.options.algorithm != CpAlgorithm::kUlysses ||
+                   c.num_heads % (static_cast<int64_t>(tp_size()) * cp_size()) == 0,
+               InvalidArgument,
+               "Ulysses attention splits each tensor-parallel rank's heads over the "
+               "context-parallel ranks: num_heads {} does not divide by tp {} x cp {}",
+               c.num_heads, tp_size(), cp_size());
+  } else if (cp_.flash) {
+    // The same core on this rank alone, without a group (ring attention: nothing travels).
+    core_ = ContextParallelContext{
+        nullptr, {CpAlgorithm::kRing, SequenceSplitKind::kZigzag, /*causal=*/true}, true};
+  }
   SY_REQUIRE(c.precision == Precision::kFloat32 || (!tensor_parallel() && !context_parallel()),
              InvalidArgument,
              "'precision' bf16 is not supported with tensor or context parallelism yet (tp {}, "
@@ -319,9 +354,9 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
       SY_CHECK(ffn != nullptr && ffn->is_moe(), "MoE factory returned no MoE FFN for block {}", i);
       return ffn;
     };
-    blocks_[static_cast<size_t>(i)] =
-        std::make_unique<Block>(params_, prefix, c, make_ffn, seed, split ? &tp_ : nullptr,
-                                &tp_stats_, context_parallel() ? &cp_ : nullptr);
+    blocks_[static_cast<size_t>(i)] = std::make_unique<Block>(
+        params_, prefix, c, make_ffn, seed, split ? &tp_ : nullptr, &tp_stats_,
+        core_.group != nullptr || core_.flash ? &core_ : nullptr);
   }
   if (!has_head) return;
   final_norm_ = std::make_unique<Norm>(params_, "final_norm.", c.model_dim, c.norm);
@@ -406,11 +441,11 @@ int64_t TransformerLm::ActivationRows(const Tensor& tokens) const {
   SY_REQUIRE(tokens.defined() && tokens.dim() == 2, InvalidArgument,
              "tokens: expected [batch_size, seq], got {}",
              tokens.defined() ? tokens.ToString() : "undefined");
-  const int64_t seq = tokens.size(1), p = tp_size();
-  int64_t batch = tokens.size(0);
-  if (context_parallel()) {
-    const int64_t multiple = SequenceSplit::Multiple(cp_.options.split, cp_.group->size());
-    return batch * ((seq + multiple - 1) / multiple * multiple) / cp_.group->size();
+  const int64_t p = tp_size();
+  int64_t batch = tokens.size(0), seq = tokens.size(1);
+  if (context_parallel()) {  // this rank's positions of the (padded) sequence, as Forward
+    const int64_t multiple = SequenceSplit::Multiple(cp_.options.split, cp_size());
+    seq = (seq + multiple - 1) / multiple * multiple / cp_size();
   }
   if (!tensor_parallel() || !tp_.options.sequence_parallel) return batch * seq;
   while ((batch * seq) % p != 0) ++batch;
@@ -442,36 +477,18 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
   const bool split = tensor_parallel();
   const bool sp = split && tp_.options.sequence_parallel;
   const int64_t p = tp_size();
-  // Sequence parallelism splits the batch's tokens evenly over the group: a training call must
-  // bring a multiple of P; other calls get ignored padding sequences (token 0, target -1).
   Tensor tokens = tokens_in, targets = targets_in;
   int64_t batch = real_batch;
-  if (sp && (batch * seq) % p != 0) {
-    SY_REQUIRE(!options.save_for_backward, InvalidArgument,
-               "sequence parallelism: the batch's {} sequences x {} tokens = {} tokens do not "
-               "divide by the tensor-parallel size {}: choose batch_size and seq_len so that each "
-               "data-parallel rank's tokens do",
-               real_batch, seq, real_batch * seq, p);
-    while ((batch * seq) % p != 0) ++batch;
-    tokens = Tensor::Zeros({batch, seq}, DType::kInt32);
-    std::copy_n(tokens_in.data<int32_t>(), tokens_in.numel(), tokens.data<int32_t>());
-    if (has_targets) {
-      targets = Tensor::Empty({batch, seq}, DType::kInt32);
-      std::fill_n(targets.data<int32_t>(), targets.numel(), -1);
-      std::copy_n(targets_in.data<int32_t>(), targets_in.numel(), targets.data<int32_t>());
-    }
-  }
-  // Context parallelism: this rank's positions of every sequence (the sequence padded at its
-  // end to what the split accepts, for calls without backward).
+  // Context parallelism: each sequence padded at its end to what the split accepts (calls
+  // without backward; causal attention leaves the real tokens unchanged).
   int64_t seq_used = seq;
-  std::optional<SequenceSplit> cp_split;
   if (context_parallel()) {
-    const int64_t multiple = SequenceSplit::Multiple(cp_.options.split, cp_.group->size());
+    const int64_t multiple = SequenceSplit::Multiple(cp_.options.split, cp_size());
     if (seq % multiple != 0) {
       SY_REQUIRE(!options.save_for_backward, InvalidArgument,
                  "context parallelism: sequences of {} tokens do not split over {} ranks (a "
                  "multiple of {} is needed): choose seq_len accordingly",
-                 seq, cp_.group->size(), multiple);
+                 seq, cp_size(), multiple);
       seq_used = (seq + multiple - 1) / multiple * multiple;
       Tensor t = Tensor::Zeros({batch, seq_used}, DType::kInt32);
       Tensor g = Tensor::Empty({batch, seq_used}, DType::kInt32);
@@ -485,7 +502,34 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
       tokens = t;
       if (has_targets) targets = g;
     }
-    cp_split.emplace(cp_.options.split, seq_used, cp_.group->size(), cp_.group->rank());
+  }
+  // Sequence parallelism splits the tokens this rank's tp group holds (with context parallelism
+  // its cp rank's share of every sequence) evenly over the group: a training call must bring a
+  // multiple of P; other calls get ignored padding sequences (token 0, target -1).
+  const int64_t local_seq = seq_used / cp_size();
+  if (sp && (batch * local_seq) % p != 0) {
+    SY_REQUIRE(!options.save_for_backward, InvalidArgument,
+               "sequence parallelism: the batch's {} sequences x {} tokens{} = {} tokens do not "
+               "divide by the tensor-parallel size {}: choose batch_size and seq_len so that each "
+               "data-parallel rank's tokens do",
+               real_batch, seq,
+               context_parallel() ? fmt::format(" / cp {}", cp_size()) : std::string(),
+               real_batch * local_seq, p);
+    while ((batch * local_seq) % p != 0) ++batch;
+    Tensor t = Tensor::Zeros({batch, seq_used}, DType::kInt32);
+    std::copy_n(tokens.data<int32_t>(), tokens.numel(), t.data<int32_t>());
+    tokens = t;
+    if (has_targets) {
+      Tensor g = Tensor::Empty({batch, seq_used}, DType::kInt32);
+      std::fill_n(g.data<int32_t>(), g.numel(), -1);
+      std::copy_n(targets.data<int32_t>(), targets.numel(), g.data<int32_t>());
+      targets = g;
+    }
+  }
+  // Context parallelism: this rank's positions of every sequence.
+  std::optional<SequenceSplit> cp_split;
+  if (context_parallel()) {
+    cp_split.emplace(cp_.options.split, seq_used, cp_size(), cp_.group->rank());
     tokens = cp_split->Shard(tokens.Reshape({batch * seq_used}), batch);
     if (has_targets) targets = cp_split->Shard(targets.Reshape({batch * seq_used}), batch);
   }
@@ -503,7 +547,7 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
     state->positions = Tensor::Empty({rows}, DType::kInt32);
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t position =
-          cp_split ? cp_split->Position(i % cp_split->local_len()) : (row_begin + i) % seq;
+          cp_split ? cp_split->Position((row_begin + i) % local_seq) : (row_begin + i) % seq;
       state->positions.data<int32_t>()[i] = static_cast<int32_t>(position);
     }
     x = split ? vp_embed_->Forward(state->tokens, &tp_stats_) : embed_->Forward(state->tokens);
@@ -568,7 +612,7 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
     if (split) logits = GatherColumns(*tp_.group, logits, &tp_stats_);
     if (cp_split) {
       // Every rank's positions back into sequence order, then without the padding.
-      const int cps = cp_.group->size();
+      const int cps = cp_size();
       const int64_t vocab = logits.size(1);
       Tensor parts = Tensor::Empty({cps * n, vocab});
       cp_.group->AllGather(logits, parts).Wait();

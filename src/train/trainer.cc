@@ -15,11 +15,13 @@
 
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/limits.h"
+#include "switchyard/core/memory_account.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/cpu_features.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/gemm_backend.h"
 #include "switchyard/train/generate.h"
+#include "switchyard/train/memory_estimate.h"
 #include "switchyard/train/moe_feed_forward.h"
 #include "switchyard/train/pipeline.h"
 #include "switchyard/train/progress.h"
@@ -55,29 +57,9 @@ std::string DataIdentityJson(const Corpus& corpus) {
 }
 
 uint64_t TrainingMemoryBytes(const TrainConfig& c, int ranks_in_process) {
-  const ModelConfig& m = c.model;
-  const char* what = "training memory estimate";
-  const int64_t d = m.model_dim, v = m.vocab_size, s = m.seq_len, l = m.num_layers;
-  const int64_t experts = m.moe_every > 0 ? c.num_experts : 0;
-  const int64_t eh = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : m.hidden_dim;
-  // Parameters: embeddings (and an untied head), attention, FFNs (an MoE block holds every
-  // expert on one rank at most).
-  int64_t params = CheckedMul(v, d, what) * (m.tied_head ? 1 : 2) + CheckedMul(s, d, what);
-  const int64_t ffn =
-      std::max(CheckedMul(2, CheckedMul(d, m.hidden_dim, what), what),
-               CheckedMul(experts, CheckedMul(2, CheckedMul(d, eh, what), what), what));
-  params += CheckedMul(l, CheckedMul(4, CheckedMul(d, d, what), what) + ffn, what);
-  // Values, gradients and AdamW's two moments.
-  const int64_t state_bytes = CheckedMul(params, 16, what);
-  // Activations of one step on one rank: per token and layer ~16 model_dim-wide rows, the FFN's
-  // hidden rows and the attention scores; the logits and their gradient.
-  const int64_t tokens =
-      CheckedMul((c.batch_size + c.ranks - 1) / std::max<int64_t>(1, c.ranks), s, what);
-  const int64_t per_token =
-      CheckedMul(l, 16 * d + 2 * std::max(m.hidden_dim, eh * c.top_k) + 2 * m.num_heads * s, what) +
-      CheckedMul(3, v, what);
-  const int64_t activation_bytes = CheckedMul(CheckedMul(tokens, per_token, what), 4, what);
-  return static_cast<uint64_t>(CheckedMul(state_bytes + activation_bytes, ranks_in_process, what));
+  // Every rank of the process holds its layout's share (memory_estimate.h).
+  return static_cast<uint64_t>(
+      CheckedMul(EstimateRankMemory(c).total(), ranks_in_process, "training memory estimate"));
 }
 
 void RequireTrainingMemory(const TrainConfig& c, int ranks_in_process) {
@@ -95,6 +77,7 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
     : config_(std::move(config)), hooks_(hooks ? hooks : &default_hooks_) {
   const TrainConfig& c = config_;
   ValidateTrainConfig(c);
+  RequireMemoryBudget(c);
   SY_REQUIRE(c.batch_size >= hooks_->data_size(), InvalidArgument,
              "config: batch_size {} must be >= the number of data-parallel ranks {}", c.batch_size,
              hooks_->data_size());
@@ -152,14 +135,18 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
                "over {} data-parallel ranks",
                c.batch_size, c.microbatches, rows, shards);
     const int64_t p = tp.group != nullptr ? tp.group->size() : 1;
+    // With context parallelism a rank holds seq_len / cp positions of each sequence.
+    const int64_t positions = c.model.seq_len / std::max<int64_t>(1, c.cp);
     for (int64_t d = 0; tp.options.sequence_parallel && d < shards; ++d) {
       const int64_t mine = rows * (d + 1) / shards - rows * d / shards;
-      SY_REQUIRE(mine * c.model.seq_len % p == 0, InvalidArgument,
+      SY_REQUIRE(mine * positions % p == 0, InvalidArgument,
                  "config: sequence parallelism splits each data-parallel rank's tokens over 'tp' "
-                 "{} ranks, but data-parallel rank {} has {} rows x seq_len {} = {} tokens per "
+                 "{} ranks, but data-parallel rank {} has {} rows x seq_len {}{} = {} tokens per "
                  "micro-batch: choose batch_size (split over {} micro-batches and {} "
                  "data-parallel ranks) and seq_len so that they divide",
-                 p, d, mine, c.model.seq_len, mine * c.model.seq_len, c.microbatches, shards);
+                 p, d, mine, c.model.seq_len,
+                 c.cp > 1 ? fmt::format(" / cp {}", c.cp) : std::string(), mine * positions,
+                 c.microbatches, shards);
     }
   }
   ModelPartition partition;
@@ -169,8 +156,10 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
     partition = PipelinePartition(c, hooks_->pipeline_rank());
     pipeline_ = parallel::MakeSchedule(PipelineScheduleConfig(c));
   }
+  ContextParallelContext cp = hooks_->context_parallel();
+  cp.flash = ResolvedAttentionCore(c) == "flash";
   model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory), tp,
-                                           std::move(partition), hooks_->context_parallel());
+                                           std::move(partition), cp);
   model_->SetBlockObserver(hooks_->block_observer());
   optimizer_ = AdamW(AdamWOptions{.beta1 = static_cast<float>(c.beta1),
                                   .beta2 = static_cast<float>(c.beta2),
@@ -335,7 +324,9 @@ StepMetrics Trainer::Step() {
                               static_cast<double>(totals.nonfinite),
                               Now() - t0,
                               tp_stats.Bytes(parallel::Traffic::kTensor),
-                              tp_stats.comm_seconds};
+                              tp_stats.CommSeconds(parallel::Traffic::kTensor),
+                              tp_stats.Bytes(parallel::Traffic::kContext),
+                              tp_stats.CommSeconds(parallel::Traffic::kContext)};
   for (int64_t b = 0, block = 0; block < c.model.num_layers; ++block) {
     if (!IsMoeBlock(c.model, block)) continue;
     const RoutingStats& r = totals.routing[static_cast<size_t>(b++)];
@@ -391,7 +382,9 @@ StepMetrics Trainer::Step() {
   met.rank_time_s = sums[8] / static_cast<double>(world);
   met.tp_bytes = sums[9] / static_cast<double>(world);
   met.tp_comm_s = sums[10] / static_cast<double>(world);
-  size_t k = 11;
+  met.cp_bytes = sums[11] / static_cast<double>(world);
+  met.cp_comm_s = sums[12] / static_cast<double>(world);
+  size_t k = 13;
   for (int64_t block = 0; block < c.model.num_layers; ++block) {
     if (!IsMoeBlock(c.model, block)) continue;
     double routed = sums[k], dropped = sums[k + 1];
@@ -710,7 +703,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
   int64_t acc_steps = 0, acc_good = 0;
   double acc_time = 0, acc_moe = 0, acc_moe_comm = 0;
   double run_moe = 0, run_moe_comm = 0, run_rank_time = 0;
-  double run_tp_bytes = 0, run_tp_comm = 0, run_tp_time = 0;
+  double run_tp_bytes = 0, run_tp_comm = 0, run_tp_time = 0, run_cp_bytes = 0, run_cp_comm = 0;
   int64_t run_steps = 0;
   std::vector<double> rates;
   // Set when every rank is at the same point of a failure (the state after step_ steps is
@@ -745,6 +738,8 @@ RunSummary Trainer::Run(const RunOptions& options) {
       run_tp_bytes += m.tp_bytes;
       run_tp_comm += m.tp_comm_s;
       run_tp_time += m.rank_time_s;
+      run_cp_bytes += m.cp_bytes;
+      run_cp_comm += m.cp_comm_s;
       if (m.skipped_steps == 0) {
         ++acc_good;
         acc.loss += m.loss;
@@ -861,6 +856,19 @@ RunSummary Trainer::Run(const RunOptions& options) {
       summary.tp_bytes_per_step = run_tp_bytes / static_cast<double>(run_steps);
       summary.tp_comm_share = run_tp_comm / run_tp_time;
     }
+    if (model_->cp_size() > 1 && run_steps > 0 && run_tp_time > 0) {
+      summary.cp_bytes_per_step = run_cp_bytes / static_cast<double>(run_steps);
+      summary.cp_comm_share = run_cp_comm / run_tp_time;
+    }
+    summary.memory_estimate_bytes = EstimateRankMemory(c).total();
+    if (const std::shared_ptr<MemoryAccount>& account = CurrentMemoryAccount()) {
+      // Every rank's peak so far (the training steps and evaluations), in rank order.
+      std::vector<double> peaks(static_cast<size_t>(world), 0.0);
+      peaks[static_cast<size_t>(hooks_->rank())] = static_cast<double>(account->peak_bytes());
+      hooks_->AllReduceSum(peaks);
+      summary.memory_peak_bytes = *std::max_element(peaks.begin(), peaks.end());
+      summary.memory_peak_min_bytes = *std::min_element(peaks.begin(), peaks.end());
+    }
     if (moe && run_rank_time > 0) {
       summary.moe_time_share = run_moe / run_rank_time;
       summary.moe_comm_share = run_moe_comm / run_rank_time;
@@ -951,6 +959,11 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
             {"moe_comm_share", finite(summary.moe_comm_share)},
             {"tp_bytes_per_step", finite(summary.tp_bytes_per_step)},
             {"tp_comm_share", finite(summary.tp_comm_share)},
+            {"cp_bytes_per_step", finite(summary.cp_bytes_per_step)},
+            {"cp_comm_share", finite(summary.cp_comm_share)},
+            {"memory_estimate_bytes_per_rank", summary.memory_estimate_bytes},
+            {"memory_peak_bytes_per_rank_max", finite(summary.memory_peak_bytes)},
+            {"memory_peak_bytes_per_rank_min", finite(summary.memory_peak_min_bytes)},
             {"skipped_steps", summary.skipped_steps},
             {"grad_reduce_s", finite(summary.grad_reduce_s)},
             {"grad_reduce_blocked_s", finite(summary.grad_reduce_blocked_s)},
@@ -1049,6 +1062,22 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                    ? "this CPU has bf16 arithmetic (AVX512-BF16/AMX), not used by this version"
                    : "this CPU has no bf16 arithmetic (no AVX512-BF16, no AMX)");
   }
+  if (std::isfinite(summary.cp_bytes_per_step)) {
+    fmt::print(out,
+               "  context parallel (cp {}, {}): {:.2f} MB per step and rank on the wire, blocked "
+               "in those collectives {:.0f}% of step time\n",
+               c.cp, c.cp_algo, summary.cp_bytes_per_step / 1e6, 100 * summary.cp_comm_share);
+  }
+  std::string memory = fmt::format(
+      "  memory per rank: estimate {} (attention_core {})",
+      FormatBytes(static_cast<uint64_t>(summary.memory_estimate_bytes)), ResolvedAttentionCore(c));
+  if (c.memory_budget_mib > 0) memory += fmt::format(", budget {} MiB", c.memory_budget_mib);
+  if (std::isfinite(summary.memory_peak_bytes)) {
+    memory += fmt::format("; measured peak of the tensors held {} (max over ranks; min {})",
+                          FormatBytes(static_cast<uint64_t>(summary.memory_peak_bytes)),
+                          FormatBytes(static_cast<uint64_t>(summary.memory_peak_min_bytes)));
+  }
+  fmt::print(out, "{}\n", memory);
   fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{}{})\n", run_dir,
              moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "",
              std::filesystem::exists(run_dir + "/trace.json") ? ", trace.json" : "");

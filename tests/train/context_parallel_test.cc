@@ -14,6 +14,7 @@
 #include "switchyard/comm/inprocess.h"
 #include "switchyard/core/error.h"
 #include "switchyard/train/layers.h"
+#include "switchyard/train/model.h"
 #include "testing/random.h"
 #include "train/grad_check.h"
 
@@ -150,8 +151,8 @@ void CheckAgainstFull(const Case& c) {
     want_bwd = 2 * (p - 1) * 2 * a;  // k | v blocks and their gradients
   }
   for (int r = 0; r < c.cp; ++r) {
-    EXPECT_DOUBLE_EQ(fwd[size_t(r)].Bytes(Traffic::kTensor), want_fwd) << "rank " << r;
-    EXPECT_DOUBLE_EQ(bwd[size_t(r)].Bytes(Traffic::kTensor), want_bwd) << "rank " << r;
+    EXPECT_DOUBLE_EQ(fwd[size_t(r)].Bytes(Traffic::kContext), want_fwd) << "rank " << r;
+    EXPECT_DOUBLE_EQ(bwd[size_t(r)].Bytes(Traffic::kContext), want_bwd) << "rank " << r;
     EXPECT_DOUBLE_EQ(fwd[size_t(r)].TotalBytes(), want_fwd);
   }
 }
@@ -189,6 +190,26 @@ TEST(ContextParallel, LongChunksAndThreads) {
   CheckAgainstFull({2, CpAlgorithm::kUlysses, SequenceSplitKind::kZigzag, false, 140, 1, 2, 8, 2});
   CheckAgainstFull({1, CpAlgorithm::kRing, SequenceSplitKind::kZigzag, true, 70, 2, 3, 8, 2});
   CheckAgainstFull({1, CpAlgorithm::kUlysses, SequenceSplitKind::kPlain, false, 33, 2, 3, 8});
+}
+
+// The core on one rank without a group (a one-rank model's memory-lean core): the causal
+// single-rank attention, whichever algorithm is asked for (one rank runs ring: nothing travels).
+TEST(ContextParallel, OneRankWithoutGroup) {
+  const int64_t batch = 2, seq = 70, heads = 3, d = heads * 8;
+  const Tensor qkv = RandomTensor({batch * seq, 3 * d}, 21);
+  const Tensor datt = RandomTensor({batch * seq, d}, 22);
+  Tensor probs;
+  const Tensor want_att = CausalAttentionForward(qkv, batch, heads, 1, &probs);
+  const Tensor want_dqkv = CausalAttentionBackward(qkv, probs, datt, batch, heads, 1);
+  for (const CpAlgorithm algorithm : {CpAlgorithm::kRing, CpAlgorithm::kUlysses}) {
+    ContextParallelAttention attn(heads, seq, {algorithm, SequenceSplitKind::kZigzag, true});
+    EXPECT_EQ(attn.options().algorithm, CpAlgorithm::kRing);
+    ContextParallelCache cache;
+    CommStats stats;
+    EXPECT_TRUE(AllClose("att", attn.Forward(qkv, batch, &cache, 2, &stats), want_att));
+    EXPECT_TRUE(AllClose("dqkv", attn.Backward(cache, datt, 2, &stats), want_dqkv));
+    EXPECT_EQ(stats.TotalBytes(), 0);
+  }
 }
 
 TEST(SequenceSplit, PositionsOfPlainAndZigzag) {
@@ -312,6 +333,46 @@ TEST(ContextParallel, PeakBytesShrinkWithCp) {
   EXPECT_LT(p1, kHeads * kSeq * kSeq * 4);
   EXPECT_LT(p2, p1);
   EXPECT_LT(p4, p2);
+}
+
+// The model under context parallelism, for calls without backward (evaluation, generation):
+// sequences whose length does not split over the cp ranks are padded at their end, and the
+// logits gathered back in sequence order equal the one-rank model's (cp 2 and 3, ring and
+// Ulysses, lengths 1, 7 and 11). A training call with such a length is refused, naming it.
+TEST(ContextParallelModel, PadsSequencesThatDoNotSplitForCallsWithoutBackward) {
+  ModelConfig config;
+  config.seq_len = 12;
+  config.model_dim = 24;
+  config.num_layers = 2;
+  config.num_heads = 6;
+  config.hidden_dim = 32;
+  ForwardOptions options;
+  options.training = false;
+  options.save_for_backward = false;
+  for (const int64_t seq : {1, 7, 11}) {
+    Tensor tokens = Tensor::Empty({2, seq}, DType::kInt32);
+    for (int64_t i = 0; i < tokens.numel(); ++i) tokens.data<int32_t>()[i] = (i * 37 + 5) % 256;
+    TransformerLm one(config, 7);
+    const Tensor want = one.Forward(tokens, Tensor(), options, true).logits;
+    for (const auto& [cp, algorithm] :
+         {std::pair{2, CpAlgorithm::kRing}, std::pair{3, CpAlgorithm::kRing},
+          std::pair{2, CpAlgorithm::kUlysses}, std::pair{3, CpAlgorithm::kUlysses}}) {
+      SCOPED_TRACE("seq " + std::to_string(seq) + " cp " + std::to_string(cp));
+      std::vector<Tensor> got(static_cast<size_t>(cp));
+      comm::RunInProcess(cp, [&](comm::Communicator& group) {
+        TransformerLm model(
+            config, 7, nullptr, {}, {},
+            ContextParallelContext{&group, {algorithm, SequenceSplitKind::kZigzag}});
+        got[size_t(group.rank())] = model.Forward(tokens, Tensor(), options, true).logits;
+        if (seq % (2 * cp) != 0) {
+          ForwardOptions train;
+          ExpectInvalid([&] { model.Forward(tokens, tokens, train); },
+                        {"sequences of " + std::to_string(seq) + " tokens", "multiple of"});
+        }
+      });
+      for (const Tensor& g : got) EXPECT_TRUE(AllClose("logits", g, want));
+    }
+  }
 }
 
 }  // namespace

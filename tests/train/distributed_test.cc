@@ -72,6 +72,7 @@ struct StepLosses {
   int tp_size = 1;
   Shape fc1_shape;
   double tp_bytes = 0;  // bytes the tensor-parallel layers moved over the run (rank mean)
+  double cp_bytes = 0;  // bytes the context-parallel attention moved over the run (rank mean)
 };
 
 StepLosses SingleRank(const TrainConfig& c, int steps) {
@@ -102,6 +103,7 @@ StepLosses OnRanks(const TrainConfig& c, int steps) {
       r.loss.push_back(m.loss);
       r.grad_norm.push_back(m.grad_norm);
       r.tp_bytes += m.tp_bytes;
+      r.cp_bytes += m.cp_bytes;
       r.expert_load.push_back(m.expert_load.empty() ? std::vector<int64_t>{} : m.expert_load[0]);
     }
     TransformerLm& model = rt.trainer().model();
@@ -393,10 +395,25 @@ TEST_F(DistributedTest, InterleavedPipelineOnFourStagesMatchesOneRank) {
   }
 }
 
+// Bytes the context-parallel attention puts on the wire per step and rank (bus convention,
+// float32; docs/context_parallel.md): per layer and pass a = (batch / dp) x (seq_len / cp) x
+// (model_dim / tp) x 4 bytes, Ulysses 8 (cp - 1) / cp a (all-to-all of q, k, v, att and their
+// gradients), ring 6 (cp - 1) a (K/V blocks forward and backward, dK/dV blocks backward); every
+// rank holds num_layers / pp layers.
+double CpBytesPerStep(const TrainConfig& c) {
+  const double p = static_cast<double>(c.cp);
+  const double dp = static_cast<double>(c.ranks / (c.tp * c.cp * c.pp));
+  const double a = static_cast<double>(c.batch_size) / dp * static_cast<double>(c.model.seq_len) /
+                   p * static_cast<double>(c.model.model_dim / c.tp) * 4;
+  const double per_layer = c.cp_algo == "ulysses" ? 8 * (p - 1) / p * a : 6 * (p - 1) * a;
+  return static_cast<double>(c.model.num_layers / c.pp) * per_layer;
+}
+
 // Context parallelism: each sequence's positions split over cp ranks (zigzag), attention across
 // them by ring attention or Ulysses, alone, with data parallelism and with pipeline stages; with
 // MoE blocks whose capacity does not bind (the cp ranks' token order differs from one rank's, so
-// capacity drops would be decided on other tokens).
+// capacity drops would be decided on other tokens). The attention's bytes per step are the closed
+// form of CpBytesPerStep.
 TEST_F(DistributedTest, ContextParallelMatchesOneRank) {
   TrainConfig base = TinyMoeConfig(dir_);
   base.model.moe_every = 0;
@@ -419,19 +436,110 @@ TEST_F(DistributedTest, ContextParallelMatchesOneRank) {
   for (const CpLayout& l :
        {CpLayout{2, 2, "ring"}, CpLayout{2, 2, "ulysses"}, CpLayout{4, 4, "ring"},
         CpLayout{4, 2, "ring"}, CpLayout{4, 4, "ulysses"}}) {
-    ExpectSameRun(want, OnRanks(with(base, l), kSteps),
-                  fmt::format("ranks {} cp {} {}", l.ranks, l.cp, l.algo));
+    const std::string what = fmt::format("ranks {} cp {} {}", l.ranks, l.cp, l.algo);
+    const StepLosses got = OnRanks(with(base, l), kSteps);
+    ExpectSameRun(want, got, what);
+    EXPECT_DOUBLE_EQ(got.cp_bytes, kSteps * CpBytesPerStep(with(base, l))) << what;
+    EXPECT_EQ(got.tp_bytes, 0) << what;
   }
   TrainConfig two = base;
   two.microbatches = 2;
-  ExpectSameRun(SingleRank(two, kSteps), OnRanks(with(base, CpLayout{4, 2, "ring", 2}), kSteps),
-                "ranks 4 cp 2 pp 2");
+  const StepLosses pipelined = OnRanks(with(base, CpLayout{4, 2, "ring", 2}), kSteps);
+  ExpectSameRun(SingleRank(two, kSteps), pipelined, "ranks 4 cp 2 pp 2");
+  EXPECT_DOUBLE_EQ(pipelined.cp_bytes,
+                   kSteps * CpBytesPerStep(with(base, CpLayout{4, 2, "ring", 2})));
   TrainConfig moe = TinyMoeConfig(dir_);
   moe.model.num_heads = 4;
   moe.capacity_factor = 4.0;  // no drops
   want = SingleRank(moe, kSteps);
   for (double d : want.drop_rate) EXPECT_EQ(d, 0.0);
   ExpectSameRun(want, OnRanks(with(moe, CpLayout{4, 2, "ring"}), kSteps), "moe ranks 4 cp 2");
+}
+
+// The attention core of context_parallel.h on one rank (attention_core "flash": a log-sum-exp per
+// row instead of the [seq, seq] probabilities) trains as the softmax core.
+TEST_F(DistributedTest, FlashCoreOnOneRankMatchesSoftmaxCore) {
+  TrainConfig base = TinyMoeConfig(dir_);
+  base.model.moe_every = 0;
+  base.model.num_heads = 4;
+  const int kSteps = 3;
+  const StepLosses want = SingleRank(base, kSteps);
+  TrainConfig flash = base;
+  flash.attention_core = "flash";
+  ExpectSameRun(want, SingleRank(flash, kSteps), "flash core, one rank");
+  flash.ranks = 2;
+  flash.tp = 2;
+  ExpectSameRun(want, OnRanks(flash, kSteps), "flash core, tp 2");
+}
+
+// Context parallelism with tensor parallelism: each tp rank's heads (Megatron's column-parallel
+// QKV, row-parallel output projection) run the context-parallel core over its cp group; with
+// sequence parallelism each tp rank holds a tp-th of its cp rank's tokens; with data parallelism
+// and MoE blocks in both arrangements. Losses, gradient norms and parameters equal the one-rank
+// run's over several steps; the tensor- and context-parallel bytes per step are the closed forms
+// with the cp rank's tokens.
+TEST_F(DistributedTest, ContextWithTensorParallelMatchesOneRank) {
+  TrainConfig base = TinyMoeConfig(dir_);
+  base.model.moe_every = 0;
+  base.model.num_heads = 4;
+  base.model.tied_head = false;
+  const int kSteps = 3;
+  struct Layout {
+    int ranks, tp, cp;
+    const char* algo;
+    bool sp = false, overlap = false;
+    int zero = 0;
+  };
+  auto with = [](TrainConfig c, const Layout& l) {
+    c.ranks = l.ranks;
+    c.tp = l.tp;
+    c.cp = l.cp;
+    c.cp_algo = l.algo;
+    c.sequence_parallel = l.sp;
+    c.tp_comm_overlap = l.overlap;
+    c.zero_stage = l.zero;
+    return c;
+  };
+  auto name = [](const Layout& l) {
+    return fmt::format("ranks {} tp {} cp {} {}{}{} zero {}", l.ranks, l.tp, l.cp, l.algo,
+                       l.sp ? " sp" : "", l.overlap ? " overlap" : "", l.zero);
+  };
+  const StepLosses want = SingleRank(base, kSteps);
+  for (const Layout& l :
+       {Layout{4, 2, 2, "ring"}, Layout{4, 2, 2, "ulysses"}, Layout{4, 2, 2, "ring", true},
+        Layout{4, 2, 2, "ulysses", true, true}, Layout{8, 2, 2, "ring", false, false, 1}}) {
+    const TrainConfig c = with(base, l);
+    const StepLosses got = OnRanks(c, kSteps);
+    ExpectSameRun(want, got, name(l));
+    EXPECT_EQ(got.tp_size, l.tp) << name(l);
+    EXPECT_DOUBLE_EQ(got.cp_bytes, kSteps * CpBytesPerStep(c)) << name(l);
+    // The tensor-parallel closed form of TensorParallelDenseMatchesOneRank over the n tokens a
+    // cp rank holds.
+    const double p = l.tp, n = static_cast<double>(base.batch_size / (l.ranks / l.tp / l.cp)) *
+                               static_cast<double>(base.model.seq_len / l.cp);
+    const double d = static_cast<double>(base.model.model_dim);
+    const double layers = static_cast<double>(base.model.num_layers);
+    EXPECT_DOUBLE_EQ(got.tp_bytes, kSteps * ((p - 1) / p * 4 * n * d * (8 * layers + 4) +
+                                             2 * (p - 1) / p * 4 * 3 * n))
+        << name(l);
+  }
+  // An odd number of sequences per step: with sequence parallelism the tp ranks' halves of a cp
+  // rank's tokens then cut through a sequence (3 sequences x 8 positions, 12 rows per tp rank),
+  // so the second tp rank's rows start in the middle of one (its positions must say so).
+  TrainConfig odd = base;
+  odd.batch_size = 3;
+  const StepLosses want_odd = SingleRank(odd, kSteps);
+  for (const Layout& l : {Layout{4, 2, 2, "ring", true}, Layout{4, 2, 2, "ulysses", true}}) {
+    ExpectSameRun(want_odd, OnRanks(with(odd, l), kSteps), "batch 3 " + name(l));
+  }
+  // MoE blocks (no drops: the cp ranks' token order is not one rank's), DeepSpeed and Megatron.
+  TrainConfig moe = TinyMoeConfig(dir_);
+  moe.model.num_heads = 4;
+  moe.capacity_factor = 4.0;
+  const StepLosses want_moe = SingleRank(moe, kSteps);
+  for (const Layout& l : {Layout{4, 2, 2, "ring"}, Layout{4, 2, 2, "ulysses", true}}) {
+    ExpectSameRun(want_moe, OnRanks(with(moe, l), kSteps), "moe " + name(l));
+  }
 }
 
 // PR-MoE's residual MLP and DeepSeek's shared expert in the MoE blocks: dense parameters

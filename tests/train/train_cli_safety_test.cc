@@ -344,5 +344,55 @@ TEST_F(TrainCliSafetyTest, FloatToIntegerConversionsAreChecked) {
   EXPECT_TRUE(Contains(r.err, "threads")) << r.err;
 }
 
+// Case 10: context parallelism as a new user meets it: every bad layout is exit code 2 with a
+// message naming the keys; tp 2 x cp 2 trains and reports its context-parallel bytes and the
+// memory per rank; a memory budget refuses the layout whose per-rank estimate exceeds it (cp 1)
+// and admits the one with cp (cp 2), naming the estimate and the budget.
+TEST_F(TrainCliSafetyTest, ContextParallelLayoutsAndMemoryBudget) {
+  struct Bad {
+    const char* flags;
+    std::vector<std::string> needles;
+  };
+  const Bad bad[] = {
+      {"--ranks 3 --cp 2", {"'cp' 2", "'ranks' 3"}},
+      {"--ranks 2 --cp -1", {"'cp'"}},
+      {"--ranks 4 --cp 4 --seq_len 12", {"'seq_len' 12", "'cp' 4", "8"}},
+      {"--ranks 4 --cp 4 --cp_algo ulysses --num_heads 2 --model_dim 32",
+       {"'num_heads' 2", "'cp' 4"}},
+      {"--ranks 4 --tp 2 --cp 2 --cp_algo ulysses --num_heads 2",
+       {"'num_heads' 2", "'tp' 2", "'cp' 2"}},
+      {"--ranks 2 --cp 2 --cp_algo flash", {"'cp_algo'", "flash"}},
+      {"--ranks 2 --cp 2 --attention_core softmax", {"'attention_core'", "'cp' 2"}},
+      {"--ranks 2 --memory_budget_mib -1", {"'memory_budget_mib'"}},
+  };
+  for (const Bad& b : bad) {
+    CommandResult r = Run(Command("bad", std::string(b.flags) + " --steps 1"));
+    EXPECT_EQ(r.exit_code, 2) << b.flags << "\n" << r.out << r.err;
+    for (const std::string& n : b.needles) EXPECT_TRUE(Contains(r.err, n)) << n << "\n" << r.err;
+  }
+  const std::string model = "--seq_len 64 --num_heads 4 --batch_size 2 --steps 2 ";
+  CommandResult r =
+      Run(Command("tpcp", model + "--ranks 4 --tp 2 --cp 2 --sequence_parallel true"));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_TRUE(Contains(r.out, "tp 2 (sequence parallel) x dp 1 x cp 2 (ring)")) << r.out;
+  EXPECT_TRUE(Contains(r.out, "context parallel (cp 2, ring): ")) << r.out;
+  EXPECT_TRUE(Contains(r.out, "memory per rank: estimate ")) << r.out;
+  EXPECT_TRUE(Contains(r.out, "measured peak of the tensors held ")) << r.out;
+  json summary = json::parse(ReadAll(dir_ + "/tpcp/summary.json"));
+  EXPECT_GT(summary.at("cp_bytes_per_step").get<double>(), 0) << summary;
+  EXPECT_GT(summary.at("memory_peak_bytes_per_rank_max").get<double>(), 0) << summary;
+  // The budget: between the estimates of cp 1 (17 MiB) and cp 2 (3 MiB) for this model at
+  // seq_len 512.
+  const std::string longer =
+      "--seq_len 512 --num_heads 4 --batch_size 1 --steps 1 --sample_tokens 0 --eval_tokens "
+      "512 --memory_budget_mib 10 ";
+  r = Run(Command("cp1", longer + "--ranks 1"));
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_TRUE(Contains(r.err, "per-rank memory estimate")) << r.err;
+  EXPECT_TRUE(Contains(r.err, "'memory_budget_mib' 10")) << r.err;
+  r = Run(Command("cp2", longer + "--ranks 2 --cp 2"));
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+}
+
 }  // namespace
 }  // namespace switchyard::train

@@ -17,6 +17,7 @@ enum class Traffic : uint8_t {
   kRouting,  // counts, routing of the all-gather dispatcher, capacities, loss sums
   kWeights,  // expert weight gathers and gradient reduce-scatters (adaptive r, ZeRO-style)
   kTensor,   // tensor-parallel gathers of DeepSpeed's de-duplication
+  kContext,  // context-parallel attention: Ulysses all-to-alls, ring K/V and dK/dV hops
   kCount
 };
 

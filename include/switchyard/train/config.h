@@ -124,9 +124,17 @@ struct TrainConfig {
   int64_t etp = 1;  // Megatron arrangement: each expert's hidden dimension split over etp ranks
   // Context parallelism (docs/context_parallel.md): each sequence's positions split over cp ranks
   // (zigzag: seq_len must divide by 2 cp), attention across them by cp_algo ring | ulysses
-  // (num_heads divisible by cp). Not with tp > 1 yet.
+  // (num_heads divisible by tp x cp). Composes with tp (each tp rank's heads), sequence_parallel,
+  // pp, dp and MoE blocks.
   int64_t cp = 1;
   std::string cp_algo = "ring";
+  // The attention core: "softmax" keeps the [seq_len, seq_len] probabilities of every head for
+  // backward (CausalAttentionForward), "flash" only a log-sum-exp per row and recomputes them
+  // (the core of train/context_parallel.h, the one cp > 1 runs); "auto": softmax at cp 1.
+  std::string attention_core = "auto";
+  // MiB: a layout whose per-rank memory estimate (RankMemoryEstimate) exceeds it is refused
+  // before anything is allocated (InvalidArgument naming both); 0: no budget.
+  double memory_budget_mib = 0;
   // Gradient accumulation: each step's batch in this many micro-batches (forward and backward
   // each, gradients summed). Micro-batch k is rows [k B / m, (k + 1) B / m) of the global batch
   // (B = batch_size), split over the data-parallel ranks; batch_size must divide by it. An MoE
@@ -188,9 +196,9 @@ ResolvedTrainConfig ResolveTrainConfig(const TrainConfigSources& sources);
 const std::vector<std::string>& ResumeMustMatchKeys();
 // The layout keys (ranks, ep, zero_stage, overlap_grad_reduce, bucket_mb, dispatch, overlap_degree,
 // threads, tp, sequence_parallel, tp_comm_overlap, arrangement, etp, pp, pipeline_schedule,
-// virtual_stages, pipeline_split, cp, cp_algo, adaptive_r, a2a_algo, a2a_ranks_per_node,
-// smart_schedule, shadow_experts, trace_step): where a run runs, not what it computes; a resumed
-// run does not take them from its checkpoint.
+// virtual_stages, pipeline_split, cp, cp_algo, attention_core, memory_budget_mib, adaptive_r,
+// a2a_algo, a2a_ranks_per_node, smart_schedule, shadow_experts, trace_step): where a run runs,
+// not what it computes; a resumed run does not take them from its checkpoint.
 bool IsLayoutKey(std::string_view key);
 
 // Every key with a one-line description, in TrainConfigToJson's order (for command-line flags).

@@ -20,8 +20,8 @@
 //   tokens this rank holds. Forward fills the cache; Backward returns d(qkv) in qkv's layout.
 // - The core never materializes the [seq_len, seq_len] softmax: it keeps each row's log-sum-exp
 //   and recomputes the probabilities in Backward (FlashAttention's recipe).
-// - Bytes are counted in `stats` (may be null) under Traffic::kTensor (the activation traffic
-//   of the model-parallel attention), in the bus convention of parallel/comm_stats.h.
+// - Bytes are counted in `stats` (may be null) under Traffic::kContext, in the bus convention of
+//   parallel/comm_stats.h.
 // Thread-safety: the calls run collectives on `group`, one at a time, in the same order on every
 // rank; Forward and Backward do not write the object.
 #pragma once
@@ -119,6 +119,9 @@ class ContextParallelAttention {
   // or (Ulysses) num_heads not divisible by P (the message names the group).
   ContextParallelAttention(comm::Communicator& group, int64_t num_heads, int64_t seq_len,
                            ContextParallelOptions options = {});
+  // The same core on one rank without a group (cp 1: the memory-lean core of a one-rank model;
+  // the algorithm is ring, which with one rank sends nothing).
+  ContextParallelAttention(int64_t num_heads, int64_t seq_len, ContextParallelOptions options = {});
 
   const SequenceSplit& split() const { return split_; }
   const ContextParallelOptions& options() const { return options_; }
@@ -142,7 +145,7 @@ class ContextParallelAttention {
   Tensor UlyssesBackward(const ContextParallelCache& cache, const Tensor& datt, int threads,
                          parallel::CommStats* stats, CpWork* work) const;
 
-  comm::Communicator& group_;
+  comm::Communicator* group_;  // null: one rank
   int64_t num_heads_;
   ContextParallelOptions options_;
   SequenceSplit split_;

@@ -115,7 +115,7 @@ class DistributedHooks : public TrainHooks, public BlockObserver {
  public:
   // `groups`: the run's process groups, those of the MoE blocks (every block the same mesh).
   // Gradients are summed over the ranks holding the same values and divided by the data-parallel
-  // size (the loss shards): tensor-parallel shards over the data-parallel group, other dense
+  // size (the loss shards, dp x cp): tensor-parallel shards over the dp x cp group, other dense
   // parameters over the token group (with sequence parallelism each tp rank has its tokens'
   // part), experts over `expert_sync` (the expert-data-parallel group, or with DeepSpeed's TP
   // de-duplication the expert holders over tp too). Not collective. `zero` holds ShardedAdamW's
@@ -230,7 +230,7 @@ class DistributedHooks : public TrainHooks, public BlockObserver {
   std::vector<ShardedAdamW*> Optimizers() const;
   std::unordered_set<const Parameter*> owned_by_optimizer_;
   comm::Communicator& tp_group_;     // the tensor-parallel group
-  comm::Communicator& data_;         // same tp rank: the tensor-parallel shards' replicas
+  comm::Communicator& data_;         // same tp rank (dp x cp): the tensor-parallel shards' replicas
   comm::Communicator& tokens_;       // every rank with tokens of its own (replicated dense)
   comm::Communicator& expert_data_;  // ranks holding the same expert shard (expert_sync)
   TensorParallelOptions tp_options_;

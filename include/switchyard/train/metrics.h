@@ -41,6 +41,9 @@ struct StepMetrics {
   // collectives this step (0 without tensor parallelism; not written to metrics.jsonl).
   double tp_bytes = 0;
   double tp_comm_s = 0;
+  // The same for the context-parallel attention (Traffic::kContext).
+  double cp_bytes = 0;
+  double cp_comm_s = 0;
   double val_loss = NAN;      // held-out cross-entropy ("val_ce_loss"); NaN: not evaluated here
   int64_t skipped_steps = 0;  // steps of the interval skipped as non-finite (nonfinite = skip)
   std::vector<std::vector<int64_t>> expert_load;  // [moe layer][expert] routed pairs

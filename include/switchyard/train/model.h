@@ -88,10 +88,16 @@ struct TensorParallelContext {
 // Context parallelism (docs/context_parallel.md): with a group of P > 1 ranks each rank holds
 // seq / P positions of every sequence (the split of `options`) and the attention core runs across
 // the group (Ulysses or ring attention); everything else works on the rank's tokens. Every rank
-// of the group passes the same tokens and targets. Not combined with tensor parallelism yet.
+// of the group passes the same tokens and targets. With tensor parallelism the core runs on each
+// tp rank's heads (Ulysses: num_heads / tp must divide by P), between the column- and
+// row-parallel projections; with sequence parallelism too, each tp rank holds 1 / tp of its cp
+// rank's tokens.
 struct ContextParallelContext {
   comm::Communicator* group = nullptr;  // null or one rank: no context parallelism
   ContextParallelOptions options;
+  // Without context parallelism: run the core of context_parallel.h anyway (a log-sum-exp per
+  // row kept for backward, no [seq, seq] probabilities) instead of CausalAttentionForward.
+  bool flash = false;
 };
 
 struct BlockCache {
@@ -144,7 +150,11 @@ class Block {
   Norm norm1_;
   std::unique_ptr<CausalSelfAttention> attn_;         // one rank
   std::unique_ptr<TensorParallelAttention> tp_attn_;  // tensor parallel
-  const ContextParallelContext* cp_ = nullptr;        // context parallel: attn_'s core over it
+  // The core of context_parallel.h over cp_->group between the projections (attn_'s or
+  // tp_attn_'s); null: the projections' own softmax core.
+  const ContextParallelContext* cp_ = nullptr;
+  parallel::CommStats* stats_ = nullptr;  // the core's bytes (Traffic::kContext)
+  ContextParallelAttention Core(int64_t rows, int64_t batch_size) const;
   int64_t num_heads_ = 0;
   std::unique_ptr<Norm> norm2_;
   std::unique_ptr<FeedForward> ffn_;
@@ -261,9 +271,10 @@ class TransformerLm {
   int64_t SavedActivationBytes(const LmOutput& forward) const;
   // The MoE FFNs' time since the last call, summed over blocks (FeedForward::TakeTimes).
   FeedForwardTimes TakeMoeTimes();
-  // Tensor-parallel size (1 without a group) and the bytes the tensor-parallel layers moved since
-  // the last call (Traffic::kTensor), then restarts.
+  // Tensor-parallel size (1 without a group) and the bytes the tensor- and context-parallel
+  // layers moved since the last call (Traffic::kTensor, Traffic::kContext), then restarts.
   int tp_size() const { return tp_.group != nullptr ? tp_.group->size() : 1; }
+  int cp_size() const { return context_parallel() ? cp_.group->size() : 1; }
   parallel::CommStats TakeTensorParallelStats();
   // Calls `observer` around every block's forward and backward from now on (null: none). It
   // must outlive its use.
@@ -278,6 +289,9 @@ class TransformerLm {
   ModelConfig config_;
   TensorParallelContext tp_;
   ContextParallelContext cp_;
+  // The attention core the blocks run: cp_, or with cp_.flash and no context parallelism the
+  // core on this rank alone (no group); none (group null, flash false): the softmax core.
+  ContextParallelContext core_;
   parallel::CommStats tp_stats_;
   ModelPartition partition_;
   ParameterSet params_;

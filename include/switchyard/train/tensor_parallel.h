@@ -241,6 +241,11 @@ class TensorParallelAttention {
                           parallel::CommStats* stats = nullptr);
 
   int64_t local_heads() const { return local_heads_; }
+  // The projections and the stats they count into, for a caller that runs another attention
+  // core between them on the same local_heads() (context parallelism, train/model.h).
+  const ColumnParallelLinear& qkv() const { return qkv_; }
+  const RowParallelLinear& proj() const { return proj_; }
+  parallel::CommStats* stats() const { return stats_; }
   Tensor Forward(const Tensor& x, int64_t batch_size, int threads, AttentionCache* cache) const;
   Tensor Backward(const AttentionCache& cache, const Tensor& dy, int threads) const;
 

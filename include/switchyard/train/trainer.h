@@ -133,11 +133,11 @@ class TrainHooks {
 // then held-out) and their FNV-1a 64 checksum, as a JSON object.
 std::string DataIdentityJson(const Corpus& corpus);
 
-// An upper estimate of what training `config` allocates for `ranks_in_process` ranks of this
-// process: parameters, gradients and AdamW state (16 bytes a parameter, replicated on every
-// rank) plus one step's activations. RequireTrainingMemory refuses (InvalidArgument, via
-// core/limits.h RequireMemory) what does not fit in the memory available, before anything is
-// allocated; sizes that overflow int64 are refused too.
+// An estimate of what training `config` allocates for `ranks_in_process` ranks of this
+// process: each rank's EstimateRankMemory (memory_estimate.h: its shard of the parameters,
+// gradients and AdamW state, its share of the activations). RequireTrainingMemory refuses
+// (InvalidArgument, via core/limits.h RequireMemory) what does not fit in the memory available,
+// before anything is allocated; sizes that overflow int64 are refused too.
 uint64_t TrainingMemoryBytes(const TrainConfig& config, int ranks_in_process);
 void RequireTrainingMemory(const TrainConfig& config, int ranks_in_process);
 
@@ -192,6 +192,16 @@ struct RunSummary {
   // Bytes of activations one micro-batch's forward kept for backward on this rank
   // (TransformerLm::SavedActivationBytes: what `recompute` and `precision` change).
   int64_t saved_activation_bytes = 0;
+  // Context parallelism: the attention core's bytes per step and rank (Traffic::kContext) and
+  // the share of step time blocked in them (NaN without context parallelism).
+  double cp_bytes_per_step = NAN;
+  double cp_comm_share = NAN;
+  // Per rank: EstimateRankMemory's total, and the most tensor memory a rank held at once
+  // (core/memory_account.h; max and min over ranks; NaN when no account was set, as in a
+  // Trainer used without RunDistributedTraining).
+  int64_t memory_estimate_bytes = 0;
+  double memory_peak_bytes = NAN;
+  double memory_peak_min_bytes = NAN;
   std::string sample;
   std::string run_dir;
 };

@@ -1,0 +1,38 @@
+// What one rank of a training layout holds, estimated from the config before anything is
+// allocated (docs/context_parallel.md "Memory per rank in training" compares it with the
+// measured peak of core/memory_account.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "switchyard/train/config.h"
+
+namespace switchyard::train {
+
+struct RankMemoryEstimate {
+  int64_t parameter_bytes = 0;   // values and gradients of this rank's parameters (float32)
+  int64_t optimizer_bytes = 0;   // AdamW's two moments (ZeRO >= 1: this rank's share)
+  int64_t activation_bytes = 0;  // what the micro-batches in flight keep for backward, logits
+  int64_t total() const { return parameter_bytes + optimizer_bytes + activation_bytes; }
+};
+
+// Per rank of `config`'s layout (tp, cp, pp, dp = ranks / (tp cp pp), ep, zero_stage): the
+// parameters of its shard and stage; per token of its share of a micro-batch (batch_size / dp /
+// microbatches sequences, seq_len / cp positions of each; pp > 1: every micro-batch in flight)
+// and layer 8 model_dim-wide rows (norm inputs, residual, outputs; / tp with sequence_parallel),
+// 8 model_dim / tp (q, k, v, attention output and the core's copies), 2 FFN hidden rows / tp (an
+// MoE block: top_k x capacity_factor expert rows), and with the "softmax" attention core the
+// num_heads / tp x seq_len probabilities (plus one layer's gradient of them in backward); the
+// logits, their gradient and softmax (3 x vocab / tp per token). Sizes that overflow int64 are
+// refused (InvalidArgument).
+RankMemoryEstimate EstimateRankMemory(const TrainConfig& config);
+
+// "attention core" the layout runs: "softmax" or "flash" (attention_core auto: flash with cp > 1).
+std::string ResolvedAttentionCore(const TrainConfig& config);
+
+// InvalidArgument when config.memory_budget_mib > 0 and the estimate exceeds it, naming the
+// estimate (and its parts), the budget and the layout keys that reduce it.
+void RequireMemoryBudget(const TrainConfig& config);
+
+}  // namespace switchyard::train

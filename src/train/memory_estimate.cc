@@ -1,0 +1,87 @@
+#include "switchyard/train/memory_estimate.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "switchyard/core/error.h"
+#include "switchyard/core/limits.h"
+#include "switchyard/train/distributed.h"
+#include "switchyard/train/model.h"
+
+namespace switchyard::train {
+
+std::string ResolvedAttentionCore(const TrainConfig& c) {
+  if (c.attention_core == "auto") return c.cp > 1 ? "flash" : "softmax";
+  return c.attention_core;
+}
+
+RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
+  const ModelConfig& m = c.model;
+  const char* what = "per-rank memory estimate";
+  const int64_t tp = std::max<int64_t>(1, c.tp), cp = std::max<int64_t>(1, c.cp),
+                pp = std::max<int64_t>(1, c.pp);
+  const int64_t dp = std::max<int64_t>(1, c.ranks / (tp * cp * pp));
+  const int64_t d = m.model_dim, v = m.vocab_size, s = m.seq_len;
+  const int64_t layers = (m.num_layers + pp - 1) / pp;
+  const int64_t moe_layers =
+      m.moe_every > 0 ? std::min(layers, (layers + m.moe_every - 1) / m.moe_every) : 0;
+  const int64_t eh = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : m.hidden_dim;
+  // Parameters of this rank: embeddings (and an untied head), split over tp; the position
+  // embedding; per layer attention, norms, and the dense FFN or this rank's experts and the gate.
+  int64_t params = CheckedMul(v, d, what) / tp * (m.tied_head ? 1 : 2) + CheckedMul(s, d, what);
+  const int64_t attention = CheckedMul(4, CheckedMul(d, d, what), what) / tp + 8 * d;
+  const int64_t dense_ffn = CheckedMul(2, CheckedMul(d, m.hidden_dim, what), what) / tp;
+  int64_t experts_held = 0;
+  if (moe_layers > 0 && c.num_experts > 0) {
+    const int ep = TrainExpertParallelSize(c, static_cast<int>(std::max<int64_t>(1, c.ranks)));
+    experts_held = std::max<int64_t>(1, c.num_experts / std::max(1, ep));
+  }
+  const int64_t moe_ffn =
+      CheckedMul(experts_held, CheckedMul(3, CheckedMul(d, eh, what), what), what) +
+      CheckedMul(c.num_experts, d, what);
+  params += CheckedMul(layers - moe_layers, attention + dense_ffn, what) +
+            CheckedMul(moe_layers, attention + moe_ffn, what);
+  RankMemoryEstimate e;
+  e.parameter_bytes = CheckedMul(params, 8, what);
+  const int64_t optimizer_shards = c.zero_stage >= 1 ? dp * cp : 1;
+  e.optimizer_bytes = CheckedMul(params, 8, what) / optimizer_shards;
+  // Activations of the micro-batches in flight on this rank.
+  const int64_t rows =
+      std::max<int64_t>(1, c.batch_size / dp / std::max<int64_t>(1, c.microbatches));
+  const int64_t in_flight = pp > 1 ? std::max<int64_t>(1, c.microbatches) : 1;
+  const int64_t tokens = CheckedMul(CheckedMul(rows, s / cp, what), in_flight, what);
+  const int64_t residual = c.sequence_parallel && tp > 1 ? 8 * d / tp : 8 * d;
+  const int64_t heads = m.num_heads / tp;
+  const bool softmax = ResolvedAttentionCore(c) == "softmax";
+  const int64_t probs = softmax ? CheckedMul(heads, s, what) : 2 * heads;
+  const int64_t moe_hidden = static_cast<int64_t>(
+      std::ceil(2.0 * static_cast<double>(eh * c.top_k) * std::max(1.0, c.capacity_factor)));
+  const int64_t dense_layer = residual + 8 * d / tp + 2 * m.hidden_dim / tp + probs;
+  const int64_t moe_layer = residual + 8 * d / tp + moe_hidden + probs;
+  const int64_t per_token = CheckedMul(layers - moe_layers, dense_layer, what) +
+                            CheckedMul(moe_layers, moe_layer, what) + (softmax ? probs : 0) +
+                            CheckedMul(3, v / tp, what);
+  e.activation_bytes = CheckedMul(CheckedMul(tokens, per_token, what), 4, what);
+  return e;
+}
+
+void RequireMemoryBudget(const TrainConfig& c) {
+  if (!(c.memory_budget_mib > 0)) return;
+  const RankMemoryEstimate e = EstimateRankMemory(c);
+  const double budget = c.memory_budget_mib * 1024 * 1024;
+  SY_REQUIRE(static_cast<double>(e.total()) <= budget, InvalidArgument,
+             "config: the per-rank memory estimate {} (parameters and gradients {}, AdamW state "
+             "{}, activations {}; cp {}, tp {}, pp {}, attention_core {}) exceeds "
+             "'memory_budget_mib' {} ({}): split the sequence over more ranks ('cp'), the layers "
+             "('pp') or the weights ('tp'), or use a smaller batch_size",
+             FormatBytes(static_cast<uint64_t>(e.total())),
+             FormatBytes(static_cast<uint64_t>(e.parameter_bytes)),
+             FormatBytes(static_cast<uint64_t>(e.optimizer_bytes)),
+             FormatBytes(static_cast<uint64_t>(e.activation_bytes)), c.cp, c.tp, c.pp,
+             ResolvedAttentionCore(c), c.memory_budget_mib,
+             FormatBytes(static_cast<uint64_t>(budget)));
+}
+
+}  // namespace switchyard::train
