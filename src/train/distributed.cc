@@ -415,6 +415,8 @@ void DistributedHooks::BeginStep(ParameterSet& params) {
   if (zero_stage_ == 3) {
     // The blocks are gathered one at a time by BeforeBlock; the rest for the whole step.
     for (ShardedAdamW* o : Optimizers()) o->ReleaseParameters();
+    const internal::StepTrace::Span span(trace_.get(), "parameter all-gather", "sync",
+                                         parallel::TraceStream::kComm);
     for (ShardedAdamW* o : Optimizers()) o->PrefetchUnit(-1);
     for (ShardedAdamW* o : Optimizers()) o->GatherUnit(-1);
     gathered_ = false;
@@ -437,8 +439,12 @@ void DistributedHooks::BeginStep(ParameterSet& params) {
 
 void DistributedHooks::BeforeBlock(int64_t block, bool backward) {
   if (!in_step_ || zero_stage_ != 3) return;
-  for (ShardedAdamW* o : Optimizers()) o->PrefetchUnit(block);
-  for (ShardedAdamW* o : Optimizers()) o->GatherUnit(block);
+  {
+    const internal::StepTrace::Span span(trace_.get(), "block parameter all-gather", "sync",
+                                         parallel::TraceStream::kComm);
+    for (ShardedAdamW* o : Optimizers()) o->PrefetchUnit(block);
+    for (ShardedAdamW* o : Optimizers()) o->GatherUnit(block);
+  }
   // The block that runs next on this rank (one pipeline stage: every block is this rank's).
   const int64_t next = backward ? block - 1 : block + 1;
   if (mesh_.pp() == 1) {
