@@ -343,7 +343,7 @@ TEST_F(LayerOptionsTest, TraceStepWritesEveryRanksComputeAndCommunication) {
     // forward and again before its backward (2 blocks).
     EXPECT_EQ(comm.count("parameter all-gather"), 1u) << rank;
     EXPECT_EQ(comm.count("block parameter all-gather"), 4u) << rank;
-    EXPECT_GE(comm.size(), 5u) << rank;                         // the MoE block's collectives
+    EXPECT_GE(comm.size(), 5u) << rank;  // the MoE block's collectives
   }
   // Exactly one step: the MoE block ran forward and backward once per rank.
   EXPECT_EQ(tracks.at(0).count("gate"), 1u);
