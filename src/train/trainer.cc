@@ -1043,7 +1043,9 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                "  gradient reduction: blocked {:.2f} ms per step and rank waiting for it "
                "(its collectives ran {:.2f} ms from launch to finish; overlap_grad_reduce {})\n",
                1e3 * summary.grad_reduce_blocked_s, 1e3 * summary.grad_reduce_s,
-               c.overlap_grad_reduce ? "on" : "off");
+               !c.overlap_grad_reduce ? "off"
+               : c.pp > 1             ? "on, but after the backward with pipeline stages"
+                                      : "on");
   }
   if (summary.saved_activation_bytes > 0) {
     fmt::print(out,
