@@ -86,7 +86,9 @@ TEST(ZeroMemoryTest, EachStageKeepsWhatItShards) {
       for (int step = 0; step < 2; ++step) {
         zero.GatherParameters();
         zero.ZeroGradients();
-        EXPECT_EQ(zero.MemoryUse().gradients, 0);
+        // Stages 2 and 3 give every gradient page back at the step's start; 0 and 1 hold the
+        // whole gradient through the step and zero it in place.
+        EXPECT_EQ(zero.MemoryUse().gradients, stage >= 2 ? 0 : full);
         SetGrads(params, group.rank(), step);
         EXPECT_EQ(zero.MemoryUse().gradients, full);
         // As the hooks do: blocks in reverse order after their backward, the rest at the end.
