@@ -16,49 +16,16 @@
 #include "switchyard/train/distributed.h"
 #include "switchyard/train/zero.h"
 #include "train/temp_dir.h"
+#include "train/tiny_run.h"
 
 namespace switchyard::train {
 namespace {
 
 using testing::TempDir;
 
-std::string WriteCorpus(const TempDir& dir) {
-  std::string text;
-  const char* words[] = {"the cat sat on the mat", "a dog ran in the park", "the sun is warm today",
-                         "we like to read books"};
-  for (int i = 0; i < 200; ++i) text += std::string(words[i % 4]) + ".\n%\n";
-  std::string path = dir / "corpus.txt";
-  WriteTextFileAtomic(path, text);
-  return path;
-}
-
-// Two blocks, the second an MoE block with 4 experts and drops (capacity factor 1.0), the aux
-// and z losses on and clipping active (as the distributed tests' tiny model).
-TrainConfig TinyMoeConfig(const TempDir& dir) {
-  TrainConfig c;
-  c.model.seq_len = 16;
-  c.model.model_dim = 32;
-  c.model.num_layers = 2;
-  c.model.num_heads = 2;
-  c.model.hidden_dim = 48;
-  c.model.moe_every = 2;
-  c.num_experts = 4;
-  c.top_k = 2;
-  c.capacity_factor = 1.0;
-  c.aux_loss_coef = 0.05;
-  c.z_loss_coef = 0.01;
-  c.batch_size = 8;
-  c.steps = 10;
-  c.warmup_steps = 1;
-  c.lr = 1e-2;
-  c.grad_clip = 0.5;
-  // The attention key bias's gradient is exactly zero up to rounding; an epsilon above that
-  // noise keeps Adam from turning it into full-size steps (see distributed_test.cc).
-  c.adam_eps = 1e-5;
-  c.data = WriteCorpus(dir);
-  c.out = dir / "run";
-  c.threads = 1;
-  c.ranks = 1;
+// The distributed tests' tiny MoE model (train/tiny_run.h), without the final sample.
+TrainConfig QuietTinyMoeConfig(const TempDir& dir) {
+  TrainConfig c = testing::TinyMoeConfig(dir);
   c.sample_tokens = 0;
   return c;
 }
@@ -168,7 +135,7 @@ class LayerOptionsTest : public ::testing::Test {
 // list that changes r every step give the one-rank run. The trace of a step shows which r ran:
 // r = 0 sends no tokens (no "send c<chunk>" events on the comm track), r >= 1 does.
 TEST_F(LayerOptionsTest, AdaptiveRFixedAutoAndSwitchedBetweenStepsMatchOneRank) {
-  TrainConfig base = TinyMoeConfig(dir_);
+  TrainConfig base = QuietTinyMoeConfig(dir_);
   base.num_experts = 2;
   base.top_k = 1;
   const int kSteps = 3;
@@ -205,7 +172,7 @@ TEST_F(LayerOptionsTest, AdaptiveRFixedAutoAndSwitchedBetweenStepsMatchOneRank) 
 // schedule and shadow experts, each with check_finite on: the one-rank run. The step traces show
 // the smart schedule's pair-wise steps and the shadowed experts' broadcasts.
 TEST_F(LayerOptionsTest, HierarchicalSmartScheduleAndShadowExpertsMatchOneRank) {
-  TrainConfig base = TinyMoeConfig(dir_);
+  TrainConfig base = QuietTinyMoeConfig(dir_);
   const int kSteps = 3;
   const RunResult want = SingleRank(base, kSteps);
   struct Case {
@@ -268,7 +235,7 @@ TEST_F(LayerOptionsTest, HierarchicalSmartScheduleAndShadowExpertsMatchOneRank) 
 // routes each of W micro-batches on its own (microbatches = W), drops included; the global scope
 // does not (the runs differ, which makes the comparison meaningful).
 TEST_F(LayerOptionsTest, PerRankRoutingScopeEqualsOneRankWithAMicroBatchPerRank) {
-  TrainConfig base = TinyMoeConfig(dir_);
+  TrainConfig base = QuietTinyMoeConfig(dir_);
   base.routing_scope = "per_rank";
   const int kSteps = 3;
   for (int ranks : {2, 4}) {
@@ -300,7 +267,7 @@ TEST_F(LayerOptionsTest, PerRankRoutingScopeEqualsOneRankWithAMicroBatchPerRank)
 // loss (l_aux is not linear in the tokens; the z-loss, a mean over tokens, is) -- takes the
 // whole-batch steps with 2 or 4 micro-batches, on one rank and on 2 ranks.
 TEST_F(LayerOptionsTest, MicrobatchesEqualTheWholeBatchWithMoeBlocks) {
-  TrainConfig base = TinyMoeConfig(dir_);
+  TrainConfig base = QuietTinyMoeConfig(dir_);
   base.capacity_factor = 0;
   base.aux_loss_coef = 0;
   const int kSteps = 3;
@@ -321,7 +288,7 @@ TEST_F(LayerOptionsTest, MicrobatchesEqualTheWholeBatchWithMoeBlocks) {
 // communication track per rank, with the trainer's phases and the MoE blocks' events; tracing
 // does not change the run.
 TEST_F(LayerOptionsTest, TraceStepWritesEveryRanksComputeAndCommunication) {
-  TrainConfig c = TinyMoeConfig(dir_);
+  TrainConfig c = QuietTinyMoeConfig(dir_);
   c.ranks = 2;
   c.zero_stage = 3;
   const RunResult plain = OnRanks(c, 3);

@@ -17,6 +17,7 @@
 #include "switchyard/train/mixed_precision.h"
 #include "switchyard/train/trainer.h"
 #include "train/temp_dir.h"
+#include "train/tiny_run.h"
 
 namespace switchyard::train {
 namespace {
@@ -171,16 +172,6 @@ TEST(BFloat16Test, LinearForwardBackwardMatchFloat64) {
   }
 }
 
-std::string WriteCorpus(const TempDir& dir) {
-  std::string text;
-  const char* words[] = {"the cat sat on the mat", "a dog ran in the park", "the sun is warm today",
-                         "we like to read books"};
-  for (int i = 0; i < 200; ++i) text += std::string(words[i % 4]) + ".\n%\n";
-  std::string path = dir / "corpus.txt";
-  WriteTextFileAtomic(path, text);
-  return path;
-}
-
 TrainConfig TinyConfig(const TempDir& dir) {
   TrainConfig c;
   c.model.seq_len = 16;
@@ -192,7 +183,7 @@ TrainConfig TinyConfig(const TempDir& dir) {
   c.warmup_steps = 1;
   c.lr = 1e-2;
   c.grad_clip = 0.5;
-  c.data = WriteCorpus(dir);
+  c.data = testing::WriteTinyCorpus(dir);
   c.out = dir / "run";
   c.threads = 1;
   c.ranks = 1;
