@@ -1,11 +1,12 @@
 // The GEMM backend candidates of docs/PERFORMANCE.md ("GEMM backends") side by side on the expert
 // shapes, interleaved in one run: OpenBLAS (cblas_sgemm, whatever core it picked -- set
 // OPENBLAS_CORETYPE to force one), oneDNN (dnnl_sgemm), BLIS (bli_sgemm), libxsmm (libxsmm_sgemm)
-// and switchyard's AVX-512 small-GEMM kernels (kernels/small_gemm.h). For each layer config of
-// docs/PERFORMANCE.md it times one expert's six forward/backward products (C rows, model_dim M,
-// hidden_dim H) and prints each candidate's fraction of the FMA peak measured in the same run (best
-// of the repetitions: on a shared machine the best is the least disturbed). Built only when BLIS
-// and libxsmm are installed (libblis-dev, libxsmm-dev); not part of switchyard.
+// and switchyard's small-GEMM kernels (AVX-512: kernels/small_gemm.h; AVX2: moe/grouped_gemm.h).
+// For each layer config of docs/PERFORMANCE.md it times one expert's six forward/backward products
+// (C rows, model_dim M, hidden_dim H) and prints each candidate's fraction of the FMA peak measured
+// in the same run (best of the repetitions: on a shared machine the best is the least disturbed).
+// Built only when BLIS and libxsmm are installed (libblis-dev, libxsmm-dev); not part of
+// switchyard.
 //   build/release/bench/gemm_candidates [repeats]
 #include <blis.h>
 #include <cblas.h>
@@ -28,6 +29,7 @@ extern "C" char* openblas_get_corename(void);
 
 #include "switchyard/kernels/gemm_backend.h"
 #include "switchyard/kernels/small_gemm.h"
+#include "switchyard/moe/grouped_gemm.h"
 
 namespace {
 
@@ -86,8 +88,8 @@ struct Product {
   long m, n, k;
 };
 
-enum Candidate { kOpenBlas, kOneDnn, kBlis, kXsmm, kOwnAvx512, kCandidates };
-const char* kNames[kCandidates] = {"openblas", "onednn", "blis", "libxsmm", "sy-avx512"};
+enum Candidate { kOpenBlas, kOneDnn, kBlis, kXsmm, kOwnAvx512, kOwnAvx2, kCandidates };
+const char* kNames[kCandidates] = {"openblas", "onednn", "blis", "libxsmm", "sy-avx512", "sy-avx2"};
 
 void Run(int cand, const Product& p, const float* a, const float* b, float* c) {
   const long lda = p.ta == Trans::kNo ? p.k : p.m, ldb = p.tb == Trans::kNo ? p.n : p.k;
@@ -122,6 +124,11 @@ void Run(int cand, const Product& p, const float* a, const float* b, float* c) {
       switchyard::kernels::SmallGemmAvx512(p.ta, p.tb, q, 1.0f, 0.0f);
       break;
     }
+    case kOwnAvx2: {
+      GemmProblem q{p.m, p.n, p.k, a, lda, b, ldb, c, p.n};
+      switchyard::moe::SmallGemm(p.ta, p.tb, q, 1.0f, 0.0f, switchyard::moe::SmallGemmIsa::kAvx2);
+      break;
+    }
   }
 }
 
@@ -134,6 +141,7 @@ int main(int argc, char** argv) {
   bli_thread_set_num_threads(1);
   libxsmm_init();
   const bool own = switchyard::kernels::SmallGemmAvx512Available();
+  const bool own2 = switchyard::moe::SmallGemmAvailable();
   std::printf(
       "one thread; OpenBLAS core %s, oneDNN %s, BLIS arch %s, libxsmm target %s\n",
       openblas_get_corename(),
@@ -171,7 +179,7 @@ int main(int argc, char** argv) {
     std::vector<std::vector<double>> best(kCandidates, std::vector<double>(ps.size(), 1e30));
     for (int r = 0; r <= repeats; ++r) {
       for (int cand = 0; cand < kCandidates; ++cand) {
-        if (cand == kOwnAvx512 && !own) continue;
+        if ((cand == kOwnAvx512 && !own) || (cand == kOwnAvx2 && !own2)) continue;
         for (size_t i = 0; i < ps.size(); ++i) {
           const double t = Now();
           for (int q = 0; q < inner; ++q) Run(cand, ps[i], a.data(), b.data(), c.data());
@@ -182,7 +190,7 @@ int main(int argc, char** argv) {
     const double peak = PeakGflops();
     std::printf("%s, FMA peak %.1f GFLOP/s (one core, measured now)\n", cfg.name, peak);
     for (int cand = 0; cand < kCandidates; ++cand) {
-      if (cand == kOwnAvx512 && !own) continue;
+      if ((cand == kOwnAvx512 && !own) || (cand == kOwnAvx2 && !own2)) continue;
       double total = 0;
       for (double t : best[cand]) total += t;
       std::printf("  %-9s %6.1f GFLOP/s  %.2f of peak  per product:", kNames[cand],

@@ -53,7 +53,8 @@ State& GetState() {
   static State state;
   std::call_once(state.once, [] {
     const char* env = std::getenv("SY_GEMM_BACKEND");
-    GemmBackendChoice c = SelectGemmBackend(HostCpuFeatures(), env ? env : "");
+    GemmBackendChoice c =
+        SelectGemmBackend(HostCpuFeatures(), OpenBlasCoreIsa(OpenBlasCoreName()), env ? env : "");
     state.backend.store(c.backend);
     state.reason = std::move(c.reason);
   });
@@ -73,15 +74,29 @@ GemmBackend ParseGemmBackend(std::string_view what, std::string_view name) {
       fmt::format("{}: unknown GEMM backend '{}', expected onednn or openblas", what, name));
 }
 
-GemmBackendChoice SelectGemmBackend(const CpuFeatures& cpu, std::string_view override_name) {
+GemmBackendChoice SelectGemmBackend(const CpuFeatures& cpu, std::string_view openblas_core_isa,
+                                    std::string_view override_name) {
   if (!override_name.empty()) {
     return {ParseGemmBackend("SY_GEMM_BACKEND", override_name),
             fmt::format("SY_GEMM_BACKEND={}", override_name)};
   }
-  if (cpu.HasAvx2Fma()) {
+  if (cpu.HasAvx512Core()) {
     return {GemmBackend::kOneDnn,
-            fmt::format("cpu has {}: oneDNN JIT-compiles its kernels for the cpu's ISA",
-                        cpu.HasAvx512Core() ? "avx512 f/bw/dq/vl" : "avx2+fma")};
+            "cpu has avx512 f/bw/dq/vl: oneDNN JIT-compiles its kernels for the cpu's ISA"};
+  }
+  if (cpu.HasAvx2Fma()) {
+    // Measured on an AVX2-only Zen 3: OpenBLAS's own AVX2 kernels are 2-7 points of the FMA peak
+    // ahead of oneDNN's on every expert shape (docs/PERFORMANCE.md). They are only used when
+    // OpenBLAS runs them, i.e. when the kernel it picked is for the cpu's ISA.
+    if (openblas_core_isa == "avx2") {
+      return {GemmBackend::kOpenBlas,
+              "cpu has avx2+fma (no avx512) and OpenBLAS runs its avx2 kernels on it"};
+    }
+    return {
+        GemmBackend::kOneDnn,
+        fmt::format("cpu has avx2+fma but OpenBLAS runs {} kernels: oneDNN JIT-compiles its "
+                    "kernels for the cpu's ISA",
+                    openblas_core_isa.empty() ? std::string_view("unknown") : openblas_core_isa)};
   }
   return {GemmBackend::kOpenBlas, "cpu has no avx2+fma: OpenBLAS's own choice of kernel"};
 }

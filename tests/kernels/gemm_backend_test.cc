@@ -38,26 +38,42 @@ CpuFeatures Avx2Cpu() {
 }
 
 TEST(SelectGemmBackend, ChoosesByFeaturesNotModel) {
-  EXPECT_EQ(SelectGemmBackend(Avx512Cpu(), "").backend, GemmBackend::kOneDnn);
-  EXPECT_EQ(SelectGemmBackend(Avx2Cpu(), "").backend, GemmBackend::kOneDnn);
+  // AVX-512: oneDNN, whatever OpenBLAS runs.
+  for (const char* isa : {"avx512", "avx2", "sse", ""}) {
+    EXPECT_EQ(SelectGemmBackend(Avx512Cpu(), isa, "").backend, GemmBackend::kOneDnn) << isa;
+  }
+  // AVX2 only: OpenBLAS when it runs its AVX2 kernels, oneDNN when it runs anything lower.
+  EXPECT_EQ(SelectGemmBackend(Avx2Cpu(), "avx2", "").backend, GemmBackend::kOpenBlas);
+  for (const char* isa : {"avx", "sse", ""}) {
+    GemmBackendChoice c = SelectGemmBackend(Avx2Cpu(), isa, "");
+    EXPECT_EQ(c.backend, GemmBackend::kOneDnn) << isa;
+    EXPECT_NE(c.reason.find("OpenBLAS runs"), std::string::npos) << c.reason;
+  }
   // Any family / model with the same features gets the same backend.
   CpuFeatures other = Avx512Cpu();
   other.family = 25;
   other.model = 17;
-  EXPECT_EQ(SelectGemmBackend(other, "").backend, GemmBackend::kOneDnn);
-  EXPECT_EQ(SelectGemmBackend(CpuFeatures{}, "").backend, GemmBackend::kOpenBlas);
+  EXPECT_EQ(SelectGemmBackend(other, "avx2", "").backend, GemmBackend::kOneDnn);
+  CpuFeatures other2 = Avx2Cpu();
+  other2.family = 6;
+  other2.model = 207;
+  EXPECT_EQ(SelectGemmBackend(other2, "avx2", "").backend, GemmBackend::kOpenBlas);
+  EXPECT_EQ(SelectGemmBackend(other2, "sse", "").backend, GemmBackend::kOneDnn);
+  // Without AVX2 + FMA: OpenBLAS's own choice.
+  EXPECT_EQ(SelectGemmBackend(CpuFeatures{}, "sse", "").backend, GemmBackend::kOpenBlas);
   CpuFeatures avx2_no_fma = Avx2Cpu();
   avx2_no_fma.fma = false;
-  EXPECT_EQ(SelectGemmBackend(avx2_no_fma, "").backend, GemmBackend::kOpenBlas);
+  EXPECT_EQ(SelectGemmBackend(avx2_no_fma, "sse", "").backend, GemmBackend::kOpenBlas);
 }
 
 TEST(SelectGemmBackend, OverrideWinsAndBadNamesAreRejected) {
-  GemmBackendChoice c = SelectGemmBackend(Avx512Cpu(), "openblas");
+  GemmBackendChoice c = SelectGemmBackend(Avx512Cpu(), "avx512", "openblas");
   EXPECT_EQ(c.backend, GemmBackend::kOpenBlas);
   EXPECT_NE(c.reason.find("SY_GEMM_BACKEND"), std::string::npos);
-  EXPECT_EQ(SelectGemmBackend(CpuFeatures{}, "onednn").backend, GemmBackend::kOneDnn);
+  EXPECT_EQ(SelectGemmBackend(Avx2Cpu(), "avx2", "onednn").backend, GemmBackend::kOneDnn);
+  EXPECT_EQ(SelectGemmBackend(CpuFeatures{}, "sse", "onednn").backend, GemmBackend::kOneDnn);
   try {
-    SelectGemmBackend(Avx512Cpu(), "mkl");
+    SelectGemmBackend(Avx512Cpu(), "avx512", "mkl");
     FAIL() << "no exception";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("'mkl'"), std::string::npos) << e.what();
@@ -97,7 +113,8 @@ TEST(HostCpu, ReportsWhatTheBuildNeeds) {
   // The active backend on this machine runs a kernel at the CPU's ISA (no warning) unless a user
   // forced another backend.
   if (std::getenv("SY_GEMM_BACKEND") == nullptr) {
-    EXPECT_EQ(ActiveGemmBackend(), SelectGemmBackend(f, "").backend);
+    EXPECT_EQ(ActiveGemmBackend(),
+              SelectGemmBackend(f, OpenBlasCoreIsa(OpenBlasCoreName()), "").backend);
     EXPECT_EQ(GemmBackendWarning(), "") << GemmBackendName();
   }
 }
@@ -143,7 +160,8 @@ TEST(OneDnnThreads, CallingThreadUsesOneOpenMpThread) {
     Gemm(Trans::kNo, Trans::kNo, 8, 8, 8, 1.0f, a.data(), 8, b.data(), 8, 0.0f, c.data(), 8);
     seen = get();
   }).join();
-  SetGemmBackend(SelectGemmBackend(HostCpuFeatures(), "").backend);
+  SetGemmBackend(
+      SelectGemmBackend(HostCpuFeatures(), OpenBlasCoreIsa(OpenBlasCoreName()), "").backend);
   EXPECT_EQ(seen, 1);
 }
 
@@ -154,7 +172,8 @@ class BackendGemmTest
     : public ::testing::TestWithParam<std::tuple<GemmBackend, Shape, bool, bool, int>> {
  protected:
   void TearDown() override {
-    SetGemmBackend(SelectGemmBackend(HostCpuFeatures(), "").backend);
+    SetGemmBackend(
+        SelectGemmBackend(HostCpuFeatures(), OpenBlasCoreIsa(OpenBlasCoreName()), "").backend);
     SetBlasThreads(1);
   }
 };

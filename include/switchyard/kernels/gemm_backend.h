@@ -33,10 +33,18 @@ struct GemmBackendChoice {
   std::string reason;  // one line: why this backend
 };
 
-// The selection rule. `override_name` is the value of SY_GEMM_BACKEND ("" = not set): when set
-// it wins. Otherwise: a CPU with AVX2 + FMA gets oneDNN (its JIT follows the same cpuid
-// features); a CPU without them gets OpenBLAS (nothing faster is available there).
-GemmBackendChoice SelectGemmBackend(const CpuFeatures& cpu, std::string_view override_name);
+// The selection rule. `openblas_core_isa` is the ISA of the kernel OpenBLAS picked on this
+// machine (OpenBlasCoreIsa(OpenBlasCoreName())); `override_name` is the value of SY_GEMM_BACKEND
+// ("" = not set): when set it wins. Otherwise, by the CPU's features:
+//   AVX-512 F/BW/DQ/VL            oneDNN (its JIT follows the same cpuid features)
+//   AVX2 + FMA, no AVX-512        OpenBLAS when it runs its AVX2 kernels here (measured faster
+//                                 than oneDNN on such a CPU), oneDNN when OpenBLAS runs a kernel
+//                                 below the CPU's ISA (a CPU model it does not know)
+//   neither                       OpenBLAS (nothing faster is available there)
+// The CPU's family and model never enter: OpenBLAS's model table only decides whether its
+// kernel is the CPU's ISA, and a CPU it does not know gets oneDNN.
+GemmBackendChoice SelectGemmBackend(const CpuFeatures& cpu, std::string_view openblas_core_isa,
+                                    std::string_view override_name);
 
 // The ISA of an OpenBLAS core (openblas_get_corename()): "avx512" (SkylakeX, Cooperlake,
 // SapphireRapids), "avx2" (Haswell, Zen, ...), "avx" (SandyBridge, Bulldozer, ...) or "sse"
@@ -52,8 +60,8 @@ std::string GenericKernelWarning(const CpuFeatures& cpu, std::string_view backen
 // The ISA of the kernel `backend` runs on this machine (same spelling as OpenBlasCoreIsa).
 const char* GemmBackendIsa(GemmBackend backend);
 
-// The backend kernels::Gemm uses now: SelectGemmBackend(HostCpuFeatures(), $SY_GEMM_BACKEND) on
-// first use, unless SetGemmBackend chose another. Thread-safe.
+// The backend kernels::Gemm uses now: SelectGemmBackend(HostCpuFeatures(), OpenBLAS's core ISA,
+// $SY_GEMM_BACKEND) on first use, unless SetGemmBackend chose another. Thread-safe.
 GemmBackend ActiveGemmBackend();
 // Switches the backend for the whole process (benchmarks, tests). Call it while no GEMM runs.
 void SetGemmBackend(GemmBackend backend);
