@@ -51,36 +51,54 @@ float Sse(long iters, float seed) { SY_FMA_BODY(__m128, _mm_set1_ps, MulAdd, _mm
 
 }  // namespace
 
+namespace {
+
+struct FmaLoop {
+  float (*fn)(long, float) = Sse;
+  int lanes = 4;
+  const char* isa = "sse";
+};
+
+const FmaLoop& HostFmaLoop() {
+  static const FmaLoop loop = [] {
+    FmaLoop l;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) {
+      l = {Avx512, 16, "avx512f"};
+    } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      l = {Avx2, 8, "avx2+fma"};
+    }
+    return l;
+  }();
+  return loop;
+}
+
+// One round of `iters` iterations: GFLOP/s (one FMA, or mul + add, per lane = 2 flops).
+double FmaRound(long iters, int seed) {
+  const FmaLoop& l = HostFmaLoop();
+  static volatile float sink = 0;
+  const double t0 = NowSeconds();
+  sink = sink + l.fn(iters, static_cast<float>(seed));
+  const double dt = NowSeconds() - t0;
+  return 2.0 * 12 * l.lanes * static_cast<double>(iters) / dt / 1e9;
+}
+
+}  // namespace
+
 PeakFlops MeasurePeakFlops(double seconds) {
   PeakFlops result;
-  int lanes = 4;
-  float (*fn)(long, float) = Sse;
-  const double flops_per_op = 2.0;  // one FMA (or mul + add) per lane = 2 flops
-  result.isa = "sse";
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) {
-    fn = Avx512;
-    lanes = 16;
-    result.isa = "avx512f";
-  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    fn = Avx2;
-    lanes = 8;
-    result.isa = "avx2+fma";
-  }
-  const long iters = 1'000'000;
-  volatile float sink = 0;
+  result.isa = HostFmaLoop().isa;
   double end = NowSeconds() + seconds;
   double best = 0;
   int rounds = 0;
   while (NowSeconds() < end || rounds < 3) {
-    double t0 = NowSeconds();
-    sink = sink + fn(iters, static_cast<float>(rounds));
-    double dt = NowSeconds() - t0;
-    best = std::max(best, flops_per_op * 12 * lanes * static_cast<double>(iters) / dt / 1e9);
+    best = std::max(best, FmaRound(1'000'000, rounds));
     ++rounds;
   }
   result.gflops = best;
   return result;
 }
+
+double PeakProbeGflops() { return FmaRound(1'000'000, 7); }
 
 }  // namespace switchyard::cli

@@ -14,4 +14,9 @@ struct PeakFlops {
 // Runs for about `seconds`; returns the best of several rounds.
 PeakFlops MeasurePeakFlops(double seconds = 0.3);
 
+// One short round of the same loop (about 2 ms): the FMA rate of one thread right now, in GFLOP/s.
+// Benchmarks run it just before each timed repetition, so that a figure and its limit share the
+// time window (these VMs' speed drifts between windows).
+double PeakProbeGflops();
+
 }  // namespace switchyard::cli

@@ -24,10 +24,13 @@ namespace switchyard::moe {
 
 // Size limits of the kernels, measured at one thread against the GEMM backend that runs the other
 // problems (kernels/gemm_backend.h).
-// With OpenBLAS 0.3.21 (AVX2, Zen 2): NT and NN win up to ~40 rows (by 5-25% at 16-32 rows), TN
-// only for very few rows.
+// With OpenBLAS 0.3.21 (AVX2, Zen 2): NT and NN win up to ~40 rows (by 5-25% at 16-32 rows).
+// TN (weight gradients, k = the expert's rows): on a Zen 3, in the layer, up to k = 64: OpenBLAS
+// first zeroes C for beta = 0 in a pass of its own and then reads and writes it again, while the
+// kernel writes C once; on config C (64 experts of 32 rows, dW 128 MB per step) that pass was 8 %
+// of the step's samples, and k <= 64 made the step ~5 % faster (docs/PERFORMANCE.md).
 inline constexpr int64_t kSmallGemmMaxRows = 40;   // m of NT / NN problems
-inline constexpr int64_t kSmallGemmMaxInner = 16;  // k of TN problems
+inline constexpr int64_t kSmallGemmMaxInner = 64;  // k of TN problems
 // With oneDNN 2.6.3 (Zen 4, docs/PERFORMANCE.md): only NT wins (oneDNN's small-m NT path is slow,
 // e.g. 32 x 256 x 1024 at ~0.45 of the FMA peak against ~0.8 for the AVX-512 kernel); NN and TN
 // stay with oneDNN. AVX2 NT tiles for m <= 16 (the AVX-512 tile is 32 rows wide), AVX-512 up to
