@@ -24,6 +24,7 @@ extern "C" char* openblas_get_corename(void);
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -155,8 +156,19 @@ int main(int argc, char** argv) {
                             {"A: C 1280, M 512, H 2048", 1280, 512, 2048},
                             {"B: C 1024, M 1024, H 4096", 1024, 1024, 4096},
                             {"C: C 32, M 256, H 1024", 32, 256, 1024}};
-  std::vector<float> a(1 << 23), b(1 << 23), c(1 << 23);
-  for (size_t i = 0; i < a.size(); ++i) {
+  // 64-byte aligned operands, as switchyard's Tensors are: with power-of-two leading dimensions
+  // the alignment decides whether rows alias in the caches (oneDNN's avx2 sgemm falls from ~0.8
+  // to ~0.45 of the peak at 256 x 512 x 2048 when its operands are aligned, docs/PERFORMANCE.md).
+  auto aligned = [](size_t n) {
+    return std::unique_ptr<float[], void (*)(float*)>(
+        static_cast<float*>(std::aligned_alloc(64, n * sizeof(float))),
+        [](float* p) { std::free(p); });
+  };
+  const size_t len = size_t{1} << 23;
+  auto a_buf = aligned(len), b_buf = aligned(len), c_buf = aligned(len);
+  float *a = a_buf.get(), *b = b_buf.get(), *c = c_buf.get();
+  std::fill_n(c, len, 0.0f);
+  for (size_t i = 0; i < len; ++i) {
     a[i] = static_cast<float>(i % 97) * 0.01f - 0.4f;
     b[i] = static_cast<float>(i % 89) * 0.01f - 0.4f;
   }
@@ -182,7 +194,7 @@ int main(int argc, char** argv) {
         if ((cand == kOwnAvx512 && !own) || (cand == kOwnAvx2 && !own2)) continue;
         for (size_t i = 0; i < ps.size(); ++i) {
           const double t = Now();
-          for (int q = 0; q < inner; ++q) Run(cand, ps[i], a.data(), b.data(), c.data());
+          for (int q = 0; q < inner; ++q) Run(cand, ps[i], a, b, c);
           if (r > 0) best[cand][i] = std::min(best[cand][i], (Now() - t) / inner);
         }
       }
