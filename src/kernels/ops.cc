@@ -9,6 +9,7 @@
 
 #include "kernels/vec_math.h"
 #include "switchyard/core/error.h"
+#include "switchyard/kernels/reduce.h"
 
 namespace switchyard::kernels {
 
@@ -16,14 +17,9 @@ void SoftmaxRows(const float* x, float* y, int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * cols;
     float* yr = y + r * cols;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < cols; ++j) mx = std::max(mx, xr[j]);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < cols; ++j) {
-      yr[j] = vec::Exp(xr[j] - mx);
-      sum += yr[j];
-    }
-    float inv = 1.0f / sum;
+    const float mx = Max(xr, cols);
+    for (int64_t j = 0; j < cols; ++j) yr[j] = vec::Exp(xr[j] - mx);
+    const float inv = 1.0f / Sum(yr, cols);
     for (int64_t j = 0; j < cols; ++j) yr[j] *= inv;
   }
 }
@@ -33,23 +29,29 @@ void SoftmaxRowsBackward(const float* y, const float* dy, float* dx, int64_t row
     const float* yr = y + r * cols;
     const float* dyr = dy + r * cols;
     float* dxr = dx + r * cols;
-    float dot = 0.0f;
-    for (int64_t j = 0; j < cols; ++j) dot += yr[j] * dyr[j];
+    const float dot = Dot(yr, dyr, cols);
     for (int64_t j = 0; j < cols; ++j) dxr[j] = yr[j] * (dyr[j] - dot);
   }
 }
 
 void LogSumExpRows(const float* x, float* out, int64_t rows, int64_t cols) {
+  // exp(x - max) goes through a small buffer, a block at a time, so that both the exponentials
+  // and their sum vectorize.
+  constexpr int64_t kBlock = 256;
+  float block[kBlock];
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * cols;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < cols; ++j) mx = std::max(mx, xr[j]);
+    const float mx = Max(xr, cols);
     if (!std::isfinite(mx)) {
       out[r] = mx;
       continue;
     }
     float sum = 0.0f;
-    for (int64_t j = 0; j < cols; ++j) sum += std::exp(xr[j] - mx);
+    for (int64_t j0 = 0; j0 < cols; j0 += kBlock) {
+      const int64_t m = std::min(kBlock, cols - j0);
+      for (int64_t j = 0; j < m; ++j) block[j] = vec::Exp(xr[j0 + j] - mx);
+      sum += Sum(block, m);
+    }
     out[r] = mx + std::log(sum);
   }
 }
@@ -209,11 +211,7 @@ void ScatterAddRows(const float* src, int64_t n, int64_t cols, const int32_t* in
 
 void RowDot(const float* a, const float* b, int64_t n, int64_t cols, float* out) {
   for (int64_t i = 0; i < n; ++i) {
-    float acc = 0.0f;
-    const float* ar = a + i * cols;
-    const float* br = b + i * cols;
-    for (int64_t j = 0; j < cols; ++j) acc += ar[j] * br[j];
-    out[i] = acc;
+    out[i] = Dot(a + i * cols, b + i * cols, cols);
   }
 }
 

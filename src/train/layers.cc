@@ -7,6 +7,7 @@
 
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/ops.h"
+#include "switchyard/kernels/reduce.h"
 #include "switchyard/train/weight_grad.h"
 #include "train/parallel_for.h"
 
@@ -186,12 +187,10 @@ Tensor Norm::Forward(const Tensor& x, NormCache* cache, int threads) const {
       float* yr = yp + i * dim_;
       float mu = 0.0f;
       if (mp != nullptr) {
-        for (int64_t j = 0; j < dim_; ++j) mu += xr[j];
-        mu /= static_cast<float>(dim_);
+        mu = kernels::Sum(xr, dim_) / static_cast<float>(dim_);
         mp[i] = mu;
       }
-      float ss = 0.0f;
-      for (int64_t j = 0; j < dim_; ++j) ss += (xr[j] - mu) * (xr[j] - mu);
+      const float ss = kernels::SumSquaredDeviation(xr, mu, dim_);
       float rs = 1.0f / std::sqrt(ss / static_cast<float>(dim_) + kEps);
       rp[i] = rs;
       if (b != nullptr) {
@@ -231,15 +230,14 @@ Tensor Norm::Backward(const NormCache& cache, const Tensor& dy, int threads) con
         const float* dyr = dyp + i * dim_;
         float mu = mp != nullptr ? mp[i] : 0.0f;
         float rs = rp[i];
-        float sum_g = 0.0f, sum_gx = 0.0f;
         for (int64_t j = 0; j < dim_; ++j) {
           xhat[j] = (xr[j] - mu) * rs;
           g[j] = dyr[j] * w[j];
-          sum_g += g[j];
-          sum_gx += g[j] * xhat[j];
           pdw[j] += dyr[j] * xhat[j];
           pdb[j] += dyr[j];
         }
+        const float sum_g = kernels::Sum(g.data(), dim_);
+        const float sum_gx = kernels::Dot(g.data(), xhat.data(), dim_);
         // LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); RMSNorm: no mean(g).
         float mean_g = mp != nullptr ? sum_g * inv_dim : 0.0f;
         float mean_gx = sum_gx * inv_dim;
