@@ -154,9 +154,12 @@ double ProcessCpuSeconds() {
 // Keeps freed memory in the heap instead of returning it to the kernel (glibc hands blocks above
 // 32 MiB to mmap and unmaps them on free, so every step would fault in and zero its buffers
 // again). A process-wide allocator policy, as training frameworks set it (or preload jemalloc).
+// Trimming is off altogether: with a threshold (it was 1 GiB), config B's step, which frees more
+// than that at once, gave its top of heap back every step and faulted it in again (step / GEMMs
+// 1.13-1.22 against 1.06-1.07 without trimming, docs/PERFORMANCE.md).
 void KeepFreedMemory() {
   mallopt(M_MMAP_MAX, 0);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, -1);
 }
 
 struct Stage {
