@@ -30,7 +30,7 @@ std::unique_ptr<comm::Launcher> MakeLauncher(const std::string& transport, int r
 
 bool KeepFreedMemoryForTraining() {
   bool ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;
-  ok = mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1 && ok;
+  ok = mallopt(M_TRIM_THRESHOLD, -1) == 1 && ok;  // never trim (as `bench layer`)
   return ok;
 }
 

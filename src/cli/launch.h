@@ -22,8 +22,8 @@ std::unique_ptr<comm::Launcher> MakeLauncher(const std::string& transport, int r
                                              const comm::InProcessOptions& inprocess,
                                              std::string_view command);
 
-// Keeps freed activation memory in the process (glibc: mmap threshold 32 MiB, trim threshold
-// 1 GiB) instead of returning it to the kernel after every step and faulting it back in: a
+// Keeps freed activation memory in the process (glibc: mmap threshold 32 MiB, no trimming of the
+// heap) instead of returning it to the kernel after every step and faulting it back in: a
 // training step allocates its activations afresh, and the default settings cost ~15k page
 // faults per default step (~15% of its CPU time). Process-wide: the training commands call it
 // once. Returns false if the allocator refused.

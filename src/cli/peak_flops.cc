@@ -76,7 +76,7 @@ const FmaLoop& HostFmaLoop() {
 // One round of `iters` iterations: GFLOP/s (one FMA, or mul + add, per lane = 2 flops).
 double FmaRound(long iters, int seed) {
   const FmaLoop& l = HostFmaLoop();
-  static volatile float sink = 0;
+  volatile float sink = 0;
   const double t0 = NowSeconds();
   sink = sink + l.fn(iters, static_cast<float>(seed));
   const double dt = NowSeconds() - t0;

@@ -39,6 +39,8 @@ void ScaleC(int64_t m, int64_t n, float beta, float* c, int64_t ldc) {
 // The process's GEMM thread budget (SetBlasThreads); 0 = not set yet (OpenBLAS's default).
 std::atomic<int> g_threads{0};
 
+// OpenBLAS on one thread (SetBlasThreads keeps OpenBLAS's own pool at 1 thread).
+
 void OpenBlasGemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                   const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
                   int64_t ldc) {
@@ -78,16 +80,19 @@ void OneDnnGemm1(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, 
 // Below this many multiply-adds a GEMM runs on one thread (splitting costs more than it gives).
 constexpr double kSplitMinMacs = 1 << 20;
 
-// oneDNN: C is split into `threads` blocks of rows (or of columns when C is wide and short), one
-// single-threaded dnnl_sgemm each on the calling thread's pool (core/thread_pool.h).
-void OneDnnGemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-                int64_t ldc) {
-  // The same budget GroupedGemm reads (OpenBLAS's default until SetBlasThreads is called).
-  const int threads = std::max(1, BlasThreads());
+using GemmFn = void (*)(Trans, Trans, int64_t, int64_t, int64_t, float, const float*, int64_t,
+                        const float*, int64_t, float, float*, int64_t);
+
+// Both backends: C is split into `threads` blocks of rows (or of columns when C is wide and
+// short), one single-threaded call of `gemm1` each on the calling thread's pool
+// (core/thread_pool.h). So every rank computes inside its own budget whatever the backend, and
+// concurrent ranks never queue on one BLAS thread pool.
+void SplitGemm(GemmFn gemm1, int threads, Trans trans_a, Trans trans_b, int64_t m, int64_t n,
+               int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
+               float beta, float* c, int64_t ldc) {
   const double macs = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  if (threads == 1 || macs < kSplitMinMacs) {
-    OneDnnGemm1(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (threads <= 1 || macs < kSplitMinMacs) {
+    gemm1(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
   const bool split_rows = m >= 8 * threads && m * 2 >= n / 4;
@@ -103,12 +108,11 @@ void OneDnnGemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, f
       if (end <= begin) continue;
       if (split_rows) {
         const float* ap = trans_a == Trans::kNo ? a + begin * lda : a + begin;
-        OneDnnGemm1(trans_a, trans_b, end - begin, n, k, alpha, ap, lda, b, ldb, beta,
-                    c + begin * ldc, ldc);
+        gemm1(trans_a, trans_b, end - begin, n, k, alpha, ap, lda, b, ldb, beta, c + begin * ldc,
+              ldc);
       } else {
         const float* bp = trans_b == Trans::kNo ? b + begin : b + begin * ldb;
-        OneDnnGemm1(trans_a, trans_b, m, end - begin, k, alpha, a, lda, bp, ldb, beta, c + begin,
-                    ldc);
+        gemm1(trans_a, trans_b, m, end - begin, k, alpha, a, lda, bp, ldb, beta, c + begin, ldc);
       }
     }
   });
@@ -129,10 +133,16 @@ void Gemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float a
   }
   CheckLeading("A", trans_a, m, k, lda);
   CheckLeading("B", trans_b, k, n, ldb);
+  const int budget = g_threads.load(std::memory_order_relaxed);
   if (ActiveGemmBackend() == GemmBackend::kOneDnn) {
-    OneDnnGemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-  } else {
+    // The budget GroupedGemm reads (OpenBLAS's default until SetBlasThreads is called).
+    SplitGemm(OneDnnGemm1, std::max(1, BlasThreads()), trans_a, trans_b, m, n, k, alpha, a, lda, b,
+              ldb, beta, c, ldc);
+  } else if (budget == 0) {
+    // No budget set (a program that never called SetBlasThreads): OpenBLAS's own threads.
     OpenBlasGemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else {
+    SplitGemm(OpenBlasGemm, budget, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 }
 
@@ -189,7 +199,8 @@ void BatchedGemm(Trans trans_a, Trans trans_b, int64_t batch, int64_t m, int64_t
 void SetBlasThreads(int threads) {
   threads = std::max(1, threads);
   g_threads.store(threads);
-  openblas_set_num_threads(threads);
+  // switchyard splits every product over the budget itself (SplitGemm), with both backends.
+  openblas_set_num_threads(1);
 }
 
 int BlasThreads() {

@@ -113,8 +113,16 @@ TEST(HostCpu, ReportsWhatTheBuildNeeds) {
   // The active backend on this machine runs a kernel at the CPU's ISA (no warning) unless a user
   // forced another backend.
   if (std::getenv("SY_GEMM_BACKEND") == nullptr) {
-    EXPECT_EQ(ActiveGemmBackend(),
-              SelectGemmBackend(f, OpenBlasCoreIsa(OpenBlasCoreName()), "").backend);
+    // The rule written out for this machine: AVX-512 -> oneDNN; AVX2 only -> OpenBLAS when its
+    // core is an AVX2 one, else oneDNN; no AVX2 -> OpenBLAS.
+    const std::string core_isa = OpenBlasCoreIsa(OpenBlasCoreName());
+    GemmBackend want = GemmBackend::kOpenBlas;
+    if (f.avx512f && f.avx512bw && f.avx512dq && f.avx512vl) {
+      want = GemmBackend::kOneDnn;
+    } else if (f.avx2 && f.fma) {
+      want = core_isa == "avx2" ? GemmBackend::kOpenBlas : GemmBackend::kOneDnn;
+    }
+    EXPECT_EQ(ActiveGemmBackend(), want) << GemmBackendReason();
     EXPECT_EQ(GemmBackendWarning(), "") << GemmBackendName();
   }
 }

@@ -18,7 +18,8 @@ using testing::RandomVector;
 struct RowsCols {
   int64_t rows, cols;
 };
-const RowsCols kShapes[] = {{0, 5}, {1, 1}, {1, 7}, {3, 2}, {17, 13}, {64, 64}, {5, 129}};
+const RowsCols kShapes[] = {{0, 5},   {1, 1},   {1, 7},   {3, 2},   {17, 13},
+                            {64, 64}, {5, 129}, {3, 256}, {3, 257}, {2, 1000}};
 
 TEST(Softmax, ForwardBackwardMatchReference) {
   for (auto [rows, cols] : kShapes) {
@@ -186,13 +187,29 @@ TEST(IndexRows, GatherAndScatterAddMatchReference) {
 }
 
 TEST(RowDot, MatchesLoop) {
-  auto a = RandomVector(35, 12), b = RandomVector(35, 13);
-  std::vector<float> out(5);
-  RowDot(a.data(), b.data(), 5, 7, out.data());
-  for (int i = 0; i < 5; ++i) {
-    double s = 0;
-    for (int j = 0; j < 7; ++j) s += static_cast<double>(a[i * 7 + j]) * b[i * 7 + j];
-    EXPECT_NEAR(out[i], s, 1e-5);
+  for (int cols : {7, 33, 100}) {
+    auto a = RandomVector(5 * cols, 12), b = RandomVector(5 * cols, 13);
+    std::vector<float> out(5);
+    RowDot(a.data(), b.data(), 5, cols, out.data());
+    for (int i = 0; i < 5; ++i) {
+      double s = 0;
+      for (int j = 0; j < cols; ++j) s += static_cast<double>(a[i * cols + j]) * b[i * cols + j];
+      EXPECT_NEAR(out[i], s, 1e-5) << cols;
+    }
+  }
+}
+
+TEST(Softmax, InPlaceEqualsOutOfPlace) {
+  for (auto [rows, cols] : kShapes) {
+    size_t n = static_cast<size_t>(rows * cols);
+    auto x = RandomVector(n, 3, -8, 8), dy = RandomVector(n, 4);
+    std::vector<float> y(n), dx(n);
+    SoftmaxRows(x.data(), y.data(), rows, cols);
+    SoftmaxRows(x.data(), x.data(), rows, cols);
+    EXPECT_EQ(x, y) << rows << "x" << cols;
+    SoftmaxRowsBackward(y.data(), dy.data(), dx.data(), rows, cols);
+    SoftmaxRowsBackward(y.data(), dy.data(), dy.data(), rows, cols);
+    EXPECT_EQ(dy, dx) << rows << "x" << cols;
   }
 }
 

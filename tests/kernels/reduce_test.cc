@@ -70,6 +70,33 @@ TEST(Reduce, MaxEqualsTheSequentialLoopIncludingNaNsAndInfinities) {
   EXPECT_EQ(Max(nullptr, 0), -inf);
 }
 
+// The documented order written out plainly: lane l sums the elements j with j % 16 == l, left to
+// right; then lanes l and l + w are added for w = 8, 4, 2, 1.
+float DocumentedOrderSum(const std::vector<float>& x) {
+  float lane[16] = {};
+  for (size_t j = 0; j < x.size(); ++j) lane[j % 16] += x[j];
+  for (int w = 8; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  }
+  return lane[0];
+}
+
+TEST(Reduce, SumFollowsTheDocumentedOrderBitForBit) {
+  for (int64_t n : kSizes) {
+    // Values of very different magnitudes, so that another order would round differently.
+    std::vector<float> x = RandomVector(static_cast<size_t>(n), 31 + n);
+    for (size_t j = 0; j < x.size(); j += 5) x[j] *= 1e6f;
+    EXPECT_EQ(Sum(x.data(), n), DocumentedOrderSum(x)) << n;
+  }
+  // And it is not the left-to-right order (which this input rounds differently).
+  std::vector<float> x = {1e8f, 1.0f, -1e8f, 1.0f};
+  x.resize(40, 1.0f);
+  float left_to_right = 0;
+  for (float v : x) left_to_right += v;
+  EXPECT_NE(Sum(x.data(), static_cast<int64_t>(x.size())), left_to_right);
+  EXPECT_EQ(Sum(x.data(), static_cast<int64_t>(x.size())), DocumentedOrderSum(x));
+}
+
 TEST(Reduce, OrderDependsOnlyOnTheLength) {
   // The same values at another address (another alignment) give the same bits.
   std::vector<float> a = RandomVector(1003, 5);

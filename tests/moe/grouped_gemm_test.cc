@@ -32,7 +32,7 @@ TEST_P(SmallGemmTest, MatchesReference) {
     const Trans tb = form == 0 ? Trans::kYes : Trans::kNo;
     for (int64_t m : {0, 1, 5, 6, 7, 12, 13, 29, 33, 65}) {
       for (int64_t n : {1, 3, 4, 15, 16, 17, 40, 65}) {
-        for (int64_t k : {0, 1, 7, 8, 9, 17, 33}) {
+        for (int64_t k : {0, 1, 7, 8, 9, 17, 33, 63, 64, 65}) {
           SCOPED_TRACE(::testing::Message()
                        << "form " << form << " m " << m << " n " << n << " k " << k);
           const int64_t lda = (ta == Trans::kNo ? k : m) + 3;

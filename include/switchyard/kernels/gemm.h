@@ -1,5 +1,6 @@
 // Dense matrix products on one rank: float32, row-major, through the GEMM backend chosen from the
-// CPU's features (kernels/gemm_backend.h: oneDNN on AVX2/AVX-512 CPUs, else OpenBLAS).
+// CPU's features (kernels/gemm_backend.h: oneDNN on AVX-512 CPUs, OpenBLAS on AVX2-only CPUs it
+// runs AVX2 kernels on, oneDNN on other AVX2 CPUs, OpenBLAS without AVX2).
 //
 // Three forms:
 //   Gemm         one product C = alpha * op(A) * op(B) + beta * C
@@ -49,9 +50,10 @@ void BatchedGemm(Trans trans_a, Trans trans_b, int64_t batch, int64_t m, int64_t
 
 // The GEMM thread budget is process-global. SetBlasThreads is called once per process by the
 // runtime (see core/threading.h for the policy) and by `switchyard bench gemm --threads`. With
-// oneDNN, one Gemm splits C over that many threads of the calling thread's pool (each block one
-// single-threaded oneDNN call); with OpenBLAS it is OpenBLAS's own thread count. BlasThreads()
-// is the budget (OpenBLAS's default before any SetBlasThreads).
+// either backend one Gemm splits C over that many threads of the calling thread's pool (each
+// block one single-threaded oneDNN or OpenBLAS call; OpenBLAS's own pool is kept at 1 thread).
+// BlasThreads() is the budget (OpenBLAS's default before any SetBlasThreads, when OpenBLAS
+// still runs with its own threads).
 void SetBlasThreads(int threads);
 int BlasThreads();
 // OpenBLAS's own description, e.g. "OpenBLAS 0.3.21 ... SkylakeX MAX_THREADS=64". The backend

@@ -1,7 +1,8 @@
 // Which library computes kernels::Gemm (and so every grouped and batched GEMM): chosen in ONE
-// place, SelectGemmBackend, from the CPU's features (kernels/cpu_features.h) -- never from a
-// BLAS's list of CPU models, which lags behind new CPUs (OpenBLAS 0.3.21 runs its Prescott SSE3
-// kernels on CPUs it does not know, at ~12 % of the FMA peak).
+// place, SelectGemmBackend, from the CPU's features (kernels/cpu_features.h) and, on AVX2-only
+// CPUs, the ISA of the kernel OpenBLAS actually runs -- never from a list of CPU models of our own.
+// A BLAS's model table lags behind new CPUs (OpenBLAS 0.3.21 runs its Prescott SSE3 kernels on
+// CPUs it does not know, at ~12 % of the FMA peak): such a CPU gets oneDNN.
 //
 // Backends:
 //   kOneDnn    oneDNN's dnnl_sgemm: JIT-generated kernels for the ISA that oneDNN reads from
@@ -39,7 +40,7 @@ struct GemmBackendChoice {
 //   AVX-512 F/BW/DQ/VL            oneDNN (its JIT follows the same cpuid features)
 //   AVX2 + FMA, no AVX-512        OpenBLAS when it runs its AVX2 kernels here (measured faster
 //                                 than oneDNN on such a CPU), oneDNN when OpenBLAS runs a kernel
-//                                 below the CPU's ISA (a CPU model it does not know)
+//                                 below the CPU's ISA (e.g. a CPU model it does not know)
 //   neither                       OpenBLAS (nothing faster is available there)
 // The CPU's family and model never enter: OpenBLAS's model table only decides whether its
 // kernel is the CPU's ISA, and a CPU it does not know gets oneDNN.

@@ -3,9 +3,10 @@
 // A left-to-right float sum is a chain of dependent adds (one per 4 cycles): the compiler may not
 // reorder it, so it runs scalar. These keep 16 interleaved partial sums (lane l takes the elements
 // j with j % 16 == l), which the compiler turns into two 8-wide vector accumulators, and combine
-// them pairwise at the end. The order depends only on n -- not on threads, alignment or the CPU --
-// so a result is the same on every rank and every run; it differs from the left-to-right sum by
-// float rounding (tests/kernels/reduce_test.cc bounds it against float64).
+// them pairwise at the end. For a given build the order depends only on n -- not on threads or
+// alignment -- so a result is the same on every rank and every run; it differs from the
+// left-to-right sum by float rounding (tests/kernels/reduce_test.cc bounds it against float64 and
+// checks the order bit for bit). (Dot may fuse its multiply-adds, as any GCC -O2 build may.)
 #pragma once
 
 #include <cstdint>
@@ -57,7 +58,8 @@ inline float SumSquaredDeviation(const float* x, float c, int64_t n) {
 }
 
 // max_j x[j] with NaNs skipped (as a loop of std::max(m, x[j]) from -inf): -inf for n = 0 or
-// when every element is NaN. Exact (a maximum does not round), so equal to the sequential loop.
+// when every element is NaN. Exact (a maximum does not round), so equal in value to the
+// sequential loop; only the sign of a zero maximum may differ when -0 and +0 tie.
 inline float Max(const float* x, int64_t n) {
   using reduce_detail::kLanes;
   float acc[kLanes];
