@@ -20,6 +20,7 @@
 #include "cli/peak_flops.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
+#include "switchyard/kernels/gemm_backend.h"
 #include "switchyard/train/checkpoint.h"
 #include "switchyard/train/distributed.h"
 
@@ -96,6 +97,7 @@ int RunTrain(const TrainOptions& o) {
   // and each runs single-threaded BLAS on its own compute threads.
   KeepFreedMemoryForTraining();
   kernels::SetBlasThreads(1);
+  kernels::ActiveGemmBackend();  // a GEMM backend that cannot run here is an error before step 1
   train::RunSummary summary = train::RunDistributedTraining(*launcher, config, run);
   if (summary.run_dir.empty() || !std::isfinite(summary.tokens_per_s) ||
       summary.tokens_per_s <= 0) {

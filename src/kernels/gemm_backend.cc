@@ -74,11 +74,29 @@ GemmBackend ParseGemmBackend(std::string_view what, std::string_view name) {
       fmt::format("{}: unknown GEMM backend '{}', expected onednn or openblas", what, name));
 }
 
+bool OpenBlasCoreRunsOn(const CpuFeatures& cpu, std::string_view core_isa) {
+  if (core_isa == "avx512") return cpu.HasAvx512Core();
+  if (core_isa == "avx2") return cpu.HasAvx2Fma();
+  return true;
+}
+
+void RequireOpenBlasRunsHere(const CpuFeatures& cpu, std::string_view core_isa,
+                             std::string_view what) {
+  SY_REQUIRE(
+      OpenBlasCoreRunsOn(cpu, core_isa), InvalidArgument,
+      "{}: OpenBLAS runs {} kernels, which this cpu ({}) cannot execute (its core type was "
+      "forced, e.g. by OPENBLAS_CORETYPE); unset OPENBLAS_CORETYPE or use the onednn backend",
+      what, core_isa, cpu.ToString());
+}
+
 GemmBackendChoice SelectGemmBackend(const CpuFeatures& cpu, std::string_view openblas_core_isa,
                                     std::string_view override_name) {
   if (!override_name.empty()) {
-    return {ParseGemmBackend("SY_GEMM_BACKEND", override_name),
-            fmt::format("SY_GEMM_BACKEND={}", override_name)};
+    const GemmBackend forced = ParseGemmBackend("SY_GEMM_BACKEND", override_name);
+    if (forced == GemmBackend::kOpenBlas) {
+      RequireOpenBlasRunsHere(cpu, openblas_core_isa, "SY_GEMM_BACKEND=openblas");
+    }
+    return {forced, fmt::format("SY_GEMM_BACKEND={}", override_name)};
   }
   if (cpu.HasAvx512Core()) {
     return {GemmBackend::kOneDnn,
@@ -92,11 +110,13 @@ GemmBackendChoice SelectGemmBackend(const CpuFeatures& cpu, std::string_view ope
       return {GemmBackend::kOpenBlas,
               "cpu has avx2+fma (no avx512) and OpenBLAS runs its avx2 kernels on it"};
     }
-    return {
-        GemmBackend::kOneDnn,
-        fmt::format("cpu has avx2+fma but OpenBLAS runs {} kernels: oneDNN JIT-compiles its "
-                    "kernels for the cpu's ISA",
-                    openblas_core_isa.empty() ? std::string_view("unknown") : openblas_core_isa)};
+    return {GemmBackend::kOneDnn,
+            fmt::format("cpu has avx2+fma but OpenBLAS runs {} kernels{}: oneDNN JIT-compiles its "
+                        "kernels for the cpu's ISA",
+                        openblas_core_isa.empty() ? std::string_view("unknown") : openblas_core_isa,
+                        OpenBlasCoreRunsOn(cpu, openblas_core_isa)
+                            ? ""
+                            : ", which this cpu cannot execute (OPENBLAS_CORETYPE?)")};
   }
   return {GemmBackend::kOpenBlas, "cpu has no avx2+fma: OpenBLAS's own choice of kernel"};
 }
@@ -137,6 +157,10 @@ const char* GemmBackendIsa(GemmBackend backend) {
 GemmBackend ActiveGemmBackend() { return GetState().backend.load(std::memory_order_relaxed); }
 
 void SetGemmBackend(GemmBackend backend) {
+  if (backend == GemmBackend::kOpenBlas) {
+    RequireOpenBlasRunsHere(HostCpuFeatures(), OpenBlasCoreIsa(OpenBlasCoreName()),
+                            "GEMM backend openblas");
+  }
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
   s.backend.store(backend);

@@ -66,6 +66,27 @@ TEST(SelectGemmBackend, ChoosesByFeaturesNotModel) {
   EXPECT_EQ(SelectGemmBackend(avx2_no_fma, "sse", "").backend, GemmBackend::kOpenBlas);
 }
 
+TEST(SelectGemmBackend, ForcedOpenBlasWithKernelsTheCpuCannotRunIsAClearError) {
+  // OPENBLAS_CORETYPE=SkylakeX on an AVX2-only CPU: every OpenBLAS GEMM would stop with SIGILL.
+  try {
+    SelectGemmBackend(Avx2Cpu(), "avx512", "openblas");
+    FAIL() << "no exception";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("OPENBLAS_CORETYPE"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cannot execute"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(SelectGemmBackend(CpuFeatures{}, "avx2", "openblas"), InvalidArgument);
+  // Not forced: oneDNN, and the reason says why.
+  GemmBackendChoice c = SelectGemmBackend(Avx2Cpu(), "avx512", "");
+  EXPECT_EQ(c.backend, GemmBackend::kOneDnn);
+  EXPECT_NE(c.reason.find("cannot execute"), std::string::npos) << c.reason;
+  // Kernels at or below the CPU's ISA are accepted when forced.
+  EXPECT_EQ(SelectGemmBackend(Avx512Cpu(), "avx512", "openblas").backend, GemmBackend::kOpenBlas);
+  EXPECT_EQ(SelectGemmBackend(Avx2Cpu(), "sse", "openblas").backend, GemmBackend::kOpenBlas);
+  EXPECT_TRUE(OpenBlasCoreRunsOn(Avx2Cpu(), "avx2"));
+  EXPECT_FALSE(OpenBlasCoreRunsOn(Avx2Cpu(), "avx512"));
+}
+
 TEST(SelectGemmBackend, OverrideWinsAndBadNamesAreRejected) {
   GemmBackendChoice c = SelectGemmBackend(Avx512Cpu(), "avx512", "openblas");
   EXPECT_EQ(c.backend, GemmBackend::kOpenBlas);

@@ -44,8 +44,14 @@ struct GemmBackendChoice {
 //   neither                       OpenBLAS (nothing faster is available there)
 // The CPU's family and model never enter: OpenBLAS's model table only decides whether its
 // kernel is the CPU's ISA, and a CPU it does not know gets oneDNN.
+// SY_GEMM_BACKEND=openblas is refused (InvalidArgument naming OPENBLAS_CORETYPE) when OpenBLAS
+// runs kernels the CPU cannot execute: its core was forced above the CPU's ISA, and every GEMM
+// would stop with an illegal instruction.
 GemmBackendChoice SelectGemmBackend(const CpuFeatures& cpu, std::string_view openblas_core_isa,
                                     std::string_view override_name);
+
+// Whether kernels of OpenBLAS's core ISA ("avx512", "avx2", ...) execute on `cpu`.
+bool OpenBlasCoreRunsOn(const CpuFeatures& cpu, std::string_view core_isa);
 
 // The ISA of an OpenBLAS core (openblas_get_corename()): "avx512" (SkylakeX, Cooperlake,
 // SapphireRapids), "avx2" (Haswell, Zen, ...), "avx" (SandyBridge, Bulldozer, ...) or "sse"
@@ -65,6 +71,7 @@ const char* GemmBackendIsa(GemmBackend backend);
 // $SY_GEMM_BACKEND) on first use, unless SetGemmBackend chose another. Thread-safe.
 GemmBackend ActiveGemmBackend();
 // Switches the backend for the whole process (benchmarks, tests). Call it while no GEMM runs.
+// OpenBLAS is refused (InvalidArgument) when its core's kernels cannot execute on this CPU.
 void SetGemmBackend(GemmBackend backend);
 // Why the active backend was chosen ("SY_GEMM_BACKEND=openblas", "cpu has avx2+fma: ...").
 std::string GemmBackendReason();
