@@ -3,6 +3,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <optional>
 
 #include "switchyard/moe/layer.h"
@@ -19,6 +20,20 @@ struct PyForward {
   std::optional<parallel::ParallelOutput> parallel;
   const moe::LayerOutput& out() const { return parallel ? parallel->layer : single; }
 };
+
+// A forward call's options from the Python arguments, for moe::ForwardOptions and
+// parallel::ParallelForwardOptions alike (the same fields).
+template <typename Options>
+Options ForwardCallOptions(bool training, uint64_t step, int64_t global_token_offset, int threads,
+                           bool save_for_backward) {
+  Options o;
+  o.training = training;
+  o.step = step;
+  o.global_token_offset = global_token_offset;
+  o.threads = threads;
+  o.save_for_backward = save_for_backward;
+  return o;
+}
 
 // The class `Forward` (y, l_aux, z_loss, capacity, dropped, routing).
 void BindForward(py::module_& m);

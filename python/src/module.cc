@@ -40,12 +40,8 @@ class PyMoeLayer {
                     int64_t global_token_offset, int threads, bool save_for_backward) const {
     moe::LayerParams p = moe::ParamsFromMap(config(), NamedFromDict(params));
     Tensor xt = TensorFromArray(x, "x");
-    moe::ForwardOptions o;
-    o.training = training;
-    o.step = step;
-    o.global_token_offset = global_token_offset;
-    o.threads = threads;
-    o.save_for_backward = save_for_backward;
+    const auto o = ForwardCallOptions<moe::ForwardOptions>(training, step, global_token_offset,
+                                                           threads, save_for_backward);
     PyForward f;
     {
       py::gil_scoped_release nogil;

@@ -121,12 +121,8 @@ class PyParallelLayer {
                     int64_t global_token_offset, int threads, bool save_for_backward) {
     moe::LayerParams p = ParamsFromNamedLoose(NamedFromDict(params));
     Tensor xt = TensorFromArray(x, "x");
-    parallel::ParallelForwardOptions o;
-    o.training = training;
-    o.step = step;
-    o.global_token_offset = global_token_offset;
-    o.threads = threads;
-    o.save_for_backward = save_for_backward;
+    const auto o = ForwardCallOptions<parallel::ParallelForwardOptions>(
+        training, step, global_token_offset, threads, save_for_backward);
     PyForward f;
     py::gil_scoped_release nogil;
     f.parallel = layer_->Forward(p, xt, o);

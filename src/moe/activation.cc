@@ -6,6 +6,8 @@
 #include <limits>
 #include <vector>
 
+#include "switchyard/kernels/reduce.h"
+
 namespace switchyard::moe {
 namespace {
 
@@ -165,38 +167,20 @@ void SoftmaxLseRows(const float* x, float* y, float* lse, int64_t rows, int64_t 
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * cols;
     float* e = y ? y + r * cols : tmp.data();
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < cols; ++j) mx = xr[j] > mx ? xr[j] : mx;
+    const float mx = kernels::Max(xr, cols);
     if (!(mx > -INFINITY && mx < INFINITY)) {  // all -inf, +inf or NaN: undefined
       lse[r] = mx;
       if (y) std::fill_n(e, cols, std::numeric_limits<float>::quiet_NaN());
       continue;
     }
     for (int64_t j = 0; j < cols; ++j) e[j] = ExpF(xr[j] - mx);
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t j = 0;
-    for (; j + 8 <= cols; j += 8) {
-      for (int l = 0; l < 8; ++l) acc[l] += e[j + l];
-    }
-    float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; j < cols; ++j) sum += e[j];
+    const float sum = kernels::Sum(e, cols);
     lse[r] = mx + std::log(sum);
     if (y) {
       float inv = 1.0f / sum;
       for (int64_t k = 0; k < cols; ++k) e[k] *= inv;
     }
   }
-}
-
-float DotF(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
-  }
-  float tail = 0;
-  for (; i < n; ++i) tail += a[i] * b[i];
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
 }
 
 }  // namespace switchyard::moe

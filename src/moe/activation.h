@@ -25,7 +25,4 @@ void ActivationBackwardRows(kernels::Activation act, int64_t rows, int64_t cols,
 // log(sum_j exp(x[r, j])), with the vectorized exp. y may alias x.
 void SoftmaxLseRows(const float* x, float* y, float* lse, int64_t rows, int64_t cols);
 
-// Plain float32 dot product with 8 independent partial sums (vectorizes without fast-math).
-float DotF(const float* a, const float* b, int64_t n);
-
 }  // namespace switchyard::moe

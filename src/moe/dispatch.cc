@@ -5,6 +5,7 @@
 #include "moe/activation.h"
 #include "moe/parallel_for.h"
 #include "switchyard/core/error.h"
+#include "switchyard/kernels/reduce.h"
 
 namespace switchyard::moe {
 namespace {
@@ -104,7 +105,7 @@ CombineGradients CombineBackward(const DispatchPlan& plan, const Tensor& dy,
         std::memcpy(dst, dyp + int64_t{t} * m_dim, static_cast<size_t>(m_dim) * sizeof(float));
       } else {
         Scale(dst, dyp + int64_t{t} * m_dim, plan.weights[pair], m_dim);
-        g.weights[pair] = DotF(dyp + int64_t{t} * m_dim, ep + r * m_dim, m_dim);
+        g.weights[pair] = kernels::Dot(dyp + int64_t{t} * m_dim, ep + r * m_dim, m_dim);
       }
     }
   });
@@ -133,7 +134,7 @@ DispatchGradients DispatchBackward(const DispatchPlan& plan, const Tensor& d_exp
         if (r < 0) continue;
         const float* src = dp + int64_t{r} * m_dim;
         float w = prescore ? plan.weights[i] : 1.0f;
-        if (prescore) g.weights[i] = DotF(xp + t * m_dim, src, m_dim);
+        if (prescore) g.weights[i] = kernels::Dot(xp + t * m_dim, src, m_dim);
         if (first) {
           Scale(dst, src, w, m_dim);
           first = false;

@@ -7,6 +7,7 @@
 #include "parallel/collectives.h"
 #include "parallel/exchange.h"
 #include "switchyard/core/error.h"
+#include "switchyard/kernels/reduce.h"
 
 namespace switchyard::parallel::internal {
 namespace {
@@ -16,12 +17,6 @@ Tensor PadRows(const Tensor& t, int64_t padded_rows) {
   Tensor out = Tensor::Zeros({padded_rows, t.size(1)});
   if (t.numel() > 0) std::memcpy(out.raw(), t.raw(), t.nbytes());
   return out;
-}
-
-float Dot(const float* a, const float* b, int64_t n) {
-  float s = 0;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
 }
 
 }  // namespace
@@ -139,7 +134,7 @@ Tensor AllGatherDispatch::CombineBackward(const Tensor& dy, const Tensor& expert
     } else {
       for (int64_t c = 0; c < m; ++c) dst[c] = row.weight * g[c];
       d_weights_all_[static_cast<size_t>(tok * k + row.choice)] +=
-          Dot(g, ep + static_cast<int64_t>(i) * m, m);
+          kernels::Dot(g, ep + static_cast<int64_t>(i) * m, m);
     }
   }
   return d_out;
@@ -160,7 +155,8 @@ AllGatherDispatch::Grads AllGatherDispatch::DispatchBackward(const Tensor& d_exp
     const float w = spec_.prescore ? row.weight : 1.0f;
     for (int64_t c = 0; c < m; ++c) dst[c] += w * src[c];
     if (spec_.prescore) {
-      d_weights_all_[static_cast<size_t>(tok * k + row.choice)] += Dot(xa + tok * m, src, m);
+      d_weights_all_[static_cast<size_t>(tok * k + row.choice)] +=
+          kernels::Dot(xa + tok * m, src, m);
     }
   }
   Grads g;

@@ -10,6 +10,7 @@
 
 #include "moe/activation.h"
 #include "switchyard/core/error.h"
+#include "switchyard/kernels/reduce.h"
 #include "switchyard/kernels/reference.h"
 #include "switchyard/moe/dispatch.h"
 #include "switchyard/moe/experts.h"
@@ -319,7 +320,7 @@ TEST(FusedActivation, DotMatchesPlainSum) {
     auto a = RandomVector(static_cast<size_t>(n), 1), b = RandomVector(static_cast<size_t>(n), 2);
     double want = 0;
     for (int64_t i = 0; i < n; ++i) want += static_cast<double>(a[i]) * b[i];
-    EXPECT_NEAR(DotF(a.data(), b.data(), n), want, 1e-5);
+    EXPECT_NEAR(kernels::Dot(a.data(), b.data(), n), want, 1e-5);  // what dispatch uses
   }
 }
 

@@ -14,6 +14,7 @@
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/train/checkpoint.h"
 #include "switchyard/train/zero.h"
+#include "train/run_compare.h"
 #include "train/temp_dir.h"
 #include "train/tiny_run.h"
 
@@ -23,85 +24,13 @@ namespace {
 using testing::TempDir;
 using testing::TinyMoeConfig;
 
-struct StepLosses {
-  std::vector<double> loss, grad_norm, drop_rate, aux_loss, z_loss;
-  std::vector<std::vector<int64_t>> expert_load;
-  TensorMap model;  // full values after the last step (layout-independent form)
-  // Rank 0's model: its tensor-parallel size and the shape of a weight it holds (a shard with tp).
-  int tp_size = 1;
-  Shape fc1_shape;
-  double tp_bytes = 0;  // bytes the tensor-parallel layers moved over the run (rank mean)
-  double cp_bytes = 0;  // bytes the context-parallel attention moved over the run (rank mean)
-};
+using StepLosses = testing::RunRecord;
+using testing::ExpectSameRun;
+using testing::SingleRank;
 
-StepLosses SingleRank(const TrainConfig& c, int steps) {
-  Trainer t(c);
-  StepLosses r;
-  for (int s = 0; s < steps; ++s) {
-    StepMetrics m = t.Step();
-    r.loss.push_back(m.loss);
-    r.grad_norm.push_back(m.grad_norm);
-    r.expert_load.push_back(m.expert_load.empty() ? std::vector<int64_t>{} : m.expert_load[0]);
-    r.drop_rate.push_back(m.drop_rate.empty() ? 0.0 : m.drop_rate[0]);
-    r.aux_loss.push_back(m.aux_loss);
-    r.z_loss.push_back(m.z_loss);
-  }
-  r.model = t.model().parameters().Values();
-  return r;
-}
-
+// Values and gradients that stop being valid on a rank become NaN: a stale read would show.
 StepLosses OnRanks(const TrainConfig& c, int steps) {
-  StepLosses result;
-  std::mutex mu;
-  comm::RunInProcess(static_cast<int>(c.ranks), [&](comm::Communicator& world) {
-    // Values and gradients that stop being valid on a rank become NaN: a stale read would show.
-    RankTrainer rt(c, world, world.size(), ZeroOptions{.poison_non_owned = true});
-    StepLosses r;
-    for (int s = 0; s < steps; ++s) {
-      StepMetrics m = rt.trainer().Step();
-      r.loss.push_back(m.loss);
-      r.grad_norm.push_back(m.grad_norm);
-      r.tp_bytes += m.tp_bytes;
-      r.cp_bytes += m.cp_bytes;
-      r.expert_load.push_back(m.expert_load.empty() ? std::vector<int64_t>{} : m.expert_load[0]);
-    }
-    TransformerLm& model = rt.trainer().model();
-    r.tp_size = model.tp_size();
-    if (const Parameter* fc1 = model.parameters().Find("blocks.0.mlp.fc1.weight")) {
-      r.fc1_shape = fc1->value.shape();
-    }
-    CheckpointData d = rt.trainer().Snapshot();
-    if (world.rank() == 0) {
-      std::lock_guard<std::mutex> lock(mu);
-      result = r;
-      result.model = d.model;
-    }
-  });
-  return result;
-}
-
-void ExpectSameRun(const StepLosses& want, const StepLosses& got, const std::string& what) {
-  ASSERT_EQ(want.loss.size(), got.loss.size()) << what;
-  for (size_t s = 0; s < want.loss.size(); ++s) {
-    EXPECT_NEAR(got.loss[s], want.loss[s], 2e-5 * std::abs(want.loss[s])) << what << " step " << s;
-    EXPECT_NEAR(got.grad_norm[s], want.grad_norm[s], 1e-4 * want.grad_norm[s])
-        << what << " step " << s;
-    EXPECT_EQ(got.expert_load[s], want.expert_load[s]) << what << " step " << s;
-  }
-  ASSERT_EQ(want.model.size(), got.model.size()) << what;
-  for (const auto& [name, w] : want.model) {
-    auto it = got.model.find(name);
-    ASSERT_NE(it, got.model.end()) << what << ": " << name;
-    ASSERT_EQ(it->second.shape(), w.shape()) << what << ": " << name;
-    const float* a = w.data<float>();
-    const float* b = it->second.data<float>();
-    double worst = 0;
-    for (int64_t i = 0; i < w.numel(); ++i) {
-      worst = std::max(worst, static_cast<double>(std::abs(a[i] - b[i])) /
-                                  (1e-3 + std::abs(static_cast<double>(a[i]))));
-    }
-    EXPECT_LT(worst, 2e-3) << what << ": " << name;
-  }
+  return testing::OnRanks(c, steps, ZeroOptions{.poison_non_owned = true});
 }
 
 class DistributedTest : public ::testing::Test {

@@ -16,6 +16,7 @@
 #include "switchyard/train/distributed.h"
 #include "switchyard/train/mixed_precision.h"
 #include "switchyard/train/trainer.h"
+#include "train/run_compare.h"
 #include "train/temp_dir.h"
 #include "train/tiny_run.h"
 
@@ -203,46 +204,10 @@ void AddRandomMoe(TrainConfig& c, const TempDir& dir) {
   c.moe_layer_config = dir / "layer.json";
 }
 
-struct RunResult {
-  std::vector<double> loss, grad_norm;
-  std::vector<std::vector<std::vector<int64_t>>> loads;
-  TensorMap model;
-};
+using RunResult = testing::RunRecord;
 
-RunResult Train(const TrainConfig& c, int steps) {
-  Trainer t(c);
-  RunResult r;
-  for (int s = 0; s < steps; ++s) {
-    StepMetrics m = t.Step();
-    r.loss.push_back(m.loss);
-    r.grad_norm.push_back(m.grad_norm);
-    r.loads.push_back(m.expert_load);
-  }
-  r.model = t.model().parameters().Values();
-  return r;
-}
-
-RunResult TrainOnRanks(const TrainConfig& c, int steps) {
-  RunResult result;
-  std::mutex mu;
-  comm::RunInProcess(static_cast<int>(c.ranks), [&](comm::Communicator& world) {
-    RankTrainer rt(c, world, world.size());
-    RunResult r;
-    for (int s = 0; s < steps; ++s) {
-      StepMetrics m = rt.trainer().Step();
-      r.loss.push_back(m.loss);
-      r.grad_norm.push_back(m.grad_norm);
-      r.loads.push_back(m.expert_load);
-    }
-    CheckpointData d = rt.trainer().Snapshot();
-    if (world.rank() == 0) {
-      std::lock_guard<std::mutex> lock(mu);
-      result = r;
-      result.model = d.model;
-    }
-  });
-  return result;
-}
+RunResult Train(const TrainConfig& c, int steps) { return testing::SingleRank(c, steps); }
+RunResult TrainOnRanks(const TrainConfig& c, int steps) { return testing::OnRanks(c, steps); }
 
 // Recomputation runs the same arithmetic on the same inputs: bit for bit.
 void ExpectBitIdentical(const RunResult& want, const RunResult& got, const std::string& what) {
