@@ -378,7 +378,7 @@ SY_REGISTER_COMMAND(Command{
                          "compute threads of the rank (with --ranks: per rank, default cores / W)")
               ->check(CLI::Range(1, 256));
       app.add_option("--blas-threads", o->blas_threads,
-                     "OpenBLAS threads (1: grouped GEMMs spread experts over --threads)")
+                     "GEMM threads per product (1: grouped GEMMs spread experts over --threads)")
           ->check(CLI::Range(1, 256));
       app.add_option("--repeat", o->repeat, "timed repetitions")->check(CLI::Range(1, 100000));
       app.add_option("--warmup", o->warmup, "untimed repetitions first")

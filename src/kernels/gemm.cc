@@ -39,8 +39,7 @@ void ScaleC(int64_t m, int64_t n, float beta, float* c, int64_t ldc) {
 // The process's GEMM thread budget (SetBlasThreads); 0 = not set yet (OpenBLAS's default).
 std::atomic<int> g_threads{0};
 
-// OpenBLAS on one thread (SetBlasThreads keeps OpenBLAS's own pool at 1 thread).
-
+// One cblas_sgemm: single-threaded once SetBlasThreads has set OpenBLAS's own pool to 1 thread.
 void OpenBlasGemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                   const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
                   int64_t ldc) {
@@ -151,8 +150,9 @@ void GroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,
   auto run = [&](const GemmProblem& p) {
     Gemm(trans_a, trans_b, p.m, p.n, p.k, alpha, p.a, p.lda, p.b, p.ldb, beta, p.c, p.ldc);
   };
-  // Spreading problems over threads only pays (and only avoids oversubscription) when BLAS runs
-  // single-threaded and there are at least as many problems as threads.
+  // Spreading problems over threads only pays (and only avoids oversubscription) when the GEMM
+  // budget is one thread (each Gemm would split itself otherwise) and there are at least as many
+  // problems as threads.
   int workers = std::min<int>(threads, static_cast<int>(problems.size()));
   if (workers <= 1 || BlasThreads() > 1) {
     for (const auto& p : problems) run(p);

@@ -289,7 +289,7 @@ void ExpertGroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,
                     p.ldc);
     }
   };
-  // As kernels::GroupedGemm: spread problems over threads only when BLAS is single-threaded.
+  // As kernels::GroupedGemm: spread problems over threads only when the GEMM budget is one thread.
   int workers = std::min<int>(threads, static_cast<int>(problems.size()));
   if (workers <= 1 || kernels::BlasThreads() > 1) {
     for (const auto& p : problems) run(p);

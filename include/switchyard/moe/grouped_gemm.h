@@ -53,7 +53,8 @@ void SmallGemm(kernels::Trans trans_a, kernels::Trans trans_b, const kernels::Ge
                float alpha, float beta, SmallGemmIsa isa = SmallGemmIsa::kBest);
 
 // kernels::GroupedGemm's contract; small problems use SmallGemm, the others kernels::Gemm.
-// Problems are spread over `threads` threads when BLAS runs single-threaded.
+// Problems are spread over `threads` threads when the GEMM budget (kernels::BlasThreads) is one
+// thread.
 void ExpertGroupedGemm(kernels::Trans trans_a, kernels::Trans trans_b, float alpha, float beta,
                        std::span<const kernels::GemmProblem> problems, int threads = 1);
 
