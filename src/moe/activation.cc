@@ -58,7 +58,7 @@ template <Activation kAct>
 inline float Act(float x) {
   if constexpr (kAct == Activation::kRelu) return x > 0.0f ? x : 0.0f;
   if constexpr (kAct == Activation::kGelu) return x * NormalCdfPdf(x).cdf;
-  if constexpr (kAct == Activation::kSilu) return x / (1.0f + ExpF(-x));
+  if constexpr (kAct == Activation::kSilu) return x * (1.0f / (1.0f + ExpF(-x)));  // as ActAndGrad
   return x;
 }
 
@@ -83,43 +83,33 @@ inline ValueGrad ActAndGrad(float x) {
 
 template <Activation kAct>
 void ForwardRows(int64_t rows, int64_t cols, const float* __restrict bias, float* __restrict pre1,
-                 const float* __restrict pre3, float* __restrict hidden) {
+                 float* __restrict pre3, float* __restrict hidden, bool save_scales) {
   for (int64_t r = 0; r < rows; ++r) {
     float* p = pre1 + r * cols;
     float* h = hidden + r * cols;
+    float* q = pre3 ? pre3 + r * cols : nullptr;
     if (bias) {
       for (int64_t j = 0; j < cols; ++j) p[j] += bias[j];
     }
-    if (pre3) {
-      const float* q = pre3 + r * cols;
-      for (int64_t j = 0; j < cols; ++j) h[j] = Act<kAct>(p[j]) * q[j];
-    } else {
-      for (int64_t j = 0; j < cols; ++j) h[j] = Act<kAct>(p[j]);
-    }
-  }
-}
-
-template <Activation kAct>
-void BackwardRows(int64_t rows, int64_t cols, const float* __restrict pre1,
-                  const float* __restrict pre3, float* __restrict d, float* __restrict d_pre3,
-                  float* __restrict bias_grad) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* p = pre1 + r * cols;
-    float* dr = d + r * cols;
-    if (pre3) {
-      const float* q = pre3 + r * cols;
-      float* d3 = d_pre3 + r * cols;
+    if (!save_scales) {
+      if (q) {
+        for (int64_t j = 0; j < cols; ++j) h[j] = Act<kAct>(p[j]) * q[j];
+      } else {
+        for (int64_t j = 0; j < cols; ++j) h[j] = Act<kAct>(p[j]);
+      }
+    } else if (q) {
       for (int64_t j = 0; j < cols; ++j) {
         ValueGrad vg = ActAndGrad<kAct>(p[j]);
-        float dh = dr[j];
-        d3[j] = dh * vg.value;
-        dr[j] = dh * q[j] * vg.grad;
+        h[j] = vg.value * q[j];
+        p[j] = vg.grad * q[j];
+        q[j] = vg.value;
       }
     } else {
-      for (int64_t j = 0; j < cols; ++j) dr[j] *= ActAndGrad<kAct>(p[j]).grad;
-    }
-    if (bias_grad) {
-      for (int64_t j = 0; j < cols; ++j) bias_grad[j] += dr[j];
+      for (int64_t j = 0; j < cols; ++j) {
+        ValueGrad vg = ActAndGrad<kAct>(p[j]);
+        h[j] = vg.value;
+        p[j] = vg.grad;
+      }
     }
   }
 }
@@ -127,38 +117,38 @@ void BackwardRows(int64_t rows, int64_t cols, const float* __restrict pre1,
 }  // namespace
 
 void ActivationForwardRows(Activation act, int64_t rows, int64_t cols, const float* bias,
-                           float* pre1, const float* pre3, float* hidden) {
+                           float* pre1, float* pre3, float* hidden, bool save_scales) {
   switch (act) {
     case Activation::kRelu:
-      ForwardRows<Activation::kRelu>(rows, cols, bias, pre1, pre3, hidden);
+      ForwardRows<Activation::kRelu>(rows, cols, bias, pre1, pre3, hidden, save_scales);
       break;
     case Activation::kGelu:
-      ForwardRows<Activation::kGelu>(rows, cols, bias, pre1, pre3, hidden);
+      ForwardRows<Activation::kGelu>(rows, cols, bias, pre1, pre3, hidden, save_scales);
       break;
     case Activation::kSilu:
-      ForwardRows<Activation::kSilu>(rows, cols, bias, pre1, pre3, hidden);
+      ForwardRows<Activation::kSilu>(rows, cols, bias, pre1, pre3, hidden, save_scales);
       break;
     case Activation::kIdentity:
-      ForwardRows<Activation::kIdentity>(rows, cols, bias, pre1, pre3, hidden);
+      ForwardRows<Activation::kIdentity>(rows, cols, bias, pre1, pre3, hidden, save_scales);
       break;
   }
 }
 
-void ActivationBackwardRows(Activation act, int64_t rows, int64_t cols, const float* pre1,
-                            const float* pre3, float* d, float* d_pre3, float* bias_grad) {
-  switch (act) {
-    case Activation::kRelu:
-      BackwardRows<Activation::kRelu>(rows, cols, pre1, pre3, d, d_pre3, bias_grad);
-      break;
-    case Activation::kGelu:
-      BackwardRows<Activation::kGelu>(rows, cols, pre1, pre3, d, d_pre3, bias_grad);
-      break;
-    case Activation::kSilu:
-      BackwardRows<Activation::kSilu>(rows, cols, pre1, pre3, d, d_pre3, bias_grad);
-      break;
-    case Activation::kIdentity:
-      BackwardRows<Activation::kIdentity>(rows, cols, pre1, pre3, d, d_pre3, bias_grad);
-      break;
+void ActivationBackwardRows(int64_t rows, int64_t cols, const float* __restrict scale1,
+                            const float* __restrict scale3, float* __restrict d,
+                            float* __restrict d_pre3, float* __restrict bias_grad) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s1 = scale1 + r * cols;
+    float* dr = d + r * cols;
+    if (scale3) {
+      const float* s3 = scale3 + r * cols;
+      float* d3 = d_pre3 + r * cols;
+      for (int64_t j = 0; j < cols; ++j) d3[j] = dr[j] * s3[j];
+    }
+    for (int64_t j = 0; j < cols; ++j) dr[j] *= s1[j];
+    if (bias_grad) {
+      for (int64_t j = 0; j < cols; ++j) bias_grad[j] += dr[j];
+    }
   }
 }
 

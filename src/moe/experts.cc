@@ -257,7 +257,7 @@ Tensor ExpertsForward(const ExpertOptions& options, const ExpertWeights& w, cons
     ActivationForwardRows(options.activation, c.rows, h_dim, b1 ? b1 + c.group * h_dim : nullptr,
                           pre1.data<float>() + off,
                           options.gated ? pre3.data<float>() + off : nullptr,
-                          hidden.data<float>() + off);
+                          hidden.data<float>() + off, saved != nullptr);
     if (b2) {
       for (int64_t r = c.begin; r < c.begin + c.rows; ++r) {
         std::memcpy(o + r * m_dim, b2 + c.group * m_dim,
@@ -272,8 +272,8 @@ Tensor ExpertsForward(const ExpertOptions& options, const ExpertWeights& w, cons
 
   if (saved) {
     saved->input = input;
-    saved->pre1 = pre1;
-    saved->pre3 = pre3;
+    saved->dh_da1 = pre1;  // overwritten by ActivationForwardRows (save_scales)
+    saved->dh_da3 = pre3;
     saved->hidden = hidden;
     saved->groups = groups;
   }
@@ -285,7 +285,7 @@ ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeight
   const int64_t n_groups = w.fc1_weight.size(0), h_dim = w.fc1_weight.size(1),
                 m_dim = w.fc1_weight.size(2);
   const int64_t rows = s.input.size(0);
-  SY_REQUIRE(s.pre1.defined() && s.hidden.defined(), InvalidArgument,
+  SY_REQUIRE(s.dh_da1.defined() && s.hidden.defined(), InvalidArgument,
              "ExpertsBackward: the forward saved no activations");
   ExpectDType("d expert output", d_output, DType::kFloat32);
   ExpectShape("d expert output", d_output, {rows, m_dim});
@@ -304,7 +304,8 @@ ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeight
   ExpertGroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw2, threads);
   if (w.fc2_bias.defined()) g.weights.fc2_bias = BiasGrad(d_output, chunks, n_groups, threads);
   // One task per chunk of a group's rows: dh = dY W2 (into d_pre1), the activation's backward on
-  // the block just written (still in cache; gated: d_pre3; the fc1 bias gradient's partial sums),
+  // the block just written (still in cache: products with the saved derivatives; gated: d_pre3;
+  // the fc1 bias gradient's partial sums),
   // then dX = d_pre1 W1 (+ d_pre3 W3) reading the block from cache.
   Tensor d_pre1 = Tensor::Empty({used, h_dim});
   Tensor d_pre3 = options.gated ? Tensor::Empty({used, h_dim}) : Tensor();
@@ -322,8 +323,8 @@ ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeight
     RunOne(Trans::kNo, Trans::kNo, 0.0f,
            {c.rows, h_dim, m_dim, dy + c.begin * m_dim, m_dim, w2 + c.group * m_dim * h_dim, h_dim,
             dp1, h_dim});
-    ActivationBackwardRows(options.activation, c.rows, h_dim, s.pre1.data<float>() + off,
-                           options.gated ? s.pre3.data<float>() + off : nullptr, dp1, dp3,
+    ActivationBackwardRows(c.rows, h_dim, s.dh_da1.data<float>() + off,
+                           options.gated ? s.dh_da3.data<float>() + off : nullptr, dp1, dp3,
                            bias1 ? b1_partial.data() + i * h_dim : nullptr);
     RunOne(Trans::kNo, Trans::kNo, 0.0f,
            {c.rows, m_dim, h_dim, dp1, h_dim, w1 + c.group * h_dim * m_dim, m_dim,

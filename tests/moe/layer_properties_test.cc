@@ -288,23 +288,37 @@ TEST(FusedActivation, MatchesReference) {
   for (auto act :
        {kernels::Activation::kRelu, kernels::Activation::kGelu, kernels::Activation::kSilu}) {
     SCOPED_TRACE(std::string(kernels::ActivationName(act)));
-    // Rows of one column, so the bias broadcast is a scalar.
-    std::vector<float> pre = x, hidden(x.size()), want(x.size()), shifted(x.size());
-    ActivationForwardRows(act, n, 1, bias.data(), pre.data(), gate3.data(), hidden.data());
+    // Rows of one column, so the bias broadcast is a scalar. Inference (no saved derivatives):
+    // pre1 keeps the biased input.
+    std::vector<float> pre = x, gate = gate3, hidden(x.size()), want(x.size()), shifted(x.size());
+    ActivationForwardRows(act, n, 1, bias.data(), pre.data(), gate.data(), hidden.data(), false);
     for (size_t i = 0; i < x.size(); ++i) shifted[i] = x[i] + 0.25f;
     EXPECT_EQ(pre, shifted);
+    EXPECT_EQ(gate, gate3);
     kernels::ref::ActivationForward(act, shifted.data(), want.data(), n);
+    std::vector<float> act_val = want;
     for (size_t i = 0; i < x.size(); ++i) want[i] *= gate3[i];
     EXPECT_TRUE(AllClose(hidden, want, 2e-6, 1e-6));
 
+    // Training: the same output bits, and the buffers now hold dh/da1 = act'(a1) * a3, dh/da3 =
+    // act(a1).
+    std::vector<float> scale1 = x, scale3 = gate3, hidden_t(x.size());
+    ActivationForwardRows(act, n, 1, bias.data(), scale1.data(), scale3.data(), hidden_t.data(),
+                          true);
+    EXPECT_EQ(hidden_t, hidden);
+    std::vector<float> ones(x.size(), 1.0f), want_grad(x.size());
+    kernels::ref::ActivationBackward(act, shifted.data(), ones.data(), want_grad.data(), n);
+    for (size_t i = 0; i < x.size(); ++i) want_grad[i] *= gate3[i];
+    EXPECT_TRUE(AllClose(scale1, want_grad, 2e-6, 1e-6));
+    EXPECT_TRUE(AllClose(scale3, act_val, 2e-6, 1e-6));
+
     std::vector<float> dh = RandomVector(x.size(), 23), d = dh, d3(x.size()), want_d(x.size());
     std::vector<float> bias_grad = {0.0f};
-    ActivationBackwardRows(act, n, 1, shifted.data(), gate3.data(), d.data(), d3.data(),
+    ActivationBackwardRows(n, 1, scale1.data(), scale3.data(), d.data(), d3.data(),
                            bias_grad.data());
-    std::vector<float> dgated(x.size()), act_val(x.size());
+    std::vector<float> dgated(x.size());
     for (size_t i = 0; i < x.size(); ++i) dgated[i] = dh[i] * gate3[i];
     kernels::ref::ActivationBackward(act, shifted.data(), dgated.data(), want_d.data(), n);
-    kernels::ref::ActivationForward(act, shifted.data(), act_val.data(), n);
     EXPECT_TRUE(AllClose(d, want_d, 2e-6, 1e-6));
     double sum = 0;
     for (size_t i = 0; i < x.size(); ++i) {
@@ -312,6 +326,13 @@ TEST(FusedActivation, MatchesReference) {
       sum += d[i];
     }
     EXPECT_NEAR(bias_grad[0], sum, 1e-3);
+
+    // Not gated: dh/da1 = act'(a1) alone.
+    std::vector<float> plain = x, hidden_p(x.size());
+    ActivationForwardRows(act, n, 1, bias.data(), plain.data(), nullptr, hidden_p.data(), true);
+    kernels::ref::ActivationBackward(act, shifted.data(), ones.data(), want_grad.data(), n);
+    EXPECT_TRUE(AllClose(plain, want_grad, 2e-6, 1e-6));
+    EXPECT_TRUE(AllClose(hidden_p, act_val, 2e-6, 1e-6));
   }
 }
 

@@ -55,10 +55,13 @@ ExpertGroups FullCapacityGroups(int64_t num_groups, int64_t capacity);
 // What the backward needs; filled by ExpertsForward. The [*, H] intermediates hold the groups'
 // rows only, back to back in group order (groups.total_rows() rows), so capacity padding costs
 // no memory there.
+// The activation is not evaluated again in the backward: the forward keeps the derivatives of
+// h = act(a1) (* a3 gated) with a1 = X W1^T + b1, a3 = X W3^T, in the buffers a1 and a3 were
+// computed in (no extra memory).
 struct ExpertActivations {
   Tensor input;   // [rows, M] the forward input (shared, not copied)
-  Tensor pre1;    // [used, H] X W1^T + b1
-  Tensor pre3;    // [used, H] X W3^T (gated) or undefined
+  Tensor dh_da1;  // [used, H] dh / da1 = act'(a1) (* a3 gated)
+  Tensor dh_da3;  // [used, H] dh / da3 = act(a1) (gated) or undefined
   Tensor hidden;  // [used, H] h
   ExpertGroups groups;
 };
