@@ -83,7 +83,19 @@ void BM_ActivationGelu(benchmark::State& state) {
   }
   state.SetItemsProcessed(state.iterations() * state.range(0));
 }
-BENCHMARK(BM_ActivationGelu)->Arg(1 << 20);
+BENCHMARK(BM_ActivationGelu)->Arg(1 << 20)->Arg(1 << 14);
+
+void BM_ActivationGeluBackward(benchmark::State& state) {
+  auto x = Random(static_cast<size_t>(state.range(0)));
+  auto dy = Random(x.size());
+  std::vector<float> dx(x.size());
+  for (auto _ : state) {
+    ActivationBackward(Activation::kGelu, x.data(), dy.data(), dx.data(), state.range(0));
+    benchmark::DoNotOptimize(dx.data());
+  }
+  state.SetItemsProcessed(state.iterations() * state.range(0));
+}
+BENCHMARK(BM_ActivationGeluBackward)->Arg(1 << 20)->Arg(1 << 14);
 
 void BM_GroupedGemmVsLoop(benchmark::State& state) {
   // 64 experts x 32 tokens, M = 256, H = 1024 (config C of docs/PERFORMANCE.md, "MoE layer on one

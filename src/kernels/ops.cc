@@ -130,7 +130,6 @@ std::string_view ActivationName(Activation act) {
 
 namespace {
 constexpr float kInvSqrt2 = 0.70710678118654752440f;
-constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 }  // namespace
 
 void ActivationForward(Activation act, const float* x, float* y, int64_t n) {
@@ -157,9 +156,8 @@ void ActivationBackward(Activation act, const float* x, const float* dy, float* 
       break;
     case Activation::kGelu:
       for (int64_t i = 0; i < n; ++i) {
-        float cdf = 0.5f * (1.0f + vec::Erf(x[i] * kInvSqrt2));
-        float pdf = kInvSqrt2Pi * vec::Exp(-0.5f * x[i] * x[i]);
-        dx[i] = dy[i] * (cdf + x[i] * pdf);
+        vec::CdfPdf c = vec::NormalCdfPdf(x[i]);
+        dx[i] = dy[i] * (c.cdf + x[i] * c.pdf);
       }
       break;
     case Activation::kSilu:

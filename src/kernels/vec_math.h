@@ -44,4 +44,23 @@ inline float Erf(float x) {
   return __builtin_copysignf(y, x);
 }
 
+// The standard normal's distribution Phi(x) = (1 + erf(x / sqrt2)) / 2 and density
+// phi(x) = exp(-x^2 / 2) / sqrt(2 pi), sharing one exponential (Erf above computes the same
+// exp(-x^2 / 2) inside). GELU's derivative is Phi(x) + x phi(x).
+struct CdfPdf {
+  float cdf, pdf;
+};
+inline CdfPdf NormalCdfPdf(float x) {
+  float a = __builtin_fabsf(x) * 0.70710678118654752440f;
+  float t = 1.0f / (1.0f + 0.3275911f * a);
+  float poly = 1.061405429f;
+  poly = poly * t - 1.453152027f;
+  poly = poly * t + 1.421413741f;
+  poly = poly * t - 0.284496736f;
+  poly = poly * t + 0.254829592f;
+  float e = Exp(-a * a);
+  float erf = __builtin_copysignf(1.0f - poly * t * e, x);
+  return {0.5f * (1.0f + erf), 0.39894228040143267794f * e};
+}
+
 }  // namespace switchyard::kernels::vec

@@ -140,6 +140,25 @@ TEST(Activation, ForwardBackwardMatchReference) {
   }
 }
 
+// Inputs where erf saturates and the normal density underflows (GELU's derivative shares one
+// exponential between the two).
+TEST(Activation, ExtremeInputsMatchReference) {
+  std::vector<float> x = {0.0f,  -0.0f, 1e-8f,  -1e-8f, 5.0f,   -5.0f, 9.0f,
+                          -9.0f, 20.0f, -20.0f, 90.0f,  -90.0f, 1e30f, -1e30f};
+  const auto n = static_cast<int64_t>(x.size());
+  std::vector<float> dy(x.size(), 1.0f);
+  for (Activation act : {Activation::kRelu, Activation::kGelu, Activation::kSilu}) {
+    SCOPED_TRACE(std::string(ActivationName(act)));
+    std::vector<float> y(x.size()), yr(x.size()), dx(x.size()), dxr(x.size());
+    ActivationForward(act, x.data(), y.data(), n);
+    ref::ActivationForward(act, x.data(), yr.data(), n);
+    EXPECT_TRUE(AllClose(y, yr, 2e-6, 1e-6));
+    ActivationBackward(act, x.data(), dy.data(), dx.data(), n);
+    ref::ActivationBackward(act, x.data(), dy.data(), dxr.data(), n);
+    EXPECT_TRUE(AllClose(dx, dxr, 2e-6, 1e-6));
+  }
+}
+
 TEST(Activation, KnownValuesAndNames) {
   float x[3] = {-1.0f, 0.0f, 1.0f}, y[3];
   ActivationForward(Activation::kGelu, x, y, 3);
