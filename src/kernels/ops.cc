@@ -7,7 +7,7 @@
 #include <numbers>
 #include <vector>
 
-#include "kernels/vec_math.h"
+#include "switchyard/kernels/vec_math.h"
 #include "switchyard/core/error.h"
 #include "switchyard/kernels/reduce.h"
 

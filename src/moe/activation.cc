@@ -1,64 +1,26 @@
 #include "moe/activation.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "switchyard/kernels/reduce.h"
+#include "switchyard/kernels/vec_math.h"
 
 namespace switchyard::moe {
 namespace {
 
 using kernels::Activation;
 
-// e^x for float32, relative error ~2 ulp on [-87.3, 88.3] (Cephes expf polynomial); inputs
-// outside are clamped (e^-87.3 ~ 1.2e-38, e^88.3 ~ 2.2e38). Every value is computed
-// unconditionally so loops if-convert and vectorize.
-inline float ExpF(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  x = x > 88.3f ? 88.3f : x;
-  float n = __builtin_rintf(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float y = p * r * r + r + 1.0f;
-  return y * std::bit_cast<float>(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
-}
-
-constexpr float kInvSqrt2 = 0.70710678118654752440f;
-constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
-
-// Phi(x) = (1 + erf(x / sqrt2)) / 2 and, through the same exponential, the normal density
-// phi(x) = exp(-x^2 / 2) / sqrt(2 pi). A&S 7.1.26 on |x| / sqrt2.
-struct CdfPdf {
-  float cdf, pdf;
-};
-inline CdfPdf NormalCdfPdf(float x) {
-  float a = __builtin_fabsf(x) * kInvSqrt2;
-  float t = 1.0f / (1.0f + 0.3275911f * a);
-  float poly = 1.061405429f;
-  poly = poly * t - 1.453152027f;
-  poly = poly * t + 1.421413741f;
-  poly = poly * t - 0.284496736f;
-  poly = poly * t + 0.254829592f;
-  float e = ExpF(-0.5f * x * x);  // = exp(-a^2)
-  float erf_abs = 1.0f - poly * t * e;
-  float erf = __builtin_copysignf(erf_abs, x);
-  return {0.5f * (1.0f + erf), kInvSqrt2Pi * e};
-}
+using kernels::vec::Exp;
+using kernels::vec::NormalCdfPdf;
 
 template <Activation kAct>
 inline float Act(float x) {
   if constexpr (kAct == Activation::kRelu) return x > 0.0f ? x : 0.0f;
   if constexpr (kAct == Activation::kGelu) return x * NormalCdfPdf(x).cdf;
-  if constexpr (kAct == Activation::kSilu) return x * (1.0f / (1.0f + ExpF(-x)));  // as ActAndGrad
+  if constexpr (kAct == Activation::kSilu) return x * (1.0f / (1.0f + Exp(-x)));  // as ActAndGrad
   return x;
 }
 
@@ -71,10 +33,10 @@ inline ValueGrad ActAndGrad(float x) {
   if constexpr (kAct == Activation::kRelu) {
     return {x > 0.0f ? x : 0.0f, x > 0.0f ? 1.0f : 0.0f};
   } else if constexpr (kAct == Activation::kGelu) {
-    CdfPdf c = NormalCdfPdf(x);
+    kernels::vec::CdfPdf c = NormalCdfPdf(x);
     return {x * c.cdf, c.cdf + x * c.pdf};
   } else if constexpr (kAct == Activation::kSilu) {
-    float s = 1.0f / (1.0f + ExpF(-x));
+    float s = 1.0f / (1.0f + Exp(-x));
     return {x * s, s * (1.0f + x * (1.0f - s))};
   } else {
     return {x, 1.0f};
@@ -163,7 +125,7 @@ void SoftmaxLseRows(const float* x, float* y, float* lse, int64_t rows, int64_t 
       if (y) std::fill_n(e, cols, std::numeric_limits<float>::quiet_NaN());
       continue;
     }
-    for (int64_t j = 0; j < cols; ++j) e[j] = ExpF(xr[j] - mx);
+    for (int64_t j = 0; j < cols; ++j) e[j] = Exp(xr[j] - mx);
     const float sum = kernels::Sum(e, cols);
     lse[r] = mx + std::log(sum);
     if (y) {
