@@ -73,9 +73,11 @@ class ExpertGemms {
   }
 
   // Every GEMM step as one grouped GEMM (what the layer does).
-  void RunGrouped(int threads) const {
-    for (const Step& s : Steps())
-      moe::ExpertGroupedGemm(s.ta, s.tb, 1.0f, 0.0f, s.problems, threads);
+  void RunGrouped(int threads) const { RunGroupedSteps(threads, 0, kAllSteps); }
+  // Only the forward's products (X W1^T (X W3^T), H W2^T), or only the backward's.
+  void RunGroupedForward(int threads) const { RunGroupedSteps(threads, 0, ForwardSteps()); }
+  void RunGroupedBackward(int threads) const {
+    RunGroupedSteps(threads, ForwardSteps(), kAllSteps);
   }
   // The same products as a loop of plain GEMMs.
   void RunLoop() const {
@@ -87,6 +89,14 @@ class ExpertGemms {
   }
 
  private:
+  static constexpr size_t kAllSteps = ~size_t{0};
+  size_t ForwardSteps() const { return gated_ ? 3 : 2; }
+  void RunGroupedSteps(int threads, size_t begin, size_t end) const {
+    const std::vector<Step> steps = Steps();
+    for (size_t i = begin; i < std::min(end, steps.size()); ++i) {
+      moe::ExpertGroupedGemm(steps[i].ta, steps[i].tb, 1.0f, 0.0f, steps[i].problems, threads);
+    }
+  }
   struct Step {
     Trans ta, tb;
     std::vector<GemmProblem> problems;
@@ -241,6 +251,7 @@ int RunBenchLayer(const BenchLayerOptions& o) {
         {"losses forward", [&] { (void)moe::ComputeGateLosses(c, gate); }},
         {"plan", [&] { plan = moe::MakeDispatchPlan(c, gate, {}); }},
         {"dispatch", [&] { expert_in = moe::Dispatch(plan, x, false, o.threads); }},
+        {"expert GEMMs forward alone", [&] { gemms.RunGroupedForward(o.threads); }},
         {"experts forward",
          [&] {
            expert_out = moe::ExpertsForward(eo, params.experts, expert_in, moe::GroupsOf(plan),
@@ -249,6 +260,7 @@ int RunBenchLayer(const BenchLayerOptions& o) {
         {"combine", [&] { y = moe::Combine(plan, expert_out, false, o.threads); }},
         {"combine backward",
          [&] { cg = moe::CombineBackward(plan, dy, expert_out, false, o.threads); }},
+        {"expert GEMMs backward alone", [&] { gemms.RunGroupedBackward(o.threads); }},
         {"experts backward",
          [&] { eg = moe::ExpertsBackward(eo, params.experts, acts, cg.expert_out, o.threads); }},
         {"dispatch backward",
@@ -350,7 +362,7 @@ int RunBenchLayer(const BenchLayerOptions& o) {
              peak_total, 100.0 * useful_flop / s_step.median_s / 1e9 / peak_total);
   if (!breakdown.empty()) {
     fmt::print("  breakdown (each piece alone, median process CPU ms):\n");
-    for (auto& [name, t] : breakdown) fmt::print("    {:18s} {:8.3f}\n", name, t * 1e3);
+    for (auto& [name, t] : breakdown) fmt::print("    {:27s} {:8.3f}\n", name, t * 1e3);
   }
   return 0;
 }
