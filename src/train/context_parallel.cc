@@ -14,6 +14,8 @@
 #include "parallel/collectives.h"
 #include "switchyard/core/error.h"
 #include "switchyard/kernels/gemm.h"
+#include "switchyard/kernels/reduce.h"
+#include "switchyard/kernels/vec_math.h"
 #include "train/parallel_for.h"
 
 namespace switchyard::train {
@@ -130,18 +132,14 @@ struct Attend {
           std::vector<float> block_lse(static_cast<size_t>(tq));
           for (int64_t i = 0; i < tq; ++i) {
             float* row = s.data() + i * nk;
-            float m = kNegInf;
-            for (int64_t j = 0; j < nk; ++j) m = std::max(m, row[j]);
+            const float m = kernels::Max(row, nk);
             if (m == kNegInf) {  // every key masked for this query
               block_lse[static_cast<size_t>(i)] = kNegInf;
               std::fill_n(row, nk, 0.0f);
               continue;
             }
-            float sum = 0;
-            for (int64_t j = 0; j < nk; ++j) {
-              row[j] = std::exp(row[j] - m);
-              sum += row[j];
-            }
+            for (int64_t j = 0; j < nk; ++j) row[j] = kernels::vec::Exp(row[j] - m);  // masked: 0
+            const float sum = kernels::Sum(row, nk);
             const float inv = 1.0f / sum;
             for (int64_t j = 0; j < nk; ++j) row[j] *= inv;
             block_lse[static_cast<size_t>(i)] = m + std::log(sum);
@@ -199,7 +197,7 @@ struct Attend {
                 const float li = l[r0 + i];
                 float* row = p.data() + i * nk;
                 for (int64_t j = 0; j < nk; ++j)
-                  row[j] = row[j] == kNegInf ? 0.0f : std::exp(row[j] - li);
+                  row[j] = row[j] == kNegInf ? 0.0f : kernels::vec::Exp(row[j] - li);
               }
               const float* dor = dout.Row(b, r0) + hc;
               // dv += p^T dout; dp = dout v^T; ds = p * (dp - delta).

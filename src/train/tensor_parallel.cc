@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "switchyard/kernels/gemm.h"
+#include "switchyard/kernels/reduce.h"
+#include "switchyard/kernels/vec_math.h"
 #include "train/parallel_for.h"
 
 namespace switchyard::train {
@@ -662,7 +664,7 @@ CrossEntropyResult VocabParallelCrossEntropy(comm::Communicator& group, const Te
   Tensor row_max = Tensor::Empty({n});
   float* mx = row_max.data<float>();
   ParallelFor(n, threads, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) mx[i] = *std::max_element(lp + i * lv, lp + (i + 1) * lv);
+    for (int64_t i = begin; i < end; ++i) mx[i] = kernels::Max(lp + i * lv, lv);
   });
   comm::AllReduceOptions max_op;
   max_op.reduce_op = comm::ReduceOp::kMax;
@@ -676,9 +678,8 @@ CrossEntropyResult VocabParallelCrossEntropy(comm::Communicator& group, const Te
   ParallelFor(n, threads, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* row = lp + i * lv;
-      float s = 0.0f;
-      for (int64_t j = 0; j < lv; ++j) s += std::exp(row[j] - mx[i]);
-      se[i] = s;
+      const float m = mx[i];
+      se[i] = kernels::SumOver(lv, [&](int64_t j) { return kernels::vec::Exp(row[j] - m); });
       const int64_t local = static_cast<int64_t>(tp[i]) - start;
       target_logit[i] = tp[i] >= 0 && local >= 0 && local < lv ? row[local] : 0.0f;
     }
@@ -705,8 +706,8 @@ CrossEntropyResult VocabParallelCrossEntropy(comm::Communicator& group, const Te
         continue;
       }
       const float* row = lp + i * lv;
-      const float inv = coef / se[i];
-      for (int64_t j = 0; j < lv; ++j) dr[j] = std::exp(row[j] - mx[i]) * inv;
+      const float inv = coef / se[i], m = mx[i];
+      for (int64_t j = 0; j < lv; ++j) dr[j] = kernels::vec::Exp(row[j] - m) * inv;
       const int64_t local = static_cast<int64_t>(tp[i]) - start;
       if (local >= 0 && local < lv) dr[local] -= coef;
     }
