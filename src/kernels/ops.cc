@@ -7,9 +7,9 @@
 #include <numbers>
 #include <vector>
 
-#include "switchyard/kernels/vec_math.h"
 #include "switchyard/core/error.h"
 #include "switchyard/kernels/reduce.h"
+#include "switchyard/kernels/vec_math.h"
 
 namespace switchyard::kernels {
 

@@ -18,13 +18,15 @@ namespace switchyard::moe {
 // With save_scales (a forward that keeps what its backward needs), the inputs are then replaced by
 // the derivatives of hidden, so the backward is two products and never evaluates the activation
 // again: pre1 <- d hidden / d pre1 = act'(pre1) * pre3 (gated) or act'(pre1), and (gated)
-// pre3 <- d hidden / d pre3 = act(pre1).
+// pre3 <- d hidden / d pre3 = act(pre1). pre1, pre3 and hidden must not overlap. hidden is the
+// same with and without save_scales, bit for bit.
 void ActivationForwardRows(kernels::Activation act, int64_t rows, int64_t cols, const float* bias,
                            float* pre1, float* pre3, float* hidden, bool save_scales);
 
 // In: d holds d hidden; scale1 / scale3 are the buffers ActivationForwardRows left with
 // save_scales. Out: d holds d pre1 = d * scale1; d_pre3 (gated, scale3 != nullptr) receives
 // d * scale3; bias_grad (may be null) accumulates the column sums of d pre1 (rows in order).
+// No two of the five buffers may overlap.
 void ActivationBackwardRows(int64_t rows, int64_t cols, const float* scale1, const float* scale3,
                             float* d, float* d_pre3, float* bias_grad);
 

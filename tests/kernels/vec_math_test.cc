@@ -22,6 +22,9 @@ TEST(VecMath, ExpRelativeErrorIsSmallOverTheRange) {
   EXPECT_EQ(Exp(-std::numeric_limits<float>::infinity()), 0.0f);
   EXPECT_EQ(Exp(0.0f), 1.0f);
   EXPECT_TRUE(std::isfinite(Exp(100.0f)));
+  EXPECT_EQ(Exp(std::numeric_limits<float>::infinity()), Exp(88.37f));
+  EXPECT_TRUE(std::isnan(Exp(std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_TRUE(std::isnan(Erf(std::numeric_limits<float>::quiet_NaN())));
 }
 
 TEST(VecMath, ErfAbsoluteErrorIsSmall) {

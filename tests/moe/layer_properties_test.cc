@@ -336,6 +336,55 @@ TEST(FusedActivation, MatchesReference) {
   }
 }
 
+// Rows wider than a vector (37 columns: vector bodies and a remainder) with a bias per column: the
+// training forward gives the inference forward's bits, and the backward (gated or not) the
+// reference gradients, bias gradient included.
+TEST(FusedActivation, WideRowsMatchReference) {
+  const int64_t rows = 5, cols = 37, n = rows * cols;
+  const auto size = static_cast<size_t>(n);
+  std::vector<float> x = RandomVector(size, 31, -5.0f, 5.0f), gate3 = RandomVector(size, 32);
+  std::vector<float> bias = RandomVector(static_cast<size_t>(cols), 33);
+  std::vector<float> shifted(size);
+  for (int64_t i = 0; i < n; ++i)
+    shifted[static_cast<size_t>(i)] =
+        x[static_cast<size_t>(i)] + bias[static_cast<size_t>(i % cols)];
+  for (auto act : {kernels::Activation::kRelu, kernels::Activation::kGelu,
+                   kernels::Activation::kSilu, kernels::Activation::kIdentity}) {
+    for (bool gated : {false, true}) {
+      SCOPED_TRACE(std::string(kernels::ActivationName(act)) + (gated ? " gated" : ""));
+      std::vector<float> pre = x, q = gate3, hidden(size);
+      ActivationForwardRows(act, rows, cols, bias.data(), pre.data(), gated ? q.data() : nullptr,
+                            hidden.data(), false);
+      std::vector<float> s1 = x, s3 = gate3, hidden_t(size);
+      ActivationForwardRows(act, rows, cols, bias.data(), s1.data(), gated ? s3.data() : nullptr,
+                            hidden_t.data(), true);
+      EXPECT_EQ(hidden_t, hidden);
+
+      std::vector<float> act_val(size), want_d(size), dh = RandomVector(size, 34);
+      kernels::ref::ActivationForward(act, shifted.data(), act_val.data(), n);
+      std::vector<float> dgated = dh;
+      if (gated) {
+        for (size_t i = 0; i < size; ++i) dgated[i] *= gate3[i];
+      }
+      kernels::ref::ActivationBackward(act, shifted.data(), dgated.data(), want_d.data(), n);
+      std::vector<float> d = dh, d3(size), bias_grad(static_cast<size_t>(cols), 0.0f);
+      ActivationBackwardRows(rows, cols, s1.data(), gated ? s3.data() : nullptr, d.data(),
+                             gated ? d3.data() : nullptr, bias_grad.data());
+      EXPECT_TRUE(AllClose(d, want_d, 2e-6, 1e-6));
+      for (int64_t j = 0; j < cols; ++j) {
+        double sum = 0;
+        for (int64_t r = 0; r < rows; ++r) sum += want_d[static_cast<size_t>(r * cols + j)];
+        EXPECT_NEAR(bias_grad[static_cast<size_t>(j)], sum, 1e-5);
+      }
+      if (gated) {
+        for (size_t i = 0; i < size; ++i) {
+          EXPECT_NEAR(d3[i], dh[i] * act_val[i], 2e-6 * std::abs(dh[i] * act_val[i]) + 1e-6);
+        }
+      }
+    }
+  }
+}
+
 TEST(FusedActivation, DotMatchesPlainSum) {
   for (int64_t n : {0, 1, 7, 8, 9, 100}) {
     auto a = RandomVector(static_cast<size_t>(n), 1), b = RandomVector(static_cast<size_t>(n), 2);

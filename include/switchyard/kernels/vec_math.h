@@ -2,7 +2,8 @@
 // the release build), for the elementwise loops of kernels/ops and the fused MoE activations. The
 // loops that call them need -fno-trapping-math, or GCC will not if-convert (and so not vectorize)
 // them. Accuracy (checked against float64 in tests/kernels/vec_math_test.cc):
-//   Exp: relative error < 2e-7 on [-87, 88]; 0 below -87.3, saturates at exp(88.37) above.
+//   Exp: relative error < 2e-7 on [-87, 88]; 0 below -87.3, saturates at exp(88.37) above; NaN
+//   gives NaN.
 //   Erf: absolute error < 5e-7 (Abramowitz & Stegun 7.1.26, 1.5e-7, plus float32 rounding).
 #pragma once
 
@@ -14,10 +15,14 @@ namespace switchyard::kernels::vec {
 inline float Exp(float x) {
   // exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n*ln2 in [-ln2/2, ln2/2].
   // Every value is computed unconditionally and selected at the end, so loops if-convert and
-  // vectorize (a branch around a possibly-trapping product would stop that).
+  // vectorize (a branch around a possibly-trapping product would stop that). n is rounded by
+  // adding 1.5 * 2^23 (its bits then hold n) rather than converted to an integer, which is
+  // undefined for NaN: a NaN argument flows through as NaN.
   float xc = x < -87.3f ? -87.3f : x;
   xc = xc > 88.37f ? 88.37f : xc;
-  float n = __builtin_rintf(xc * 1.44269504088896341f);
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  float shifted = xc * 1.44269504088896341f + kRound;
+  float n = shifted - kRound;
   float r = xc - n * 0.693359375f;  // ln2 split in two for an exact first product
   r = r - n * -2.12194440e-4f;
   // exp(r) = 1 + r + r^2 P(r), P of degree 5 (the Cephes expf coefficients), on [-0.347, 0.347].
@@ -28,9 +33,9 @@ inline float Exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t e = static_cast<int32_t>(n) + 127;
-  float scale = std::bit_cast<float>(static_cast<uint32_t>(e) << 23);
-  float result = p * scale;
+  // The low bits of `shifted` are n (two's complement, |n| < 2^22): 2^n = (n + 127) << 23.
+  uint32_t scale_bits = (std::bit_cast<uint32_t>(shifted) << 23) + (127u << 23);
+  float result = p * std::bit_cast<float>(scale_bits);
   return x <= -87.3f ? 0.0f : result;
 }
 
