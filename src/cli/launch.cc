@@ -29,7 +29,8 @@ std::unique_ptr<comm::Launcher> MakeLauncher(const std::string& transport, int r
 }
 
 bool KeepFreedMemoryForTraining() {
-  bool ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;
+  bool ok = mallopt(M_MMAP_MAX, 0) == 1;          // large blocks from the heap, not mmap
+  ok = mallopt(M_ARENA_MAX, 1) == 1 && ok;        // one heap for every thread
   ok = mallopt(M_TRIM_THRESHOLD, -1) == 1 && ok;  // never trim (as `bench layer`)
   return ok;
 }

@@ -22,11 +22,15 @@ std::unique_ptr<comm::Launcher> MakeLauncher(const std::string& transport, int r
                                              const comm::InProcessOptions& inprocess,
                                              std::string_view command);
 
-// Keeps freed activation memory in the process (glibc: mmap threshold 32 MiB, no trimming of the
-// heap) instead of returning it to the kernel after every step and faulting it back in: a
-// training step allocates its activations afresh, and the default settings cost ~15k page
-// faults per default step (~15% of its CPU time). Process-wide: the training commands call it
-// once. Returns false if the allocator refused.
+// Keeps freed activation memory in the process instead of returning it to the kernel after every
+// step and faulting it back in: a training step allocates its activations afresh. glibc hands
+// blocks above its mmap threshold (32 MiB at most) to mmap and unmaps them on free, and gives each
+// allocating thread (every rank is one) its own arena, whose heaps (64 MiB at most) are unmapped
+// when they empty; so no mmap (M_MMAP_MAX 0), one arena for all threads, and no trimming. The
+// default settings cost ~15k page faults per default step (~15% of its CPU time); a model with
+// 64 MiB activations faulted in its whole working set every step (docs/training.md). Process-wide
+// and to be called before the ranks start (a thread keeps the arena it first used): the training
+// commands call it once. Returns false if the allocator refused.
 bool KeepFreedMemoryForTraining();
 
 }  // namespace switchyard::cli
