@@ -4,7 +4,6 @@
 // With --ranks W > 1 it is `bench layer-parallel` (bench_parallel.h): the same layer on W ranks,
 // with the overlap schedules against the plain path.
 #include <fmt/format.h>
-#include <malloc.h>
 #include <time.h>
 
 #include <algorithm>
@@ -16,6 +15,7 @@
 #include "cli/bench_parallel.h"
 #include "cli/command.h"
 #include "cli/flags.h"
+#include "cli/launch.h"
 #include "cli/peak_flops.h"
 #include "cli/timing.h"
 #include "switchyard/core/limits.h"
@@ -161,24 +161,17 @@ double ProcessCpuSeconds() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
-// Keeps freed memory in the heap instead of returning it to the kernel (glibc hands blocks above
-// 32 MiB to mmap and unmaps them on free, so every step would fault in and zero its buffers
-// again). A process-wide allocator policy, as training frameworks set it (or preload jemalloc).
-// Trimming is off altogether: with a threshold (it was 1 GiB), config B's step, which frees more
-// than that at once, gave its top of heap back every step and faulted it in again (step / GEMMs
-// 1.13-1.22 against 1.06-1.07 without trimming, docs/PERFORMANCE.md).
-void KeepFreedMemory() {
-  mallopt(M_MMAP_MAX, 0);
-  mallopt(M_TRIM_THRESHOLD, -1);
-}
-
 struct Stage {
   std::string name;
   std::function<void()> run;
 };
 
 int RunBenchLayer(const BenchLayerOptions& o) {
-  if (!o.no_malloc_cache) KeepFreedMemory();
+  // The trainer's allocator policy (cli/launch.h): freed buffers stay in the process, as in a
+  // training framework. With trimming still on (a 1 GiB threshold, before bb77b6a), config B's
+  // step, which frees more than that at once, gave its heap back every step and faulted it in
+  // again (step / GEMMs 1.13-1.22 against 1.06-1.07, docs/PERFORMANCE.md).
+  if (!o.no_malloc_cache) KeepFreedMemoryForTraining();
   kernels::SetBlasThreads(o.blas_threads);
   moe::LayerConfig c;
   c.model_dim = o.model_dim;

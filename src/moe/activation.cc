@@ -16,14 +16,6 @@ using kernels::Activation;
 using kernels::vec::Exp;
 using kernels::vec::NormalCdfPdf;
 
-template <Activation kAct>
-inline float Act(float x) {
-  if constexpr (kAct == Activation::kRelu) return x > 0.0f ? x : 0.0f;
-  if constexpr (kAct == Activation::kGelu) return x * NormalCdfPdf(x).cdf;
-  if constexpr (kAct == Activation::kSilu) return x * (1.0f / (1.0f + Exp(-x)));  // as ActAndGrad
-  return x;
-}
-
 // act(x) and act'(x) together.
 struct ValueGrad {
   float value, grad;
@@ -41,6 +33,13 @@ inline ValueGrad ActAndGrad(float x) {
   } else {
     return {x, 1.0f};
   }
+}
+
+// act(x) alone: the same arithmetic as ActAndGrad's value (the unused derivative is dropped by
+// the compiler), so a forward with and without saved derivatives gives the same bits.
+template <Activation kAct>
+inline float Act(float x) {
+  return ActAndGrad<kAct>(x).value;
 }
 
 template <Activation kAct>

@@ -122,20 +122,29 @@ TEST(Cumsum, ExclusiveAndInclusiveMatchReference) {
   }
 }
 
+// act and act' * dy on x against kernels::ref, forward within (rtol, atol) and backward within
+// (rtol_bwd, atol_bwd).
+void ExpectActivationMatchesReference(Activation act, const std::vector<float>& x,
+                                      const std::vector<float>& dy, double rtol, double atol,
+                                      double rtol_bwd, double atol_bwd) {
+  const auto n = static_cast<int64_t>(x.size());
+  std::vector<float> y(x.size()), yr(x.size()), dx(x.size()), dxr(x.size());
+  ActivationForward(act, x.data(), y.data(), n);
+  ref::ActivationForward(act, x.data(), yr.data(), n);
+  EXPECT_TRUE(AllClose(y, yr, rtol, atol));
+  ActivationBackward(act, x.data(), dy.data(), dx.data(), n);
+  ref::ActivationBackward(act, x.data(), dy.data(), dxr.data(), n);
+  EXPECT_TRUE(AllClose(dx, dxr, rtol_bwd, atol_bwd));
+}
+
 TEST(Activation, ForwardBackwardMatchReference) {
   for (Activation act :
        {Activation::kRelu, Activation::kGelu, Activation::kSilu, Activation::kIdentity}) {
     SCOPED_TRACE(std::string(ActivationName(act)));
     for (int64_t n : {0, 1, 31, 1000}) {
-      auto x = RandomVector(static_cast<size_t>(n), 7, -6, 6);
-      auto dy = RandomVector(static_cast<size_t>(n), 8);
-      std::vector<float> y(static_cast<size_t>(n)), yr(y.size()), dx(y.size()), dxr(y.size());
-      ActivationForward(act, x.data(), y.data(), n);
-      ref::ActivationForward(act, x.data(), yr.data(), n);
-      EXPECT_TRUE(AllClose(y, yr, 1e-6, 1e-6));
-      ActivationBackward(act, x.data(), dy.data(), dx.data(), n);
-      ref::ActivationBackward(act, x.data(), dy.data(), dxr.data(), n);
-      EXPECT_TRUE(AllClose(dx, dxr, 1e-4, 1e-5));
+      ExpectActivationMatchesReference(act, RandomVector(static_cast<size_t>(n), 7, -6, 6),
+                                       RandomVector(static_cast<size_t>(n), 8), 1e-6, 1e-6, 1e-4,
+                                       1e-5);
     }
   }
 }
@@ -143,19 +152,12 @@ TEST(Activation, ForwardBackwardMatchReference) {
 // Inputs where erf saturates and the normal density underflows (GELU's derivative shares one
 // exponential between the two).
 TEST(Activation, ExtremeInputsMatchReference) {
-  std::vector<float> x = {0.0f,  -0.0f, 1e-8f,  -1e-8f, 5.0f,   -5.0f, 9.0f,
-                          -9.0f, 20.0f, -20.0f, 90.0f,  -90.0f, 1e30f, -1e30f};
-  const auto n = static_cast<int64_t>(x.size());
-  std::vector<float> dy(x.size(), 1.0f);
+  const std::vector<float> x = {0.0f,  -0.0f, 1e-8f,  -1e-8f, 5.0f,   -5.0f, 9.0f,
+                                -9.0f, 20.0f, -20.0f, 90.0f,  -90.0f, 1e30f, -1e30f};
   for (Activation act : {Activation::kRelu, Activation::kGelu, Activation::kSilu}) {
     SCOPED_TRACE(std::string(ActivationName(act)));
-    std::vector<float> y(x.size()), yr(x.size()), dx(x.size()), dxr(x.size());
-    ActivationForward(act, x.data(), y.data(), n);
-    ref::ActivationForward(act, x.data(), yr.data(), n);
-    EXPECT_TRUE(AllClose(y, yr, 2e-6, 1e-6));
-    ActivationBackward(act, x.data(), dy.data(), dx.data(), n);
-    ref::ActivationBackward(act, x.data(), dy.data(), dxr.data(), n);
-    EXPECT_TRUE(AllClose(dx, dxr, 2e-6, 1e-6));
+    ExpectActivationMatchesReference(act, x, std::vector<float>(x.size(), 1.0f), 2e-6, 1e-6, 2e-6,
+                                     1e-6);
   }
 }
 
