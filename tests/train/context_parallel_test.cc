@@ -383,13 +383,13 @@ TEST(ContextParallelModel, PadsSequencesThatDoNotSplitForCallsWithoutBackward) {
   }
 }
 
-// MoE blocks under context parallelism route in the one-rank order (docs/context_parallel.md,
-// "MoE blocks"): each token's global index (sequence b, position t -> b * seq_len + t) orders the
-// slots and keys every random draw, so a cp group equals one rank with binding capacity (the
-// default capacity factor 1.25: drops at every step, asserted) and with every order-dependent
-// option: gate noise (Tutel, jitter, Gumbel), GShard random routing, the random and probs drop
-// policies, batch-prioritized routing, the aux-loss-free expert bias. Ring and Ulysses at cp 2,
-// and cp 2 x dp 2 with ep 2 (the tokens of one sequence on two ranks of different expert
+// MoE blocks under context parallelism route in the one-rank order (docs/context_parallel.md, "In
+// `switchyard train`", MoE blocks): each token's global index (sequence b, position t -> b *
+// seq_len + t) orders the slots and keys every random draw, so a cp group equals one rank with
+// binding capacity (the default capacity factor 1.25: drops at every step, asserted) and with every
+// order-dependent option: gate noise (Tutel, jitter, Gumbel), GShard random routing, the random and
+// probs drop policies, batch-prioritized routing, the aux-loss-free expert bias. Ring and Ulysses
+// at cp 2, and cp 2 x dp 2 with ep 2 (the tokens of one sequence on two ranks of different expert
 // groups' members); losses, gradient norms, expert loads and parameters over three steps.
 class ContextParallelMoe : public ::testing::Test {
  protected:
