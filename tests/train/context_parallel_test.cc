@@ -389,8 +389,8 @@ TEST(ContextParallelModel, PadsSequencesThatDoNotSplitForCallsWithoutBackward) {
 // binding capacity (the default capacity factor 1.25: drops at every step, asserted) and with every
 // order-dependent option: gate noise (Tutel, jitter, Gumbel), GShard random routing, the random and
 // probs drop policies, batch-prioritized routing, the aux-loss-free expert bias. Ring and Ulysses
-// at cp 2, and cp 2 x dp 2 with ep 2 (the tokens of one sequence on two ranks of different expert
-// groups' members); losses, gradient norms, expert loads and parameters over three steps.
+// at cp 2, cp 2 x dp 2 with ep 2, and cp 2 x pp 2 with two micro-batches; losses, gradient norms,
+// expert loads and parameters over three steps.
 class ContextParallelMoe : public ::testing::Test {
  protected:
   void SetUp() override { kernels::SetBlasThreads(1); }
@@ -450,6 +450,14 @@ TEST_F(ContextParallelMoe, EqualsOneRankWithDropsNoiseAndRandomRouting) {
     testing::ExpectSameRun(want, testing::OnRanks(Cp(c, 4, 2, "ring", 2), kSteps),
                            fmt::format("{}, cp 2 x dp 2, ep 2", k.name));
   }
+  // Two pipeline stages (the MoE block on the second), two micro-batches: one rank with two.
+  TrainConfig two = WithLayer(Base(), R"({"drop_policy": "random", "noise": "tutel_normal"})");
+  two.microbatches = 2;
+  const testing::RunRecord want = testing::SingleRank(two, kSteps);
+  for (double d : want.drop_rate) EXPECT_GT(d, 0.0) << "pp 2";
+  TrainConfig pp = Cp(two, 4, 2, "ulysses");
+  pp.pp = 2;
+  testing::ExpectSameRun(want, testing::OnRanks(pp, kSteps), "random drops, noise, cp 2 x pp 2");
 }
 
 // With tensor and sequence parallelism (Megatron's arrangement: each tp rank holds half of its cp
