@@ -28,7 +28,7 @@ bool HasGumbel(const LayerConfig& c, bool training, int64_t k) {
 
 // Multiplicative jitter U(1 - eps, 1 + eps) for element (g, m): lane m % 4 of the Philox draw
 // g * ceil(M / 4) + m / 4 of the jitter stream.
-Tensor JitterFactors(const LayerConfig& c, uint64_t key, int64_t offset, int64_t num_tokens) {
+Tensor JitterFactors(const LayerConfig& c, uint64_t key, const GateOptions& o, int64_t num_tokens) {
   int64_t m_dim = c.model_dim;
   Tensor j = Tensor::Empty({num_tokens, m_dim});
   float* p = j.data<float>();
@@ -36,7 +36,7 @@ Tensor JitterFactors(const LayerConfig& c, uint64_t key, int64_t offset, int64_t
   int64_t quads = (m_dim + 3) / 4;
   float lo = 1.0f - c.jitter_eps, span = 2.0f * c.jitter_eps;
   for (int64_t t = 0; t < num_tokens; ++t) {
-    uint64_t g = static_cast<uint64_t>(offset + t);
+    auto g = static_cast<uint64_t>(GlobalTokenIndex(o.token_index, o.global_token_offset, t));
     for (int64_t q = 0; q < quads; ++q) {
       auto bits = rng.Bits(g * static_cast<uint64_t>(quads) + static_cast<uint64_t>(q));
       for (int64_t l = 0; l < 4 && q * 4 + l < m_dim; ++l) {
@@ -48,6 +48,18 @@ Tensor JitterFactors(const LayerConfig& c, uint64_t key, int64_t offset, int64_t
 }
 
 }  // namespace
+
+void CheckTokenIndex(std::span<const int64_t> token_index, int64_t num_tokens) {
+  if (token_index.empty()) return;
+  SY_REQUIRE(static_cast<int64_t>(token_index.size()) == num_tokens, InvalidArgument,
+             "token_index: expected {} entries (one per token), got {}", num_tokens,
+             token_index.size());
+  for (size_t t = 0; t < token_index.size(); ++t) {
+    SY_REQUIRE(token_index[t] >= 0, InvalidArgument,
+               "token_index: entry {} is {}, expected a global token index >= 0", t,
+               token_index[t]);
+  }
+}
 
 uint64_t StepSeed(uint64_t seed, uint64_t step) {
   auto r = Philox4x32({static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32), 0x5eedu, 0},
@@ -67,9 +79,13 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
     ExpectShape("gate.expert_bias", expert_bias, {e_num});
   }
   const int64_t t_num = x.size(0);
+  CheckTokenIndex(options.token_index, t_num);
   const int64_t k = EffectiveTopK(c);
   const uint64_t key = StepSeed(c.seed, options.step);
-  const int64_t offset = options.global_token_offset;
+  auto global = [&](int64_t t) {
+    return static_cast<uint64_t>(
+        GlobalTokenIndex(options.token_index, options.global_token_offset, t));
+  };
 
   GateResult r;
   r.num_tokens = t_num;
@@ -79,7 +95,7 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
   // Gate input and logits, float32.
   Tensor gate_input = x;
   if (HasJitter(c, options.training)) {
-    r.jitter = JitterFactors(c, key, offset, t_num);
+    r.jitter = JitterFactors(c, key, options, t_num);
     gate_input = Tensor::Empty({t_num, m_dim});
     const float* xp = x.data<float>();
     const float* jp = r.jitter.data<float>();
@@ -96,7 +112,7 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
     CounterRng rng(key, kStreamGateNoise);
     float scale = c.noise_std / static_cast<float>(e_num);
     for (int64_t t = 0; t < t_num; ++t) {
-      uint64_t g = static_cast<uint64_t>(offset + t);
+      const uint64_t g = global(t);
       for (int64_t e = 0; e < e_num; ++e) {
         nl[t * e_num + e] +=
             scale * rng.Normal(g * static_cast<uint64_t>(e_num) + static_cast<uint64_t>(e));
@@ -149,7 +165,7 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
     std::vector<int32_t> idx(static_cast<size_t>(k - 1));
     std::vector<float> val(static_cast<size_t>(k - 1));
     for (int64_t t = 0; t < t_num; ++t) {
-      uint64_t g = static_cast<uint64_t>(offset + t);
+      const uint64_t g = global(t);
       for (int64_t e = 0; e < e_num; ++e) {
         row[static_cast<size_t>(e)] =
             nl[t * e_num + e] +
@@ -201,7 +217,7 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
   if (c.random_routing && options.training && k >= 2) {
     CounterRng rng(key, kStreamRandomRouting);
     for (int64_t t = 0; t < t_num; ++t) {
-      float u = rng.Uniform(static_cast<uint64_t>(offset + t));
+      float u = rng.Uniform(global(t));
       if (!(2.0f * r.gates[static_cast<size_t>(t * k + 1)] > u)) {
         r.routed[static_cast<size_t>(t * k + 1)] = 0;
       }

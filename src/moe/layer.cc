@@ -234,11 +234,13 @@ LayerOutput MoeLayer::Forward(const LayerParams& params, const Tensor& x,
   LayerState& s = *state;
   s.x_dtype = x.dtype();
   s.x = ToFloat32(x, threads);
-  s.gate = GateForward(c, s.x, params.gate_weight, params.expert_bias,
-                       {options.global_token_offset, options.step, options.training});
+  s.gate = GateForward(
+      c, s.x, params.gate_weight, params.expert_bias,
+      {options.global_token_offset, options.step, options.training, options.token_index});
   GateLosses losses = ComputeGateLosses(c, s.gate);
-  s.plan = MakeDispatchPlan(c, s.gate,
-                            {options.global_token_offset, options.step, options.global_max_load});
+  s.plan = MakeDispatchPlan(
+      c, s.gate,
+      {options.global_token_offset, options.step, options.global_max_load, options.token_index});
   const ExpertOptions eopt = OptionsOf(c);
   Tensor expert_in = Dispatch(s.plan, s.x, c.prescore, threads);
   s.expert_out =

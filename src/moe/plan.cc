@@ -47,6 +47,33 @@ double DeepSpeedCapacity(double cf, int64_t k, int64_t t_num, int64_t e_num) {
   return static_cast<double>(std::ceil(ratio * factor));
 }
 
+// The local tokens in ascending global index (ties: local order). Empty `index`: the local order.
+// A micro-batch's tokens are a permutation of a contiguous range of indices: placed directly,
+// O(T); anything else is sorted.
+std::vector<int32_t> GlobalOrder(std::span<const int64_t> index, int64_t t_num) {
+  std::vector<int32_t> order(static_cast<size_t>(t_num));
+  if (!index.empty()) {
+    const auto [lo, hi] = std::minmax_element(index.begin(), index.end());
+    if (*hi - *lo == t_num - 1) {
+      std::fill(order.begin(), order.end(), -1);
+      bool permutation = true;
+      for (int64_t t = 0; t < t_num && permutation; ++t) {
+        int32_t& at = order[static_cast<size_t>(index[static_cast<size_t>(t)] - *lo)];
+        permutation = at < 0;
+        at = static_cast<int32_t>(t);
+      }
+      if (permutation) return order;
+    }
+  }
+  std::iota(order.begin(), order.end(), 0);
+  if (!index.empty()) {
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      return index[static_cast<size_t>(a)] < index[static_cast<size_t>(b)];
+    });
+  }
+  return order;
+}
+
 }  // namespace
 
 int64_t ComputeCapacity(const LayerConfig& c, int64_t num_tokens, int64_t max_load) {
@@ -115,10 +142,10 @@ DispatchPlan MakeDispatchPlan(const LayerConfig& c, const GateResult& gate,
   p.top_k = k;
   p.dropless = c.dropless;
 
-  // 1. Token order: token index, or descending priority (batch-prioritized routing; ties keep
-  //    the lower token first).
-  std::vector<int32_t> order(static_cast<size_t>(t_num));
-  std::iota(order.begin(), order.end(), 0);
+  // 1. Token order: global token index, or descending priority (batch-prioritized routing; ties
+  //    keep the lower global index first).
+  CheckTokenIndex(options.token_index, t_num);
+  std::vector<int32_t> order = GlobalOrder(options.token_index, t_num);
   if (c.batch_prioritized_routing) {
     std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
       return gate.priority[static_cast<size_t>(a)] > gate.priority[static_cast<size_t>(b)];
@@ -194,8 +221,8 @@ DispatchPlan MakeDispatchPlan(const LayerConfig& c, const GateResult& gate,
         prio[static_cast<size_t>(s)] = gate.choice_scores[i];
       } else {
         auto t = static_cast<int64_t>(i) / k;
-        prio[static_cast<size_t>(s)] =
-            drop_rng.Uniform(static_cast<uint64_t>(options.global_token_offset + t));
+        prio[static_cast<size_t>(s)] = drop_rng.Uniform(static_cast<uint64_t>(
+            GlobalTokenIndex(options.token_index, options.global_token_offset, t)));
       }
     }
     std::stable_sort(ranked.begin(), ranked.end(), [&](int32_t a, int32_t b) {

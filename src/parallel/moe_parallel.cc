@@ -295,8 +295,11 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   const int threads = std::max(1, options.threads);
   const int64_t t_num = x.size(0), e_num = c.num_experts, m_dim = c.model_dim;
   const bool global = options_.batch_scope == BatchScope::kGlobal;
-  comm::Communicator& tokens = groups_->Get(GroupKind::kTokens);
   comm::Communicator& expert = groups_->Get(GroupKind::kExpert);
+  // The ranks whose tokens are routed as one batch: the token group (global scope), or the
+  // context-parallel group (per-rank scope: its ranks hold parts of the same sequences).
+  comm::Communicator& routing = groups_->Get(global ? GroupKind::kTokens : GroupKind::kContext);
+  const bool shared = global || routing.size() > 1;
 
   auto state = std::make_shared<ParallelState>();
   ParallelState& s = *state;
@@ -306,40 +309,41 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   // Gate.
   {
     internal::TraceSpan span("gate");
-    s.gate = moe::GateForward(c, s.x, params.gate_weight, params.expert_bias,
-                              {options.global_token_offset, options.step, options.training});
+    s.gate = moe::GateForward(
+        c, s.x, params.gate_weight, params.expert_bias,
+        {options.global_token_offset, options.step, options.training, options.token_index});
   }
   const int64_t k = s.gate.top_k;
 
-  // Losses: of the whole batch in the global scope (per-expert sums added over the token shards).
+  // Losses: of the routing group's batch (per-expert sums added over its ranks).
   moe::GateLossSums sums = moe::ComputeGateLossSums(c, s.gate);
-  if (global) {
+  if (shared) {
     std::vector<double> v = sums.ToVector();
-    internal::AllReduceSum(tokens, v, Traffic::kRouting, st);
+    internal::AllReduceSum(routing, v, Traffic::kRouting, st);
     s.batch_sums = moe::GateLossSums::FromVector(c, v);
     s.has_batch_sums = true;
   }
-  const moe::GateLosses losses = moe::GateLossesFromSums(c, global ? s.batch_sums : sums);
+  const moe::GateLosses losses = moe::GateLossesFromSums(c, shared ? s.batch_sums : sums);
 
   // Route: capacity, slots, drops.
-  internal::PairDecisions dec;
-  if (global) {
-    dec =
-        internal::GlobalDecisions(c, s.gate, options.global_token_offset, options.step, tokens, st);
-  } else {
-    std::optional<int64_t> max_load;
-    if (!c.dropless && !c.capacity && c.capacity_factor <= 0) {
-      std::vector<int64_t> loads(static_cast<size_t>(e_num), 0);
-      for (size_t i = 0; i < s.gate.experts.size(); ++i) {
-        if (s.gate.routed[i]) ++loads[static_cast<size_t>(s.gate.experts[i])];
-      }
-      std::vector<int64_t> v{*std::max_element(loads.begin(), loads.end())};
-      internal::AllReduceMax(expert, v, Traffic::kRouting, st);
-      max_load = v[0];
+  moe::PlanOptions plan_options;
+  plan_options.global_token_offset = options.global_token_offset;
+  plan_options.step = options.step;
+  plan_options.token_index = options.token_index;
+  if (!global && !c.dropless && !c.capacity && c.capacity_factor <= 0) {
+    // The per-rank scope's largest load over the expert group (of each routing group's batch).
+    std::vector<int64_t> loads(static_cast<size_t>(e_num), 0);
+    for (size_t i = 0; i < s.gate.experts.size(); ++i) {
+      if (s.gate.routed[i]) ++loads[static_cast<size_t>(s.gate.experts[i])];
     }
-    dec = internal::PerRankDecisions(c, s.gate,
-                                     {options.global_token_offset, options.step, max_load});
+    if (shared) internal::AllReduceSum(routing, loads, Traffic::kRouting, st);
+    std::vector<int64_t> v{*std::max_element(loads.begin(), loads.end())};
+    internal::AllReduceMax(expert, v, Traffic::kRouting, st);
+    plan_options.global_max_load = v[0];
   }
+  internal::PairDecisions dec =
+      shared ? internal::GlobalDecisions(c, s.gate, plan_options, routing, st)
+             : internal::PerRankDecisions(c, s.gate, plan_options);
 
   // The step's adaptive r picks the dispatcher (r = 0: local); the dispatcher lays out the plan.
   int64_t buffer_capacity = dec.local_capacity;

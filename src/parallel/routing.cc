@@ -32,36 +32,34 @@ PairDecisions PerRankDecisions(const moe::LayerConfig& config, const moe::GateRe
 namespace {
 
 // Words of one token's record in the routing all-gather: per choice (expert, routed, gate,
-// score), then the token's priority; floats travel as their bits.
-int64_t RecordWords(int64_t k) { return 4 * k + 1; }
+// score), then the token's priority, then (when any rank gives token indices) the token's global
+// index as two words; floats travel as their bits.
+int64_t RecordWords(int64_t k, bool with_index) { return 4 * k + 1 + (with_index ? 2 : 0); }
 
 }  // namespace
 
 PairDecisions GlobalDecisions(const moe::LayerConfig& config, const moe::GateResult& gate,
-                              int64_t offset, uint64_t step, comm::Communicator& tokens,
+                              const moe::PlanOptions& local, comm::Communicator& group,
                               CommStats* stats) {
   const int64_t t_num = gate.num_tokens, e_num = gate.num_experts, k = gate.top_k;
-  const int p_num = tokens.size();
-  // 1. Token counts and offsets of every rank.
-  std::vector<int64_t> mine{t_num, offset};
-  std::vector<int64_t> sizes = AllGather(tokens, mine, Traffic::kRouting, stats);
+  const int p_num = group.size();
+  moe::CheckTokenIndex(local.token_index, t_num);
+  // 1. Token counts, offsets and whether token indices follow, of every rank.
+  std::vector<int64_t> mine{t_num, local.global_token_offset, local.token_index.empty() ? 0 : 1};
+  std::vector<int64_t> sizes = AllGather(group, mine, Traffic::kRouting, stats);
+  auto count = [&](int p) { return sizes[3 * static_cast<size_t>(p)]; };
+  auto offset = [&](int p) { return sizes[3 * static_cast<size_t>(p) + 1]; };
   int64_t t_max = 0, t_global = 0, start = 0;
+  bool with_index = false, contiguous = true;
   for (int p = 0; p < p_num; ++p) {
-    t_max = std::max(t_max, sizes[2 * static_cast<size_t>(p)]);
-    if (p < tokens.rank()) start += sizes[2 * static_cast<size_t>(p)];
-    t_global += sizes[2 * static_cast<size_t>(p)];
+    t_max = std::max(t_max, count(p));
+    if (p < group.rank()) start += count(p);
+    t_global += count(p);
+    with_index = with_index || sizes[3 * static_cast<size_t>(p) + 2] != 0;
+    if (p > 0) contiguous = contiguous && offset(p - 1) + count(p - 1) == offset(p);
   }
-  if (config.drop_policy == moe::DropPolicy::kRandom && !config.dropless) {
-    for (int p = 0; p + 1 < p_num; ++p) {
-      int64_t end = sizes[2 * static_cast<size_t>(p)] + sizes[2 * static_cast<size_t>(p) + 1];
-      SY_REQUIRE(end == sizes[2 * static_cast<size_t>(p) + 3], InvalidArgument,
-                 "global batch scope with drop_policy random: the ranks' tokens must be "
-                 "contiguous in global index (rank {} ends at {}, rank {} starts at {})",
-                 p, end, p + 1, sizes[2 * static_cast<size_t>(p) + 3]);
-    }
-  }
-  // 2. Every rank's gate decisions.
-  const int64_t words = RecordWords(k);
+  // 2. Every rank's gate decisions (and global token indices).
+  const int64_t words = RecordWords(k, with_index);
   Tensor own = Tensor::Zeros({std::max<int64_t>(t_max, 0), words}, DType::kInt32);
   int32_t* op = own.data<int32_t>();
   for (int64_t t = 0; t < t_num; ++t) {
@@ -74,8 +72,14 @@ PairDecisions GlobalDecisions(const moe::LayerConfig& config, const moe::GateRes
       rec[4 * j + 3] = std::bit_cast<int32_t>(gate.choice_scores[i]);
     }
     rec[4 * k] = std::bit_cast<int32_t>(gate.priority[static_cast<size_t>(t)]);
+    if (with_index) {
+      const auto g = static_cast<uint64_t>(
+          moe::GlobalTokenIndex(local.token_index, local.global_token_offset, t));
+      rec[4 * k + 1] = static_cast<int32_t>(static_cast<uint32_t>(g));
+      rec[4 * k + 2] = static_cast<int32_t>(static_cast<uint32_t>(g >> 32));
+    }
   }
-  Tensor all = AllGather(tokens, own, Traffic::kRouting, stats);
+  Tensor all = AllGather(group, own, Traffic::kRouting, stats);
   const int32_t* ap = all.data<int32_t>();
 
   moe::GateResult g;
@@ -88,9 +92,13 @@ PairDecisions GlobalDecisions(const moe::LayerConfig& config, const moe::GateRes
   g.gates.resize(tk);
   g.choice_scores.resize(tk);
   g.priority.resize(static_cast<size_t>(t_global));
+  // The batch's global token indices: gathered, or from the ranks' offsets when their ranges do
+  // not follow each other; empty when they do (the identity from the first rank's offset).
+  std::vector<int64_t> index;
+  if (with_index || !contiguous) index.resize(static_cast<size_t>(t_global));
   int64_t gt = 0;
   for (int p = 0; p < p_num; ++p) {
-    for (int64_t t = 0; t < sizes[2 * static_cast<size_t>(p)]; ++t, ++gt) {
+    for (int64_t t = 0; t < count(p); ++t, ++gt) {
       const int32_t* rec = ap + (p * t_max + t) * words;
       for (int64_t j = 0; j < k; ++j) {
         auto i = static_cast<size_t>(gt * k + j);
@@ -100,12 +108,21 @@ PairDecisions GlobalDecisions(const moe::LayerConfig& config, const moe::GateRes
         g.choice_scores[i] = std::bit_cast<float>(rec[4 * j + 3]);
       }
       g.priority[static_cast<size_t>(gt)] = std::bit_cast<float>(rec[4 * k]);
+      if (with_index) {
+        index[static_cast<size_t>(gt)] = static_cast<int64_t>(
+            static_cast<uint64_t>(static_cast<uint32_t>(rec[4 * k + 1])) |
+            (static_cast<uint64_t>(static_cast<uint32_t>(rec[4 * k + 2])) << 32));
+      } else if (!contiguous) {
+        index[static_cast<size_t>(gt)] = offset(p) + t;
+      }
     }
   }
   // 3. The whole batch's plan, and this rank's part of it.
   moe::PlanOptions po;
-  po.global_token_offset = sizes[1];
-  po.step = step;
+  po.global_token_offset = p_num > 0 ? offset(0) : 0;
+  po.step = local.step;
+  po.global_max_load = local.global_max_load;
+  po.token_index = index;
   moe::DispatchPlan plan = moe::MakeDispatchPlan(config, g, po);
 
   PairDecisions d;

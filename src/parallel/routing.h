@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "switchyard/comm/communicator.h"
@@ -34,13 +35,15 @@ struct PairDecisions {
 PairDecisions PerRankDecisions(const moe::LayerConfig& config, const moe::GateResult& gate,
                                const moe::PlanOptions& options);
 
-// Global-batch routing: the gate decisions of every rank of `tokens` are all-gathered and the
-// single-rank plan of the whole batch (ranks' tokens concatenated in group order) is computed on
-// every rank; this rank's part of it is returned. Collective over `tokens`.
-//   offset  global index of this rank's first token; the ranks' ranges must be contiguous when
-//           the drop policy is random (it keys draws by global token index).
+// Routing over a group of ranks whose tokens make one batch (the token group in the global
+// scope; the context-parallel group in the per-rank scope): the gate decisions of every rank of
+// `group` are all-gathered and the single-rank plan of the whole batch is computed on every rank;
+// this rank's part of it is returned. The batch's tokens are visited in global order, so the
+// result does not depend on how the ranks hold them. Collective over `group`.
+//   local  this rank's global token indices (token_index, or global_token_offset + t), the step,
+//          and for capacity_factor <= 0 an optional largest load (unset: the batch's)
 PairDecisions GlobalDecisions(const moe::LayerConfig& config, const moe::GateResult& gate,
-                              int64_t offset, uint64_t step, comm::Communicator& tokens,
+                              const moe::PlanOptions& local, comm::Communicator& group,
                               CommStats* stats);
 
 // The plan of this rank's kept pairs with expert e owning rows [e * stride, e * stride + stride)

@@ -191,6 +191,7 @@ FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
   const double t0 = Now();
   parallel::ParallelForwardOptions o;
   o.global_token_offset = context.global_token_offset;
+  if (context.token_index) o.token_index = *context.token_index;
   o.step = context.step;
   o.threads = context.threads;
   o.save_for_backward = context.save_for_backward;
@@ -236,9 +237,11 @@ Tensor ParallelMoeFeedForward::Backward(const FeedForwardOutput& forward, const 
   // contribute sum(y * dy) + D * loss_scale * share (distributed.h: gradients are summed over the
   // ranks and divided by D), so pass d = dy / (D * loss_scale) and scale the results back. In the
   // per-rank scope the layer differentiates this rank's own loss terms, whose mean over the D
-  // shards is the objective's: the share is loss / D, so the factor is loss_scale alone.
+  // shards is the objective's: the share is loss / D, so the factor is loss_scale alone. With
+  // context parallelism the per-rank scope routes each cp group as one shard (cp ranks share its
+  // loss terms, as the D ranks share the global ones): the factor is cp.
   const bool per_rank = layer.options().batch_scope == parallel::BatchScope::kPerRank;
-  const float scale = (per_rank ? 1.0f : static_cast<float>(data_shards_)) * loss_scale;
+  const float scale = static_cast<float>(per_rank ? layer.mesh().cp() : data_shards_) * loss_scale;
   Tensor d = dy;
   if (scale != 1.0f) {
     d = dy.Clone();

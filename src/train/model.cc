@@ -262,6 +262,25 @@ struct ModelState {
 
 namespace {
 
+// The global index (the one-rank order: sequence b, position t -> offset + b * seq + t) of each
+// of `rows` rows from `row_begin` of a context-parallel rank's tokens [batch * local_len]. The
+// MoE blocks route by it, so that drops, priorities and random draws are the one-rank run's.
+// Rows a call without backward pads (positions >= seq, sequences >= real_batch) are numbered
+// after every real token.
+std::shared_ptr<const std::vector<int64_t>> ContextParallelTokenIndex(
+    const SequenceSplit& split, int64_t offset, int64_t real_batch, int64_t seq, int64_t row_begin,
+    int64_t rows) {
+  auto index = std::make_shared<std::vector<int64_t>>(static_cast<size_t>(rows));
+  const int64_t local = split.local_len(), padded = split.seq_len();
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t b = (row_begin + i) / local, t = split.Position((row_begin + i) % local);
+    (*index)[static_cast<size_t>(i)] = b < real_batch && t < seq
+                                           ? offset + b * seq + t
+                                           : offset + real_batch * seq + b * padded + t;
+  }
+  return index;
+}
+
 ModelPartition CheckedPartition(ModelPartition partition, int64_t layers) {
   if (partition.chunks.empty()) partition.chunks.push_back({0, layers});
   std::vector<BlockRange> sorted = partition.chunks;
@@ -560,6 +579,10 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
 
   FeedForwardContext ctx;
   ctx.global_token_offset = options.global_token_offset + row_begin;
+  if (cp_split) {
+    ctx.token_index = ContextParallelTokenIndex(*cp_split, options.global_token_offset, real_batch,
+                                                seq, row_begin, rows);
+  }
   ctx.step = options.step;
   ctx.training = options.training;
   ctx.save_for_backward = options.save_for_backward;

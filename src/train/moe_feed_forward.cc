@@ -37,6 +37,7 @@ FeedForwardOutput MoeFeedForward::Forward(const Tensor& x, const FeedForwardCont
   const double t0 = Now();
   moe::ForwardOptions o;
   o.global_token_offset = context.global_token_offset;
+  if (context.token_index) o.token_index = *context.token_index;
   o.step = context.step;
   o.threads = context.threads;
   o.save_for_backward = context.save_for_backward;

@@ -3,6 +3,7 @@
 // the errors users see.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -124,6 +125,117 @@ TEST(LayerProperties, SplitBatchWithOffsetsEqualsWholeBatch) {
     ForwardOptions next = whole_opt;
     next.step = 5;
     EXPECT_NE(Floats(layer.Forward(params, x, next).gates), Floats(whole.gates));
+  }
+}
+
+// Routing is keyed by the global token index, not by the row: the batch's rows in another order
+// (as context-parallel ranks hold them), each with its global index, route exactly as the batch
+// in order, with binding capacity and every order-dependent option (position / random drops,
+// batch-prioritized routing, noise, random routing); the outputs and gradients are the permuted
+// ones. The identity index changes nothing, bit for bit.
+TEST(LayerProperties, RowsInAnyOrderWithTheirGlobalIndexRouteAsInOrder) {
+  struct Case {
+    const char* name;
+    void (*edit)(LayerConfig&);
+  };
+  const Case cases[] = {
+      {"position drops", [](LayerConfig&) {}},
+      {"random drops", [](LayerConfig& c) { c.drop_policy = DropPolicy::kRandom; }},
+      {"probs drops, token order",
+       [](LayerConfig& c) {
+         c.drop_policy = DropPolicy::kProbs;
+         c.slot_order = SlotOrder::kTokenOrder;
+       }},
+      {"batch-prioritized", [](LayerConfig& c) { c.batch_prioritized_routing = true; }},
+      {"tutel noise, random routing",
+       [](LayerConfig& c) {
+         c.noise = NoiseKind::kTutelNormal;
+         c.noise_std = 3.0f;
+         c.random_routing = true;
+       }},
+      {"jitter, renormalize",
+       [](LayerConfig& c) {
+         c.noise = NoiseKind::kJitter;
+         c.jitter_eps = 0.2f;
+         c.renormalize_after_drop = true;
+       }},
+      {"gumbel, k 3",
+       [](LayerConfig& c) {
+         c.noise = NoiseKind::kGumbelSecond;
+         c.top_k = 3;
+       }},
+  };
+  const int64_t t = 48, offset = 96;
+  std::vector<int64_t> perm(static_cast<size_t>(t));  // row r holds token perm[r]
+  for (int64_t r = 0; r < t; ++r) perm[static_cast<size_t>(r)] = (r * 29 + 7) % t;
+  for (const Case& k : cases) {
+    LayerConfig c = MediumConfig();
+    c.capacity_factor = 0.75f;
+    k.edit(c);
+    LayerParams params = InitParams(c, 5);
+    MoeLayer layer(c);
+    const int64_t m = c.model_dim, top = layer.top_k();
+    Tensor x = RandomX(t, m, 10), dy = RandomX(t, m, 11);
+    Tensor px = Tensor::Empty({t, m}), pdy = Tensor::Empty({t, m});
+    std::vector<int64_t> index(static_cast<size_t>(t));
+    for (int64_t r = 0; r < t; ++r) {
+      const int64_t tok = perm[static_cast<size_t>(r)];
+      std::copy_n(x.data<float>() + tok * m, m, px.data<float>() + r * m);
+      std::copy_n(dy.data<float>() + tok * m, m, pdy.data<float>() + r * m);
+      index[static_cast<size_t>(r)] = offset + tok;
+    }
+    ForwardOptions o;
+    o.global_token_offset = offset;
+    o.step = 2;
+    const LayerOutput want = layer.Forward(params, x, o);
+    ASSERT_GT(want.dropped, 0) << k.name;  // capacity binds
+    ForwardOptions po = o;
+    po.token_index = index;
+    const LayerOutput got = layer.Forward(params, px, po);
+    EXPECT_EQ(got.dropped, want.dropped) << k.name;
+    EXPECT_EQ(got.capacity, want.capacity) << k.name;
+    EXPECT_EQ(got.expert_counts, want.expert_counts) << k.name;
+    EXPECT_FLOAT_EQ(got.l_aux, want.l_aux) << k.name;
+    auto row_of = [&](const Tensor& a, int64_t r, int64_t width) {
+      std::vector<float> v = Floats(a);
+      return std::vector<float>(v.begin() + r * width, v.begin() + (r + 1) * width);
+    };
+    const Tensor wl = want.locations.To(DType::kFloat32), gl = got.locations.To(DType::kFloat32);
+    const LayerGradients wg = layer.Backward(params, want, dy),
+                         gg = layer.Backward(params, got, pdy);
+    for (int64_t r = 0; r < t; ++r) {
+      const int64_t tok = perm[static_cast<size_t>(r)];
+      EXPECT_EQ(row_of(gl, r, top), row_of(wl, tok, top)) << k.name << " row " << r;
+      EXPECT_EQ(row_of(got.combine_weights, r, top), row_of(want.combine_weights, tok, top))
+          << k.name << " row " << r;
+      EXPECT_TRUE(AllClose(row_of(got.y, r, m), row_of(want.y, tok, m), 1e-5, 1e-6))
+          << k.name << " row " << r;
+      EXPECT_TRUE(AllClose(row_of(gg.x, r, m), row_of(wg.x, tok, m), 1e-4, 1e-5))
+          << k.name << " row " << r;
+    }
+    LayerGradients unpermuted = gg;
+    unpermuted.x = wg.x;  // rows compared above
+    ExpectGradientsClose(c, unpermuted, wg, 1e-4, 1e-5);
+    // The identity index is the offset's order: bit for bit.
+    std::vector<int64_t> identity(static_cast<size_t>(t));
+    for (int64_t r = 0; r < t; ++r) identity[static_cast<size_t>(r)] = offset + r;
+    ForwardOptions io = o;
+    io.token_index = identity;
+    const LayerOutput same = layer.Forward(params, x, io);
+    EXPECT_EQ(Floats(same.y), Floats(want.y)) << k.name;
+    EXPECT_EQ(Floats(same.gates), Floats(want.gates)) << k.name;
+  }
+  // A token index of the wrong length is an error naming it.
+  MoeLayer layer(MediumConfig());
+  ForwardOptions bad;
+  std::vector<int64_t> short_index(3, 0);
+  bad.token_index = short_index;
+  try {
+    layer.Forward(InitParams(MediumConfig(), 5), RandomX(4, 16, 1), bad);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("token_index: expected 4 entries"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -3,8 +3,10 @@
 // preset) under the main layouts; switching adaptive r between steps; gradient synchronisation;
 // bytes on the wire against their formula; errors; and the moe hook that sums the gate losses of
 // a batch split over ranks.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -601,6 +603,112 @@ TEST(AdaptiveR, AutoPicksTheCheapestBySpecFormula) {
   EXPECT_EQ(ChooseAdaptiveR(4, 1000, 1000, 2), 0);  // huge batches: gather the weights
   EXPECT_EQ(ChooseAdaptiveR(4, 60, 1000, 2), 2);    // 4*60*2 + 250 = 730 < 740, 1000, 2000
   EXPECT_EQ(ChooseAdaptiveR(1, 1, 1000, 2), 1);
+}
+
+// Ranks whose tokens are not a contiguous range of the batch (context parallelism holds chunks of
+// every sequence) route as one rank when each token carries its global index: rank r of 4 holds
+// tokens r, r + 4, r + 8, ... With binding capacity and the order-dependent options (random and
+// position drops, batch-prioritized routing, Tutel noise with random routing) the outputs, drops,
+// l_aux and the gate's gradient equal moe::MoeLayer on the batch in order; in the global scope on
+// 4 token shards, and in the per-rank scope on cp 2 x dp 2, where each cp group routes its two
+// ranks' tokens as one batch (rows 2 d .. of the interleave: the reference is one layer per dp
+// rank on its tokens in order).
+TEST(ParallelLayer, TokensInAnyOrderWithTheirGlobalIndexRouteAsOneRank) {
+  const int w = 4;
+  const int64_t t_num = 40;
+  for (const moe::DropPolicy drop : {moe::DropPolicy::kPosition, moe::DropPolicy::kRandom}) {
+    for (const bool per_rank : {false, true}) {
+      moe::LayerConfig c = SmallConfig(4, false, 0.75f);
+      c.drop_policy = drop;
+      c.batch_prioritized_routing = drop == moe::DropPolicy::kPosition;
+      c.noise = moe::NoiseKind::kTutelNormal;
+      c.noise_std = 2.0f;
+      c.random_routing = true;
+      const Inputs in = MakeInputs(c, t_num, 61);
+      ParallelOptions options;
+      options.mesh.world_size = w;
+      options.mesh.cp = per_rank ? 2 : 1;
+      options.batch_scope = per_rank ? BatchScope::kPerRank : BatchScope::kGlobal;
+      // The reference: the batch in order (per rank: each dp rank's tokens in order, offset by
+      // its first token), step 3.
+      const int shards = per_rank ? 2 : 1;  // dp ranks
+      moe::MoeLayer one(c);
+      std::vector<moe::LayerOutput> want(static_cast<size_t>(shards));
+      Tensor want_dgate = Tensor::Zeros({c.num_experts, c.model_dim});
+      for (int d = 0; d < shards; ++d) {
+        const int64_t begin = t_num / shards * d, end = t_num / shards * (d + 1);
+        moe::ForwardOptions fo;
+        fo.global_token_offset = begin;
+        fo.step = 3;
+        want[static_cast<size_t>(d)] = one.Forward(in.params, in.x.Slice(begin, end).Clone(), fo);
+        const moe::LayerGradients g =
+            one.Backward(in.params, want[static_cast<size_t>(d)], in.dy.Slice(begin, end).Clone());
+        for (int64_t i = 0; i < want_dgate.numel(); ++i) {
+          want_dgate.data<float>()[i] += g.params.gate_weight.data<float>()[i];
+        }
+      }
+      const std::string what = fmt::format("{} drops, {}", moe::DropPolicyName(drop),
+                                           per_rank ? "per_rank cp 2 x dp 2" : "global");
+      int64_t want_dropped = 0;
+      for (const moe::LayerOutput& o : want) want_dropped += o.dropped;
+      ASSERT_GT(want_dropped, 0) << what;
+      std::vector<int64_t> dropped(w, 0);
+      comm::RunInProcess(w, [&](comm::Communicator& world) {
+        ParallelMoeLayer layer(c, options, MakeLayerGroups(world, c, options));
+        const RankCoords& rc = layer.coords();
+        // Token shard s: every 4th token of the batch (per rank: of its dp rank's half, every
+        // 2nd, the cp ranks interleaved).
+        const int64_t stride = per_rank ? 2 : w,
+                      base_shard = per_rank ? rc.cp_rank : rc.token_shard;
+        const int64_t begin = per_rank ? t_num / 2 * rc.dp_rank : 0;
+        const int64_t end = per_rank ? begin + t_num / 2 : t_num;
+        std::vector<int64_t> index;
+        for (int64_t g = begin + base_shard; g < end; g += stride) index.push_back(g);
+        const auto n = static_cast<int64_t>(index.size());
+        Tensor x = Tensor::Empty({n, c.model_dim}), dy = Tensor::Empty({n, c.model_dim});
+        for (int64_t r = 0; r < n; ++r) {
+          std::copy_n(in.x.data<float>() + index[r] * c.model_dim, c.model_dim,
+                      x.data<float>() + r * c.model_dim);
+          std::copy_n(in.dy.data<float>() + index[r] * c.model_dim, c.model_dim,
+                      dy.data<float>() + r * c.model_dim);
+        }
+        ParallelForwardOptions fo;
+        fo.global_token_offset = begin;
+        fo.step = 3;
+        fo.token_index = index;
+        const moe::LayerParams p = layer.ShardParams(in.params);
+        const ParallelOutput out = layer.Forward(p, x, fo);
+        ParallelGradients g = layer.Backward(p, out, dy);
+        layer.SyncGradients(&g.params);
+        dropped[static_cast<size_t>(world.rank())] = out.layer.dropped;
+        const moe::LayerOutput& ref = want[static_cast<size_t>(per_rank ? rc.dp_rank : 0)];
+        EXPECT_NEAR(out.layer.l_aux, ref.l_aux, 1e-5 * std::abs(ref.l_aux)) << what;
+        EXPECT_EQ(out.layer.capacity, ref.capacity) << what;
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t tok = index[r] - begin;
+          for (int64_t m = 0; m < c.model_dim; ++m) {
+            EXPECT_NEAR(out.layer.y.data<float>()[r * c.model_dim + m],
+                        ref.y.data<float>()[tok * c.model_dim + m], 2e-5)
+                << what << " token " << index[r];
+          }
+          for (int64_t j = 0; j < 2; ++j) {
+            EXPECT_EQ(out.layer.locations.data<int32_t>()[r * 2 + j],
+                      ref.locations.data<int32_t>()[tok * 2 + j])
+                << what << " token " << index[r];
+          }
+        }
+        // The gate's gradient, summed over the token shards: the whole batch's.
+        for (int64_t i = 0; i < want_dgate.numel(); ++i) {
+          EXPECT_NEAR(g.params.gate_weight.data<float>()[i], want_dgate.data<float>()[i],
+                      1e-4 + 1e-3 * std::abs(want_dgate.data<float>()[i]))
+              << what << " element " << i;
+        }
+      });
+      int64_t total = 0;
+      for (int64_t d : dropped) total += d;
+      EXPECT_EQ(total, want_dropped) << what;
+    }
+  }
 }
 
 TEST(GateLossSums, SumsOfTwoHalvesGiveTheWholeBatchsLossesAndGradients) {

@@ -1,9 +1,12 @@
 // Context-parallel attention on in-process ranks against single-rank full attention: outputs and
 // the gradients of q, k and v for cp 2..4, Ulysses and ring, causal and not, plain and zigzag
 // splits (CausalAttentionForward/Backward for the causal case, a plain reference otherwise); the
-// bytes each call puts on the wire; the per-rank work of the two splits; the errors.
+// bytes each call puts on the wire; the per-rank work of the two splits; the errors. MoE blocks
+// under context parallelism: training runs with binding capacity and every order-dependent routing
+// option against the one-rank run.
 #include "switchyard/train/context_parallel.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,10 +16,15 @@
 
 #include "switchyard/comm/inprocess.h"
 #include "switchyard/core/error.h"
+#include "switchyard/core/file_util.h"
+#include "switchyard/kernels/gemm.h"
 #include "switchyard/train/layers.h"
 #include "switchyard/train/model.h"
 #include "testing/random.h"
 #include "train/grad_check.h"
+#include "train/run_compare.h"
+#include "train/temp_dir.h"
+#include "train/tiny_run.h"
 
 namespace switchyard::train {
 namespace {
@@ -372,6 +380,132 @@ TEST(ContextParallelModel, PadsSequencesThatDoNotSplitForCallsWithoutBackward) {
       });
       for (const Tensor& g : got) EXPECT_TRUE(AllClose("logits", g, want));
     }
+  }
+}
+
+// MoE blocks under context parallelism route in the one-rank order (docs/context_parallel.md, "In
+// `switchyard train`", MoE blocks): each token's global index (sequence b, position t -> b *
+// seq_len + t) orders the slots and keys every random draw, so a cp group equals one rank with
+// binding capacity (the default capacity factor 1.25: drops at every step, asserted) and with every
+// order-dependent option: gate noise (Tutel, jitter, Gumbel), GShard random routing, the random and
+// probs drop policies, batch-prioritized routing, the aux-loss-free expert bias. Ring and Ulysses
+// at cp 2, cp 2 x dp 2 with ep 2, and cp 2 x pp 2 with two micro-batches; losses, gradient norms,
+// expert loads and parameters over three steps.
+class ContextParallelMoe : public ::testing::Test {
+ protected:
+  void SetUp() override { kernels::SetBlasThreads(1); }
+
+  TrainConfig Base() {
+    TrainConfig c = testing::TinyMoeConfig(dir_);
+    c.model.num_heads = 4;
+    c.capacity_factor = 1.25;  // the default
+    c.num_experts = 8;
+    return c;
+  }
+  // `c` with the MoE options `layer_json` (a layer.json object; "" for none).
+  TrainConfig WithLayer(TrainConfig c, const std::string& layer_json) {
+    if (layer_json.empty()) return c;
+    c.moe_layer_config = dir_ / ("layer" + std::to_string(files_++) + ".json");
+    WriteTextFileAtomic(c.moe_layer_config, layer_json);
+    return c;
+  }
+  static TrainConfig Cp(TrainConfig c, int ranks, int cp, const char* algo, int ep = 0) {
+    c.ranks = ranks;
+    c.cp = cp;
+    if (cp > 1) c.cp_algo = algo;
+    c.ep = ep;
+    return c;
+  }
+
+  testing::TempDir dir_;
+  int files_ = 0;
+};
+
+TEST_F(ContextParallelMoe, EqualsOneRankWithDropsNoiseAndRandomRouting) {
+  const int kSteps = 3;
+  struct Routing {
+    const char* name;
+    const char* layer_json;
+  };
+  const Routing cases[] = {
+      {"capacity factor 1.25", ""},
+      {"tutel noise", R"({"noise": "tutel_normal", "noise_std": 2.0})"},
+      {"random routing", R"({"random_routing": true})"},
+      {"jitter", R"({"noise": "jitter", "jitter_eps": 0.1})"},
+      {"renormalize after drop", R"({"renormalize_after_drop": true})"},
+      {"gumbel second choice", R"({"noise": "gumbel_second"})"},
+      {"random drops", R"({"drop_policy": "random"})"},
+      {"probs drops, token order", R"({"drop_policy": "probs", "slot_order": "token_order"})"},
+      {"batch-prioritized, expert bias",
+       R"({"batch_prioritized_routing": true, "expert_bias": true})"},
+  };
+  for (const Routing& k : cases) {
+    const TrainConfig c = WithLayer(Base(), k.layer_json);
+    const testing::RunRecord want = testing::SingleRank(c, kSteps);
+    for (double d : want.drop_rate) EXPECT_GT(d, 0.0) << k.name;  // capacity binds
+    for (const char* algo : {"ring", "ulysses"}) {
+      testing::ExpectSameRun(want, testing::OnRanks(Cp(c, 2, 2, algo), kSteps),
+                             fmt::format("{}, cp 2 {}", k.name, algo));
+    }
+    testing::ExpectSameRun(want, testing::OnRanks(Cp(c, 4, 2, "ring", 2), kSteps),
+                           fmt::format("{}, cp 2 x dp 2, ep 2", k.name));
+  }
+  // Two pipeline stages (the MoE block on the second), two micro-batches: one rank with two.
+  TrainConfig two = WithLayer(Base(), R"({"drop_policy": "random", "noise": "tutel_normal"})");
+  two.microbatches = 2;
+  const testing::RunRecord want = testing::SingleRank(two, kSteps);
+  for (double d : want.drop_rate) EXPECT_GT(d, 0.0) << "pp 2";
+  TrainConfig pp = Cp(two, 4, 2, "ulysses");
+  pp.pp = 2;
+  testing::ExpectSameRun(want, testing::OnRanks(pp, kSteps), "random drops, noise, cp 2 x pp 2");
+}
+
+// With tensor and sequence parallelism (Megatron's arrangement: each tp rank holds half of its cp
+// rank's rows, the MoE token group is tp x cp x dp), tp 2 x cp 2 routes as one rank too, also
+// with 3 sequences per step, where a tp rank's rows start in the middle of a sequence.
+TEST_F(ContextParallelMoe, WithSequenceParallelEqualsOneRank) {
+  const int kSteps = 3;
+  TrainConfig base = Base();
+  base.model.tied_head = false;
+  for (const int64_t batch : {8, 3}) {
+    for (const char* layer_json : {"", R"({"drop_policy": "random", "noise": "tutel_normal"})"}) {
+      TrainConfig c = WithLayer(base, layer_json);
+      c.batch_size = batch;
+      const std::string what = fmt::format("batch {}, {}", batch,
+                                           *layer_json ? "random drops, noise" : "position drops");
+      const testing::RunRecord want = testing::SingleRank(c, kSteps);
+      for (double d : want.drop_rate) EXPECT_GT(d, 0.0) << what;
+      TrainConfig sp = Cp(c, 4, 2, "ring");
+      sp.tp = 2;
+      sp.sequence_parallel = true;
+      testing::ExpectSameRun(want, testing::OnRanks(sp, kSteps), "tp 2 sp x cp 2, " + what);
+    }
+  }
+}
+
+// The per-rank routing scope under context parallelism: a cp group holds one data-parallel
+// rank's sequences, and routes them as one batch (capacity, drops and the balancing losses of the
+// group's tokens). cp 2 equals one rank; cp 2 x dp 2 (ep 2, and with random drops and noise)
+// equals one rank with 2 micro-batches, as dp 2 alone does.
+TEST_F(ContextParallelMoe, PerRankScopeRoutesEachCpGroupAsOneShard) {
+  const int kSteps = 3;
+  TrainConfig base = Base();
+  base.routing_scope = "per_rank";
+  for (const char* layer_json :
+       {"", R"({"drop_policy": "random", "noise": "tutel_normal", "random_routing": true})"}) {
+    const TrainConfig c = WithLayer(base, layer_json);
+    const std::string what = *layer_json ? "random drops, noise" : "position drops";
+    const testing::RunRecord whole = testing::SingleRank(c, kSteps);
+    for (double d : whole.drop_rate) EXPECT_GT(d, 0.0) << what;
+    testing::ExpectSameRun(whole, testing::OnRanks(Cp(c, 2, 2, "ulysses"), kSteps),
+                           "per_rank cp 2, " + what);
+    TrainConfig two = c;
+    two.microbatches = 2;
+    const testing::RunRecord want = testing::SingleRank(two, kSteps);
+    testing::ExpectSameRun(want, testing::OnRanks(Cp(c, 2, 1, ""), kSteps),
+                           "per_rank dp 2, " + what);
+    testing::ExpectSameRun(want, testing::OnRanks(Cp(c, 4, 2, "ring", 2), kSteps),
+                           "per_rank cp 2 x dp 2, ep 2, " + what);
   }
 }
 

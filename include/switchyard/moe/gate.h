@@ -2,9 +2,10 @@
 // top-k, gate values, and optionally noise, GShard random routing and the aux-loss-free expert
 // bias.
 //
-// Every random draw is keyed by the GLOBAL token index (global_token_offset + local index) through
-// CounterRng, so a token gets the same noise on whichever rank it lives (docs/moe.md lists the
-// streams and indices).
+// Every random draw is keyed by the GLOBAL token index through CounterRng, so a token gets the same
+// noise on whichever rank and at whichever local row it lives (docs/moe.md lists the streams and
+// indices). The global index of local token t is GateOptions::token_index[t], or
+// global_token_offset + t when the caller's tokens are contiguous in the global order.
 //
 // Thread-safety: the functions are reentrant; they share no state.
 #pragma once
@@ -27,7 +28,19 @@ struct GateOptions {
   uint64_t step = 0;                // training step: a new step draws new noise (StepSeed)
   // false (evaluation, inference): no noise and no GShard random routing, whatever the config.
   bool training = true;
+  // [T] the global index of each local token (distinct, >= 0), for tokens that are not contiguous
+  // in the global order (context parallelism holds chunks of every sequence); empty: the identity
+  // global_token_offset + t. It replaces the offset where given.
+  std::span<const int64_t> token_index = {};
 };
+
+// The global index of local token t: token_index[t], or offset + t when token_index is empty.
+inline int64_t GlobalTokenIndex(std::span<const int64_t> token_index, int64_t offset, int64_t t) {
+  return token_index.empty() ? offset + t : token_index[static_cast<size_t>(t)];
+}
+
+// Throws InvalidArgument unless token_index is empty or holds num_tokens indices >= 0.
+void CheckTokenIndex(std::span<const int64_t> token_index, int64_t num_tokens);
 
 // What the gate decided, and what its backward needs. Per-(token, choice) arrays are [T, k]
 // row-major (index t * k + j); choice j = 0 is the 1st choice.

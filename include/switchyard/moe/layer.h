@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,10 @@ struct ForwardOptions {
   // true: a training call (gate noise and GShard random routing as the config says); false:
   // evaluation, neither. Everything else (capacity, drops, losses) is the same in both.
   bool training = true;
+  // [T] the global index of each token of x (GateOptions::token_index): routing visits the tokens
+  // in that order and keys every random draw by it, so rows given in another order (context
+  // parallelism) route exactly as in the global order. Empty: global_token_offset + t.
+  std::span<const int64_t> token_index = {};
 };
 
 struct LayerState;  // what the backward needs (opaque)

@@ -43,6 +43,10 @@ struct PlanOptions {
   // capacity_factor <= 0: the largest expert load over the EP group. Unset: this rank's largest
   // load (a single rank is its own group). A distributed caller all-reduces the local max.
   std::optional<int64_t> global_max_load;
+  // [T] the global index of each token, as GateOptions::token_index (empty: the identity
+  // global_token_offset + t). The plan visits the tokens in global order (ascending index), so
+  // slots, drops and the random drop priority do not depend on the order of the local rows.
+  std::span<const int64_t> token_index = {};
 };
 
 struct DispatchPlan {
@@ -64,7 +68,9 @@ struct DispatchPlan {
   std::vector<float> weights;       // [T, k] combine weights (0 where dropped), see below
 };
 
-// Assigns slots and drops. Combine weights: the gate values g_j of surviving choices, renormalized
+// Assigns slots and drops. Tokens are visited in ascending global index (PlanOptions::token_index),
+// so a permutation of the rows (with their indices) permutes the plan and changes nothing else.
+// Combine weights: the gate values g_j of surviving choices, renormalized
 // over the survivors of each token when renormalize_after_drop (and k > 1); 0 for dropped choices.
 DispatchPlan MakeDispatchPlan(const LayerConfig& config, const GateResult& gate,
                               const PlanOptions& options);

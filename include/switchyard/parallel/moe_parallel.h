@@ -36,12 +36,15 @@
 // bytes.
 //
 // Batch scope (docs/parallel.md, "Batch scope"):
-//   kGlobal   capacity, slot order, drops and the losses are those of the global batch (the
-//             concatenation of the ranks' tokens in token-shard order): outputs, l_aux and
-//             gradients equal moe::MoeLayer on the whole batch (up to float summation order).
-//   kPerRank  Tutel's and DeepSpeed's default: capacity, slots and l_aux from each rank's own
-//             tokens; equal to one moe::MoeLayer per rank (capacity_factor <= 0 takes the largest
-//             load over the expert group), parameter gradients summed.
+//   kGlobal   capacity, slot order, drops and the losses are those of the global batch (its tokens
+//             in global token order: ParallelForwardOptions::token_index, or the ranks' offsets):
+//             outputs, l_aux and gradients equal moe::MoeLayer on the whole batch (up to float
+//             summation order), however the ranks hold the tokens.
+//   kPerRank  Tutel's and DeepSpeed's default: capacity, slots and l_aux from each token shard's
+//             own tokens; equal to one moe::MoeLayer per shard (capacity_factor <= 0 takes the
+//             largest load over the expert group), parameter gradients summed. The ranks of a
+//             context-parallel group hold one shard together (parts of the same sequences): they
+//             route it as one batch, in global token order.
 //
 // Backward returns this rank's contribution to the gradients; SyncGradients sums expert
 // gradients over the ranks holding the same shard and gate gradients over the token shards, after
@@ -54,6 +57,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -133,6 +137,10 @@ struct ParallelForwardOptions {
   bool save_for_backward = true;
   // As moe::ForwardOptions::training: false (evaluation) turns gate noise and random routing off.
   bool training = true;
+  // [T] the global index of each of this rank's tokens, as moe::ForwardOptions::token_index: for
+  // ranks whose tokens are not a contiguous range of the batch (context parallelism). Routing
+  // visits the batch in global order and keys every draw by it. Empty: global_token_offset + t.
+  std::span<const int64_t> token_index = {};
 };
 
 struct ParallelState;  // what the backward needs (opaque)

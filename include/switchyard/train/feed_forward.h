@@ -41,7 +41,11 @@ struct FeedForwardTimes {
 // Per-call settings of a forward pass.
 struct FeedForwardContext {
   int64_t global_token_offset = 0;  // global index of local token 0 (keys random routing draws)
-  uint64_t step = 0;                // training step (keys random routing draws)
+  // [num_tokens] the global index of each local token (its place in the one-rank order), where
+  // the rows are not a contiguous range of it (context parallelism); null: global_token_offset +
+  // row. MoE FFNs route in this order and key their random draws by it.
+  std::shared_ptr<const std::vector<int64_t>> token_index;
+  uint64_t step = 0;  // training step (keys random routing draws)
   bool training = true;
   bool save_for_backward = true;
   int threads = 1;
