@@ -29,6 +29,7 @@ struct TrainOptions {
   double character_coverage = 0.9995;
   int64_t input_sentence_size = 0;
   int threads = 1;
+  bool verbose = false;
 };
 
 struct CodecOptions {
@@ -129,6 +130,7 @@ int RunTrain(const TrainOptions& o) {
   options.character_coverage = o.character_coverage;
   options.input_sentence_size = o.input_sentence_size;
   options.threads = o.threads;
+  options.verbose = o.verbose;
   for (const std::string& in : o.inputs) {
     RequireDistinctOutput({"--out", o.out + ".model"}, {{"--input", in}});
   }
@@ -168,6 +170,7 @@ SY_REGISTER_COMMAND(Command{
                      "lines sampled for training (0: all)")
           ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
       app.add_option("--threads", o->threads, "training threads")->check(CLI::Range(1, 256));
+      app.add_flag("--verbose", o->verbose, "print SentencePiece's training log");
       return [o] { return RunTrain(*o); };
     }});
 

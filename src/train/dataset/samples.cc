@@ -167,7 +167,7 @@ BlendIndex::BlendIndex(std::vector<double> weights) : weights_(std::move(weights
   SY_REQUIRE(sum > 0 && std::isfinite(sum), InvalidArgument,
              "data blend: the weights sum to {}; expected a positive sum", sum);
   for (double& w : weights_) w /= sum;
-  checkpoints_.push_back(std::vector<int64_t>(weights_.size(), 0));
+  checkpoints_.assign(weights_.size(), 0);
 }
 
 int BlendIndex::Pick(int64_t i, const std::vector<int64_t>& counts) const {
@@ -185,18 +185,20 @@ int BlendIndex::Pick(int64_t i, const std::vector<int64_t>& counts) const {
 
 BlendIndex::Location BlendIndex::Locate(int64_t i) const {
   SY_CHECK(i >= 0, "global sample {}", i);
+  const size_t k = weights_.size();
   const auto c = static_cast<size_t>(i / kBlendCheckpoint);
-  std::vector<int64_t> counts;
+  std::vector<int64_t> counts(k);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    while (checkpoints_.size() <= c) {
-      std::vector<int64_t> next = checkpoints_.back();
-      const int64_t first = static_cast<int64_t>(checkpoints_.size() - 1) * kBlendCheckpoint;
-      for (int64_t s = first; s < first + kBlendCheckpoint; ++s)
-        ++next[static_cast<size_t>(Pick(s, next))];
-      checkpoints_.push_back(std::move(next));
+    for (size_t have = checkpoints_.size() / k; have <= c; ++have) {
+      counts.assign(checkpoints_.end() - static_cast<std::ptrdiff_t>(k), checkpoints_.end());
+      const int64_t first = static_cast<int64_t>(have - 1) * kBlendCheckpoint;
+      for (int64_t s = first; s < first + kBlendCheckpoint; ++s) {
+        ++counts[static_cast<size_t>(Pick(s, counts))];
+      }
+      checkpoints_.insert(checkpoints_.end(), counts.begin(), counts.end());
     }
-    counts = checkpoints_[c];
+    std::copy_n(checkpoints_.begin() + static_cast<std::ptrdiff_t>(c * k), k, counts.begin());
   }
   for (int64_t s = static_cast<int64_t>(c) * kBlendCheckpoint; s < i; ++s) {
     ++counts[static_cast<size_t>(Pick(s, counts))];

@@ -121,6 +121,8 @@ std::string TrainSentencePiece(const SentencePieceTrainOptions& options,
       {"bos_id", "1"},
       {"eos_id", "2"},
       {"pad_id", "-1"},
+      // SentencePiece's per-step INFO lines only when asked for; its warnings always.
+      {"minloglevel", options.verbose ? "0" : "1"},
   };
   std::string model;
   const auto status = sentencepiece::SentencePieceTrainer::Train(kwargs, nullptr, &model);

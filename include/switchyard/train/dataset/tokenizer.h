@@ -76,6 +76,7 @@ struct SentencePieceTrainOptions {
   int64_t input_sentence_size = 0;
   double character_coverage = 0.9995;
   int threads = 1;
+  bool verbose = false;  // SentencePiece's progress log on stderr
 };
 
 // Trains a model and writes it to `out_prefix` + ".model" (atomically: a temporary file renamed
