@@ -155,6 +155,8 @@ TEST(MegatronBadInput, WrongMagicVersionDtype) {
   Damaged d;
   d.idx[0] = 'X';
   d.ExpectRefused({"d.idx", "not a valid Megatron index", "wrong magic", "MMIDIDX"});
+  EXPECT_EQ(DetectFormat(d.prefix + ".bin"), Format::kMegatron);  // reported, not read as nanoGPT
+  ExpectError([&] { OpenTokenSource(d.prefix + ".bin"); }, {"d.idx", "wrong magic"});
   d.idx[0] = 'M';
   PutAt<uint64_t>(d.idx, 9, 2);
   d.ExpectRefused({"d.idx", "version 2; expected 1"});

@@ -226,6 +226,12 @@ TEST(Split, HoldsOutTheLastDocuments) {
   }
   ExpectError([&] { DatasetSamples(*src, {5, 5}, {.seq_len = 4}); }, {"set0", "[5, 5)"});
   ExpectError([&] { DatasetSamples(*src, {0, 5}, {.seq_len = 0}); }, {"seq_len 0"});
+  const InMemoryTokenSource small("small", {{1, 2}}, 10);
+  ExpectError(
+      [&] {
+        DatasetSamples(small, {0, 1}, {.seq_len = 1, .eod = 10});
+      },
+      {"small", "end-of-document id 10", "[0, 10)"});
 }
 
 }  // namespace

@@ -70,8 +70,14 @@ DatasetSamples::DatasetSamples(const TokenSource& source, DocumentRange document
                  documents_.end <= source.num_documents(),
              InvalidArgument, "{}: documents [{}, {}) are not a non-empty range of its {}",
              source.name(), documents_.begin, documents_.end, source.num_documents());
-  for (int64_t d = documents_.begin; d < documents_.end; ++d)
+  if (options_.eod && source.vocab_size() > 0) {
+    SY_REQUIRE(*options_.eod >= 0 && *options_.eod < source.vocab_size(), InvalidArgument,
+               "{}: end-of-document id {} is outside the vocabulary [0, {})", source.name(),
+               *options_.eod, source.vocab_size());
+  }
+  for (int64_t d = documents_.begin; d < documents_.end; ++d) {
     tokens_per_epoch_ += DocumentTokens(d);
+  }
   SY_REQUIRE(tokens_per_epoch_ > 0, InvalidArgument,
              "{}: documents [{}, {}) hold no tokens; expected a non-empty dataset", source.name(),
              documents_.begin, documents_.end);

@@ -57,12 +57,9 @@ Format ParseFormat(std::string_view name, std::string_view flag) {
 
 Format DetectFormat(const std::string& path, Format requested) {
   if (requested != Format::kAuto) return requested;
-  const std::string prefix = MegatronPrefix(path);
-  if (IsFile(prefix + ".idx") &&
-      Peek(prefix + ".idx", sizeof(kMegatronIndexMagic)) ==
-          std::string_view(kMegatronIndexMagic, sizeof(kMegatronIndexMagic))) {
-    return Format::kMegatron;
-  }
+  // An index next to the path says Megatron even when its magic is damaged: the reader then
+  // reports what is wrong with it, rather than the data being read as something else.
+  if (IsFile(MegatronPrefix(path) + ".idx")) return Format::kMegatron;
   if (path.ends_with(".bin")) {
     const std::string head = Peek(path, 4);
     int32_t magic = 0;

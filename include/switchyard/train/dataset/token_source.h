@@ -36,7 +36,7 @@ std::string_view FormatName(Format format);
 Format ParseFormat(std::string_view name, std::string_view flag = "--data-format");
 
 // The format of `path` for kAuto (docs/data.md, "Format detection"):
-//   PREFIX, PREFIX.bin or PREFIX.idx where PREFIX.idx exists and starts with MMIDIDX -> kMegatron
+//   PREFIX, PREFIX.bin or PREFIX.idx where PREFIX.idx exists                        -> kMegatron
 //   *.bin whose first int32 is 20240520 (llm.c's magic)                              -> kLlmc
 //   any other *.bin                                                                   -> kNanoGpt
 //   anything else (a .txt file, a directory of text files)                            -> kText
