@@ -1,6 +1,7 @@
 // `switchyard tokenizer train|encode|decode` (docs/data.md, "Tokenizers"):
 //   train   --input FILES --vocab-size N --model-type bpe|unigram --out PREFIX  -> PREFIX.model
-//   encode  --model M --input TEXT [--out IDS]   one line of text -> one line of ids
+//   encode  --model M --input TEXT [--out IDS]   one line of text (without "\n" or "\r\n")
+//                                                -> one line of ids
 //   decode  --model M --input IDS  [--out TEXT]  one line of ids  -> one line of text
 // --model is a SentencePiece .model file or "bytes" (the byte-level tokenizer).
 #include <fmt/format.h>
@@ -75,6 +76,7 @@ int RunEncode(const CodecOptions& o) {
   LineSink sink(o.out);
   std::string line, ids;
   while (std::getline(in, line)) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();  // as preprocess reads lines
     ids.clear();
     for (int32_t id : tokenizer->Encode(line)) {
       if (!ids.empty()) ids += ' ';

@@ -30,7 +30,7 @@ TEST(CliTokenizer, TrainEncodeDecodeRoundTrip) {
                                 dir.File("c.txt"), dir.File("tok")));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("unigram model of 80 pieces"), std::string::npos) << r.out;
-  WriteTextFileAtomic(dir.File("in.txt"), "experts route tokens\n\nline 3 of the corpus\n");
+  WriteTextFileAtomic(dir.File("in.txt"), "experts route tokens\r\n\nline 3 of the corpus\n");
   r = RunSwitchyard(fmt::format("tokenizer encode --model {} --input {} --out {}",
                                 dir.File("tok.model"), dir.File("in.txt"), dir.File("ids.txt")));
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -49,7 +49,11 @@ TEST(CliTokenizer, TrainEncodeDecodeRoundTrip) {
   EXPECT_EQ(r.out, "experts route tokens\n\nline 3 of the corpus\n");
   // The byte tokenizer needs no model file.
   r = RunSwitchyard(fmt::format("tokenizer encode --model bytes --input {}", dir.File("in.txt")));
-  EXPECT_EQ(r.out.substr(0, 12), "101 120 112 ");
+  std::string bytes_line;  // the "\r" of the first line's end is not part of it
+  for (unsigned char c : std::string("experts route tokens")) {
+    bytes_line += (bytes_line.empty() ? "" : " ") + std::to_string(c);
+  }
+  EXPECT_EQ(r.out.substr(0, r.out.find('\n')), bytes_line);
 }
 
 TEST(CliTokenizer, BadFlagsAndFilesAreClearErrors) {

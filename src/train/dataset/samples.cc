@@ -27,7 +27,7 @@ constexpr size_t kCachedEpochs = 3;
 }  // namespace
 
 Permutation::Permutation(int64_t n, uint64_t key) : n_(n), key_(key) {
-  SY_CHECK(n >= 1, "permutation of {} elements", n);
+  SY_CHECK(n >= 1 && n <= (int64_t{1} << 62), "permutation of {} elements", n);
   while ((int64_t{1} << (2 * half_bits_)) < n) ++half_bits_;
 }
 
