@@ -7,6 +7,7 @@
 #include "switchyard/train/dataset/megatron.h"
 #include "switchyard/train/dataset/metrics.h"
 #include "switchyard/train/dataset/preprocess.h"
+#include "switchyard/train/dataset/token_source.h"
 
 namespace switchyard::train::dataset {
 namespace {
@@ -146,6 +147,31 @@ TEST(Preprocess, ReadBackGivesTheTokenizersIdsPerDocument) {
       }
     }
   }
+}
+
+TEST(EncodeDocuments, InOrderForAnyWorkersAndAsATokenSource) {
+  Trained t;
+  const SentencePieceTokenizer sp(t.model_path);
+  const std::vector<std::string_view> docs{"the expert", "", "ranks wait for their peers",
+                                           "a mixture model", "café"};
+  const auto one = EncodeDocuments(sp, docs, true, 1);
+  EXPECT_EQ(EncodeDocuments(sp, docs, true, 3), one);
+  ASSERT_EQ(one.size(), docs.size());
+  for (size_t d = 0; d < docs.size(); ++d) {
+    auto ids = sp.Encode(docs[d]);
+    ids.push_back(2);
+    EXPECT_EQ(one[d], ids) << d;
+  }
+  const InMemoryTokenSource source("memory", one, sp.vocab_size());
+  EXPECT_EQ(source.Document(2), one[2]);
+  EXPECT_TRUE(EncodeDocuments(sp, {}, false, 2).empty());
+  ExpectError([] { EncodeDocuments(ByteTokenizer(), {}, true); },
+              {"--append-eod", "no end-of-document id"});
+  ExpectError(
+      [] {
+        InMemoryTokenSource("m", {{1, 300}}, 256).Document(0);
+      },
+      {"m: token id 300", "document 0, position 1"});
 }
 
 TEST(Preprocess, BadInputsAreRefusedAndWriteNothing) {

@@ -94,7 +94,37 @@ class DocumentReader {
   int64_t bytes_read_ = 0;
 };
 
+std::optional<int32_t> EodOf(const Tokenizer& tokenizer, bool append_eod) {
+  if (!append_eod) return std::nullopt;
+  const auto eod = tokenizer.eod_id();
+  SY_REQUIRE(eod.has_value(), InvalidArgument,
+             "--append-eod: the tokenizer {} has no end-of-document id; expected a SentencePiece "
+             "model with an eos piece",
+             tokenizer.name());
+  return eod;
+}
+
 }  // namespace
+
+std::vector<std::vector<int32_t>> EncodeDocuments(const Tokenizer& tokenizer,
+                                                  std::span<const std::string_view> documents,
+                                                  bool append_eod, int workers) {
+  SY_REQUIRE(workers >= 1 && workers <= 256, InvalidArgument, "--workers {}: expected 1 .. 256",
+             workers);
+  const std::optional<int32_t> eod = EodOf(tokenizer, append_eod);
+  std::vector<std::vector<int32_t>> ids(documents.size());
+  const auto n = static_cast<int64_t>(documents.size());
+  const int64_t tasks = std::min<int64_t>(workers, n);
+  if (tasks == 0) return ids;
+  LocalPool(workers).Run(tasks, [&](int64_t t) {
+    for (int64_t i = n * t / tasks; i < n * (t + 1) / tasks; ++i) {
+      auto& doc = ids[static_cast<size_t>(i)];
+      doc = tokenizer.Encode(documents[static_cast<size_t>(i)]);
+      if (eod) doc.push_back(*eod);
+    }
+  });
+  return ids;
+}
 
 PreprocessResult Preprocess(const Tokenizer& tokenizer, const PreprocessOptions& options,
                             const std::string& out_prefix) {
@@ -104,14 +134,7 @@ PreprocessResult Preprocess(const Tokenizer& tokenizer, const PreprocessOptions&
              "preprocess: --workers {}: expected 1 .. 256", options.workers);
   SY_REQUIRE(options.chunk_documents >= 1, InvalidArgument,
              "preprocess: chunk of {} documents: expected >= 1", options.chunk_documents);
-  std::optional<int32_t> eod;
-  if (options.append_eod) {
-    eod = tokenizer.eod_id();
-    SY_REQUIRE(eod.has_value(), InvalidArgument,
-               "preprocess: --append-eod: the tokenizer {} has no end-of-document id; expected a "
-               "SentencePiece model with an eos piece",
-               tokenizer.name());
-  }
+  (void)EodOf(tokenizer, options.append_eod);  // refused before anything is read or written
   PreprocessProgress progress;
   for (const std::string& in : options.inputs) {
     progress.bytes_total += RegularFileSize(in);
@@ -125,19 +148,11 @@ PreprocessResult Preprocess(const Tokenizer& tokenizer, const PreprocessOptions&
   MegatronWriter writer(out_prefix, MegatronDtypeForVocabulary(tokenizer.vocab_size()));
   DocumentReader reader(options.inputs, options.json_key);
   PreprocessResult result;
-  WorkerPool& pool = LocalPool(options.workers);
   for (;;) {
     std::vector<std::string> docs = reader.Next(options.chunk_documents, &result.empty_skipped);
     if (docs.empty()) break;
-    std::vector<std::vector<int32_t>> ids(docs.size());
-    const auto n = static_cast<int64_t>(docs.size());
-    const int64_t tasks = std::min<int64_t>(options.workers, n);
-    pool.Run(tasks, [&](int64_t t) {
-      for (int64_t i = n * t / tasks; i < n * (t + 1) / tasks; ++i) {
-        ids[static_cast<size_t>(i)] = tokenizer.Encode(docs[static_cast<size_t>(i)]);
-        if (eod) ids[static_cast<size_t>(i)].push_back(*eod);
-      }
-    });
+    const std::vector<std::string_view> views(docs.begin(), docs.end());
+    const auto ids = EncodeDocuments(tokenizer, views, options.append_eod, options.workers);
     for (size_t i = 0; i < docs.size(); ++i) {
       writer.AddDocument(ids[i]);
       result.text_bytes += static_cast<int64_t>(docs[i].size());

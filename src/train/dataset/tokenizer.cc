@@ -105,7 +105,7 @@ std::string TrainSentencePiece(const SentencePieceTrainOptions& options,
   }
   SY_REQUIRE(options.vocab_size >= 8 && options.vocab_size <= (1 << 30), InvalidArgument,
              "--vocab-size {}: expected 8 .. 2^30", options.vocab_size);
-  const std::string out = out_prefix + ".model";
+  std::string out = out_prefix + ".model";
   CheckOutputPath(out);
   std::unordered_map<std::string, std::string> kwargs{
       {"input", inputs},

@@ -13,7 +13,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "switchyard/train/dataset/tokenizer.h"
@@ -47,6 +49,14 @@ struct PreprocessResult {
   double seconds = 0;
   std::string bin_path, idx_path;
 };
+
+// The ids of each document, followed by the tokenizer's end-of-document id with append_eod
+// (InvalidArgument when it has none), encoded on `workers` threads; the order is kept. For text
+// held in memory: InMemoryTokenSource(name, EncodeDocuments(...), tokenizer.vocab_size()) is
+// then a TokenSource like any token file.
+std::vector<std::vector<int32_t>> EncodeDocuments(const Tokenizer& tokenizer,
+                                                  std::span<const std::string_view> documents,
+                                                  bool append_eod, int workers = 1);
 
 // Errors: IoError naming an input that is missing or not a regular file (checked before anything
 // is written), InvalidArgument naming file:line for a JSON line that does not parse or lacks a
