@@ -13,6 +13,7 @@ PACKAGES=(
   libcli11-dev               # command line
   nlohmann-json3-dev         # layer.json, metrics, bench --json
   libfmt-dev                 # formatting
+  libsentencepiece-dev python3-sentencepiece  # tokenizer (docs/data.md); its Python twin for tests
   clang clang-format libclang-rt-14-dev  # libFuzzer targets, format check
   ccache                     # optional: cheap rebuilds across work trees (used when present)
   fortunes fortunes-min fortune-mod   # default training corpus (text under /usr/share/games/fortunes)

@@ -34,6 +34,18 @@ foreach(layer IN ITEMS parallel train)
     endforeach()
   endforeach()
 endforeach()
+# train/dataset (library sy_train_data) depends on core only: the formats and tokenizers are
+# usable and testable without the model.
+file(GLOB_RECURSE files ${ROOT}/src/train/dataset/*.h ${ROOT}/src/train/dataset/*.cc
+                        ${ROOT}/include/switchyard/train/dataset/*.h)
+foreach(f IN LISTS files)
+  file(STRINGS ${f} includes REGEX "^#include \"")
+  foreach(line IN LISTS includes)
+    if(NOT line MATCHES "^#include \"(switchyard/core/|switchyard/train/dataset/|train/dataset/)")
+      list(APPEND violations "${f}: train/dataset may include core only: ${line}")
+    endif()
+  endforeach()
+endforeach()
 if(violations)
   list(JOIN violations "\n" text)
   message(FATAL_ERROR "layering violations (order: ${LAYERS}):\n${text}")

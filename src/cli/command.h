@@ -13,7 +13,8 @@ namespace switchyard::cli {
 using Action = std::function<int()>;
 
 struct Command {
-  std::string parent;  // "" for `switchyard NAME`, "bench" for `switchyard bench NAME`
+  // "" for `switchyard NAME`, "bench" for `switchyard bench NAME` (also "tokenizer")
+  std::string parent;
   std::string name;
   std::string description;
   // Declares the command's options on `app` (binding them to state it owns) and returns its action.

@@ -37,6 +37,9 @@ int Main(int argc, char** argv) {
   parents["bench"] =
       app.add_subcommand("bench", "Benchmarks: GEMM, collectives, MoE layer, tensor parallelism");
   parents["bench"]->require_subcommand(1);
+  parents["tokenizer"] = app.add_subcommand(
+      "tokenizer", "Tokenizers: train a SentencePiece model, encode and decode text");
+  parents["tokenizer"]->require_subcommand(1);
 
   std::vector<Command> commands = RegisteredCommands();
   std::sort(commands.begin(), commands.end(),
