@@ -1,0 +1,774 @@
+// The CUDA kernels of the GPU MoE layer (kernels.cuh). Each mirrors a piece of src/moe/ (named in
+// its comment); the formulas are those of docs/moe.md.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <climits>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/kernels.cuh"
+
+namespace switchyard::cuda::detail {
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kPerLane = static_cast<int>(kMaxExperts / 32);
+constexpr float kGateEps = 1.1920928955078125e-07f;  // moe::kGateEps (float32's epsilon)
+constexpr int kActRelu = 0, kActGelu = 1, kActSilu = 2;
+
+void CheckLaunch(const char* what) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("CUDA kernel ") + what + ": " + cudaGetErrorString(err));
+  }
+}
+
+int Blocks(int64_t n, int threads, int64_t cap = 1 << 20) {
+  int64_t b = (n + threads - 1) / threads;
+  if (b < 1) b = 1;
+  return static_cast<int>(b < cap ? b : cap);
+}
+
+template <bool kBf16>
+__device__ __forceinline__ float Ld(const void* p, int64_t i) {
+  if constexpr (kBf16) {
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  } else {
+    return static_cast<const float*>(p)[i];
+  }
+}
+template <bool kBf16>
+__device__ __forceinline__ void St(void* p, int64_t i, float v) {
+  if constexpr (kBf16) {
+    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16(v);
+  } else {
+    static_cast<float*>(p)[i] = v;
+  }
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ float BlockSum(float v) {
+  __shared__ float part[32];
+  v = WarpSum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  const int warps = static_cast<int>(blockDim.x >> 5);
+  float s = lane < warps ? part[lane] : 0.0f;
+  return WarpSum(s);
+}
+
+// ---- Gate (moe/gate.cc GateForward; losses.cc sums) ----
+
+__global__ void GateKernel(GateArgs a) {
+  __shared__ float block_probs[kMaxExperts];
+  const int e_num = static_cast<int>(a.num_experts), k = static_cast<int>(a.top_k);
+  for (int e = threadIdx.x; e < e_num; e += blockDim.x) block_probs[e] = 0.0f;
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  float acc[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) acc[i] = 0.0f;
+  double z_acc = 0;
+  for (int64_t t = warp; t < a.num_tokens; t += warps) {
+    const float* l = a.logits + t * e_num;
+    float v[kPerLane], p[kPerLane];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + 32 * i;
+      v[i] = e < e_num ? l[e] : -INFINITY;
+      mx = fmaxf(mx, v[i]);
+    }
+    mx = WarpMax(mx);
+    float sum = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + 32 * i;
+      p[i] = e < e_num ? expf(v[i] - mx) : 0.0f;
+      sum += p[i];
+    }
+    sum = WarpSum(sum);
+    const float lse = mx + logf(sum);
+    if (lane == 0) {
+      a.lse[t] = lse;
+      z_acc += static_cast<double>(lse) * lse;
+    }
+    float psum = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + 32 * i;
+      if (e < e_num) {
+        p[i] = a.score == kScoreSigmoid ? 1.0f / (1.0f + expf(-v[i])) : p[i] / sum;
+        a.scores[t * e_num + e] = p[i];
+        psum += p[i];
+      }
+    }
+    // Aux probabilities: the softmax, or the sigmoid scores normalized per token.
+    const float inv = a.score == kScoreSigmoid ? 1.0f / WarpSum(psum) : 1.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) acc[i] += p[i] * inv;
+
+    // Top-k of the scores (softmax_after_topk: of the logits) plus the expert bias; ties go to
+    // the lower expert index.
+    float sel[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + 32 * i;
+      sel[i] = e < e_num ? (a.score == kScoreSoftmaxAfterTopK ? v[i] : p[i]) +
+                               (a.expert_bias ? a.expert_bias[e] : 0.0f)
+                         : -INFINITY;
+    }
+    uint32_t taken = 0;
+    for (int j = 0; j < k; ++j) {
+      float best = -INFINITY;
+      int best_e = INT_MAX;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int e = lane + 32 * i;
+        if (e < e_num && !(taken >> i & 1u) && (sel[i] > best || best_e == INT_MAX)) {
+          best = sel[i];
+          best_e = e;
+        }
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(kFull, best, o);
+        const int oe = __shfl_xor_sync(kFull, best_e, o);
+        if (oe != INT_MAX && (best_e == INT_MAX || ob > best || (ob == best && oe < best_e))) {
+          best = ob;
+          best_e = oe;
+        }
+      }
+      if ((best_e & 31) == lane) taken |= 1u << (best_e >> 5);
+      if (lane == 0) a.experts[t * k + j] = best_e;
+    }
+    __syncwarp();
+    if (lane == 0) {
+      const int32_t* ex = a.experts + t * k;
+      float* s = a.choice_scores + t * k;
+      float* g = a.gates + t * k;
+      if (a.score == kScoreSoftmaxAfterTopK) {
+        float m = -INFINITY;
+        for (int j = 0; j < k; ++j) m = fmaxf(m, l[ex[j]]);
+        float z = 0;
+        for (int j = 0; j < k; ++j) {
+          s[j] = expf(l[ex[j]] - m);
+          z += s[j];
+        }
+        for (int j = 0; j < k; ++j) s[j] /= z;
+      } else {
+        for (int j = 0; j < k; ++j) s[j] = a.scores[t * e_num + ex[j]];
+      }
+      float gs = 0;
+      for (int j = 0; j < k; ++j) gs += s[j];
+      const bool norm = a.normalize && k > 1 && a.score != kScoreSoftmaxAfterTopK;
+      const float denom = norm ? fmaxf(gs, kGateEps) : 1.0f;
+      for (int j = 0; j < k; ++j) g[j] = norm ? s[j] / denom : s[j];
+      const int counted = a.all_choices ? k : 1;
+      for (int j = 0; j < counted; ++j) atomicAdd(&a.stats->choices[ex[j]], 1.0);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + 32 * i;
+    if (e < e_num) atomicAdd(&block_probs[e], acc[i]);
+  }
+  if (lane == 0 && z_acc != 0) atomicAdd(&a.stats->z_sum, z_acc);
+  __syncthreads();
+  for (int e = threadIdx.x; e < e_num; e += blockDim.x) {
+    atomicAdd(&a.stats->probs[e], static_cast<double>(block_probs[e]));
+  }
+}
+
+// ---- Slots (moe/plan.cc MakeDispatchPlan, steps 2 and 5) ----
+
+constexpr int kChunk = 1024;  // pairs per chunk: 32 steps of one warp
+
+__device__ __forceinline__ int64_t PairAt(int64_t pos, int64_t t_num, int64_t k,
+                                          bool choice_major) {
+  return choice_major ? (pos % t_num) * k + pos / t_num : pos;
+}
+
+__global__ void ChunkCountKernel(const int32_t* experts, int64_t t_num, int64_t k, int e_num,
+                                 bool choice_major, int32_t* chunk_counts) {
+  extern __shared__ int32_t counts[];
+  for (int e = threadIdx.x; e < e_num; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  const int64_t n = t_num * k, begin = static_cast<int64_t>(blockIdx.x) * kChunk;
+  for (int64_t pos = begin + threadIdx.x; pos < n && pos < begin + kChunk; pos += blockDim.x) {
+    atomicAdd(&counts[experts[PairAt(pos, t_num, k, choice_major)]], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < e_num; e += blockDim.x) {
+    chunk_counts[static_cast<int64_t>(blockIdx.x) * e_num + e] = counts[e];
+  }
+}
+
+// Exclusive scan over the chunks, per expert; the totals are the loads.
+__global__ void ChunkScanKernel(int32_t* chunk_counts, int64_t chunks, int e_num, Stats* stats) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= e_num) return;
+  int32_t run = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int32_t v = chunk_counts[c * e_num + e];
+    chunk_counts[c * e_num + e] = run;
+    run += v;
+  }
+  stats->loads[e] = run;
+}
+
+// One warp per chunk walks its pairs in slot order, 32 at a time; lanes routed to the same expert
+// in one step rank themselves by lane (= slot order).
+__global__ void ChunkSlotKernel(const int32_t* experts, int64_t t_num, int64_t k, int e_num,
+                                bool choice_major, const int32_t* chunk_base, int32_t* slot) {
+  extern __shared__ int32_t run[];
+  const int lane = threadIdx.x;
+  for (int e = lane; e < e_num; e += 32) {
+    run[e] = chunk_base[static_cast<int64_t>(blockIdx.x) * e_num + e];
+  }
+  __syncwarp();
+  const int64_t n = t_num * k, begin = static_cast<int64_t>(blockIdx.x) * kChunk;
+  for (int step = 0; step < kChunk / 32; ++step) {
+    const int64_t pos = begin + step * 32 + lane;
+    const bool valid = pos < n;
+    const int64_t pair = valid ? PairAt(pos, t_num, k, choice_major) : -1;
+    const int key = valid ? experts[pair] : e_num + lane;
+    const unsigned peers = __match_any_sync(kFull, key);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    int base = 0;
+    if (valid) base = run[key];
+    __syncwarp();
+    if (valid) {
+      slot[pair] = base + rank;
+      if (lane == 31 - __clz(peers)) run[key] = base + __popc(peers);
+    }
+    __syncwarp();
+  }
+}
+
+__global__ void FinalizeKernel(const int32_t* experts, int32_t* slot, const float* gates,
+                               const int32_t* offsets, int64_t t_num, int k, int64_t capacity,
+                               bool dropless, bool renormalize, int32_t* rows, int32_t* row_pairs,
+                               float* weights) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= t_num) return;
+  float sum = 0;
+  for (int j = 0; j < k; ++j) {
+    const int64_t i = t * k + j;
+    const int32_t s = slot[i];
+    const bool keep = dropless || s < capacity;
+    const int32_t row = keep ? offsets[experts[i]] + s : -1;
+    rows[i] = row;
+    slot[i] = keep ? s : -1;
+    if (keep) {
+      row_pairs[row] = static_cast<int32_t>(i);
+      sum += gates[i];
+    }
+  }
+  const float denom = renormalize ? fmaxf(sum, kGateEps) : 1.0f;
+  for (int j = 0; j < k; ++j) {
+    const int64_t i = t * k + j;
+    weights[i] = rows[i] >= 0 ? gates[i] / denom : 0.0f;
+  }
+}
+
+__global__ void RowExpertsKernel(const int32_t* offsets, int e_num, int64_t num_rows,
+                                 int32_t* row_experts) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= num_rows) return;
+  int lo = 0, hi = e_num - 1;  // the last e with offsets[e] <= r
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (offsets[mid] <= r) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  row_experts[r] = lo;
+}
+
+// ---- Dispatch and combine (moe/dispatch.cc) ----
+
+// One block per row: 16-byte copies when the row allows them.
+__global__ void DispatchKernel(const char* x, const int32_t* row_pairs, int64_t k,
+                               int64_t row_bytes, char* buf) {
+  const int64_t r = blockIdx.x;
+  const int32_t pair = row_pairs[r];
+  char* dst = buf + r * row_bytes;
+  if (row_bytes % 16 == 0) {
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    const int64_t n = row_bytes / 16;
+    if (pair < 0) {
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = make_uint4(0, 0, 0, 0);
+    } else {
+      const uint4* s = reinterpret_cast<const uint4*>(x + (pair / k) * row_bytes);
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = s[i];
+    }
+  } else {
+    const char* s = pair < 0 ? nullptr : x + (pair / k) * row_bytes;
+    for (int64_t i = threadIdx.x; i < row_bytes; i += blockDim.x) dst[i] = s ? s[i] : 0;
+  }
+}
+
+__device__ __forceinline__ float ActValue(int act, float x) {
+  if (act == kActRelu) return x > 0.0f ? x : 0.0f;
+  if (act == kActGelu) return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+  if (act == kActSilu) return x / (1.0f + expf(-x));
+  return x;
+}
+__device__ __forceinline__ float ActGrad(int act, float x) {
+  if (act == kActRelu) return x > 0.0f ? 1.0f : 0.0f;
+  if (act == kActGelu) {
+    const float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+    const float pdf = 0.39894228040143268f * expf(-0.5f * x * x);
+    return cdf + x * pdf;
+  }
+  if (act == kActSilu) {
+    const float s = 1.0f / (1.0f + expf(-x));
+    return s * (1.0f + x * (1.0f - s));
+  }
+  return 1.0f;
+}
+
+template <bool kBf16>
+__global__ void ActivationForwardKernel(int act, const void* a1, const void* a3, const float* b1,
+                                        const int32_t* row_experts, const int32_t* row_pairs,
+                                        int64_t rows, int64_t hidden, void* h) {
+  const int64_t r = blockIdx.y * static_cast<int64_t>(gridDim.z) + blockIdx.z;
+  if (r >= rows) return;
+  const bool pad = row_pairs[r] < 0;
+  const float* bias = b1 ? b1 + static_cast<int64_t>(row_experts[r]) * hidden : nullptr;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < hidden;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = r * hidden + c;
+    float out = 0.0f;
+    if (!pad) {
+      const float z = Ld<kBf16>(a1, i) + (bias ? bias[c] : 0.0f);
+      out = ActValue(act, z);
+      if (a3) out *= Ld<kBf16>(a3, i);
+    }
+    St<kBf16>(h, i, out);
+  }
+}
+
+template <bool kBf16>
+__global__ void ActivationBackwardKernel(int act, const void* a1, const void* a3, const float* b1,
+                                         const void* dh, const int32_t* row_experts,
+                                         const int32_t* row_pairs, int64_t rows, int64_t hidden,
+                                         void* da1, void* da3) {
+  const int64_t r = blockIdx.y * static_cast<int64_t>(gridDim.z) + blockIdx.z;
+  if (r >= rows) return;
+  const bool pad = row_pairs[r] < 0;
+  const float* bias = b1 ? b1 + static_cast<int64_t>(row_experts[r]) * hidden : nullptr;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < hidden;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = r * hidden + c;
+    float g1 = 0.0f, g3 = 0.0f;
+    if (!pad) {
+      const float z = Ld<kBf16>(a1, i) + (bias ? bias[c] : 0.0f);
+      const float d = Ld<kBf16>(dh, i);
+      g1 = d * ActGrad(act, z);
+      if (a3) {
+        g1 *= Ld<kBf16>(a3, i);
+        g3 = d * ActValue(act, z);
+      }
+    }
+    St<kBf16>(da1, i, g1);
+    if (a3) St<kBf16>(da3, i, g3);
+  }
+}
+
+// Rows split over grid (x: column blocks, y*z: rows) so that any row count fits.
+void RowGrid(int64_t rows, int64_t cols, dim3* grid) {
+  const int64_t col_blocks = (cols + 255) / 256;
+  const int64_t z = rows < 65535 ? (rows > 0 ? rows : 1) : 65535;
+  grid->x = static_cast<unsigned>(col_blocks < 8 ? col_blocks : 8);
+  grid->y = static_cast<unsigned>((rows + z - 1) / z > 0 ? (rows + z - 1) / z : 1);
+  grid->z = static_cast<unsigned>(z);
+}
+
+template <bool kBf16>
+__global__ void CombineKernel(const void* expert_out, const float* b2, const int32_t* experts,
+                              const int32_t* rows, const float* weights, int k, int64_t dim,
+                              void* y) {
+  const int64_t t = blockIdx.x;
+  for (int64_t m = threadIdx.x; m < dim; m += blockDim.x) {
+    float acc = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      const int64_t i = t * k + j;
+      const int32_t row = rows[i];
+      if (row < 0) continue;
+      float v = Ld<kBf16>(expert_out, static_cast<int64_t>(row) * dim + m);
+      if (b2) v += b2[static_cast<int64_t>(experts[i]) * dim + m];
+      acc += weights[i] * v;
+    }
+    St<kBf16>(y, t * dim + m, acc);
+  }
+}
+
+template <bool kBf16>
+__global__ void CombineBackwardKernel(const void* dy, const void* expert_out, const float* b2,
+                                      const int32_t* row_experts, const int32_t* row_pairs,
+                                      const float* weights, int64_t k, int64_t dim,
+                                      void* d_expert_out, float* d_weights) {
+  const int64_t r = blockIdx.x;
+  const int32_t pair = row_pairs[r];
+  if (pair < 0) {
+    for (int64_t m = threadIdx.x; m < dim; m += blockDim.x) St<kBf16>(d_expert_out, r * dim + m, 0);
+    return;
+  }
+  const int64_t t = pair / k;
+  const float w = weights[pair];
+  const float* bias = b2 ? b2 + static_cast<int64_t>(row_experts[r]) * dim : nullptr;
+  float dot = 0.0f;
+  for (int64_t m = threadIdx.x; m < dim; m += blockDim.x) {
+    const float d = Ld<kBf16>(dy, t * dim + m);
+    St<kBf16>(d_expert_out, r * dim + m, w * d);
+    dot += d * (Ld<kBf16>(expert_out, r * dim + m) + (bias ? bias[m] : 0.0f));
+  }
+  dot = BlockSum(dot);
+  if (threadIdx.x == 0) d_weights[pair] = dot;
+}
+
+constexpr int kSegRows = 128;
+
+template <bool kBf16>
+__global__ void SegmentColumnSumKernel(const void* buf, const int32_t* offsets,
+                                       const int32_t* counts, int64_t dim, float* out) {
+  const int e = blockIdx.y;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t begin = static_cast<int64_t>(blockIdx.z) * kSegRows;
+  const int64_t end = min(static_cast<int64_t>(counts[e]), begin + kSegRows);
+  if (c >= dim || begin >= end) return;
+  float acc = 0.0f;
+  const int64_t base = offsets[e];
+  for (int64_t r = begin; r < end; ++r) acc += Ld<kBf16>(buf, (base + r) * dim + c);
+  atomicAdd(&out[static_cast<int64_t>(e) * dim + c], acc);
+}
+
+template <bool kBf16>
+__global__ void DispatchBackwardKernel(const float* dx_gate, const void* d_expert_in,
+                                       const int32_t* rows, int k, int64_t dim, void* dx) {
+  const int64_t t = blockIdx.x;
+  for (int64_t m = threadIdx.x; m < dim; m += blockDim.x) {
+    float acc = dx_gate[t * dim + m];
+    for (int j = 0; j < k; ++j) {
+      const int32_t row = rows[t * k + j];
+      if (row >= 0) acc += Ld<kBf16>(d_expert_in, static_cast<int64_t>(row) * dim + m);
+    }
+    St<kBf16>(dx, t * dim + m, acc);
+  }
+}
+
+// ---- Gate backward (plan.cc CombineWeightsBackward, gate.cc GateValuesBackward and
+// GateBackward, losses.cc GateLossesBackward) ----
+
+constexpr int kMaxTopK = 32;  // the launcher checks k <= kMaxTopK
+
+__global__ void GateBackwardKernel(GateBackwardArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int e_num = static_cast<int>(a.num_experts), k = static_cast<int>(a.top_k);
+  const double t_total = static_cast<double>(a.num_tokens);
+  for (int64_t t = warp; t < a.num_tokens; t += warps) {
+    const int64_t base = t * k;
+    // d combine weights -> d gates (renormalize_after_drop) -> d choice scores (normalize_gate).
+    float ds[kMaxTopK];
+    float g_sum = 0, wdot = 0;
+    for (int j = 0; j < k; ++j) {
+      if (a.rows[base + j] < 0) continue;
+      g_sum += a.gates[base + j];
+      wdot += a.d_weights[base + j] * a.weights[base + j];
+    }
+    for (int j = 0; j < k; ++j) {
+      float dg = 0;
+      if (a.rows[base + j] >= 0) {
+        const float dw = a.d_weights[base + j];
+        dg = !a.renormalize ? dw : (g_sum > kGateEps ? (dw - wdot) / g_sum : dw / kGateEps);
+      }
+      ds[j] = dg;
+    }
+    const bool satk = a.score == kScoreSoftmaxAfterTopK;
+    if (a.normalize && k > 1 && !satk) {
+      float s_sum = 0, gdot = 0;
+      for (int j = 0; j < k; ++j) {
+        s_sum += a.choice_scores[base + j];
+        gdot += ds[j] * a.gates[base + j];
+      }
+      for (int j = 0; j < k; ++j) ds[j] = s_sum > kGateEps ? (ds[j] - gdot) / s_sum : ds[j] / kGateEps;
+    }
+    // d scores -> d logits.
+    const float* sc = a.scores + t * e_num;
+    float dot = 0;  // softmax: sum_j P[e_j] ds_j; satk: sum_j s_j ds_j
+    for (int j = 0; j < k; ++j) {
+      dot += ds[j] * (satk ? a.choice_scores[base + j] : sc[a.experts[base + j]]);
+    }
+    // The GShard loss: dP_e = aux_scale * choices_e / T^2, the same for every token.
+    float aux_dot = 0, sig_sum = 1;
+    if (a.aux_scale != 0) {
+      float part = 0, ssum = 0;
+      for (int e = lane; e < e_num; e += 32) {
+        part += static_cast<float>(a.aux_scale * a.stats->choices[e] / (t_total * t_total)) * sc[e];
+        ssum += sc[e];
+      }
+      aux_dot = WarpSum(part);
+      if (a.score == kScoreSigmoid) {
+        sig_sum = WarpSum(ssum);
+        aux_dot /= sig_sum;
+      }
+    }
+    const float lse = a.lse[t];
+    const float zf = static_cast<float>(a.z_coef * 2.0 * lse / t_total);
+    for (int e = lane; e < e_num; e += 32) {
+      float dsc = 0;
+      int chosen = -1;
+      for (int j = 0; j < k; ++j) {
+        if (a.experts[base + j] == e) chosen = j;
+      }
+      if (chosen >= 0) dsc = ds[chosen];
+      const float p = sc[e];
+      float dl;
+      if (a.score == kScoreSoftmax) {
+        dl = p * (dsc - dot);
+      } else if (a.score == kScoreSigmoid) {
+        dl = dsc * p * (1.0f - p);
+      } else {
+        dl = chosen >= 0 ? a.choice_scores[base + chosen] * (dsc - dot) : 0.0f;
+      }
+      if (a.z_coef != 0) {
+        const float soft = a.score == kScoreSigmoid ? expf(a.logits[t * e_num + e] - lse) : p;
+        dl += zf * soft;
+      }
+      if (a.aux_scale != 0) {
+        const float dp =
+            static_cast<float>(a.aux_scale * a.stats->choices[e] / (t_total * t_total));
+        if (a.score == kScoreSigmoid) {
+          dl += (dp - aux_dot) / sig_sum * p * (1.0f - p);
+        } else {
+          dl += p * (dp - aux_dot);
+        }
+      }
+      a.d_logits[t * e_num + e] = dl;
+    }
+  }
+}
+
+__global__ void ToBf16Kernel(const float* in, int64_t n, __nv_bfloat16* out) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = __float2bfloat16(in[i]);
+  }
+}
+__global__ void ToFloatKernel(const __nv_bfloat16* in, int64_t n, float* out) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = __bfloat162float(in[i]);
+  }
+}
+
+int GateBlocks(int64_t num_tokens) {
+  int sms = 132;
+  int dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  }
+  return Blocks(num_tokens, 8, static_cast<int64_t>(sms) * 8);
+}
+
+}  // namespace
+
+void LaunchGate(const GateArgs& a, cudaStream_t stream) {
+  if (a.num_tokens == 0) return;
+  GateKernel<<<GateBlocks(a.num_tokens), 256, 0, stream>>>(a);
+  CheckLaunch("gate");
+}
+
+int64_t SlotScratchInts(int64_t pairs, int64_t num_experts) {
+  return ((pairs + kChunk - 1) / kChunk) * num_experts;
+}
+
+void LaunchSlots(const int32_t* experts, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                 bool choice_major, int32_t* slot, int32_t* scratch, Stats* stats,
+                 cudaStream_t stream) {
+  const int64_t pairs = num_tokens * top_k, chunks = (pairs + kChunk - 1) / kChunk;
+  const int e_num = static_cast<int>(num_experts);
+  const size_t smem = static_cast<size_t>(num_experts) * sizeof(int32_t);
+  if (chunks > 0) {
+    ChunkCountKernel<<<static_cast<unsigned>(chunks), 256, smem, stream>>>(
+        experts, num_tokens, top_k, e_num, choice_major, scratch);
+    CheckLaunch("slot counts");
+  }
+  ChunkScanKernel<<<Blocks(num_experts, 256), 256, 0, stream>>>(scratch, chunks, e_num, stats);
+  CheckLaunch("slot scan");
+  if (chunks > 0) {
+    ChunkSlotKernel<<<static_cast<unsigned>(chunks), 32, smem, stream>>>(
+        experts, num_tokens, top_k, e_num, choice_major, scratch, slot);
+    CheckLaunch("slots");
+  }
+}
+
+void LaunchFinalize(const int32_t* experts, int32_t* slot, const float* gates,
+                    const int32_t* offsets, int64_t num_tokens, int64_t top_k, int64_t capacity,
+                    bool dropless, bool renormalize, int32_t* rows, int32_t* row_pairs,
+                    float* weights, cudaStream_t stream) {
+  if (num_tokens == 0) return;
+  FinalizeKernel<<<Blocks(num_tokens, 256), 256, 0, stream>>>(
+      experts, slot, gates, offsets, num_tokens, static_cast<int>(top_k), capacity, dropless,
+      renormalize, rows, row_pairs, weights);
+  CheckLaunch("finalize");
+}
+
+void LaunchRowExperts(const int32_t* offsets, int64_t num_experts, int64_t num_rows,
+                      int32_t* row_experts, cudaStream_t stream) {
+  if (num_rows == 0) return;
+  RowExpertsKernel<<<Blocks(num_rows, 256), 256, 0, stream>>>(
+      offsets, static_cast<int>(num_experts), num_rows, row_experts);
+  CheckLaunch("row experts");
+}
+
+void LaunchDispatch(const void* x, const int32_t* row_pairs, int64_t num_rows, int64_t top_k,
+                    int64_t dim, bool bf16, void* buf, cudaStream_t stream) {
+  if (num_rows == 0) return;
+  const int64_t row_bytes = dim * (bf16 ? 2 : 4);
+  DispatchKernel<<<static_cast<unsigned>(num_rows), 128, 0, stream>>>(
+      static_cast<const char*>(x), row_pairs, top_k, row_bytes, static_cast<char*>(buf));
+  CheckLaunch("dispatch");
+}
+
+void LaunchActivationForward(int activation, const void* a1, const void* a3, const float* b1,
+                             const int32_t* row_experts, const int32_t* row_pairs, int64_t rows,
+                             int64_t hidden, bool bf16, void* h, cudaStream_t stream) {
+  if (rows == 0) return;
+  dim3 grid;
+  RowGrid(rows, hidden, &grid);
+  if (bf16) {
+    ActivationForwardKernel<true><<<grid, 256, 0, stream>>>(activation, a1, a3, b1, row_experts,
+                                                            row_pairs, rows, hidden, h);
+  } else {
+    ActivationForwardKernel<false><<<grid, 256, 0, stream>>>(activation, a1, a3, b1, row_experts,
+                                                             row_pairs, rows, hidden, h);
+  }
+  CheckLaunch("activation forward");
+}
+
+void LaunchActivationBackward(int activation, const void* a1, const void* a3, const float* b1,
+                              const void* dh, const int32_t* row_experts, const int32_t* row_pairs,
+                              int64_t rows, int64_t hidden, bool bf16, void* da1, void* da3,
+                              cudaStream_t stream) {
+  if (rows == 0) return;
+  dim3 grid;
+  RowGrid(rows, hidden, &grid);
+  if (bf16) {
+    ActivationBackwardKernel<true><<<grid, 256, 0, stream>>>(
+        activation, a1, a3, b1, dh, row_experts, row_pairs, rows, hidden, da1, da3);
+  } else {
+    ActivationBackwardKernel<false><<<grid, 256, 0, stream>>>(
+        activation, a1, a3, b1, dh, row_experts, row_pairs, rows, hidden, da1, da3);
+  }
+  CheckLaunch("activation backward");
+}
+
+void LaunchCombine(const void* expert_out, const float* b2, const int32_t* experts,
+                   const int32_t* rows, const float* weights, int64_t num_tokens, int64_t top_k,
+                   int64_t dim, bool bf16, void* y, cudaStream_t stream) {
+  if (num_tokens == 0) return;
+  const auto blocks = static_cast<unsigned>(num_tokens);
+  const int k = static_cast<int>(top_k);
+  if (bf16) {
+    CombineKernel<true><<<blocks, 256, 0, stream>>>(expert_out, b2, experts, rows, weights, k,
+                                                    dim, y);
+  } else {
+    CombineKernel<false><<<blocks, 256, 0, stream>>>(expert_out, b2, experts, rows, weights, k,
+                                                     dim, y);
+  }
+  CheckLaunch("combine");
+}
+
+void LaunchCombineBackward(const void* dy, const void* expert_out, const float* b2,
+                           const int32_t* row_experts, const int32_t* row_pairs,
+                           const float* weights, int64_t num_rows, int64_t top_k, int64_t dim,
+                           bool bf16, void* d_expert_out, float* d_weights, cudaStream_t stream) {
+  if (num_rows == 0) return;
+  const auto blocks = static_cast<unsigned>(num_rows);
+  if (bf16) {
+    CombineBackwardKernel<true><<<blocks, 256, 0, stream>>>(
+        dy, expert_out, b2, row_experts, row_pairs, weights, top_k, dim, d_expert_out, d_weights);
+  } else {
+    CombineBackwardKernel<false><<<blocks, 256, 0, stream>>>(
+        dy, expert_out, b2, row_experts, row_pairs, weights, top_k, dim, d_expert_out, d_weights);
+  }
+  CheckLaunch("combine backward");
+}
+
+void LaunchSegmentColumnSum(const void* buf, const int32_t* offsets, const int32_t* counts,
+                            int64_t num_experts, int64_t max_count, int64_t dim, bool bf16,
+                            float* out, cudaStream_t stream) {
+  if (cudaMemsetAsync(out, 0, static_cast<size_t>(num_experts * dim) * sizeof(float), stream) !=
+      cudaSuccess) {
+    CheckLaunch("column sum memset");
+  }
+  if (max_count == 0 || dim == 0) return;
+  dim3 grid(static_cast<unsigned>((dim + 255) / 256), static_cast<unsigned>(num_experts),
+            static_cast<unsigned>((max_count + kSegRows - 1) / kSegRows));
+  if (bf16) {
+    SegmentColumnSumKernel<true><<<grid, 256, 0, stream>>>(buf, offsets, counts, dim, out);
+  } else {
+    SegmentColumnSumKernel<false><<<grid, 256, 0, stream>>>(buf, offsets, counts, dim, out);
+  }
+  CheckLaunch("column sum");
+}
+
+void LaunchDispatchBackward(const float* dx_gate, const void* d_expert_in, const int32_t* rows,
+                            int64_t num_tokens, int64_t top_k, int64_t dim, bool bf16, void* dx,
+                            cudaStream_t stream) {
+  if (num_tokens == 0) return;
+  const auto blocks = static_cast<unsigned>(num_tokens);
+  const int k = static_cast<int>(top_k);
+  if (bf16) {
+    DispatchBackwardKernel<true><<<blocks, 256, 0, stream>>>(dx_gate, d_expert_in, rows, k, dim,
+                                                             dx);
+  } else {
+    DispatchBackwardKernel<false><<<blocks, 256, 0, stream>>>(dx_gate, d_expert_in, rows, k, dim,
+                                                              dx);
+  }
+  CheckLaunch("dispatch backward");
+}
+
+void LaunchGateBackward(const GateBackwardArgs& a, cudaStream_t stream) {
+  if (a.num_tokens == 0) return;
+  if (a.top_k > kMaxTopK) throw std::runtime_error("gate backward: top_k above 32");
+  GateBackwardKernel<<<GateBlocks(a.num_tokens), 256, 0, stream>>>(a);
+  CheckLaunch("gate backward");
+}
+
+void LaunchToBf16(const float* in, int64_t n, void* out, cudaStream_t stream) {
+  if (n == 0) return;
+  ToBf16Kernel<<<Blocks(n, 256, 4096), 256, 0, stream>>>(in, n,
+                                                         static_cast<__nv_bfloat16*>(out));
+  CheckLaunch("to bfloat16");
+}
+
+void LaunchToFloat(const void* in_bf16, int64_t n, float* out, cudaStream_t stream) {
+  if (n == 0) return;
+  ToFloatKernel<<<Blocks(n, 256, 4096), 256, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(in_bf16), n, out);
+  CheckLaunch("to float32");
+}
+
+}  // namespace switchyard::cuda::detail
