@@ -3,8 +3,8 @@
 // the same total FLOPs measured in the same run (docs/gpu.md has the figures and the commands).
 //
 //   cuda_layer_bench --tokens 32768 --model 2048 --hidden 8192 --experts 8 --top-k 2
-//       [--cf 1.25] [--dropless] [--gated] [--activation gelu] [--dtype bf16|fp32] \
-//       [--gemm grouped|loop] [--iters 20]
+//       [--cf 1.25] [--dropless] [--gated] [--activation gelu] [--dtype bf16|fp32]
+//       [--gemm loop|grouped] [--iters 20]
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -32,7 +32,7 @@ struct Options {
   int64_t tokens = 32768, model = 2048, hidden = 8192, experts = 8, top_k = 2;
   float cf = 1.25f;
   bool dropless = false, gated = false;
-  std::string activation = "gelu", dtype = "bf16", gemm = "grouped";
+  std::string activation = "gelu", dtype = "bf16", gemm = "loop";
   int iters = 20;
 };
 

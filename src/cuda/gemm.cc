@@ -43,7 +43,7 @@ void GroupedGemm::Run(cublasHandle_t handle, bool trans_a, bool trans_b,
     if (!Empty(p)) live.push_back(&p);
   }
   if (live.empty()) return;
-  if (mode_ == GemmMode::kGrouped && !fell_back_ && live.size() > 1) {
+  if (mode_ == GemmMode::kGrouped && live.size() > 1) {
     const size_t g = live.size();
     std::vector<cublasOperation_t> op_a(g, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
     std::vector<cublasOperation_t> op_b(g, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);

@@ -41,7 +41,8 @@ class GroupedGemm {
   // Runs every problem (the same transposes, types and beta for all) on the handle's stream.
   void Run(cublasHandle_t handle, bool trans_a, bool trans_b,
            const std::vector<GemmProblem>& problems, GemmTypes types, float beta);
-  // True once a grouped call was refused by cuBLAS (NOT_SUPPORTED) and fell back to the loop.
+  // True once a grouped call was refused by cuBLAS (NOT_SUPPORTED: e.g. bfloat16 operands with a
+  // float32 output) and ran as the loop instead.
   bool fell_back() const { return fell_back_; }
 
  private:

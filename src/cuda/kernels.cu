@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cfloat>
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <stdexcept>
@@ -49,6 +50,62 @@ __device__ __forceinline__ void St(void* p, int64_t i, float v) {
   }
 }
 
+// kV consecutive elements from element i (kV = 1, or one 16-byte access: 8 bfloat16 / 4 float).
+template <bool kBf16, int kV>
+__device__ __forceinline__ void LdV(const void* p, int64_t i, float (&v)[kV]) {
+  if constexpr (kV == 1) {
+    v[0] = Ld<kBf16>(p, i);
+  } else if constexpr (kBf16) {
+    static_assert(kV == 8);
+    const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p) + i);
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 f = __bfloat1622float2(h[q]);
+      v[2 * q] = f.x;
+      v[2 * q + 1] = f.y;
+    }
+  } else {
+    static_assert(kV == 4);
+    const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+    v[0] = f.x;
+    v[1] = f.y;
+    v[2] = f.z;
+    v[3] = f.w;
+  }
+}
+template <bool kBf16, int kV>
+__device__ __forceinline__ void StV(void* p, int64_t i, const float (&v)[kV]) {
+  if constexpr (kV == 1) {
+    St<kBf16>(p, i, v[0]);
+  } else if constexpr (kBf16) {
+    uint4 raw;
+    auto* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(v[2 * q], v[2 * q + 1]);
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p) + i) = raw;
+  } else {
+    *reinterpret_cast<float4*>(static_cast<float*>(p) + i) = make_float4(v[0], v[1], v[2], v[3]);
+  }
+}
+// float32 bias values (kV of them; the bias arrays are float32 whatever the activations).
+template <int kV>
+__device__ __forceinline__ void LdBias(const float* b, int64_t i, float (&v)[kV]) {
+  if constexpr (kV == 1) {
+    v[0] = b[i];
+  } else {
+#pragma unroll
+    for (int q = 0; q < kV; q += 4) {
+      const float4 f = *reinterpret_cast<const float4*>(b + i + q);
+      v[q] = f.x;
+      v[q + 1] = f.y;
+      v[q + 2] = f.z;
+      v[q + 3] = f.w;
+    }
+  }
+}
+constexpr int VecOf(bool bf16) { return bf16 ? 8 : 4; }
+
 __device__ __forceinline__ float WarpSum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
   return v;
@@ -74,8 +131,12 @@ __device__ float BlockSum(float v) {
 
 __global__ void GateKernel(GateArgs a) {
   __shared__ float block_probs[kMaxExperts];
+  __shared__ int block_choices[kMaxExperts];
   const int e_num = static_cast<int>(a.num_experts), k = static_cast<int>(a.top_k);
-  for (int e = threadIdx.x; e < e_num; e += blockDim.x) block_probs[e] = 0.0f;
+  for (int e = threadIdx.x; e < e_num; e += blockDim.x) {
+    block_probs[e] = 0.0f;
+    block_choices[e] = 0;
+  }
   __syncthreads();
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
@@ -179,7 +240,7 @@ __global__ void GateKernel(GateArgs a) {
       const float denom = norm ? fmaxf(gs, kGateEps) : 1.0f;
       for (int j = 0; j < k; ++j) g[j] = norm ? s[j] / denom : s[j];
       const int counted = a.all_choices ? k : 1;
-      for (int j = 0; j < counted; ++j) atomicAdd(&a.stats->choices[ex[j]], 1.0);
+      for (int j = 0; j < counted; ++j) atomicAdd(&block_choices[ex[j]], 1);
     }
   }
 #pragma unroll
@@ -191,6 +252,7 @@ __global__ void GateKernel(GateArgs a) {
   __syncthreads();
   for (int e = threadIdx.x; e < e_num; e += blockDim.x) {
     atomicAdd(&a.stats->probs[e], static_cast<double>(block_probs[e]));
+    if (block_choices[e] != 0) atomicAdd(&a.stats->choices[e], block_choices[e]);
   }
 }
 
@@ -345,7 +407,7 @@ __device__ __forceinline__ float ActGrad(int act, float x) {
   return 1.0f;
 }
 
-template <bool kBf16>
+template <bool kBf16, int kV>
 __global__ void ActivationForwardKernel(int act, const void* a1, const void* a3, const float* b1,
                                         const int32_t* row_experts, const int32_t* row_pairs,
                                         int64_t rows, int64_t hidden, void* h) {
@@ -353,20 +415,33 @@ __global__ void ActivationForwardKernel(int act, const void* a1, const void* a3,
   if (r >= rows) return;
   const bool pad = row_pairs[r] < 0;
   const float* bias = b1 ? b1 + static_cast<int64_t>(row_experts[r]) * hidden : nullptr;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < hidden;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kV; c < hidden;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x * kV) {
     const int64_t i = r * hidden + c;
-    float out = 0.0f;
-    if (!pad) {
-      const float z = Ld<kBf16>(a1, i) + (bias ? bias[c] : 0.0f);
-      out = ActValue(act, z);
-      if (a3) out *= Ld<kBf16>(a3, i);
+    float out[kV], z[kV], b[kV], q[kV];
+    if (pad) {
+#pragma unroll
+      for (int u = 0; u < kV; ++u) out[u] = 0.0f;
+    } else {
+      LdV<kBf16, kV>(a1, i, z);
+      if (bias) {
+        LdBias<kV>(bias, c, b);
+#pragma unroll
+        for (int u = 0; u < kV; ++u) z[u] += b[u];
+      }
+#pragma unroll
+      for (int u = 0; u < kV; ++u) out[u] = ActValue(act, z[u]);
+      if (a3) {
+        LdV<kBf16, kV>(a3, i, q);
+#pragma unroll
+        for (int u = 0; u < kV; ++u) out[u] *= q[u];
+      }
     }
-    St<kBf16>(h, i, out);
+    StV<kBf16, kV>(h, i, out);
   }
 }
 
-template <bool kBf16>
+template <bool kBf16, int kV>
 __global__ void ActivationBackwardKernel(int act, const void* a1, const void* a3, const float* b1,
                                          const void* dh, const int32_t* row_experts,
                                          const int32_t* row_pairs, int64_t rows, int64_t hidden,
@@ -375,53 +450,76 @@ __global__ void ActivationBackwardKernel(int act, const void* a1, const void* a3
   if (r >= rows) return;
   const bool pad = row_pairs[r] < 0;
   const float* bias = b1 ? b1 + static_cast<int64_t>(row_experts[r]) * hidden : nullptr;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < hidden;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kV; c < hidden;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x * kV) {
     const int64_t i = r * hidden + c;
-    float g1 = 0.0f, g3 = 0.0f;
+    float g1[kV], g3[kV], z[kV], d[kV], b[kV], q[kV];
+#pragma unroll
+    for (int u = 0; u < kV; ++u) g1[u] = g3[u] = 0.0f;
     if (!pad) {
-      const float z = Ld<kBf16>(a1, i) + (bias ? bias[c] : 0.0f);
-      const float d = Ld<kBf16>(dh, i);
-      g1 = d * ActGrad(act, z);
+      LdV<kBf16, kV>(a1, i, z);
+      LdV<kBf16, kV>(dh, i, d);
+      if (bias) {
+        LdBias<kV>(bias, c, b);
+#pragma unroll
+        for (int u = 0; u < kV; ++u) z[u] += b[u];
+      }
+#pragma unroll
+      for (int u = 0; u < kV; ++u) g1[u] = d[u] * ActGrad(act, z[u]);
       if (a3) {
-        g1 *= Ld<kBf16>(a3, i);
-        g3 = d * ActValue(act, z);
+        LdV<kBf16, kV>(a3, i, q);
+#pragma unroll
+        for (int u = 0; u < kV; ++u) {
+          g1[u] *= q[u];
+          g3[u] = d[u] * ActValue(act, z[u]);
+        }
       }
     }
-    St<kBf16>(da1, i, g1);
-    if (a3) St<kBf16>(da3, i, g3);
+    StV<kBf16, kV>(da1, i, g1);
+    if (a3) StV<kBf16, kV>(da3, i, g3);
   }
 }
 
-// Rows split over grid (x: column blocks, y*z: rows) so that any row count fits.
-void RowGrid(int64_t rows, int64_t cols, dim3* grid) {
-  const int64_t col_blocks = (cols + 255) / 256;
+// Rows split over grid (x: column blocks, y*z: rows) so that any row count fits; `vectors` is
+// the number of kV-wide accesses per row. Returns the block size.
+int RowGrid(int64_t rows, int64_t vectors, dim3* grid) {
+  const int threads = vectors >= 256 ? 256 : static_cast<int>((vectors + 31) / 32 * 32);
+  const int64_t col_blocks = (vectors + threads - 1) / threads;
   const int64_t z = rows < 65535 ? (rows > 0 ? rows : 1) : 65535;
   grid->x = static_cast<unsigned>(col_blocks < 8 ? col_blocks : 8);
   grid->y = static_cast<unsigned>((rows + z - 1) / z > 0 ? (rows + z - 1) / z : 1);
   grid->z = static_cast<unsigned>(z);
+  return threads > 0 ? threads : 32;
 }
 
-template <bool kBf16>
+template <bool kBf16, int kV>
 __global__ void CombineKernel(const void* expert_out, const float* b2, const int32_t* experts,
                               const int32_t* rows, const float* weights, int k, int64_t dim,
                               void* y) {
   const int64_t t = blockIdx.x;
-  for (int64_t m = threadIdx.x; m < dim; m += blockDim.x) {
-    float acc = 0.0f;
+  for (int64_t m = threadIdx.x * kV; m < dim; m += blockDim.x * kV) {
+    float acc[kV], v[kV], b[kV];
+#pragma unroll
+    for (int u = 0; u < kV; ++u) acc[u] = 0.0f;
     for (int j = 0; j < k; ++j) {
       const int64_t i = t * k + j;
       const int32_t row = rows[i];
       if (row < 0) continue;
-      float v = Ld<kBf16>(expert_out, static_cast<int64_t>(row) * dim + m);
-      if (b2) v += b2[static_cast<int64_t>(experts[i]) * dim + m];
-      acc += weights[i] * v;
+      const float w = weights[i];
+      LdV<kBf16, kV>(expert_out, static_cast<int64_t>(row) * dim + m, v);
+      if (b2) {
+        LdBias<kV>(b2, static_cast<int64_t>(experts[i]) * dim + m, b);
+#pragma unroll
+        for (int u = 0; u < kV; ++u) v[u] += b[u];
+      }
+#pragma unroll
+      for (int u = 0; u < kV; ++u) acc[u] += w * v[u];
     }
-    St<kBf16>(y, t * dim + m, acc);
+    StV<kBf16, kV>(y, t * dim + m, acc);
   }
 }
 
-template <bool kBf16>
+template <bool kBf16, int kV>
 __global__ void CombineBackwardKernel(const void* dy, const void* expert_out, const float* b2,
                                       const int32_t* row_experts, const int32_t* row_pairs,
                                       const float* weights, int64_t k, int64_t dim,
@@ -429,17 +527,33 @@ __global__ void CombineBackwardKernel(const void* dy, const void* expert_out, co
   const int64_t r = blockIdx.x;
   const int32_t pair = row_pairs[r];
   if (pair < 0) {
-    for (int64_t m = threadIdx.x; m < dim; m += blockDim.x) St<kBf16>(d_expert_out, r * dim + m, 0);
+    float zero[kV];
+#pragma unroll
+    for (int u = 0; u < kV; ++u) zero[u] = 0.0f;
+    for (int64_t m = threadIdx.x * kV; m < dim; m += blockDim.x * kV) {
+      StV<kBf16, kV>(d_expert_out, r * dim + m, zero);
+    }
     return;
   }
   const int64_t t = pair / k;
   const float w = weights[pair];
   const float* bias = b2 ? b2 + static_cast<int64_t>(row_experts[r]) * dim : nullptr;
   float dot = 0.0f;
-  for (int64_t m = threadIdx.x; m < dim; m += blockDim.x) {
-    const float d = Ld<kBf16>(dy, t * dim + m);
-    St<kBf16>(d_expert_out, r * dim + m, w * d);
-    dot += d * (Ld<kBf16>(expert_out, r * dim + m) + (bias ? bias[m] : 0.0f));
+  for (int64_t m = threadIdx.x * kV; m < dim; m += blockDim.x * kV) {
+    float d[kV], v[kV], b[kV], out[kV];
+    LdV<kBf16, kV>(dy, t * dim + m, d);
+    LdV<kBf16, kV>(expert_out, r * dim + m, v);
+    if (bias) {
+      LdBias<kV>(bias, m, b);
+#pragma unroll
+      for (int u = 0; u < kV; ++u) v[u] += b[u];
+    }
+#pragma unroll
+    for (int u = 0; u < kV; ++u) {
+      out[u] = w * d[u];
+      dot += d[u] * v[u];
+    }
+    StV<kBf16, kV>(d_expert_out, r * dim + m, out);
   }
   dot = BlockSum(dot);
   if (threadIdx.x == 0) d_weights[pair] = dot;
@@ -461,17 +575,21 @@ __global__ void SegmentColumnSumKernel(const void* buf, const int32_t* offsets,
   atomicAdd(&out[static_cast<int64_t>(e) * dim + c], acc);
 }
 
-template <bool kBf16>
+template <bool kBf16, int kV>
 __global__ void DispatchBackwardKernel(const float* dx_gate, const void* d_expert_in,
                                        const int32_t* rows, int k, int64_t dim, void* dx) {
   const int64_t t = blockIdx.x;
-  for (int64_t m = threadIdx.x; m < dim; m += blockDim.x) {
-    float acc = dx_gate[t * dim + m];
+  for (int64_t m = threadIdx.x * kV; m < dim; m += blockDim.x * kV) {
+    float acc[kV], v[kV];
+    LdBias<kV>(dx_gate, t * dim + m, acc);
     for (int j = 0; j < k; ++j) {
       const int32_t row = rows[t * k + j];
-      if (row >= 0) acc += Ld<kBf16>(d_expert_in, static_cast<int64_t>(row) * dim + m);
+      if (row < 0) continue;
+      LdV<kBf16, kV>(d_expert_in, static_cast<int64_t>(row) * dim + m, v);
+#pragma unroll
+      for (int u = 0; u < kV; ++u) acc[u] += v[u];
     }
-    St<kBf16>(dx, t * dim + m, acc);
+    StV<kBf16, kV>(dx, t * dim + m, acc);
   }
 }
 
@@ -582,6 +700,11 @@ __global__ void ToFloatKernel(const __nv_bfloat16* in, int64_t n, float* out) {
   }
 }
 
+// Block size for one row of `vectors` accesses: a multiple of 32, at most 256.
+int RowThreads(int64_t vectors) {
+  return vectors >= 256 ? 256 : static_cast<int>(std::max<int64_t>(32, (vectors + 31) / 32 * 32));
+}
+
 int GateBlocks(int64_t num_tokens) {
   int sms = 132;
   int dev = 0;
@@ -655,14 +778,17 @@ void LaunchActivationForward(int activation, const void* a1, const void* a3, con
                              const int32_t* row_experts, const int32_t* row_pairs, int64_t rows,
                              int64_t hidden, bool bf16, void* h, cudaStream_t stream) {
   if (rows == 0) return;
+  const bool vec = hidden % VecOf(bf16) == 0;
   dim3 grid;
-  RowGrid(rows, hidden, &grid);
+  const int threads = RowGrid(rows, vec ? hidden / VecOf(bf16) : hidden, &grid);
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, threads, 0, stream>>>(activation, a1, a3, b1, row_experts, row_pairs, rows,
+                                         hidden, h);
+  };
   if (bf16) {
-    ActivationForwardKernel<true><<<grid, 256, 0, stream>>>(activation, a1, a3, b1, row_experts,
-                                                            row_pairs, rows, hidden, h);
+    vec ? launch(ActivationForwardKernel<true, 8>) : launch(ActivationForwardKernel<true, 1>);
   } else {
-    ActivationForwardKernel<false><<<grid, 256, 0, stream>>>(activation, a1, a3, b1, row_experts,
-                                                             row_pairs, rows, hidden, h);
+    vec ? launch(ActivationForwardKernel<false, 4>) : launch(ActivationForwardKernel<false, 1>);
   }
   CheckLaunch("activation forward");
 }
@@ -672,14 +798,17 @@ void LaunchActivationBackward(int activation, const void* a1, const void* a3, co
                               int64_t rows, int64_t hidden, bool bf16, void* da1, void* da3,
                               cudaStream_t stream) {
   if (rows == 0) return;
+  const bool vec = hidden % VecOf(bf16) == 0;
   dim3 grid;
-  RowGrid(rows, hidden, &grid);
+  const int threads = RowGrid(rows, vec ? hidden / VecOf(bf16) : hidden, &grid);
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, threads, 0, stream>>>(activation, a1, a3, b1, dh, row_experts, row_pairs, rows,
+                                         hidden, da1, da3);
+  };
   if (bf16) {
-    ActivationBackwardKernel<true><<<grid, 256, 0, stream>>>(
-        activation, a1, a3, b1, dh, row_experts, row_pairs, rows, hidden, da1, da3);
+    vec ? launch(ActivationBackwardKernel<true, 8>) : launch(ActivationBackwardKernel<true, 1>);
   } else {
-    ActivationBackwardKernel<false><<<grid, 256, 0, stream>>>(
-        activation, a1, a3, b1, dh, row_experts, row_pairs, rows, hidden, da1, da3);
+    vec ? launch(ActivationBackwardKernel<false, 4>) : launch(ActivationBackwardKernel<false, 1>);
   }
   CheckLaunch("activation backward");
 }
@@ -690,12 +819,15 @@ void LaunchCombine(const void* expert_out, const float* b2, const int32_t* exper
   if (num_tokens == 0) return;
   const auto blocks = static_cast<unsigned>(num_tokens);
   const int k = static_cast<int>(top_k);
+  const bool vec = dim % VecOf(bf16) == 0;
+  const int threads = RowThreads(vec ? dim / VecOf(bf16) : dim);
+  auto launch = [&](auto kernel) {
+    kernel<<<blocks, threads, 0, stream>>>(expert_out, b2, experts, rows, weights, k, dim, y);
+  };
   if (bf16) {
-    CombineKernel<true><<<blocks, 256, 0, stream>>>(expert_out, b2, experts, rows, weights, k,
-                                                    dim, y);
+    vec ? launch(CombineKernel<true, 8>) : launch(CombineKernel<true, 1>);
   } else {
-    CombineKernel<false><<<blocks, 256, 0, stream>>>(expert_out, b2, experts, rows, weights, k,
-                                                     dim, y);
+    vec ? launch(CombineKernel<false, 4>) : launch(CombineKernel<false, 1>);
   }
   CheckLaunch("combine");
 }
@@ -706,12 +838,16 @@ void LaunchCombineBackward(const void* dy, const void* expert_out, const float* 
                            bool bf16, void* d_expert_out, float* d_weights, cudaStream_t stream) {
   if (num_rows == 0) return;
   const auto blocks = static_cast<unsigned>(num_rows);
+  const bool vec = dim % VecOf(bf16) == 0;
+  const int threads = RowThreads(vec ? dim / VecOf(bf16) : dim);
+  auto launch = [&](auto kernel) {
+    kernel<<<blocks, threads, 0, stream>>>(dy, expert_out, b2, row_experts, row_pairs, weights, top_k,
+                                       dim, d_expert_out, d_weights);
+  };
   if (bf16) {
-    CombineBackwardKernel<true><<<blocks, 256, 0, stream>>>(
-        dy, expert_out, b2, row_experts, row_pairs, weights, top_k, dim, d_expert_out, d_weights);
+    vec ? launch(CombineBackwardKernel<true, 8>) : launch(CombineBackwardKernel<true, 1>);
   } else {
-    CombineBackwardKernel<false><<<blocks, 256, 0, stream>>>(
-        dy, expert_out, b2, row_experts, row_pairs, weights, top_k, dim, d_expert_out, d_weights);
+    vec ? launch(CombineBackwardKernel<false, 4>) : launch(CombineBackwardKernel<false, 1>);
   }
   CheckLaunch("combine backward");
 }
@@ -740,12 +876,15 @@ void LaunchDispatchBackward(const float* dx_gate, const void* d_expert_in, const
   if (num_tokens == 0) return;
   const auto blocks = static_cast<unsigned>(num_tokens);
   const int k = static_cast<int>(top_k);
+  const bool vec = dim % VecOf(bf16) == 0;
+  const int threads = RowThreads(vec ? dim / VecOf(bf16) : dim);
+  auto launch = [&](auto kernel) {
+    kernel<<<blocks, threads, 0, stream>>>(dx_gate, d_expert_in, rows, k, dim, dx);
+  };
   if (bf16) {
-    DispatchBackwardKernel<true><<<blocks, 256, 0, stream>>>(dx_gate, d_expert_in, rows, k, dim,
-                                                             dx);
+    vec ? launch(DispatchBackwardKernel<true, 8>) : launch(DispatchBackwardKernel<true, 1>);
   } else {
-    DispatchBackwardKernel<false><<<blocks, 256, 0, stream>>>(dx_gate, d_expert_in, rows, k, dim,
-                                                              dx);
+    vec ? launch(DispatchBackwardKernel<false, 4>) : launch(DispatchBackwardKernel<false, 1>);
   }
   CheckLaunch("dispatch backward");
 }

@@ -19,7 +19,7 @@ enum ScoreKind : int { kScoreSoftmax = 0, kScoreSigmoid = 1, kScoreSoftmaxAfterT
 struct Stats {
   double z_sum;        // sum_t lse_t^2
   double probs[kMaxExperts];    // sum_t P[t, e]
-  double choices[kMaxExperts];  // counted choices per expert (1st, or all k)
+  int32_t choices[kMaxExperts];  // counted choices per expert (1st, or all k)
   int32_t loads[kMaxExperts];   // routed pairs per expert
 };
 

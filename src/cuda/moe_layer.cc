@@ -213,13 +213,13 @@ void CudaMoeLayer::Impl::Routing(const DeviceParams& params, const void* x_in, i
     const auto i = static_cast<size_t>(e);
     counts[i] = c.dropless ? loads[i] : std::min(loads[i], capacity);
     max_count = std::max(max_count, counts[i]);
-    offsets[i + 1] = offsets[i] + (c.dropless ? counts[i] : capacity);
+    // Compact in both modes: the kept rows of expert e follow those of e - 1 (capacity mode's
+    // [E, C] padding would only be skipped again by every kernel and GEMM).
+    offsets[i + 1] = offsets[i] + counts[i];
   }
   num_rows = offsets.back();
   SY_REQUIRE(num_rows < std::numeric_limits<int32_t>::max(), InvalidArgument,
-             "the expert buffer's {} rows (num_experts {} x capacity {}) exceed the int32 index "
-             "range",
-             num_rows, e_num, capacity);
+             "the expert buffer's {} rows exceed the int32 index range", num_rows);
   dev_offsets_counts.assign(static_cast<size_t>(2 * e_num + 1), 0);
   for (int64_t e = 0; e <= e_num; ++e) {
     dev_offsets_counts[static_cast<size_t>(e)] = static_cast<int32_t>(offsets[static_cast<size_t>(e)]);

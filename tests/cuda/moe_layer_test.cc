@@ -209,7 +209,7 @@ std::vector<Case> Cases() {
   moe::LayerConfig a = Base(64, 128, 8, 2);
   v.push_back({"default_grouped", a, 512, DType::kFloat32, GemmMode::kGrouped});
   v.push_back({"default_loop", a, 512, DType::kFloat32, GemmMode::kLoop});
-  v.push_back({"default_bf16", a, 512, DType::kBFloat16, GemmMode::kGrouped});
+  v.push_back({"default_bf16", a, 512, DType::kBFloat16, GemmMode::kLoop});
   // Dropless, SwiGLU (gated SiLU), sigmoid scores with the expert bias, no biases.
   moe::LayerConfig b = Base(96, 64, 16, 4);
   b.dropless = true;
@@ -218,7 +218,7 @@ std::vector<Case> Cases() {
   b.score_function = moe::ScoreFunction::kSigmoid;
   b.expert_bias = true;
   b.fc_bias = false;
-  v.push_back({"dropless_swiglu_sigmoid", b, 700, DType::kFloat32, GemmMode::kGrouped});
+  v.push_back({"dropless_swiglu_sigmoid", b, 700, DType::kFloat32, GemmMode::kLoop});
   v.push_back({"dropless_swiglu_sigmoid_bf16", b, 700, DType::kBFloat16, GemmMode::kGrouped});
   // Token-order slots, k = 3, heavy drops with renormalization, DeepSpeed's capacity formula,
   // min_capacity and alignment, the all-choices loss, ReLU.
@@ -231,7 +231,7 @@ std::vector<Case> Cases() {
   d.alignment = 8;
   d.aux_loss = moe::AuxLoss::kGShardAllChoices;
   d.activation = kernels::Activation::kRelu;
-  v.push_back({"token_order_renormalize", d, 1500, DType::kFloat32, GemmMode::kGrouped});
+  v.push_back({"token_order_renormalize", d, 1500, DType::kFloat32, GemmMode::kLoop});
   // softmax_after_topk, a capped capacity (cf < 0), top-1, no aux loss; 3000 tokens: several
   // slot chunks.
   moe::LayerConfig s = Base(40, 80, 5, 2);
@@ -241,11 +241,16 @@ std::vector<Case> Cases() {
   v.push_back({"softmax_after_topk_capped", s, 3000, DType::kFloat32, GemmMode::kLoop});
   moe::LayerConfig one = Base(64, 32, 4, 1);
   one.capacity_factor = 0.0f;  // no drops, C = the largest load
-  v.push_back({"top1_cf0", one, 333, DType::kFloat32, GemmMode::kGrouped});
+  v.push_back({"top1_cf0", one, 333, DType::kFloat32, GemmMode::kLoop});
   // 64 experts, top-8 (fine-grained), capacity with drops.
   moe::LayerConfig f = Base(128, 64, 64, 8);
   f.capacity_factor = 1.25f;
-  v.push_back({"fine_grained_64x8", f, 2048, DType::kFloat32, GemmMode::kGrouped});
+  v.push_back({"fine_grained_64x8", f, 2048, DType::kFloat32, GemmMode::kLoop});
+  // Rows that are no multiple of the 16-byte access (bfloat16 M = 36, H = 20): the scalar paths.
+  moe::LayerConfig odd = Base(36, 20, 4, 2);
+  odd.gated = true;
+  v.push_back({"odd_sizes_bf16", odd, 300, DType::kBFloat16, GemmMode::kLoop});
+  v.push_back({"odd_sizes", odd, 300, DType::kFloat32, GemmMode::kGrouped});
   return v;
 }
 

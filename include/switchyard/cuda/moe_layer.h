@@ -52,9 +52,13 @@ struct DeviceGrads {
 };
 
 // How the per-expert GEMMs are issued.
+// How the per-expert GEMMs are issued. kLoop is the default: on the H200 with cuBLAS 13.0,
+// cublasGemmGroupedBatchedEx ran a CUTLASS sm80 kernel several times slower than the loop
+// (docs/gpu.md), and it refuses bfloat16 operands with a float32 output (the weight gradients),
+// which then run as the loop.
 enum class GemmMode : uint8_t {
-  kGrouped,  // one cublasGemmGroupedBatchedEx per GEMM step (all experts at once)
-  kLoop      // one cublasGemmEx per expert
+  kLoop,    // one cublasGemmEx per expert
+  kGrouped  // one cublasGemmGroupedBatchedEx per GEMM step (all experts at once)
 };
 
 struct CudaForwardResult {
@@ -78,7 +82,7 @@ class CudaMoeLayer {
  public:
   // Validates the config (moe::ValidateConfig) and refuses the options docs/gpu.md lists as not
   // supported on the GPU. `dtype`: kFloat32 or kBFloat16, the dtype of x / y / dy / dx.
-  CudaMoeLayer(moe::LayerConfig config, DType dtype, GemmMode gemm = GemmMode::kGrouped);
+  CudaMoeLayer(moe::LayerConfig config, DType dtype, GemmMode gemm = GemmMode::kLoop);
   ~CudaMoeLayer();
   CudaMoeLayer(const CudaMoeLayer&) = delete;
   CudaMoeLayer& operator=(const CudaMoeLayer&) = delete;
@@ -91,8 +95,8 @@ class CudaMoeLayer {
   // parameters in place.
   void PrepareWeights(const DeviceParams& params, cudaStream_t stream);
 
-  // x [T, M] -> y [T, M], both device arrays of the layer's dtype. `training` only selects
-  // nothing here (noise and random routing are refused), it is kept for the CPU layer's contract.
+  // x [T, M] -> y [T, M], both device arrays of the layer's dtype. The result equals the CPU
+  // layer's training call and evaluation call alike (noise and random routing are refused).
   CudaForwardResult Forward(const DeviceParams& params, const void* x, int64_t num_tokens,
                             void* y, cudaStream_t stream);
 
