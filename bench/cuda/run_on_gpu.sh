@@ -21,7 +21,7 @@ F="--tokens 32768 --model 2048 --hidden 1024 --experts 64 --top-k 8 --cf 1.25"
   for cfg in "A:$A" "F:$F" "F-dropless:$F --dropless"; do
     name=${cfg%%:*}
     args=${cfg#*:}
-    for gemm in grouped loop; do
+    for gemm in loop grouped; do
       echo "== $name switchyard $gemm"
       # shellcheck disable=SC2086
       "$bench_bin" $args --gemm "$gemm" --dtype bf16

@@ -1,5 +1,6 @@
 #include "cuda/gemm.h"
 
+#include <algorithm>
 #include <limits>
 
 namespace switchyard::cuda::detail {
@@ -16,6 +17,12 @@ bool Empty(const GemmProblem& p) { return p.m == 0 || p.n == 0 || p.k == 0; }
 }  // namespace
 
 GroupedGemm::~GroupedGemm() {
+  for (Lane& l : lanes_) {
+    if (l.handle != nullptr) cublasDestroy(l.handle);
+    if (l.done != nullptr) cudaEventDestroy(l.done);
+    if (l.stream != nullptr) cudaStreamDestroy(l.stream);
+  }
+  if (fork_ != nullptr) cudaEventDestroy(fork_);
   for (Slot& s : slots_) {
     if (s.copied != nullptr) cudaEventDestroy(s.copied);
     if (s.host != nullptr) cudaFreeHost(static_cast<void*>(s.host));
@@ -92,7 +99,39 @@ void GroupedGemm::Run(cublasHandle_t handle, bool trans_a, bool trans_b,
     if (st != CUBLAS_STATUS_NOT_SUPPORTED) CheckCublas(st, "cublasGemmGroupedBatchedEx");
     fell_back_ = true;
   }
-  for (const GemmProblem* p : live) Gemm(handle, trans_a, trans_b, *p, types, beta);
+  RunLoop(handle, trans_a, trans_b, live, types, beta);
+}
+
+void GroupedGemm::RunLoop(cublasHandle_t handle, bool trans_a, bool trans_b,
+                          const std::vector<const GemmProblem*>& live, GemmTypes types,
+                          float beta) {
+  if (live.size() == 1) {
+    Gemm(handle, trans_a, trans_b, *live[0], types, beta);
+    return;
+  }
+  cudaStream_t main = nullptr;
+  CheckCublas(cublasGetStream(handle, &main), "cublasGetStream");
+  if (fork_ == nullptr) {
+    CheckCuda(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "cudaEventCreate");
+    for (Lane& l : lanes_) {
+      CheckCuda(cudaStreamCreateWithFlags(&l.stream, cudaStreamNonBlocking), "cudaStreamCreate");
+      CheckCuda(cudaEventCreateWithFlags(&l.done, cudaEventDisableTiming), "cudaEventCreate");
+      CheckCublas(cublasCreate(&l.handle), "cublasCreate");
+      CheckCublas(cublasSetStream(l.handle, l.stream), "cublasSetStream");
+    }
+  }
+  const int lanes = static_cast<int>(std::min<size_t>(kLanes, live.size()));
+  CheckCuda(cudaEventRecord(fork_, main), "cudaEventRecord");
+  for (int i = 0; i < lanes; ++i) {
+    CheckCuda(cudaStreamWaitEvent(lanes_[i].stream, fork_, 0), "cudaStreamWaitEvent");
+  }
+  for (size_t i = 0; i < live.size(); ++i) {
+    Gemm(lanes_[i % static_cast<size_t>(lanes)].handle, trans_a, trans_b, *live[i], types, beta);
+  }
+  for (int i = 0; i < lanes; ++i) {
+    CheckCuda(cudaEventRecord(lanes_[i].done, lanes_[i].stream), "cudaEventRecord");
+    CheckCuda(cudaStreamWaitEvent(main, lanes_[i].done, 0), "cudaStreamWaitEvent");
+  }
 }
 
 }  // namespace switchyard::cuda::detail

@@ -59,6 +59,19 @@ class GroupedGemm {
   };
   Slot slots_[kSlots];
   int next_ = 0;
+  // The loop spreads the experts' products over kLanes streams (one cuBLAS handle each), forked
+  // from and joined back into the caller's stream: one product's ramp-up and tail overlap
+  // another's.
+  static constexpr int kLanes = 4;
+  struct Lane {
+    cudaStream_t stream = nullptr;
+    cublasHandle_t handle = nullptr;
+    cudaEvent_t done = nullptr;
+  };
+  Lane lanes_[kLanes];
+  cudaEvent_t fork_ = nullptr;
+  void RunLoop(cublasHandle_t handle, bool trans_a, bool trans_b,
+               const std::vector<const GemmProblem*>& live, GemmTypes types, float beta);
 };
 
 }  // namespace switchyard::cuda::detail

@@ -16,7 +16,6 @@ namespace switchyard::cuda::detail {
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kPerLane = static_cast<int>(kMaxExperts / 32);
 constexpr float kGateEps = 1.1920928955078125e-07f;  // moe::kGateEps (float32's epsilon)
 constexpr int kActRelu = 0, kActGelu = 1, kActSilu = 2;
 
@@ -129,6 +128,8 @@ __device__ float BlockSum(float v) {
 
 // ---- Gate (moe/gate.cc GateForward; losses.cc sums) ----
 
+// kPerLane experts per lane: E <= 32 * kPerLane (the launcher picks the smallest that fits).
+template <int kPerLane>
 __global__ void GateKernel(GateArgs a) {
   __shared__ float block_probs[kMaxExperts];
   __shared__ int block_choices[kMaxExperts];
@@ -407,25 +408,24 @@ __device__ __forceinline__ float ActGrad(int act, float x) {
   return 1.0f;
 }
 
+// The activation kernels walk [rows, hidden] as one flat range of kV-wide accesses (hidden is a
+// multiple of kV), so that blocks span several rows.
 template <bool kBf16, int kV>
 __global__ void ActivationForwardKernel(int act, const void* a1, const void* a3, const float* b1,
                                         const int32_t* row_experts, const int32_t* row_pairs,
                                         int64_t rows, int64_t hidden, void* h) {
-  const int64_t r = blockIdx.y * static_cast<int64_t>(gridDim.z) + blockIdx.z;
-  if (r >= rows) return;
-  const bool pad = row_pairs[r] < 0;
-  const float* bias = b1 ? b1 + static_cast<int64_t>(row_experts[r]) * hidden : nullptr;
-  for (int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kV; c < hidden;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x * kV) {
-    const int64_t i = r * hidden + c;
+  const int64_t n = rows * hidden;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kV; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x * kV) {
+    const int64_t r = i / hidden, c = i - r * hidden;
     float out[kV], z[kV], b[kV], q[kV];
-    if (pad) {
+    if (row_pairs[r] < 0) {
 #pragma unroll
       for (int u = 0; u < kV; ++u) out[u] = 0.0f;
     } else {
       LdV<kBf16, kV>(a1, i, z);
-      if (bias) {
-        LdBias<kV>(bias, c, b);
+      if (b1) {
+        LdBias<kV>(b1, static_cast<int64_t>(row_experts[r]) * hidden + c, b);
 #pragma unroll
         for (int u = 0; u < kV; ++u) z[u] += b[u];
       }
@@ -446,21 +446,18 @@ __global__ void ActivationBackwardKernel(int act, const void* a1, const void* a3
                                          const void* dh, const int32_t* row_experts,
                                          const int32_t* row_pairs, int64_t rows, int64_t hidden,
                                          void* da1, void* da3) {
-  const int64_t r = blockIdx.y * static_cast<int64_t>(gridDim.z) + blockIdx.z;
-  if (r >= rows) return;
-  const bool pad = row_pairs[r] < 0;
-  const float* bias = b1 ? b1 + static_cast<int64_t>(row_experts[r]) * hidden : nullptr;
-  for (int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kV; c < hidden;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x * kV) {
-    const int64_t i = r * hidden + c;
+  const int64_t n = rows * hidden;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kV; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x * kV) {
+    const int64_t r = i / hidden, c = i - r * hidden;
     float g1[kV], g3[kV], z[kV], d[kV], b[kV], q[kV];
 #pragma unroll
     for (int u = 0; u < kV; ++u) g1[u] = g3[u] = 0.0f;
-    if (!pad) {
+    if (row_pairs[r] >= 0) {
       LdV<kBf16, kV>(a1, i, z);
       LdV<kBf16, kV>(dh, i, d);
-      if (bias) {
-        LdBias<kV>(bias, c, b);
+      if (b1) {
+        LdBias<kV>(b1, static_cast<int64_t>(row_experts[r]) * hidden + c, b);
 #pragma unroll
         for (int u = 0; u < kV; ++u) z[u] += b[u];
       }
@@ -478,18 +475,6 @@ __global__ void ActivationBackwardKernel(int act, const void* a1, const void* a3
     StV<kBf16, kV>(da1, i, g1);
     if (a3) StV<kBf16, kV>(da3, i, g3);
   }
-}
-
-// Rows split over grid (x: column blocks, y*z: rows) so that any row count fits; `vectors` is
-// the number of kV-wide accesses per row. Returns the block size.
-int RowGrid(int64_t rows, int64_t vectors, dim3* grid) {
-  const int threads = vectors >= 256 ? 256 : static_cast<int>((vectors + 31) / 32 * 32);
-  const int64_t col_blocks = (vectors + threads - 1) / threads;
-  const int64_t z = rows < 65535 ? (rows > 0 ? rows : 1) : 65535;
-  grid->x = static_cast<unsigned>(col_blocks < 8 ? col_blocks : 8);
-  grid->y = static_cast<unsigned>((rows + z - 1) / z > 0 ? (rows + z - 1) / z : 1);
-  grid->z = static_cast<unsigned>(z);
-  return threads > 0 ? threads : 32;
 }
 
 template <bool kBf16, int kV>
@@ -718,7 +703,18 @@ int GateBlocks(int64_t num_tokens) {
 
 void LaunchGate(const GateArgs& a, cudaStream_t stream) {
   if (a.num_tokens == 0) return;
-  GateKernel<<<GateBlocks(a.num_tokens), 256, 0, stream>>>(a);
+  auto launch = [&](auto kernel) { kernel<<<GateBlocks(a.num_tokens), 256, 0, stream>>>(a); };
+  if (a.num_experts <= 32) {
+    launch(GateKernel<1>);
+  } else if (a.num_experts <= 64) {
+    launch(GateKernel<2>);
+  } else if (a.num_experts <= 128) {
+    launch(GateKernel<4>);
+  } else if (a.num_experts <= 256) {
+    launch(GateKernel<8>);
+  } else {
+    launch(GateKernel<static_cast<int>(kMaxExperts / 32)>);
+  }
   CheckLaunch("gate");
 }
 
@@ -779,11 +775,10 @@ void LaunchActivationForward(int activation, const void* a1, const void* a3, con
                              int64_t hidden, bool bf16, void* h, cudaStream_t stream) {
   if (rows == 0) return;
   const bool vec = hidden % VecOf(bf16) == 0;
-  dim3 grid;
-  const int threads = RowGrid(rows, vec ? hidden / VecOf(bf16) : hidden, &grid);
+  const int blocks = Blocks(rows * hidden / (vec ? VecOf(bf16) : 1), 256, 8192);
   auto launch = [&](auto kernel) {
-    kernel<<<grid, threads, 0, stream>>>(activation, a1, a3, b1, row_experts, row_pairs, rows,
-                                         hidden, h);
+    kernel<<<blocks, 256, 0, stream>>>(activation, a1, a3, b1, row_experts, row_pairs, rows,
+                                       hidden, h);
   };
   if (bf16) {
     vec ? launch(ActivationForwardKernel<true, 8>) : launch(ActivationForwardKernel<true, 1>);
@@ -799,11 +794,10 @@ void LaunchActivationBackward(int activation, const void* a1, const void* a3, co
                               cudaStream_t stream) {
   if (rows == 0) return;
   const bool vec = hidden % VecOf(bf16) == 0;
-  dim3 grid;
-  const int threads = RowGrid(rows, vec ? hidden / VecOf(bf16) : hidden, &grid);
+  const int blocks = Blocks(rows * hidden / (vec ? VecOf(bf16) : 1), 256, 8192);
   auto launch = [&](auto kernel) {
-    kernel<<<grid, threads, 0, stream>>>(activation, a1, a3, b1, dh, row_experts, row_pairs, rows,
-                                         hidden, da1, da3);
+    kernel<<<blocks, 256, 0, stream>>>(activation, a1, a3, b1, dh, row_experts, row_pairs, rows,
+                                       hidden, da1, da3);
   };
   if (bf16) {
     vec ? launch(ActivationBackwardKernel<true, 8>) : launch(ActivationBackwardKernel<true, 1>);
