@@ -170,7 +170,8 @@ int Run(const Options& o) {
     sy::cuda::detail::LaunchToBf16(dy32, t * m, dyd, stream);
   } else {
     CheckCuda(cudaMemcpy(xd, x32, static_cast<size_t>(t * m) * 4, cudaMemcpyDeviceToDevice), "cp");
-    CheckCuda(cudaMemcpy(dyd, dy32, static_cast<size_t>(t * m) * 4, cudaMemcpyDeviceToDevice), "cp");
+    CheckCuda(cudaMemcpy(dyd, dy32, static_cast<size_t>(t * m) * 4, cudaMemcpyDeviceToDevice),
+              "cp");
   }
   void* yd = y.Ensure(static_cast<size_t>(t * m) * act);
   void* dxd = dx.Ensure(static_cast<size_t>(t * m) * act);
@@ -219,24 +220,23 @@ int Run(const Options& o) {
   const double dense_tflops = 2.0 * static_cast<double>(kept) * m * h / dense_ms / 1e9;
   const double layer_tflops = useful / step_ms / 1e9;
 
-  std::printf(
-      "config: T %lld, M %lld, H %lld, E %lld, k %lld, %s, cf %.2f, %s%s, %s GEMMs%s\n",
-      static_cast<long long>(t), static_cast<long long>(m), static_cast<long long>(h),
-      static_cast<long long>(e), static_cast<long long>(layer.top_k()), o.dtype.c_str(), o.cf,
-      o.dropless ? "dropless, " : "", o.activation.c_str(), o.gemm.c_str(),
-      o.gated ? ", gated" : "");
+  std::printf("config: T %lld, M %lld, H %lld, E %lld, k %lld, %s, cf %.2f, %s%s, %s GEMMs%s\n",
+              static_cast<long long>(t), static_cast<long long>(m), static_cast<long long>(h),
+              static_cast<long long>(e), static_cast<long long>(layer.top_k()), o.dtype.c_str(),
+              o.cf, o.dropless ? "dropless, " : "", o.activation.c_str(), o.gemm.c_str(),
+              o.gated ? ", gated" : "");
   std::printf("  capacity %lld, kept pairs %lld, dropped %lld\n",
               static_cast<long long>(fr.capacity), static_cast<long long>(kept),
               static_cast<long long>(fr.dropped));
   std::printf("  forward+backward %.3f ms (median of %d), forward %.3f ms\n", step_ms, o.iters,
               fwd_ms);
-  std::printf("  useful %.1f TFLOP/s; cuBLAS dense %s GEMM %lldx%lldx%lld: %.1f TFLOP/s -> %.2f "
-              "of dense\n",
-              layer_tflops, o.dtype.c_str(), static_cast<long long>(kept),
-              static_cast<long long>(h), static_cast<long long>(m), dense_tflops,
-              layer_tflops / dense_tflops);
-  std::printf("RESULT layer_tflops=%.1f dense_tflops=%.1f ratio=%.3f step_ms=%.3f\n",
-              layer_tflops, dense_tflops, layer_tflops / dense_tflops, step_ms);
+  std::printf(
+      "  useful %.1f TFLOP/s; cuBLAS dense %s GEMM %lldx%lldx%lld: %.1f TFLOP/s -> %.2f "
+      "of dense\n",
+      layer_tflops, o.dtype.c_str(), static_cast<long long>(kept), static_cast<long long>(h),
+      static_cast<long long>(m), dense_tflops, layer_tflops / dense_tflops);
+  std::printf("RESULT layer_tflops=%.1f dense_tflops=%.1f ratio=%.3f step_ms=%.3f\n", layer_tflops,
+              dense_tflops, layer_tflops / dense_tflops, step_ms);
   cublasDestroy(handle);
   CheckCuda(cudaStreamDestroy(stream), "stream");
   return 0;

@@ -35,12 +35,12 @@ void Gemm(cublasHandle_t handle, bool trans_a, bool trans_b, const GemmProblem& 
           float beta) {
   if (Empty(p)) return;
   const float alpha = 1.0f;
-  CheckCublas(cublasGemmEx(handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                           trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, Int(p.n, "n"), Int(p.m, "m"),
-                           Int(p.k, "k"), &alpha, p.b, types.ab, Int(p.ldb, "ldb"), p.a, types.ab,
-                           Int(p.lda, "lda"), &beta, p.c, types.c, Int(p.ldc, "ldc"),
-                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-              "cublasGemmEx");
+  CheckCublas(
+      cublasGemmEx(handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                   Int(p.n, "n"), Int(p.m, "m"), Int(p.k, "k"), &alpha, p.b, types.ab,
+                   Int(p.ldb, "ldb"), p.a, types.ab, Int(p.lda, "lda"), &beta, p.c, types.c,
+                   Int(p.ldc, "ldc"), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "cublasGemmEx");
 }
 
 void GroupedGemm::Run(cublasHandle_t handle, bool trans_a, bool trans_b,
@@ -91,9 +91,8 @@ void GroupedGemm::Run(cublasHandle_t handle, bool trans_a, bool trans_b,
               "copy of the grouped GEMM's pointers");
     CheckCuda(cudaEventRecord(slot.copied, stream), "cudaEventRecord");
     cublasStatus_t st = cublasGemmGroupedBatchedEx(
-        handle, op_a.data(), op_b.data(), m.data(), n.data(), k.data(), alpha.data(), dev,
-        types.ab, lda.data(), dev + g, types.ab, ldb.data(), betas.data(), dev + 2 * g, types.c,
-        ldc.data(),
+        handle, op_a.data(), op_b.data(), m.data(), n.data(), k.data(), alpha.data(), dev, types.ab,
+        lda.data(), dev + g, types.ab, ldb.data(), betas.data(), dev + 2 * g, types.c, ldc.data(),
         static_cast<int>(g), size.data(), CUBLAS_COMPUTE_32F);
     if (st == CUBLAS_STATUS_SUCCESS) return;
     if (st != CUBLAS_STATUS_NOT_SUPPORTED) CheckCublas(st, "cublasGemmGroupedBatchedEx");

@@ -3,8 +3,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <cfloat>
 #include <algorithm>
+#include <cfloat>
 #include <climits>
 #include <cstdio>
 #include <stdexcept>
@@ -614,7 +614,8 @@ __global__ void GateBackwardKernel(GateBackwardArgs a) {
         s_sum += a.choice_scores[base + j];
         gdot += ds[j] * a.gates[base + j];
       }
-      for (int j = 0; j < k; ++j) ds[j] = s_sum > kGateEps ? (ds[j] - gdot) / s_sum : ds[j] / kGateEps;
+      for (int j = 0; j < k; ++j)
+        ds[j] = s_sum > kGateEps ? (ds[j] - gdot) / s_sum : ds[j] / kGateEps;
     }
     // d scores -> d logits.
     const float* sc = a.scores + t * e_num;
@@ -777,8 +778,8 @@ void LaunchActivationForward(int activation, const void* a1, const void* a3, con
   const bool vec = hidden % VecOf(bf16) == 0;
   const int blocks = Blocks(rows * hidden / (vec ? VecOf(bf16) : 1), 256, 8192);
   auto launch = [&](auto kernel) {
-    kernel<<<blocks, 256, 0, stream>>>(activation, a1, a3, b1, row_experts, row_pairs, rows,
-                                       hidden, h);
+    kernel<<<blocks, 256, 0, stream>>>(activation, a1, a3, b1, row_experts, row_pairs, rows, hidden,
+                                       h);
   };
   if (bf16) {
     vec ? launch(ActivationForwardKernel<true, 8>) : launch(ActivationForwardKernel<true, 1>);
@@ -835,8 +836,8 @@ void LaunchCombineBackward(const void* dy, const void* expert_out, const float* 
   const bool vec = dim % VecOf(bf16) == 0;
   const int threads = RowThreads(vec ? dim / VecOf(bf16) : dim);
   auto launch = [&](auto kernel) {
-    kernel<<<blocks, threads, 0, stream>>>(dy, expert_out, b2, row_experts, row_pairs, weights, top_k,
-                                       dim, d_expert_out, d_weights);
+    kernel<<<blocks, threads, 0, stream>>>(dy, expert_out, b2, row_experts, row_pairs, weights,
+                                           top_k, dim, d_expert_out, d_weights);
   };
   if (bf16) {
     vec ? launch(CombineBackwardKernel<true, 8>) : launch(CombineBackwardKernel<true, 1>);
@@ -892,8 +893,7 @@ void LaunchGateBackward(const GateBackwardArgs& a, cudaStream_t stream) {
 
 void LaunchToBf16(const float* in, int64_t n, void* out, cudaStream_t stream) {
   if (n == 0) return;
-  ToBf16Kernel<<<Blocks(n, 256, 4096), 256, 0, stream>>>(in, n,
-                                                         static_cast<__nv_bfloat16*>(out));
+  ToBf16Kernel<<<Blocks(n, 256, 4096), 256, 0, stream>>>(in, n, static_cast<__nv_bfloat16*>(out));
   CheckLaunch("to bfloat16");
 }
 

@@ -17,22 +17,22 @@ enum ScoreKind : int { kScoreSoftmax = 0, kScoreSigmoid = 1, kScoreSoftmaxAfterT
 
 // Per-step statistics, one device block (zeroed by the gate launcher), copied to the host once.
 struct Stats {
-  double z_sum;        // sum_t lse_t^2
-  double probs[kMaxExperts];    // sum_t P[t, e]
+  double z_sum;                  // sum_t lse_t^2
+  double probs[kMaxExperts];     // sum_t P[t, e]
   int32_t choices[kMaxExperts];  // counted choices per expert (1st, or all k)
-  int32_t loads[kMaxExperts];   // routed pairs per expert
+  int32_t loads[kMaxExperts];    // routed pairs per expert
 };
 
 struct GateArgs {
   const float* logits;       // [T, E]
   const float* expert_bias;  // [E] or null
   int64_t num_tokens, num_experts, top_k;
-  int score;            // ScoreKind
-  bool normalize;       // normalize_gate (ignored for softmax_after_topk)
-  bool all_choices;     // aux loss counts all k choices (else the 1st)
-  float* scores;        // [T, E] softmax (also for softmax_after_topk) or sigmoid
-  float* lse;           // [T]
-  int32_t* experts;     // [T, k]
+  int score;             // ScoreKind
+  bool normalize;        // normalize_gate (ignored for softmax_after_topk)
+  bool all_choices;      // aux loss counts all k choices (else the 1st)
+  float* scores;         // [T, E] softmax (also for softmax_after_topk) or sigmoid
+  float* lse;            // [T]
+  int32_t* experts;      // [T, k]
   float* choice_scores;  // [T, k]
   float* gates;          // [T, k]
   Stats* stats;
@@ -95,15 +95,15 @@ void LaunchDispatchBackward(const float* dx_gate, const void* d_expert_in, const
                             cudaStream_t stream);
 
 struct GateBackwardArgs {
-  const float* logits;  // [T, E]
-  const float* scores;  // [T, E]
-  const float* lse;     // [T]
-  const int32_t* experts;       // [T, k]
-  const float* choice_scores;   // [T, k]
-  const float* gates;           // [T, k]
-  const float* weights;         // [T, k] combine weights
-  const int32_t* rows;          // [T, k]
-  const float* d_weights;       // [T, k]
+  const float* logits;         // [T, E]
+  const float* scores;         // [T, E]
+  const float* lse;            // [T]
+  const int32_t* experts;      // [T, k]
+  const float* choice_scores;  // [T, k]
+  const float* gates;          // [T, k]
+  const float* weights;        // [T, k] combine weights
+  const int32_t* rows;         // [T, k]
+  const float* d_weights;      // [T, k]
   const Stats* stats;
   int64_t num_tokens, num_experts, top_k;
   int score;

@@ -58,12 +58,9 @@ void RequireSupported(const moe::LayerConfig& c) {
 
 int ScoreKindOf(moe::ScoreFunction f) {
   switch (f) {
-    case moe::ScoreFunction::kSigmoid:
-      return detail::kScoreSigmoid;
-    case moe::ScoreFunction::kSoftmaxAfterTopK:
-      return detail::kScoreSoftmaxAfterTopK;
-    default:
-      return detail::kScoreSoftmax;
+    case moe::ScoreFunction::kSigmoid: return detail::kScoreSigmoid;
+    case moe::ScoreFunction::kSoftmaxAfterTopK: return detail::kScoreSoftmaxAfterTopK;
+    default: return detail::kScoreSoftmax;
   }
 }
 
@@ -74,6 +71,7 @@ struct CudaMoeLayer::Impl {
   DType dtype;
   bool bf16;
   int64_t k;
+  float aux_coef = 0, z_coef = 0;  // weights of the losses in Backward
   cublasHandle_t handle = nullptr;
   detail::GroupedGemm grouped;
 
@@ -97,6 +95,8 @@ struct CudaMoeLayer::Impl {
     SY_REQUIRE(dt == DType::kFloat32 || dt == DType::kBFloat16, InvalidArgument,
                "the CUDA layer's dtype: expected float32 or bfloat16, got {}", DTypeName(dt));
     k = moe::EffectiveTopK(c);
+    aux_coef = c.aux_loss_coef;
+    z_coef = c.z_loss_coef;
     CheckCublas(cublasCreate(&handle), "cublasCreate");
   }
   ~Impl() {
@@ -113,8 +113,8 @@ struct CudaMoeLayer::Impl {
     return static_cast<char*>(b.get()) + static_cast<size_t>(row * cols) * ActBytes();
   }
   const char* Weight(const float* fp32, const DeviceBuffer& copy, int64_t e, int64_t size) const {
-    const char* base = bf16 ? static_cast<const char*>(copy.get())
-                            : reinterpret_cast<const char*>(fp32);
+    const char* base =
+        bf16 ? static_cast<const char*>(copy.get()) : reinterpret_cast<const char*>(fp32);
     return base + static_cast<size_t>(e * size) * ActBytes();
   }
 
@@ -169,8 +169,8 @@ void CudaMoeLayer::Impl::Routing(const DeviceParams& params, const void* x_in, i
     x32 = conv;
   }
   float* lg = logits.As<float>(static_cast<size_t>(t * e_num));
-  detail::Gemm(handle, false, true, {t, e_num, m_dim, x32, m_dim, params.gate_weight, m_dim, lg,
-                                     e_num},
+  detail::Gemm(handle, false, true,
+               {t, e_num, m_dim, x32, m_dim, params.gate_weight, m_dim, lg, e_num},
                {CUDA_R_32F, CUDA_R_32F}, 0.0f);
   auto* st = stats.As<detail::Stats>(1);
   CheckCuda(cudaMemsetAsync(st, 0, sizeof(detail::Stats), stream), "memset");
@@ -222,7 +222,8 @@ void CudaMoeLayer::Impl::Routing(const DeviceParams& params, const void* x_in, i
              "the expert buffer's {} rows exceed the int32 index range", num_rows);
   dev_offsets_counts.assign(static_cast<size_t>(2 * e_num + 1), 0);
   for (int64_t e = 0; e <= e_num; ++e) {
-    dev_offsets_counts[static_cast<size_t>(e)] = static_cast<int32_t>(offsets[static_cast<size_t>(e)]);
+    dev_offsets_counts[static_cast<size_t>(e)] =
+        static_cast<int32_t>(offsets[static_cast<size_t>(e)]);
   }
   for (int64_t e = 0; e < e_num; ++e) {
     dev_offsets_counts[static_cast<size_t>(e_num + 1 + e)] =
@@ -238,9 +239,9 @@ void CudaMoeLayer::Impl::Routing(const DeviceParams& params, const void* x_in, i
                          c.renormalize_after_drop && k > 1,
                          rows.As<int32_t>(static_cast<size_t>(t * k)), rp,
                          weights.As<float>(static_cast<size_t>(t * k)), stream);
-  detail::LaunchRowExperts(oc, e_num, num_rows,
-                           row_experts.As<int32_t>(static_cast<size_t>(std::max<int64_t>(num_rows, 1))),
-                           stream);
+  detail::LaunchRowExperts(
+      oc, e_num, num_rows,
+      row_experts.As<int32_t>(static_cast<size_t>(std::max<int64_t>(num_rows, 1))), stream);
 }
 
 void CudaMoeLayer::Impl::ExpertsForward(const DeviceParams& params, cudaStream_t stream) {
@@ -256,8 +257,11 @@ void CudaMoeLayer::Impl::ExpertsForward(const DeviceParams& params, cudaStream_t
   const int64_t wsize = h_dim * m_dim;
   auto up = [&](const float* w, const DeviceBuffer& copy, DeviceBuffer& out) {
     grouped.Run(handle, false, true, PerExpert([&](int64_t e, int64_t off, int64_t cnt) {
-                  return GemmProblem{cnt, h_dim, m_dim, Act(xbuf, off, m_dim), m_dim,
-                                     Weight(w, copy, e, wsize), m_dim, Act(out, off, h_dim), h_dim};
+                  return GemmProblem{cnt,   h_dim,
+                                     m_dim, Act(xbuf, off, m_dim),
+                                     m_dim, Weight(w, copy, e, wsize),
+                                     m_dim, Act(out, off, h_dim),
+                                     h_dim};
                 }),
                 ActTypes(), 0.0f);
   };
@@ -265,19 +269,21 @@ void CudaMoeLayer::Impl::ExpertsForward(const DeviceParams& params, cudaStream_t
   if (c.gated) up(params.fc3_weight, w3b, a3);
   const auto* rp = static_cast<const int32_t*>(row_pairs.get());
   const auto* re = static_cast<const int32_t*>(row_experts.get());
-  detail::LaunchActivationForward(static_cast<int>(c.activation), a1.get(),
-                                  c.gated ? a3.get() : nullptr, c.fc_bias ? params.fc1_bias : nullptr,
-                                  re, rp, num_rows, h_dim, bf16, h.get(), stream);
+  detail::LaunchActivationForward(
+      static_cast<int>(c.activation), a1.get(), c.gated ? a3.get() : nullptr,
+      c.fc_bias ? params.fc1_bias : nullptr, re, rp, num_rows, h_dim, bf16, h.get(), stream);
   grouped.Run(handle, false, true, PerExpert([&](int64_t e, int64_t off, int64_t cnt) {
-                return GemmProblem{cnt, m_dim, h_dim, Act(h, off, h_dim), h_dim,
-                                   Weight(params.fc2_weight, w2b, e, wsize), h_dim,
-                                   Act(ybuf, off, m_dim), m_dim};
+                return GemmProblem{cnt,   m_dim,
+                                   h_dim, Act(h, off, h_dim),
+                                   h_dim, Weight(params.fc2_weight, w2b, e, wsize),
+                                   h_dim, Act(ybuf, off, m_dim),
+                                   m_dim};
               }),
               ActTypes(), 0.0f);
 }
 
-CudaForwardResult CudaMoeLayer::Forward(const DeviceParams& params, const void* x, int64_t num_tokens,
-                                        void* y, cudaStream_t stream) {
+CudaForwardResult CudaMoeLayer::Forward(const DeviceParams& params, const void* x,
+                                        int64_t num_tokens, void* y, cudaStream_t stream) {
   Impl& s = *impl_;
   SY_REQUIRE(num_tokens >= 0 && num_tokens * s.k < std::numeric_limits<int32_t>::max(),
              InvalidArgument, "num_tokens: expected 0 <= T with T * top_k < 2^31, got {}",
@@ -288,8 +294,8 @@ CudaForwardResult CudaMoeLayer::Forward(const DeviceParams& params, const void* 
   detail::LaunchCombine(s.ybuf.get(), s.c.fc_bias ? params.fc2_bias : nullptr,
                         static_cast<const int32_t*>(s.experts.get()),
                         static_cast<const int32_t*>(s.rows.get()),
-                        static_cast<const float*>(s.weights.get()), num_tokens, s.k,
-                        s.c.model_dim, s.bf16, y, stream);
+                        static_cast<const float*>(s.weights.get()), num_tokens, s.k, s.c.model_dim,
+                        s.bf16, y, stream);
 
   CudaForwardResult r;
   r.capacity = s.capacity;
@@ -332,23 +338,27 @@ void CudaMoeLayer::Impl::ExpertsBackward(const DeviceParams& params, const Devic
   }
   dh.Ensure(static_cast<size_t>(rows_n * h_dim) * ab);
   grouped.Run(handle, false, false, PerExpert([&](int64_t e, int64_t off, int64_t cnt) {
-                return GemmProblem{cnt, h_dim, m_dim, Act(dybuf, off, m_dim), m_dim,
-                                   Weight(params.fc2_weight, w2b, e, wsize), h_dim,
-                                   Act(dh, off, h_dim), h_dim};
+                return GemmProblem{cnt,   h_dim,
+                                   m_dim, Act(dybuf, off, m_dim),
+                                   m_dim, Weight(params.fc2_weight, w2b, e, wsize),
+                                   h_dim, Act(dh, off, h_dim),
+                                   h_dim};
               }),
               ActTypes(), 0.0f);
   grouped.Run(handle, true, false, PerExpert([&](int64_t e, int64_t off, int64_t cnt) {
-                return GemmProblem{m_dim, h_dim, cnt, Act(dybuf, off, m_dim), m_dim,
-                                   Act(h, off, h_dim), h_dim, grads.fc2_weight + e * wsize, h_dim};
+                return GemmProblem{m_dim, h_dim,
+                                   cnt,   Act(dybuf, off, m_dim),
+                                   m_dim, Act(h, off, h_dim),
+                                   h_dim, grads.fc2_weight + e * wsize,
+                                   h_dim};
               }),
               GradTypes(), 0.0f);
   da1.Ensure(static_cast<size_t>(rows_n * h_dim) * ab);
   if (c.gated) da3.Ensure(static_cast<size_t>(rows_n * h_dim) * ab);
-  detail::LaunchActivationBackward(static_cast<int>(c.activation), a1.get(),
-                                   c.gated ? a3.get() : nullptr,
-                                   c.fc_bias ? params.fc1_bias : nullptr, dh.get(), re, rp,
-                                   num_rows, h_dim, bf16, da1.get(), c.gated ? da3.get() : nullptr,
-                                   stream);
+  detail::LaunchActivationBackward(
+      static_cast<int>(c.activation), a1.get(), c.gated ? a3.get() : nullptr,
+      c.fc_bias ? params.fc1_bias : nullptr, dh.get(), re, rp, num_rows, h_dim, bf16, da1.get(),
+      c.gated ? da3.get() : nullptr, stream);
   if (c.fc_bias) {
     detail::LaunchSegmentColumnSum(da1.get(), oc, oc + e_num + 1, e_num, max_count, h_dim, bf16,
                                    grads.fc1_bias, stream);
@@ -356,18 +366,22 @@ void CudaMoeLayer::Impl::ExpertsBackward(const DeviceParams& params, const Devic
   dxbuf.Ensure(static_cast<size_t>(rows_n * m_dim) * ab);
   auto down = [&](const float* w, const DeviceBuffer& copy, const DeviceBuffer& da, float beta) {
     grouped.Run(handle, false, false, PerExpert([&](int64_t e, int64_t off, int64_t cnt) {
-                  return GemmProblem{cnt, m_dim, h_dim, Act(da, off, h_dim), h_dim,
-                                     Weight(w, copy, e, wsize), m_dim, Act(dxbuf, off, m_dim),
+                  return GemmProblem{cnt,   m_dim,
+                                     h_dim, Act(da, off, h_dim),
+                                     h_dim, Weight(w, copy, e, wsize),
+                                     m_dim, Act(dxbuf, off, m_dim),
                                      m_dim};
                 }),
                 ActTypes(), beta);
   };
   auto wgrad = [&](const DeviceBuffer& da, float* out) {
-    grouped.Run(handle, true, false, PerExpert([&](int64_t e, int64_t off, int64_t cnt) {
-                  return GemmProblem{h_dim, m_dim, cnt, Act(da, off, h_dim), h_dim,
-                                     Act(xbuf, off, m_dim), m_dim, out + e * wsize, m_dim};
-                }),
-                GradTypes(), 0.0f);
+    grouped.Run(
+        handle, true, false, PerExpert([&](int64_t e, int64_t off, int64_t cnt) {
+          return GemmProblem{
+              h_dim, m_dim,           cnt,  Act(da, off, h_dim), h_dim, Act(xbuf, off, m_dim),
+              m_dim, out + e * wsize, m_dim};
+        }),
+        GradTypes(), 0.0f);
   };
   down(params.fc1_weight, w1b, da1, 0.0f);
   wgrad(da1, grads.fc1_weight);
@@ -412,17 +426,16 @@ void CudaMoeLayer::Backward(const DeviceParams& params, const void* dy, void* dx
   ga.score = ScoreKindOf(s.c.score_function);
   ga.normalize = s.c.normalize_gate;
   ga.renormalize = s.c.renormalize_after_drop && k > 1;
-  const bool gshard = s.c.aux_loss == moe::AuxLoss::kGShard ||
-                      s.c.aux_loss == moe::AuxLoss::kGShardAllChoices;
+  const bool gshard =
+      s.c.aux_loss == moe::AuxLoss::kGShard || s.c.aux_loss == moe::AuxLoss::kGShardAllChoices;
   const int64_t counted = s.c.aux_loss == moe::AuxLoss::kGShardAllChoices ? k : 1;
-  ga.aux_scale = gshard ? s.c.aux_loss_coef * static_cast<float>(e_num) /
-                              static_cast<float>(counted)
-                        : 0.0f;
-  ga.z_coef = s.c.z_loss_coef;
+  ga.aux_scale =
+      gshard ? s.aux_coef * static_cast<float>(e_num) / static_cast<float>(counted) : 0.0f;
+  ga.z_coef = s.z_coef;
   ga.d_logits = s.d_logits.As<float>(static_cast<size_t>(std::max<int64_t>(t * e_num, 1)));
   detail::LaunchGateBackward(ga, stream);
-  const float* x32 = s.bf16 ? static_cast<const float*>(s.xf.get())
-                            : static_cast<const float*>(s.x);
+  const float* x32 =
+      s.bf16 ? static_cast<const float*>(s.xf.get()) : static_cast<const float*>(s.x);
   detail::Gemm(s.handle, true, false,
                {e_num, m_dim, t, ga.d_logits, e_num, x32, m_dim, grads.gate_weight, m_dim},
                {CUDA_R_32F, CUDA_R_32F}, 0.0f);
@@ -431,11 +444,19 @@ void CudaMoeLayer::Backward(const DeviceParams& params, const void* dy, void* dx
               "memset");
   }
   auto* dxg = s.dx_gate.As<float>(static_cast<size_t>(std::max<int64_t>(t * m_dim, 1)));
-  detail::Gemm(s.handle, false, false, {t, m_dim, e_num, ga.d_logits, e_num, params.gate_weight,
-                                        m_dim, dxg, m_dim},
+  detail::Gemm(s.handle, false, false,
+               {t, m_dim, e_num, ga.d_logits, e_num, params.gate_weight, m_dim, dxg, m_dim},
                {CUDA_R_32F, CUDA_R_32F}, 0.0f);
   detail::LaunchDispatchBackward(dxg, s.dxbuf.get(), static_cast<const int32_t*>(s.rows.get()), t,
                                  k, m_dim, s.bf16, dx, stream);
+}
+
+void CudaMoeLayer::SetLossWeights(float aux_loss_coef, float z_loss_coef) {
+  SY_REQUIRE(aux_loss_coef >= 0 && z_loss_coef >= 0, InvalidArgument,
+             "the loss weights of l_aux ({}) and z_loss ({}) must be >= 0", aux_loss_coef,
+             z_loss_coef);
+  impl_->aux_coef = aux_loss_coef;
+  impl_->z_coef = z_loss_coef;
 }
 
 CudaRouting CudaMoeLayer::Routing(cudaStream_t stream) const {
@@ -447,15 +468,14 @@ CudaRouting CudaMoeLayer::Routing(cudaStream_t stream) const {
   r.gates.resize(n);
   r.combine_weights.resize(n);
   if (n > 0) {
-    CheckCuda(cudaMemcpyAsync(r.topk_idx.data(), s.experts.get(), n * 4, cudaMemcpyDeviceToHost,
-                              stream),
-              "copy");
-    CheckCuda(cudaMemcpyAsync(r.locations.data(), s.slot.get(), n * 4, cudaMemcpyDeviceToHost,
-                              stream),
-              "copy");
     CheckCuda(
-        cudaMemcpyAsync(r.gates.data(), s.gates.get(), n * 4, cudaMemcpyDeviceToHost, stream),
+        cudaMemcpyAsync(r.topk_idx.data(), s.experts.get(), n * 4, cudaMemcpyDeviceToHost, stream),
         "copy");
+    CheckCuda(
+        cudaMemcpyAsync(r.locations.data(), s.slot.get(), n * 4, cudaMemcpyDeviceToHost, stream),
+        "copy");
+    CheckCuda(cudaMemcpyAsync(r.gates.data(), s.gates.get(), n * 4, cudaMemcpyDeviceToHost, stream),
+              "copy");
     CheckCuda(cudaMemcpyAsync(r.combine_weights.data(), s.weights.get(), n * 4,
                               cudaMemcpyDeviceToHost, stream),
               "copy");

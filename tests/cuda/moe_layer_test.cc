@@ -2,6 +2,8 @@
 // inputs: routing exactly, outputs, losses and every gradient within a relative bound (the norm of
 // the difference over the norm of the CPU value): 1e-4 in float32, 2e-2 in bfloat16 (bfloat16
 // operands and intermediates, float32 accumulation; measured on the H200 in docs/gpu.md).
+#include "switchyard/cuda/moe_layer.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,7 +15,6 @@
 #include "switchyard/core/error.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/core/tensor.h"
-#include "switchyard/cuda/moe_layer.h"
 #include "switchyard/moe/layer.h"
 
 namespace switchyard::cuda {
@@ -52,9 +53,9 @@ void* Upload(const Tensor& t, DeviceBuffer& buf) {
 
 std::vector<float> Download(const void* d, int64_t n, DType dtype) {
   Tensor t = Tensor::Empty({n}, dtype);
-  CheckCuda(cudaMemcpy(t.raw(), d, static_cast<size_t>(n) * DTypeSize(dtype),
-                       cudaMemcpyDeviceToHost),
-            "download");
+  CheckCuda(
+      cudaMemcpy(t.raw(), d, static_cast<size_t>(n) * DTypeSize(dtype), cudaMemcpyDeviceToHost),
+      "download");
   return ToFloats(t);
 }
 
@@ -172,8 +173,7 @@ void Compare(const Case& tc) {
   EXPECT_EQ(out.expert_counts, ref.expert_counts);
   EXPECT_EQ(out.dropped, ref.dropped);
   EXPECT_LT(RelError(routing.gates, Values<float>(ref.gates)), kFloat32Bound);
-  EXPECT_LT(RelError(routing.combine_weights, Values<float>(ref.combine_weights)),
-            kFloat32Bound);
+  EXPECT_LT(RelError(routing.combine_weights, Values<float>(ref.combine_weights)), kFloat32Bound);
   EXPECT_NEAR(out.l_aux, ref.l_aux, kFloat32Bound * std::abs(ref.l_aux));
   EXPECT_NEAR(out.z_loss, ref.z_loss, kFloat32Bound * std::abs(ref.z_loss));
 

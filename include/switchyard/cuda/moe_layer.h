@@ -72,10 +72,10 @@ struct CudaForwardResult {
 
 // Routing results of the last Forward, copied to the host (tests).
 struct CudaRouting {
-  std::vector<int32_t> topk_idx;         // [T, k]
-  std::vector<int32_t> locations;        // [T, k] slot, -1 dropped
-  std::vector<float> gates;              // [T, k]
-  std::vector<float> combine_weights;    // [T, k]
+  std::vector<int32_t> topk_idx;       // [T, k]
+  std::vector<int32_t> locations;      // [T, k] slot, -1 dropped
+  std::vector<float> gates;            // [T, k]
+  std::vector<float> combine_weights;  // [T, k]
 };
 
 class CudaMoeLayer {
@@ -97,14 +97,18 @@ class CudaMoeLayer {
 
   // x [T, M] -> y [T, M], both device arrays of the layer's dtype. The result equals the CPU
   // layer's training call and evaluation call alike (noise and random routing are refused).
-  CudaForwardResult Forward(const DeviceParams& params, const void* x, int64_t num_tokens,
-                            void* y, cudaStream_t stream);
+  CudaForwardResult Forward(const DeviceParams& params, const void* x, int64_t num_tokens, void* y,
+                            cudaStream_t stream);
 
   // Gradients of sum(y * dy) + aux_loss_coef * l_aux + z_loss_coef * z_loss for the last
   // Forward (same params and x, which must still be valid): dx [T, M] in the layer's dtype and
   // the parameter gradients.
   void Backward(const DeviceParams& params, const void* dy, void* dx, const DeviceGrads& grads,
                 cudaStream_t stream);
+
+  // The weights of l_aux and z_loss in the objective Backward differentiates (by default the
+  // config's aux_loss_coef and z_loss_coef; an autograd caller passes the incoming gradients).
+  void SetLossWeights(float aux_loss_coef, float z_loss_coef);
 
   // The last Forward's routing (synchronizes the stream).
   CudaRouting Routing(cudaStream_t stream) const;
