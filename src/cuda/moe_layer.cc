@@ -79,6 +79,7 @@ struct CudaMoeLayer::Impl {
   DeviceBuffer w1b, w2b, w3b;
   // Forward state.
   int64_t t_num = 0, capacity = 0, num_rows = 0, max_count = 0;
+  bool has_forward = false;  // a Forward completed (x may be null when T = 0)
   const void* x = nullptr;
   std::vector<int64_t> loads, counts, offsets;
   std::vector<int32_t> dev_offsets_counts;  // host copy of [offsets E+1, counts E]
@@ -289,6 +290,7 @@ CudaForwardResult CudaMoeLayer::Forward(const DeviceParams& params, const void* 
              InvalidArgument, "num_tokens: expected 0 <= T with T * top_k < 2^31, got {}",
              num_tokens);
   s.SetStream(stream);
+  s.has_forward = false;
   s.Routing(params, x, num_tokens, stream);
   s.ExpertsForward(params, stream);
   detail::LaunchCombine(s.ybuf.get(), s.c.fc_bias ? params.fc2_bias : nullptr,
@@ -297,6 +299,7 @@ CudaForwardResult CudaMoeLayer::Forward(const DeviceParams& params, const void* 
                         static_cast<const float*>(s.weights.get()), num_tokens, s.k, s.c.model_dim,
                         s.bf16, y, stream);
 
+  s.has_forward = true;
   CudaForwardResult r;
   r.capacity = s.capacity;
   r.expert_loads = s.loads;
@@ -394,7 +397,7 @@ void CudaMoeLayer::Impl::ExpertsBackward(const DeviceParams& params, const Devic
 void CudaMoeLayer::Backward(const DeviceParams& params, const void* dy, void* dx,
                             const DeviceGrads& grads, cudaStream_t stream) {
   Impl& s = *impl_;
-  SY_REQUIRE(s.x != nullptr, InvalidArgument, "Backward: no Forward ran before");
+  SY_REQUIRE(s.has_forward, InvalidArgument, "Backward: no Forward ran before");
   const int64_t t = s.t_num, k = s.k, m_dim = s.c.model_dim, e_num = s.c.num_experts;
   s.SetStream(stream);
   const size_t ab = s.ActBytes();

@@ -246,6 +246,11 @@ std::vector<Case> Cases() {
   moe::LayerConfig f = Base(128, 64, 64, 8);
   f.capacity_factor = 1.25f;
   v.push_back({"fine_grained_64x8", f, 2048, DType::kFloat32, GemmMode::kLoop});
+  // No tokens; one expert with top-1 (every token routed to it, cf 2: no drops).
+  v.push_back({"no_tokens", Base(32, 16, 4, 2), 0, DType::kFloat32, GemmMode::kLoop});
+  moe::LayerConfig single = Base(32, 16, 1, 1);
+  single.capacity_factor = 2.0f;
+  v.push_back({"one_expert", single, 100, DType::kBFloat16, GemmMode::kLoop});
   // Rows that are no multiple of the 16-byte access (bfloat16 M = 36, H = 20): the scalar paths.
   moe::LayerConfig odd = Base(36, 20, 4, 2);
   odd.gated = true;
