@@ -32,14 +32,14 @@ GroupedGemm::~GroupedGemm() {
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: the operands swap places and
 // keep their transposes (a row-major matrix read column-major is its transpose).
 void Gemm(cublasHandle_t handle, bool trans_a, bool trans_b, const GemmProblem& p, GemmTypes types,
-          float beta) {
+          float beta, cublasComputeType_t compute) {
   if (Empty(p)) return;
   const float alpha = 1.0f;
   CheckCublas(
       cublasGemmEx(handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
                    Int(p.n, "n"), Int(p.m, "m"), Int(p.k, "k"), &alpha, p.b, types.ab,
                    Int(p.ldb, "ldb"), p.a, types.ab, Int(p.lda, "lda"), &beta, p.c, types.c,
-                   Int(p.ldc, "ldc"), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                   Int(p.ldc, "ldc"), compute, CUBLAS_GEMM_DEFAULT),
       "cublasGemmEx");
 }
 

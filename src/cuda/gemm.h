@@ -29,8 +29,10 @@ struct GemmTypes {
   cudaDataType_t c;
 };
 
+// `compute`: CUBLAS_COMPUTE_32F (the default: float32 arithmetic, no TF32) or
+// CUBLAS_COMPUTE_32F_FAST_TF32 (float32 operands rounded to TF32 on the tensor cores).
 void Gemm(cublasHandle_t handle, bool trans_a, bool trans_b, const GemmProblem& p, GemmTypes types,
-          float beta);
+          float beta, cublasComputeType_t compute = CUBLAS_COMPUTE_32F);
 
 class GroupedGemm {
  public:

@@ -439,9 +439,14 @@ void CudaMoeLayer::Backward(const DeviceParams& params, const void* dy, void* dx
   detail::LaunchGateBackward(ga, stream);
   const float* x32 =
       s.bf16 ? static_cast<const float*>(s.xf.get()) : static_cast<const float*>(s.x);
+  // The gate's gradient products of a bfloat16 layer run in TF32 (x is bfloat16, exact in TF32;
+  // d_logits and Wg lose 13 mantissa bits, well inside the layer's bfloat16 bound). The forward's
+  // logits stay float32: they decide the routing, which must equal the CPU layer's.
+  const cublasComputeType_t grad_compute =
+      s.bf16 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   detail::Gemm(s.handle, true, false,
                {e_num, m_dim, t, ga.d_logits, e_num, x32, m_dim, grads.gate_weight, m_dim},
-               {CUDA_R_32F, CUDA_R_32F}, 0.0f);
+               {CUDA_R_32F, CUDA_R_32F}, 0.0f, grad_compute);
   if (t == 0) {
     CheckCuda(cudaMemsetAsync(grads.gate_weight, 0, static_cast<size_t>(e_num * m_dim) * 4, stream),
               "memset");
@@ -449,7 +454,7 @@ void CudaMoeLayer::Backward(const DeviceParams& params, const void* dy, void* dx
   auto* dxg = s.dx_gate.As<float>(static_cast<size_t>(std::max<int64_t>(t * m_dim, 1)));
   detail::Gemm(s.handle, false, false,
                {t, m_dim, e_num, ga.d_logits, e_num, params.gate_weight, m_dim, dxg, m_dim},
-               {CUDA_R_32F, CUDA_R_32F}, 0.0f);
+               {CUDA_R_32F, CUDA_R_32F}, 0.0f, grad_compute);
   detail::LaunchDispatchBackward(dxg, s.dxbuf.get(), static_cast<const int32_t*>(s.rows.get()), t,
                                  k, m_dim, s.bf16, dx, stream);
 }
