@@ -15,7 +15,7 @@ inline constexpr int64_t kMaxExperts = 1024;
 
 enum ScoreKind : int { kScoreSoftmax = 0, kScoreSigmoid = 1, kScoreSoftmaxAfterTopK = 2 };
 
-// Per-step statistics, one device block (zeroed by the gate launcher), copied to the host once.
+// Per-step statistics, one device block (zeroed before the gate), copied to the host once.
 struct Stats {
   double z_sum;                  // sum_t lse_t^2
   double probs[kMaxExperts];     // sum_t P[t, e]

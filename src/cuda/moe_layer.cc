@@ -79,7 +79,8 @@ struct CudaMoeLayer::Impl {
   DeviceBuffer w1b, w2b, w3b;
   // Forward state.
   int64_t t_num = 0, capacity = 0, num_rows = 0, max_count = 0;
-  bool has_forward = false;  // a Forward completed (x may be null when T = 0)
+  bool has_forward = false;       // a Forward completed (x may be null when T = 0)
+  bool weights_prepared = false;  // bf16: PrepareWeights ran
   const void* x = nullptr;
   std::vector<int64_t> loads, counts, offsets;
   std::vector<int32_t> dev_offsets_counts;  // host copy of [offsets E+1, counts E]
@@ -155,6 +156,7 @@ void CudaMoeLayer::PrepareWeights(const DeviceParams& params, cudaStream_t strea
   if (s.c.gated) {
     detail::LaunchToBf16(params.fc3_weight, n, s.w3b.Ensure(static_cast<size_t>(n) * 2), stream);
   }
+  s.weights_prepared = true;
 }
 
 // Gate, losses' sums, slots, capacity, drops and the row maps; the one synchronization.
@@ -289,6 +291,9 @@ CudaForwardResult CudaMoeLayer::Forward(const DeviceParams& params, const void* 
   SY_REQUIRE(num_tokens >= 0 && num_tokens * s.k < std::numeric_limits<int32_t>::max(),
              InvalidArgument, "num_tokens: expected 0 <= T with T * top_k < 2^31, got {}",
              num_tokens);
+  SY_REQUIRE(!s.bf16 || s.weights_prepared, InvalidArgument,
+             "Forward: a bfloat16 layer needs PrepareWeights before its first Forward (the "
+             "bfloat16 copies of the expert weights)");
   s.SetStream(stream);
   s.has_forward = false;
   s.Routing(params, x, num_tokens, stream);

@@ -282,5 +282,19 @@ TEST(CudaLayer, RefusesUnsupportedOptions) {
   EXPECT_THROW(CudaMoeLayer(c, DType::kInt32), InvalidArgument);
 }
 
+TEST(CudaLayer, BFloat16ForwardNeedsPreparedWeights) {
+  ASSERT_TRUE(DeviceAvailable()) << "the cuda tests need an NVIDIA GPU";
+  CudaMoeLayer layer(Base(8, 8, 4, 2), DType::kBFloat16);
+  DeviceBuffer w;
+  DeviceParams p;
+  p.gate_weight = p.fc1_weight = p.fc2_weight = w.As<float>(64);
+  try {
+    layer.Forward(p, nullptr, 0, nullptr, nullptr);
+    FAIL() << "a bfloat16 Forward ran without PrepareWeights";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("PrepareWeights"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace switchyard::cuda
