@@ -7,7 +7,7 @@ if [ $# -gt 1 ] || { [ $# -eq 1 ] && [ "$1" != "--check" ]; }; then
   echo "usage: scripts/format.sh [--check]   (got: $*)" >&2
   exit 2
 fi
-mapfile -t files < <(git ls-files -co --exclude-standard '*.h' '*.cc' | grep -v '^build/')
+mapfile -t files < <(git ls-files -co --exclude-standard '*.h' '*.cc' '*.cu' '*.cuh' | grep -v '^build/')
 if [ "${1:-}" = "--check" ]; then
   bad=()
   for f in "${files[@]}"; do

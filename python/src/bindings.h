@@ -39,5 +39,7 @@ Options ForwardCallOptions(bool training, uint64_t step, int64_t global_token_of
 void BindForward(py::module_& m);
 // The class `ParallelMoeLayer` and the MPI world functions.
 void BindParallel(py::module_& m);
+// The class `CudaMoeLayer` (cuda.cc; only in builds with SY_BUILD_CUDA).
+void BindCuda(py::module_& m);
 
 }  // namespace switchyard::python

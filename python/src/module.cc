@@ -137,4 +137,9 @@ PYBIND11_MODULE(_switchyard, m) {
   BindForward(m);
   BindLayer(m);
   BindParallel(m);
+#ifdef SY_PYTHON_CUDA
+  BindCuda(m);
+#else
+  m.attr("has_cuda") = false;
+#endif
 }

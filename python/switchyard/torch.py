@@ -5,6 +5,7 @@
               experts={'type': 'ffn', 'count_per_node': 8, 'hidden_size_per_expert': 2048,
                        'activation_fn': torch.nn.functional.relu})
     y = moe(x)              # x [..., model_dim] float32 on the CPU; y has x's shape
+                            # (float32 / bfloat16 CUDA tensors with SY_BUILD_CUDA, docs/gpu.md)
     loss = task_loss(y) + 0.01 * y.l_aux
 
 The arguments and parameter names are those of tutel.moe.moe_layer, so swapping one for the other
@@ -68,6 +69,62 @@ class _Experts(torch.nn.Module):
         else:
             self.register_parameter("batched_fc1_bias", None)
             self.register_parameter("batched_fc2_bias", None)
+
+
+def _cuda_pointers(names, tensors):
+    """Device pointers of float32 CUDA tensors by switchyard name (contiguous ones: no copy)."""
+    out = {}
+    for name, t in zip(names, tensors):
+        if t is None:
+            continue
+        if t.dtype != torch.float32 or not t.is_cuda or not t.is_contiguous():
+            raise TypeError("MoE on CUDA: parameter '%s' must be a contiguous float32 CUDA tensor, "
+                            "got %s on %s" % (name, t.dtype, t.device))
+        out[name] = t.data_ptr()
+    return out
+
+
+class _CudaMoeFunction(torch.autograd.Function):
+    """The GPU layer (docs/gpu.md) on CUDA tensors: pointers and the current stream go to C++; y,
+    dx and the gradients are torch tensors it writes in place."""
+
+    @staticmethod
+    def forward(ctx, module, x, *params):
+        impl = module._cuda_layer(x.dtype)
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        ptrs = _cuda_pointers(module._names, params)
+        out = impl.forward(ptrs, x.data_ptr(), x.shape[0], y.data_ptr(), stream)
+        module._last_forward = out
+        # The GPU layer keeps the state of its last forward only (docs/gpu.md).
+        calls = module.__dict__.setdefault("_cuda_calls", {})
+        calls[id(impl)] = calls.get(id(impl), 0) + 1
+        ctx.call = calls[id(impl)]
+        ctx.module, ctx.impl, ctx.ptrs = module, impl, ptrs
+        ctx.save_for_backward(x, *[p for p in params if p is not None])
+        ctx.param_present = [p is not None for p in params]
+        return y, torch.tensor(out["l_aux"]), torch.tensor(out["z_loss"])
+
+    @staticmethod
+    def backward(ctx, dy, dl_aux, dz_loss):
+        if ctx.module._cuda_calls[id(ctx.impl)] != ctx.call:
+            raise RuntimeError("MoE on CUDA: backward must follow its own forward (the GPU layer "
+                               "keeps the state of its last forward only; docs/gpu.md)")
+        saved = ctx.saved_tensors
+        x, present = saved[0], iter(saved[1:])
+        params = [next(present) if p else None for p in ctx.param_present]
+        dy = dy.contiguous()
+        dx = torch.empty_like(x)
+        grads = [torch.empty_like(p) if p is not None else None for p in params]
+        gptrs = {n: g.data_ptr() for n, g in zip(ctx.module._names, grads) if g is not None}
+        dl_aux, dz_loss = float(dl_aux), float(dz_loss)
+        if dl_aux < 0 or dz_loss < 0:
+            raise ValueError("MoE backward: the loss weights of l_aux (%g) and z_loss (%g) must be "
+                             ">= 0 (a negative weight rewards imbalance)" % (dl_aux, dz_loss))
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        ctx.impl.backward(ctx.ptrs, dy.data_ptr(), dx.data_ptr(), gptrs, stream, dl_aux, dz_loss)
+        return (None, dx, *grads)
 
 
 class _MoeFunction(torch.autograd.Function):
@@ -244,23 +301,45 @@ class MoE(torch.nn.Module):
         return self._impl.backward(arrays, fwd, dy, threads=threads, aux_loss_coef=dl_aux,
                                    z_loss_coef=dz_loss)
 
+    def _cuda_layer(self, dtype):
+        """The GPU layer for x's dtype (built once per dtype; needs a build with SY_BUILD_CUDA)."""
+        if not getattr(_sy._switchyard, "has_cuda", False):
+            raise TypeError("MoE: x is a CUDA tensor, but this switchyard was built without "
+                            "SY_BUILD_CUDA (docs/gpu.md)")
+        if isinstance(self._impl, _sy.ParallelMoeLayer):
+            raise TypeError("MoE: the parallel layer runs on the CPU only (docs/gpu.md)")
+        name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        layers = self.__dict__.setdefault("_cuda_layers", {})
+        if name not in layers:
+            layers[name] = _sy._switchyard.CudaMoeLayer(self._impl._impl.config_json, name)
+        return layers[name]
+
     def forward(self, x):
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError("MoE: expected x as float32 on the CPU, got %s on %s"
-                            % (x.dtype, x.device))
+        if x.is_cuda:
+            if x.dtype not in (torch.float32, torch.bfloat16):
+                raise TypeError("MoE: expected x on CUDA as float32 or bfloat16, got %s" % x.dtype)
+        elif x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError("MoE: expected x as float32 on the CPU (or float32 / bfloat16 on "
+                            "CUDA), got %s on %s" % (x.dtype, x.device))
         if x.shape[-1] != self.model_dim:
             raise ValueError("MoE: expected x [..., %d], got %s" % (self.model_dim,
                                                                      list(x.shape)))
         x2 = x.reshape(-1, self.model_dim)
-        y, l_aux, z_loss = _MoeFunction.apply(self, x2, *self._params())
+        fn = _CudaMoeFunction if x.is_cuda else _MoeFunction
+        y, l_aux, z_loss = fn.apply(self, x2, *self._params())
         y = y.view(x.shape)
         y.l_aux = l_aux
         self.l_aux, self.z_loss = l_aux, z_loss
         return y
 
     def routing(self):
-        """The last forward's routing (docs/moe.md, "Tensors"), as NumPy arrays."""
-        return None if self._last_forward is None else self._last_forward.routing
+        """The last forward's routing (docs/moe.md, "Tensors"), as NumPy arrays (on CUDA: a dict
+        of the loads and counts; the routing arrays from the GPU layer's routing())."""
+        if self._last_forward is None:
+            return None
+        if isinstance(self._last_forward, dict):
+            return self._last_forward
+        return self._last_forward.routing
 
 
 def moe_layer(*args, **kwargs):
