@@ -420,7 +420,9 @@ std::string Mesh::Describe() const {
     std::vector<std::vector<int>> groups = Groups(kind);
     out += fmt::format("{:<9} {} x {}  {}:", GroupKindName(kind), groups.size(),
                        groups.empty() ? 0 : groups[0].size(), KindTitle(kind, config_.arrangement));
-    for (const auto& g : groups) out += " " + Join(g);
+    // Appended piece by piece: `" " + Join(g)` (a prepend) trips a GCC 12 -Wrestrict false
+    // positive.
+    for (const auto& g : groups) out.append(" ").append(Join(g));
     out += "\n";
   }
   out += "experts of each expert-group member (position: experts, H-shard):";

@@ -38,7 +38,11 @@ std::string ProgressBar::FormatLine(const ProgressInfo& info, int bar_width) {
     if (!std::isfinite(frac)) frac = 0;
     const int filled = static_cast<int>(
         CheckedToInt64(std::floor(std::clamp(frac, 0.0, 1.0) * bar_width), "bar", 0, bar_width));
-    line = "[" + std::string(filled, '#') + std::string(bar_width - filled, '-') + "] ";
+    // Appended piece by piece: `"[" + std::string(...)` trips a GCC 12 -Wrestrict false positive.
+    line.push_back('[');
+    line.append(static_cast<size_t>(filled), '#')
+        .append(static_cast<size_t>(bar_width - filled), '-');
+    line.append("] ");
   }
   int width = static_cast<int>(fmt::formatted_size("{}", info.total));
   line += fmt::format("step {:>{}}/{}", info.step, width, info.total);
