@@ -15,8 +15,10 @@
 #include "switchyard/core/json.h"
 #include "switchyard/core/limits.h"
 #include "switchyard/parallel/moe_parallel.h"
+#include "switchyard/parallel/pipeline.h"
 #include "switchyard/parallel/schedule.h"
 #include "switchyard/train/checkpoint.h"
+#include "switchyard/train/distributed.h"
 
 namespace switchyard::train {
 
@@ -103,6 +105,72 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("pipeline_split", c.pipeline_split);
 }
 
+// Whether `text` is valid UTF-8 (what a JSON string can hold).
+bool IsValidUtf8(std::string_view text) {
+  size_t i = 0;
+  while (i < text.size()) {
+    const auto b = static_cast<unsigned char>(text[i]);
+    size_t n = 0;
+    uint32_t cp = 0;
+    if (b < 0x80) {
+      ++i;
+      continue;
+    } else if ((b & 0xE0) == 0xC0) {
+      n = 1, cp = b & 0x1F;
+    } else if ((b & 0xF0) == 0xE0) {
+      n = 2, cp = b & 0x0F;
+    } else if ((b & 0xF8) == 0xF0) {
+      n = 3, cp = b & 0x07;
+    } else {
+      return false;
+    }
+    for (size_t k = 1; k <= n; ++k) {
+      if (i + k >= text.size()) return false;
+      const auto c = static_cast<unsigned char>(text[i + k]);
+      if ((c & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (c & 0x3F);
+    }
+    // Overlong forms, surrogates and values past U+10FFFF are not UTF-8.
+    constexpr uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += n + 1;
+  }
+  return true;
+}
+
+json StringJson(const std::string& text) {
+  if (IsValidUtf8(text)) return text;
+  std::string hex;
+  for (char ch : text) hex += fmt::format("{:02x}", static_cast<unsigned char>(ch));
+  return json{{"hex", hex}};
+}
+
+// The string of StringJson's {"hex": ...} form; throws `bad` for anything else.
+template <typename Bad>
+std::string StringFromHexJson(const json& v, Bad&& bad) {
+  if (!v.is_object() || v.size() != 1 || !v.contains("hex") || !v.at("hex").is_string()) {
+    throw bad();
+  }
+  const std::string hex = v.at("hex").get<std::string>();
+  if (hex.size() % 2 != 0) throw bad();
+  std::string out;
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    int byte = 0;
+    for (size_t k = 0; k < 2; ++k) {
+      const char c = hex[i + k];
+      const int d = c >= '0' && c <= '9'   ? c - '0'
+                    : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                    : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                           : -1;
+      if (d < 0) throw bad();
+      byte = byte * 16 + d;
+    }
+    if (byte == 0) throw bad();  // no path holds a NUL byte
+    out += static_cast<char>(byte);
+  }
+  return out;
+}
+
 struct ToJsonVisitor {
   json& j;
   template <typename T>
@@ -115,6 +183,8 @@ struct ToJsonVisitor {
       j[key] = std::string(RecomputeName(v));
     } else if constexpr (std::is_same_v<T, Precision>) {
       j[key] = std::string(PrecisionName(v));
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      j[key] = StringJson(v);  // paths may hold bytes that are not UTF-8
     } else {
       j[key] = v;
     }
@@ -142,6 +212,12 @@ struct FromJsonVisitor {
       const bool numeric = k == "adaptive_r" || k == "smart_schedule" || k == "shadow_experts";
       if (numeric && v.is_number_integer()) {
         dst = std::to_string(v.get<int64_t>());
+        return;
+      }
+      if (v.is_object()) {  // StringJson's form of text that is not UTF-8
+        dst = StringFromHexJson(v, [&] {
+          return bad("a string, or {\"hex\": \"<the bytes in hex>\"} for bytes that are not UTF-8");
+        });
         return;
       }
       if (!v.is_string()) throw bad(numeric ? "a string or an integer" : "a string");
@@ -200,10 +276,11 @@ struct FromJsonVisitor {
           throw bad("a non-negative integer");
         }
       } else {
-        // A value the field cannot hold would be truncated silently (threads is an int).
-        const int64_t x =
-            v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX ? INT64_MAX : v.get<int64_t>();
-        if (x < std::numeric_limits<T>::min() || x > std::numeric_limits<T>::max()) {
+        // A value the field cannot hold would be truncated silently (threads is an int; 2^63
+        // does not fit int64).
+        const bool above = v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX;
+        const int64_t x = above ? INT64_MAX : v.get<int64_t>();
+        if (above || x < std::numeric_limits<T>::min() || x > std::numeric_limits<T>::max()) {
           throw bad(fmt::format("an integer in [{}, {}]", std::numeric_limits<T>::min(),
                                 std::numeric_limits<T>::max())
                         .c_str());
@@ -218,6 +295,8 @@ struct FromJsonVisitor {
 };
 
 }  // namespace
+
+std::string StringToJsonValue(const std::string& text) { return StringJson(text).dump(); }
 
 std::string TrainConfigToJson(const TrainConfig& config) {
   json j = json::object();
@@ -349,7 +428,7 @@ void SetTrainConfigValue(TrainConfig& config, std::string_view key, std::string_
   try {
     value = json::parse(text);
   } catch (const json::exception&) {
-    value = std::string(text);
+    value = StringJson(std::string(text));  // a bare string; a path may not be UTF-8
   }
   json j = json::object();
   j[std::string(key)] = value;
@@ -402,51 +481,150 @@ moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
   return moe::LayerConfigFromJson(j.dump());
 }
 
+namespace {
+
+// The range of every integer key, checked on the full 64-bit value before anything narrows it
+// (the layout sizes become `int`: a value such as 2^32 + 1 would wrap to 1). Keys not listed
+// here are checked by ValidateModelConfig or below.
+struct IntRange {
+  const char* key;
+  int64_t lo, hi;
+};
+constexpr int64_t kMaxRanks = 4096;  // as `switchyard layer`
+constexpr int64_t kMaxThreads = 256;
+constexpr int64_t kAny = std::numeric_limits<int64_t>::max();
+constexpr IntRange kIntRanges[] = {
+    {"num_experts", 1, int64_t{1} << 20},
+    {"top_k", 1, int64_t{1} << 20},
+    {"expert_hidden_dim", 0, int64_t{1} << 24},
+    {"steps", 0, kAny},
+    {"batch_size", 1, kAny},
+    {"warmup_steps", 0, kAny},
+    {"log_every", 1, kAny},
+    {"eval_every", 0, kAny},
+    {"eval_tokens", 0, kAny},
+    {"checkpoint_every", 0, kAny},
+    {"keep_checkpoints", 0, kAny},
+    {"sample_tokens", 0, kAny},
+    {"threads", 0, kMaxThreads},
+    {"trace_step", 0, kAny},
+    {"ranks", 1, kMaxRanks},
+    {"ep", 0, kMaxRanks},
+    {"zero_stage", 0, 3},
+    {"overlap_degree", 1, 1024},
+    {"a2a_ranks_per_node", 0, kMaxRanks},
+    {"tp", 1, kMaxRanks},
+    {"etp", 1, kMaxRanks},
+    {"cp", 1, kMaxRanks},
+    {"microbatches", 1, int64_t{1} << 20},
+    {"pp", 1, kMaxRanks},
+    {"virtual_stages", 1, kMaxRanks},
+};
+
+// The range of every float key: finite, in [lo, hi] (hi exclusive when `open_hi`).
+struct FloatRange {
+  const char* key;
+  double lo, hi;
+  bool open_hi = false;
+  const char* unit = "";
+};
+constexpr double kHuge = 1e30;
+constexpr FloatRange kFloatRanges[] = {
+    // |cf| beyond the experts of a block changes nothing; 1e6 keeps every size derived from it
+    // in range.
+    {"capacity_factor", -1e6, 1e6},
+    {"aux_loss_coef", 0, kHuge},
+    {"z_loss_coef", 0, kHuge},
+    {"val_fraction", 0, 0.5},
+    {"lr", 0, kHuge},
+    {"min_lr", 0, kHuge},
+    {"weight_decay", 0, kHuge},
+    {"beta1", 0, 1, true},
+    {"beta2", 0, 1, true},
+    {"adam_eps", 0, kHuge},
+    {"grad_clip", 0, kHuge},
+    {"temperature", 0, kHuge},
+    {"bucket_mb", 0, double{1 << 20}, false, " MiB"},
+    {"memory_budget_mib", 0, double{1 << 30}, false, " MiB"},
+};
+
+void CheckRanges(const TrainConfig& config) {
+  TrainConfig c = config;
+  VisitFields(c, [](const char* key, const auto& v) {
+    using T = std::decay_t<decltype(v)>;
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool> && std::is_signed_v<T>) {
+      for (const IntRange& r : kIntRanges) {
+        if (std::string_view(r.key) != key) continue;
+        const auto x = static_cast<int64_t>(v);
+        if (r.hi == kAny) {
+          SY_REQUIRE(x >= r.lo, InvalidArgument, "config: '{}' must be >= {}, got {}", key, r.lo,
+                     x);
+        } else {
+          SY_REQUIRE(x >= r.lo && x <= r.hi, InvalidArgument,
+                     "config: '{}' must be in [{}, {}], got {}", key, r.lo, r.hi, x);
+        }
+      }
+    } else if constexpr (std::is_floating_point_v<T>) {
+      for (const FloatRange& r : kFloatRanges) {
+        if (std::string_view(r.key) != key) continue;
+        const auto x = static_cast<double>(v);
+        const bool ok = std::isfinite(x) && x >= r.lo && (r.open_hi ? x < r.hi : x <= r.hi);
+        if (r.hi == kHuge) {
+          SY_REQUIRE(ok, InvalidArgument, "config: '{}' must be a finite number >= {}, got {}", key,
+                     r.lo, x);
+        } else {
+          SY_REQUIRE(ok, InvalidArgument,
+                     "config: '{}' must be a finite number in [{}, {}{}{}, got {}", key, r.lo, r.hi,
+                     r.open_hi ? ")" : "]", r.unit, x);
+        }
+      }
+    }
+  });
+  // Counts of lists: each entry as a key of its own.
+  for (int64_t e : config.experts_per_block) {
+    SY_REQUIRE(e >= 1 && e <= (int64_t{1} << 20), InvalidArgument,
+               "config: 'experts_per_block': expected counts in [1, {}], got {}", int64_t{1} << 20,
+               e);
+  }
+  for (int64_t b : config.pipeline_split) {
+    SY_REQUIRE(b >= 1 && b <= config.model.num_layers, InvalidArgument,
+               "config: 'pipeline_split': every virtual stage needs >= 1 block and at most "
+               "'num_layers' {}, got {}",
+               config.model.num_layers, b);
+  }
+}
+
+// The MoE routing a context-parallel run cannot do: drop_policy random draws each dropped
+// token's fate in global token order over the whole batch, which needs every rank's tokens
+// contiguous in that order; cp ranks hold interleaved (zigzag) parts of each sequence.
+void CheckContextParallelRouting(const TrainConfig& c) {
+  if (c.cp <= 1 || NumMoeBlocks(c.model) == 0 || c.routing_scope != "global") return;
+  const moe::LayerConfig layer = MoeLayerConfig(c);
+  SY_REQUIRE(layer.drop_policy != moe::DropPolicy::kRandom || layer.dropless, InvalidArgument,
+             "config: 'cp' {} with drop_policy random (from {}) is not supported: random drops "
+             "with 'routing_scope' global need each rank's tokens contiguous in the batch, and "
+             "context parallelism interleaves them; use another drop_policy, 'routing_scope' "
+             "per_rank or 'cp' 1",
+             c.cp,
+             c.moe_layer_config.empty() ? std::string("the MoE layer defaults")
+                                        : fmt::format("'moe_layer_config' {}", c.moe_layer_config));
+}
+
+}  // namespace
+
 void ValidateTrainConfig(const TrainConfig& c) {
   ValidateModelConfig(c.model);
-  auto at_least = [](const char* key, double v, double lo) {
-    SY_REQUIRE(v >= lo && std::isfinite(v), InvalidArgument, "config: '{}' must be >= {}, got {}",
-               key, lo, v);
-  };
-  at_least("steps", static_cast<double>(c.steps), 0);
-  at_least("batch_size", static_cast<double>(c.batch_size), 1);
-  at_least("lr", c.lr, 0);
-  at_least("min_lr", c.min_lr, 0);
-  at_least("warmup_steps", static_cast<double>(c.warmup_steps), 0);
-  at_least("weight_decay", c.weight_decay, 0);
-  at_least("grad_clip", c.grad_clip, 0);
-  at_least("bucket_mb", c.bucket_mb, 0);
-  at_least("log_every", static_cast<double>(c.log_every), 1);
-  at_least("eval_every", static_cast<double>(c.eval_every), 0);
-  at_least("eval_tokens", static_cast<double>(c.eval_tokens), 0);
-  at_least("checkpoint_every", static_cast<double>(c.checkpoint_every), 0);
-  at_least("keep_checkpoints", static_cast<double>(c.keep_checkpoints), 0);
-  at_least("sample_tokens", static_cast<double>(c.sample_tokens), 0);
-  at_least("threads", c.threads, 0);
-  at_least("num_experts", static_cast<double>(c.num_experts), 1);
+  CheckRanges(c);
   if (!c.experts_per_block.empty()) {
     const int64_t blocks = NumMoeBlocks(c.model);
     SY_REQUIRE(static_cast<int64_t>(c.experts_per_block.size()) == blocks, InvalidArgument,
                "config: 'experts_per_block' has {} entries, expected one per MoE block: {} "
                "(num_layers {} / moe_every {})",
                c.experts_per_block.size(), blocks, c.model.num_layers, c.model.moe_every);
-    for (int64_t e : c.experts_per_block) {
-      SY_REQUIRE(e >= 1, InvalidArgument,
-                 "config: 'experts_per_block': expected counts >= 1, got {}", e);
-    }
   }
-  at_least("top_k", static_cast<double>(c.top_k), 1);
-  at_least("expert_hidden_dim", static_cast<double>(c.expert_hidden_dim), 0);
-  at_least("aux_loss_coef", c.aux_loss_coef, 0);
-  at_least("z_loss_coef", c.z_loss_coef, 0);
   SY_REQUIRE(c.temperature > 0, InvalidArgument, "config: 'temperature' must be > 0, got {}",
              c.temperature);
   SY_REQUIRE(c.out.empty() == false, InvalidArgument, "config: 'out' must not be empty");
-  at_least("ranks", static_cast<double>(c.ranks), 1);
-  at_least("ep", static_cast<double>(c.ep), 0);
-  at_least("overlap_degree", static_cast<double>(c.overlap_degree), 1);
-  at_least("tp", static_cast<double>(c.tp), 1);
-  at_least("etp", static_cast<double>(c.etp), 1);
   SY_REQUIRE(!c.tp_comm_overlap || c.sequence_parallel, InvalidArgument,
              "config: 'tp_comm_overlap' overlaps the sequence-parallel collectives: it needs "
              "'sequence_parallel' true");
@@ -467,8 +645,6 @@ void ValidateTrainConfig(const TrainConfig& c) {
                  key, v, c.tp);
     }
   }
-  at_least("microbatches", static_cast<double>(c.microbatches), 1);
-  at_least("cp", static_cast<double>(c.cp), 1);
   SY_REQUIRE(c.cp_algo == "ring" || c.cp_algo == "ulysses", InvalidArgument,
              "config: 'cp_algo' must be \"ring\" or \"ulysses\", got \"{}\"", c.cp_algo);
   SY_REQUIRE(
@@ -476,9 +652,6 @@ void ValidateTrainConfig(const TrainConfig& c) {
       InvalidArgument,
       "config: 'attention_core' must be \"auto\", \"softmax\" or \"flash\", got \"{}\"",
       c.attention_core);
-  SY_REQUIRE(std::isfinite(c.memory_budget_mib) && c.memory_budget_mib >= 0, InvalidArgument,
-             "config: 'memory_budget_mib' must be a number >= 0 (0: no budget), got {}",
-             c.memory_budget_mib);
   if (c.cp > 1) {
     SY_REQUIRE(c.attention_core != "softmax", InvalidArgument,
                "config: 'attention_core' softmax keeps the whole [seq_len, seq_len] "
@@ -501,8 +674,6 @@ void ValidateTrainConfig(const TrainConfig& c) {
              "config: 'recompute' selective with 'cp' {}: the context-parallel attention core "
              "already recomputes its probabilities in backward; use 'recompute' none or full",
              c.cp);
-  at_least("pp", static_cast<double>(c.pp), 1);
-  at_least("virtual_stages", static_cast<double>(c.virtual_stages), 1);
   SY_REQUIRE(c.batch_size % c.microbatches == 0, InvalidArgument,
              "config: 'batch_size' {} does not divide into 'microbatches' {} equal micro-batches",
              c.batch_size, c.microbatches);
@@ -537,12 +708,8 @@ void ValidateTrainConfig(const TrainConfig& c) {
                "virtual_stages = {} counts summing to num_layers {}",
                c.pipeline_split.size(), sum, c.pp * c.virtual_stages, c.model.num_layers);
   }
-  SY_REQUIRE(c.zero_stage >= 0 && c.zero_stage <= 3, InvalidArgument,
-             "config: 'zero_stage' must be 0, 1, 2 or 3, got {}", c.zero_stage);
   SY_REQUIRE(c.nonfinite == "stop" || c.nonfinite == "skip", InvalidArgument,
              "config: 'nonfinite' must be \"stop\" or \"skip\", got \"{}\"", c.nonfinite);
-  SY_REQUIRE(c.val_fraction >= 0 && c.val_fraction <= 0.5, InvalidArgument,
-             "config: 'val_fraction' must be in [0, 0.5], got {}", c.val_fraction);
   // Sizes derived from these must fit: the data counters (step * batch_size + row) and the
   // tokens of a step.
   CheckedMul(c.steps + 1, c.batch_size, "config: 'steps' x 'batch_size' (data counter)");
@@ -556,8 +723,6 @@ void ValidateTrainConfig(const TrainConfig& c) {
              c.routing_scope);
   SY_REQUIRE(c.a2a_algo == "flat" || c.a2a_algo == "2dh", InvalidArgument,
              "config: 'a2a_algo' must be \"flat\" or \"2dh\", got \"{}\"", c.a2a_algo);
-  at_least("a2a_ranks_per_node", static_cast<double>(c.a2a_ranks_per_node), 0);
-  at_least("trace_step", static_cast<double>(c.trace_step), 0);
   (void)AdaptiveRAtStep(c.adaptive_r, 0);  // parses every entry
   try {
     (void)parallel::SmartGroupFromString(c.smart_schedule);
@@ -568,6 +733,102 @@ void ValidateTrainConfig(const TrainConfig& c) {
                     "\"{}\": {}",
                     c.smart_schedule, c.shadow_experts, e.what()));
   }
+  // Checked whether or not a pipeline runs (pp 1), so that a misspelling never passes.
+  try {
+    (void)parallel::ScheduleKindFromName(c.pipeline_schedule);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("config: 'pipeline_schedule': {}", e.what()));
+  }
+  CheckContextParallelRouting(c);
+}
+
+namespace {
+
+// Why `key` cannot act in the run `c` describes ("" when it can).
+std::string WhyKeyCannotAct(std::string_view key, const TrainConfig& c,
+                            const TrainRunContext& run) {
+  if (run.dense && key == "trace_step") {
+    return "it records the ranks of a distributed run: use `switchyard train --ranks 1` "
+           "(train-dense has no communication layer to trace)";
+  }
+  if (run.dense && IsLayoutKey(key) && key != "threads" && key != "attention_core" &&
+      key != "memory_budget_mib") {
+    return "train-dense runs one rank without the communication layer: use `switchyard train` "
+           "for a parallel layout";
+  }
+  if ((key == "pipeline_schedule" || key == "virtual_stages" || key == "pipeline_split") &&
+      c.pp == 1) {
+    return "it shapes a pipeline, and 'pp' is 1";
+  }
+  if (key == "pp" && c.pp > 1 && c.microbatches == 1) {
+    return "with 'microbatches' 1 the stages run one after another (no pipelining): set "
+           "'microbatches' to at least 'pp'";
+  }
+  if (key == "cp_algo" && c.cp == 1)
+    return "it is the attention of context parallelism, and 'cp' is 1";
+  if (key == "a2a_ranks_per_node" && c.a2a_algo != "2dh") {
+    return fmt::format("it sizes the nodes of the 2dh all-to-all, and 'a2a_algo' is \"{}\"",
+                       c.a2a_algo);
+  }
+  if (key == "moe_every" && c.model.moe_every > c.model.num_layers) {
+    return fmt::format("no block of 'num_layers' {} is an MoE block (the model is dense)",
+                       c.model.num_layers);
+  }
+  if (key == "trace_step" && c.trace_step > c.steps) {
+    return fmt::format("the run ends at step {} ('steps')", c.steps);
+  }
+  const bool moe_exchange = key == "overlap_degree" || key == "shadow_experts" ||
+                            key == "smart_schedule" || key == "a2a_algo";
+  if (moe_exchange && NumMoeBlocks(c.model) == 0) return "the model has no MoE blocks";
+  if (moe_exchange && (run.dense || TrainExpertParallelSize(c, static_cast<int>(c.ranks)) == 1)) {
+    return "the MoE blocks exchange no tokens with an expert-parallel size of 1";
+  }
+  if (key == "a2a_algo" && run.ranks_are_threads && c.a2a_ranks_per_node == 0) {
+    return "the ranks are threads of one process (one node), where 2dh is the flat exchange plus "
+           "copies: set 'a2a_ranks_per_node' to emulate nodes";
+  }
+  return "";
+}
+
+}  // namespace
+
+std::vector<std::string> ValidateTrainConfig(const ResolvedTrainConfig& resolved,
+                                             const TrainRunContext& run) {
+  SY_REQUIRE(!run.resume_flag_empty, InvalidArgument,
+             "--resume is empty: give a checkpoint, checkpoints or run directory, or leave the "
+             "flag out for a fresh run");
+  const TrainConfig& c = resolved.config;
+  const json mine = json::parse(TrainConfigToJson(c));
+  const json defaults = json::parse(TrainConfigToJson(TrainConfig{}));
+  for (const auto& [key, source] : resolved.explicit_keys) {
+    if (!source.starts_with("--")) continue;  // the checkpoint's or the MoE layer file's
+    const bool flag = !source.starts_with("--config ");
+    const json& value = mine.at(key);
+    SY_REQUIRE(!(flag && value.is_string() && value.get<std::string>().empty()), InvalidArgument,
+               "{} is empty: leave the flag out for the default", source);
+  }
+  ValidateTrainConfig(c);
+  // Ranks as threads each start their compute threads in this one process.
+  SY_REQUIRE(run.dense || !run.ranks_are_threads || c.threads * c.ranks <= kMaxRanks,
+             InvalidArgument,
+             "config: 'threads' {} x 'ranks' {} = {} compute threads in this process: at most {}",
+             c.threads, c.ranks, c.threads * c.ranks, kMaxRanks);
+  std::vector<std::string> notices;
+  for (const auto& [key, source] : resolved.explicit_keys) {
+    if (!source.starts_with("--")) continue;
+    const std::string why = WhyKeyCannotAct(key, c, run);
+    if (why.empty()) continue;
+    const json& value = mine.at(key);
+    const bool harmless =
+        value == defaults.at(key) || (run.dense && (key == "ranks" || key == "ep") && value == 1);
+    SY_REQUIRE(harmless, InvalidArgument, "config: '{}' {} ({}) cannot act: {}", key, value.dump(),
+               source, why);
+    if (!source.starts_with("--config ")) {
+      notices.push_back(
+          fmt::format("note: '{}' {} ({}) has no effect: {}", key, value.dump(), source, why));
+    }
+  }
+  return notices;
 }
 
 int AdaptiveRAtStep(std::string_view adaptive_r, int64_t step) {

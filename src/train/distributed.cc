@@ -917,6 +917,7 @@ RunSummary RunDistributedTraining(comm::Launcher& launcher, const TrainConfig& c
   SY_REQUIRE(config.ranks == launcher.world_size(), InvalidArgument,
              "config: 'ranks' is {} but the launcher starts {} ranks ({})", config.ranks,
              launcher.world_size(), launcher.kind());
+  RequireRunInputsOutsideRunDirectory(config, options.run);  // before any rank reads or writes
   TrainConfig c = config;
   if (c.ep == 0) c.ep = TrainExpertParallelSize(c, static_cast<int>(c.ranks));  // as it runs
   const bool agree = launcher.ranks_in_process() < launcher.world_size();

@@ -50,7 +50,9 @@ std::string DataIdentityJson(const Corpus& corpus) {
   // The hash of train then held-out bytes, without copying the corpus.
   const uint64_t hash = Fnv1a64(std::as_bytes(std::span(corpus.val)),
                                 Fnv1a64(std::as_bytes(std::span(corpus.train))));
-  json j = {{"files", files},
+  json names = json::array();
+  for (const std::string& f : files) names.push_back(json::parse(StringToJsonValue(f)));
+  json j = {{"files", names},
             {"bytes", corpus.train.size() + corpus.val.size()},
             {"fnv1a64", fmt::format("{:016x}", hash)}};
   return j.dump();
@@ -105,6 +107,7 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
   const moe::LayerConfig moe_layer =
       c.model.moe_every > 0 ? MoeLayerConfig(c) : moe::LayerConfig{};  // validates it
   check_finite_ = c.model.moe_every > 0 && moe_layer.check_finite;
+  if (NumMoeBlocks(c.model) > 0) moe_layer_json_ = moe::ToJson(moe_layer);
 
   corpus_ = LoadRunCorpus(c.data, c.val_data, c.val_fraction, &corpus_note_);
   data_json_ = DataIdentityJson(corpus_);
@@ -479,12 +482,21 @@ CheckpointData Trainer::Snapshot() {
   d.global_batch = config_.batch_size;
   d.config_json = TrainConfigToJson(config_);
   d.data_json = data_json_;
+  d.moe_layer_json = moe_layer_json_;
   d.model = hooks_->ModelValuesForCheckpoint(params);
   d.optimizer = hooks_->OptimizerStateForCheckpoint(optimizer_, params);
   return d;
 }
 
-void Trainer::Restore(const CheckpointData& data) {
+namespace {
+
+// The MoE layer options that decide which parameters an MoE block has.
+constexpr const char* kMoeParameterKeys[] = {"gated", "fc_bias", "residual_moe",
+                                             "shared_expert_hidden", "expert_bias"};
+
+}  // namespace
+
+void Trainer::Restore(const CheckpointData& data, const std::string& source) {
   TrainConfig saved = TrainConfigFromJson(data.config_json.empty() ? "{}" : data.config_json);
   // What must match for the model to load and the run to continue identically: every
   // difference in one message.
@@ -510,7 +522,35 @@ void Trainer::Restore(const CheckpointData& data) {
                a.at("files").dump(), a.at("bytes").dump(), a.at("fnv1a64").dump(),
                b.at("files").dump(), b.at("bytes").dump(), b.at("fnv1a64").dump());
   }
-  hooks_->LoadModelValues(model_->parameters(), data.model);
+  if (!data.moe_layer_json.empty() && !moe_layer_json_.empty()) {
+    const json theirs = json::parse(data.moe_layer_json), ours = json::parse(moe_layer_json_);
+    std::vector<std::string> changed;
+    for (const char* key : kMoeParameterKeys) {
+      const json a = theirs.contains(key) ? theirs.at(key) : json();
+      const json b = ours.contains(key) ? ours.at(key) : json();
+      if (a != b) {
+        changed.push_back(
+            fmt::format("'{}': {} has {}, this run {}", key, source, a.dump(), b.dump()));
+      }
+    }
+    SY_REQUIRE(changed.empty(), InvalidArgument,
+               "resume: MoE layer options that shape the parameters differ from {}'s (this "
+               "run's 'moe_layer_config': {}): {}; give the options it was trained with",
+               source,
+               config_.moe_layer_config.empty() ? std::string("none, the defaults")
+                                                : config_.moe_layer_config,
+               fmt::join(changed, "; "));
+  }
+  try {
+    hooks_->LoadModelValues(model_->parameters(), data.model);
+  } catch (const Error& e) {
+    if (!data.moe_layer_json.empty() || moe_layer_json_.empty()) throw;
+    // A checkpoint from before the MoE layer options were recorded.
+    throw InvalidArgument(fmt::format(
+        "resume: {} does not fit this run's model ({}); it does not record its MoE layer "
+        "options: check that 'moe_layer_config' ({}) has the ones it was trained with",
+        source, e.what(), config_.moe_layer_config.empty() ? "none" : config_.moe_layer_config));
+  }
   hooks_->LoadOptimizerState(optimizer_, data.optimizer, data.optimizer_step, model_->parameters());
   step_ = data.step;
 }
@@ -579,6 +619,31 @@ std::exception_ptr Capture(Fn&& fn) {
 
 }  // namespace
 
+void RequireRunInputsOutsideRunDirectory(const TrainConfig& c, const RunOptions& options) {
+  const std::string resume_dir =
+      options.resume.empty() ? std::string() : ResolveCheckpoint(options.resume);
+  std::vector<RunInput> inputs;
+  for (const auto& [key, list] :
+       {std::pair<const char*, const std::string&>{"data", c.data}, {"val_data", c.val_data}}) {
+    for (size_t at = 0; at < list.size();) {  // the files and directories given
+      const size_t comma = std::min(list.find(',', at), list.size());
+      inputs.push_back({key, list.substr(at, comma - at)});
+      at = comma + 1;
+    }
+  }
+  for (const std::string& f : RunCorpusFiles(c.data, c.val_data)) {
+    inputs.push_back({"data file", f});  // also the files of data directories
+  }
+  inputs.push_back({"moe_layer_config", c.moe_layer_config});
+  inputs.push_back({"--config", options.config_file});
+  if (!resume_dir.empty()) {
+    for (const char* f : {"state.json", "model.safetensors", "optimizer.safetensors"}) {
+      inputs.push_back({"the resumed checkpoint's", resume_dir + "/" + f});
+    }
+  }
+  RequireInputsOutsideRunDirectory(c.out, inputs, resume_dir);
+}
+
 RunSummary Trainer::Run(const RunOptions& options) {
   namespace fs = std::filesystem;
   const TrainConfig& c = config_;
@@ -587,6 +652,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
   const std::string run_dir = c.out;
   const std::string checkpoints_dir = run_dir + "/checkpoints";
   const bool writer = hooks_->writes_run_directory();
+  if (writer) RequireRunInputsOutsideRunDirectory(c, options);
   // The writer owns the run directory for the whole run (run_dir.h), before reading anything
   // of it.
   RunDirectoryLock lock;
@@ -595,8 +661,8 @@ RunSummary Trainer::Run(const RunOptions& options) {
   bool resumes_own_run = false;  // the checkpoint is in run_dir/checkpoints
   int64_t resumed_step = -1;
   if (!options.resume.empty()) {
-    std::string dir = ResolveCheckpoint(options.resume);
-    Restore(LoadCheckpoint(dir));
+    const std::string dir = ResolveCheckpoint(options.resume);
+    Restore(LoadCheckpoint(dir), "checkpoint " + dir);
     resumed = true;
     resumed_step = step_;
     std::error_code ec_from, ec_own;
@@ -698,6 +764,17 @@ RunSummary Trainer::Run(const RunOptions& options) {
     hooks_->AllReduceSum(failed);
     return failed[0] > 0;
   };
+  // The signal some rank was asked to stop by (0: none), the same on every rank (collective
+  // when a stop flag is given): each process of an MPI job sees its own signal, and ranks as
+  // threads read the shared flag at different moments, so they agree after every step.
+  auto agreed_stop = [&]() -> int {
+    if (options.stop_signal == nullptr) return 0;
+    const int mine = options.stop_signal->load();
+    if (world == 1) return mine;
+    double stop[2] = {mine != 0 ? 1.0 : 0.0, static_cast<double>(mine)};
+    hooks_->AllReduceSum(stop);
+    return stop[0] > 0 ? static_cast<int>(std::lround(stop[1] / stop[0])) : 0;
+  };
   // Interval accumulators (reset at every metrics line).
   StepMetrics acc;
   int64_t acc_steps = 0, acc_good = 0;
@@ -719,6 +796,9 @@ RunSummary Trainer::Run(const RunOptions& options) {
         all_ranks_failed = true;  // every rank detects it alike, before the update
         throw;
       }
+      // A stop asked for by a signal: this step is complete; it gets its metrics line and a
+      // checkpoint, then the run returns.
+      const int stop = agreed_stop();
       if (acc_steps == 0) {
         acc = StepMetrics{};
         acc.loss = acc.ce_loss = 0;
@@ -767,7 +847,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
         last_val = val;
       }
       const double n = static_cast<double>(acc_steps), good = static_cast<double>(acc_good);
-      const bool log_line = step_ % c.log_every == 0 || last || evaluate;
+      const bool log_line = step_ % c.log_every == 0 || last || evaluate || stop != 0;
       // The writer's files: a failure here is the writer's alone until any_failed.
       std::exception_ptr writer_error = Capture([&] {
         if (!writer) return;
@@ -834,7 +914,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
         if (writer_error) std::rethrow_exception(writer_error);
         throw Error(fmt::format("rank {}: stopped: the writer (rank 0) failed", hooks_->rank()));
       }
-      if ((c.checkpoint_every > 0 && step_ % c.checkpoint_every == 0) || last) {
+      if ((c.checkpoint_every > 0 && step_ % c.checkpoint_every == 0) || last || stop != 0) {
         CheckpointData snap = Snapshot();
         std::exception_ptr save_error = Capture([&] {
           if (writer) SaveCheckpoint(checkpoints_dir, snap, keep, resumed_step);
@@ -846,8 +926,23 @@ RunSummary Trainer::Run(const RunOptions& options) {
         }
         saved_step = step_;
       }
+      if (stop != 0) {
+        summary.stop_signal = stop;
+        break;
+      }
     }
     bar.Finish();
+    if (summary.stop_signal != 0) {
+      summary.steps = step_;
+      summary.seconds = Now() - run_start;
+      if (writer) {
+        fmt::print(out,
+                   "stopped by signal {} after step {}: the last completed step was saved to {}: "
+                   "continue with 'resume' {}\n",
+                   summary.stop_signal, step_, checkpoints_dir, run_dir);
+      }
+      return summary;
+    }
     summary.steps = step_;
     summary.seconds = Now() - run_start;
     summary.saved_activation_bytes = saved_activation_bytes_;

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace switchyard::train {
 
@@ -43,5 +44,20 @@ class RunDirectoryLock {
 // True when `dir` is a run directory of this program (marker, or config.json and
 // checkpoints/latest).
 bool IsRunDirectory(const std::string& dir);
+
+// An input of a run, with the name the user knows it by ("data", "--config", ...).
+struct RunInput {
+  std::string what;
+  std::string path;
+};
+// Refuses (InvalidArgument naming the input and the file) a run whose writes into run directory
+// `dir` would replace or delete one of its `inputs`: an input that is a file the run writes there
+// (config.json, metrics.jsonl, summary.json, sample.txt, the figures, trace.json, the marker and
+// lock, checkpoints/latest; compared by device and inode, so links and other spellings count), an
+// input inside `dir`/checkpoints other than `resume_checkpoint` (pruning deletes old
+// checkpoints), or an input directory that is `dir` itself (the run's own files would join the
+// data). Inputs that do not exist are skipped (reading them fails on its own).
+void RequireInputsOutsideRunDirectory(const std::string& dir, const std::vector<RunInput>& inputs,
+                                      const std::string& resume_checkpoint = "");
 
 }  // namespace switchyard::train
