@@ -494,6 +494,27 @@ namespace {
 constexpr const char* kMoeParameterKeys[] = {"gated", "fc_bias", "residual_moe",
                                              "shared_expert_hidden", "expert_bias"};
 
+// Refuses (naming each key, both values, `source` and this run's layer file) a checkpoint whose
+// MoE layer options (moe::ToJson) shape other parameters than this run's.
+void RequireSameMoeParameters(const std::string& checkpoint_json, const std::string& run_json,
+                              const std::string& source, const std::string& layer_file) {
+  const json theirs = json::parse(checkpoint_json), ours = json::parse(run_json);
+  std::vector<std::string> changed;
+  for (const char* key : kMoeParameterKeys) {
+    const json a = theirs.contains(key) ? theirs.at(key) : json();
+    const json b = ours.contains(key) ? ours.at(key) : json();
+    if (a != b) {
+      changed.push_back(
+          fmt::format("'{}': {} has {}, this run {}", key, source, a.dump(), b.dump()));
+    }
+  }
+  SY_REQUIRE(changed.empty(), InvalidArgument,
+             "resume: MoE layer options that shape the parameters differ from {}'s (this run's "
+             "'moe_layer_config': {}): {}; give the options it was trained with",
+             source, layer_file.empty() ? std::string("none, the defaults") : layer_file,
+             fmt::join(changed, "; "));
+}
+
 }  // namespace
 
 void Trainer::Restore(const CheckpointData& data, const std::string& source) {
@@ -523,23 +544,8 @@ void Trainer::Restore(const CheckpointData& data, const std::string& source) {
                b.at("files").dump(), b.at("bytes").dump(), b.at("fnv1a64").dump());
   }
   if (!data.moe_layer_json.empty() && !moe_layer_json_.empty()) {
-    const json theirs = json::parse(data.moe_layer_json), ours = json::parse(moe_layer_json_);
-    std::vector<std::string> changed;
-    for (const char* key : kMoeParameterKeys) {
-      const json a = theirs.contains(key) ? theirs.at(key) : json();
-      const json b = ours.contains(key) ? ours.at(key) : json();
-      if (a != b) {
-        changed.push_back(
-            fmt::format("'{}': {} has {}, this run {}", key, source, a.dump(), b.dump()));
-      }
-    }
-    SY_REQUIRE(changed.empty(), InvalidArgument,
-               "resume: MoE layer options that shape the parameters differ from {}'s (this "
-               "run's 'moe_layer_config': {}): {}; give the options it was trained with",
-               source,
-               config_.moe_layer_config.empty() ? std::string("none, the defaults")
-                                                : config_.moe_layer_config,
-               fmt::join(changed, "; "));
+    RequireSameMoeParameters(data.moe_layer_json, moe_layer_json_, source,
+                             config_.moe_layer_config);
   }
   try {
     hooks_->LoadModelValues(model_->parameters(), data.model);
