@@ -760,6 +760,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
   const double run_start = Now();
   const int64_t first_step = step_;
   int64_t saved_step = resumes_own_run ? resumed_step : -1;  // newest checkpoint in run_dir
+  std::string saved_dir;                                     // its directory (the writer's)
   const int keep = static_cast<int>(std::min<int64_t>(c.keep_checkpoints, INT32_MAX));
   // Whether any rank failed (collective). Only the writer's own work can fail on one rank
   // without the others noticing; this makes every rank stop at the same point.
@@ -923,7 +924,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
       if ((c.checkpoint_every > 0 && step_ % c.checkpoint_every == 0) || last || stop != 0) {
         CheckpointData snap = Snapshot();
         std::exception_ptr save_error = Capture([&] {
-          if (writer) SaveCheckpoint(checkpoints_dir, snap, keep, resumed_step);
+          if (writer) saved_dir = SaveCheckpoint(checkpoints_dir, snap, keep, resumed_step);
         });
         if (any_failed(save_error)) {
           all_ranks_failed = true;
@@ -945,7 +946,8 @@ RunSummary Trainer::Run(const RunOptions& options) {
         fmt::print(out,
                    "stopped by signal {} after step {}: the last completed step was saved to {}: "
                    "continue with 'resume' {}\n",
-                   summary.stop_signal, step_, checkpoints_dir, run_dir);
+                   summary.stop_signal, step_, saved_dir.empty() ? checkpoints_dir : saved_dir,
+                   run_dir);
       }
       return summary;
     }
