@@ -114,6 +114,9 @@ TEST_F(TrainCliRobustTest, FloatKeysAreRangeChecked) {
       {"--ranks 2 --adam_eps -1", {"'adam_eps'"}},
       {"--ranks 2 --lr 1e309", {"'lr'"}},
       {"--ranks 2 --aux_loss_coef -1", {"'aux_loss_coef'"}},
+      // The emulated links of train are named by train's flags.
+      {"--ranks 2 --link-latency-us 1e8", {"--link-latency-us", "1e+08"}},
+      {"--ranks 2 --link-gbps 1e-9", {"--link-gbps", "1e-09"}},
   });
 }
 
