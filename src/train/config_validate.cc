@@ -303,8 +303,9 @@ std::string WhyKeyCannotAct(std::string_view key, const TrainConfig& c,
     return "with 'microbatches' 1 the stages run one after another (no pipelining): set "
            "'microbatches' to at least 'pp'";
   }
-  if (key == "cp_algo" && c.cp == 1)
+  if (key == "cp_algo" && c.cp == 1) {
     return "it is the attention of context parallelism, and 'cp' is 1";
+  }
   if (key == "a2a_ranks_per_node" && c.a2a_algo != "2dh") {
     return fmt::format("it sizes the nodes of the 2dh all-to-all, and 'a2a_algo' is \"{}\"",
                        c.a2a_algo);
