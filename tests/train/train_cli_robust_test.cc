@@ -84,6 +84,7 @@ TEST_F(TrainCliRobustTest, IntegerKeysAreCheckedAsTheFullValue) {
       {"--ranks 2 --zero_stage 4294967296", {"'zero_stage'", "4294967296"}},
       {"--ranks 2 --num_experts 4294967297", {"'num_experts'", "4294967297"}},
       {"--ranks 2 --ep -1", {"'ep'", "-1"}},
+      {"--ranks 2 --log_every 9223372036854775808", {"'log_every'", "9223372036854775808"}},
   };
   WriteTextFileAtomic(dir_ + "/big.json", "{\"ep\": 4294967297, \"ranks\": 2}");
   cases.push_back({"--config " + dir_ + "/big.json", {"'ep'", "4294967297"}});
@@ -270,6 +271,17 @@ TEST_F(TrainCliRobustTest, ResumeNamesAChangedMoeLayerOption) {
     EXPECT_TRUE(Contains(r.err, "'" + key + "'")) << changed << "\n" << r.err;
     EXPECT_TRUE(Contains(r.err, "step_00000001")) << r.err;
   }
+  // A checkpoint from before the options were recorded: the message says what to check.
+  const std::string state = dir_ + "/a/checkpoints/step_00000001/state.json";
+  json j = json::parse(ReadAll(state));
+  ASSERT_TRUE(j.contains("moe_layer"));
+  j.erase("moe_layer");
+  WriteTextFileAtomic(state, j.dump(2));
+  WriteTextFileAtomic(layer, "{\"fc_bias\": false}");
+  r = Run(Command("a", "--ranks 2 --steps 2 --resume " + dir_ + "/a"));
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_TRUE(Contains(r.err, "does not record its MoE layer options")) << r.err;
+  EXPECT_TRUE(Contains(r.err, "layer.json")) << r.err;
 }
 
 // A path that is not UTF-8 is legal: the run writes config.json (the path as {"hex": ...}),
