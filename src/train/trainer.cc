@@ -675,7 +675,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
     const fs::path from = fs::weakly_canonical(fs::path(dir), ec_from).parent_path();
     const fs::path own = fs::weakly_canonical(fs::path(checkpoints_dir), ec_own);
     resumes_own_run = !ec_from && !ec_own && from == own;
-    if (writer) fmt::print(out, "resumed from {} at step {}\n", dir, step_);
+    if (writer) fmt::print(out, "resumed from {} at step {}\n", EscapeForTerminal(dir), step_);
   }
   std::unique_ptr<MetricsWriter> metrics;
   std::vector<StepMetrics> history;
@@ -720,9 +720,9 @@ RunSummary Trainer::Run(const RunOptions& options) {
                "run: {} steps x {} sequences ({} tokens/step), {} compute thread(s), out {}\n",
                params, c.model.num_layers, c.model.model_dim, c.model.num_heads, c.model.seq_len,
                moe ? fmt::format(", MoE every {} blocks", c.model.moe_every) : "",
-               c.data.empty() ? std::string("fortunes corpus") : c.data, corpus_.train.size(),
-               corpus_.val.size(), unigram_entropy_, c.steps, c.batch_size,
-               c.batch_size * c.model.seq_len, threads_, run_dir);
+               c.data.empty() ? std::string("fortunes corpus") : EscapeForTerminal(c.data),
+               corpus_.train.size(), corpus_.val.size(), unigram_entropy_, c.steps, c.batch_size,
+               c.batch_size * c.model.seq_len, threads_, EscapeForTerminal(run_dir));
     if (!corpus_note_.empty()) fmt::print(out, "{}\n", corpus_note_);
     const std::string layout = hooks_->LayoutDescription();
     if (!layout.empty()) fmt::print(out, "layout: {}\n", layout);
@@ -730,12 +730,12 @@ RunSummary Trainer::Run(const RunOptions& options) {
   bool interactive =
       options.interactive < 0 ? ProgressBar::IsTerminal(out) : options.interactive > 0;
   ProgressBar bar(out, interactive && writer, c.log_every);
-  std::string title =
-      fmt::format("switchyard train: {} layers{}, d={}, {}", c.model.num_layers,
-                  moe ? fmt::format(" (MoE every {}, {} experts, top-{})", c.model.moe_every,
-                                    c.num_experts, c.top_k)
-                      : "",
-                  c.model.model_dim, c.data.empty() ? std::string("fortunes") : c.data);
+  std::string title = fmt::format(
+      "switchyard train: {} layers{}, d={}, {}", c.model.num_layers,
+      moe ? fmt::format(" (MoE every {}, {} experts, top-{})", c.model.moe_every, c.num_experts,
+                        c.top_k)
+          : "",
+      c.model.model_dim, c.data.empty() ? std::string("fortunes") : EscapeForTerminal(c.data));
   auto write_figures = [&] {
     if (!writer) return;
     WriteLossSvg(run_dir + "/loss.svg", history, unigram_entropy_, title);
@@ -946,8 +946,9 @@ RunSummary Trainer::Run(const RunOptions& options) {
         fmt::print(out,
                    "stopped by signal {} after step {}: the last completed step was saved to {}: "
                    "continue with 'resume' {}\n",
-                   summary.stop_signal, step_, saved_dir.empty() ? checkpoints_dir : saved_dir,
-                   run_dir);
+                   summary.stop_signal, step_,
+                   EscapeForTerminal(saved_dir.empty() ? checkpoints_dir : saved_dir),
+                   EscapeForTerminal(run_dir));
       }
       return summary;
     }
@@ -1183,8 +1184,9 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                           FormatBytes(static_cast<uint64_t>(summary.memory_peak_min_bytes)));
   }
   fmt::print(out, "{}\n", memory);
-  fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{}{})\n", run_dir,
-             moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "",
+  fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{}{})\n",
+             EscapeForTerminal(run_dir), moe ? ", expert_load.svg" : "",
+             c.sample_tokens > 0 ? ", sample.txt" : "",
              std::filesystem::exists(run_dir + "/trace.json") ? ", trace.json" : "");
   if (c.sample_tokens > 0) {
     fmt::print(out, "sample (temperature {}):\n{}\n", c.temperature,

@@ -292,6 +292,7 @@ TEST_F(TrainCliRobustTest, PathsThatAreNotUtf8RoundTrip) {
   CommandResult r = Run(Command("a", "--ranks 2 --steps 1 --data '" + dir_ + "/" + name + "'"));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const json config = json::parse(ReadAll(dir_ + "/a/config.json"));
+  EXPECT_TRUE(Contains(r.out, "corpus\\xff\\xfe.txt")) << r.out;  // escaped on the terminal
   ASSERT_TRUE(config.at("data").is_object()) << config.at("data");
   EXPECT_TRUE(config.at("data").contains("hex"));
   // The data path comes from the checkpoint's config.
