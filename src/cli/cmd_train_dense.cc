@@ -18,6 +18,7 @@
 #include "switchyard/core/error.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/train/checkpoint.h"
+#include "switchyard/train/run_dir.h"
 #include "switchyard/train/stop_signal.h"
 #include "switchyard/train/trainer.h"
 
@@ -57,7 +58,8 @@ int RunTrainDense(const TrainDenseOptions& o) {
   run.resume = o.resume;
   run.config_file = o.config_file;
   if (o.plain) run.interactive = 0;
-  train::RequireRunInputsOutsideRunDirectory(config, run);  // the first error, before any work
+  train::RequireRunInputsOutsideRunDirectory(config, run.config_file,
+                                             run.resume);  // the first error, before any work
   train::Trainer trainer(config);
   // SIGINT / SIGTERM: the step under way finishes and is saved (train/stop_signal.h).
   train::ScopedStopSignals stop;

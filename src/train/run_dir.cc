@@ -13,6 +13,8 @@
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
+#include "switchyard/train/checkpoint.h"
+#include "switchyard/train/data.h"
 
 namespace switchyard::train {
 
@@ -146,6 +148,31 @@ void RequireInputsOutsideRunDirectory(const std::string& dir, const std::vector<
                "replaces and prunes: copy it elsewhere or choose another 'out'",
                in.what, in.path, dir);
   }
+}
+
+void RequireRunInputsOutsideRunDirectory(const TrainConfig& c, const std::string& config_file,
+                                         const std::string& resume) {
+  const std::string resume_dir = resume.empty() ? std::string() : ResolveCheckpoint(resume);
+  std::vector<RunInput> inputs;
+  for (const auto& [key, list] :
+       {std::pair<const char*, const std::string&>{"data", c.data}, {"val_data", c.val_data}}) {
+    for (size_t at = 0; at < list.size();) {  // the files and directories given
+      const size_t comma = std::min(list.find(',', at), list.size());
+      inputs.push_back({key, list.substr(at, comma - at)});
+      at = comma + 1;
+    }
+  }
+  for (const std::string& f : RunCorpusFiles(c.data, c.val_data)) {
+    inputs.push_back({"data file", f});  // also the files of data directories
+  }
+  inputs.push_back({"moe_layer_config", c.moe_layer_config});
+  inputs.push_back({"--config", config_file});
+  if (!resume_dir.empty()) {
+    for (const char* f : {"state.json", "model.safetensors", "optimizer.safetensors"}) {
+      inputs.push_back({"the resumed checkpoint's", resume_dir + "/" + f});
+    }
+  }
+  RequireInputsOutsideRunDirectory(c.out, inputs, resume_dir);
 }
 
 }  // namespace switchyard::train

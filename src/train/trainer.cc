@@ -625,31 +625,6 @@ std::exception_ptr Capture(Fn&& fn) {
 
 }  // namespace
 
-void RequireRunInputsOutsideRunDirectory(const TrainConfig& c, const RunOptions& options) {
-  const std::string resume_dir =
-      options.resume.empty() ? std::string() : ResolveCheckpoint(options.resume);
-  std::vector<RunInput> inputs;
-  for (const auto& [key, list] :
-       {std::pair<const char*, const std::string&>{"data", c.data}, {"val_data", c.val_data}}) {
-    for (size_t at = 0; at < list.size();) {  // the files and directories given
-      const size_t comma = std::min(list.find(',', at), list.size());
-      inputs.push_back({key, list.substr(at, comma - at)});
-      at = comma + 1;
-    }
-  }
-  for (const std::string& f : RunCorpusFiles(c.data, c.val_data)) {
-    inputs.push_back({"data file", f});  // also the files of data directories
-  }
-  inputs.push_back({"moe_layer_config", c.moe_layer_config});
-  inputs.push_back({"--config", options.config_file});
-  if (!resume_dir.empty()) {
-    for (const char* f : {"state.json", "model.safetensors", "optimizer.safetensors"}) {
-      inputs.push_back({"the resumed checkpoint's", resume_dir + "/" + f});
-    }
-  }
-  RequireInputsOutsideRunDirectory(c.out, inputs, resume_dir);
-}
-
 RunSummary Trainer::Run(const RunOptions& options) {
   namespace fs = std::filesystem;
   const TrainConfig& c = config_;
@@ -658,7 +633,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
   const std::string run_dir = c.out;
   const std::string checkpoints_dir = run_dir + "/checkpoints";
   const bool writer = hooks_->writes_run_directory();
-  if (writer) RequireRunInputsOutsideRunDirectory(c, options);
+  if (writer) RequireRunInputsOutsideRunDirectory(c, options.config_file, options.resume);
   // The writer owns the run directory for the whole run (run_dir.h), before reading anything
   // of it.
   RunDirectoryLock lock;

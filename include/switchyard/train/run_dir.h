@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "switchyard/train/config.h"
+
 namespace switchyard::train {
 
 inline constexpr const char* kRunMarkerFile = ".switchyard-run";
@@ -59,5 +61,14 @@ struct RunInput {
 // data). Inputs that do not exist are skipped (reading them fails on its own).
 void RequireInputsOutsideRunDirectory(const std::string& dir, const std::vector<RunInput>& inputs,
                                       const std::string& resume_checkpoint = "");
+
+// Refuses (InvalidArgument) a run whose writes into its run directory config.out would replace
+// or delete one of its inputs (RequireInputsOutsideRunDirectory): the data and held-out files
+// (also those of data directories), the data directories, the MoE layer file, `config_file` (the
+// --config file, "" none) and the files of the checkpoint `resume` names ("" a fresh run).
+// Trainer::Run calls it on the writer; commands call it before they start the ranks, so that it
+// is the first error. IoError for a missing data file or checkpoint.
+void RequireRunInputsOutsideRunDirectory(const TrainConfig& config, const std::string& config_file,
+                                         const std::string& resume);
 
 }  // namespace switchyard::train

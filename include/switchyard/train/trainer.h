@@ -155,13 +155,6 @@ struct RunOptions {
   const std::atomic<int>* stop_signal = nullptr;
 };
 
-// Refuses (InvalidArgument) a run whose writes into its run directory config.out would replace
-// or delete one of its inputs: the data and held-out files (also those of data directories), the
-// data directories, the MoE layer file, options.config_file and the files of the checkpoint
-// options.resume names (RequireInputsOutsideRunDirectory in run_dir.h). Run calls it on the
-// writer; commands call it before they start the ranks, so that it is the first error.
-void RequireRunInputsOutsideRunDirectory(const TrainConfig& config, const RunOptions& options);
-
 // A step whose loss or gradient norm is not finite under nonfinite = "stop" (every rank throws
 // it at the same point; the update was not applied).
 class NonFiniteError : public Error {
