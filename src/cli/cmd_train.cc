@@ -23,6 +23,7 @@
 #include "switchyard/kernels/gemm_backend.h"
 #include "switchyard/train/checkpoint.h"
 #include "switchyard/train/distributed.h"
+#include "switchyard/train/stop_signal.h"
 
 namespace switchyard::cli {
 namespace {
@@ -30,6 +31,7 @@ namespace {
 struct TrainOptions {
   std::string config_file;
   std::string resume;
+  bool resume_given = false;  // --resume was on the command line (also as "")
   std::string transport = "auto";
   bool plain = false;
   double link_latency_us = 0;  // emulated link between in-process ranks (0 and 0: none)
@@ -70,8 +72,21 @@ int RunTrain(const TrainOptions& o) {
   const std::string transport = ResolveTransport(o.transport);
   train::DistributedRunOptions run;
   run.run.resume = o.resume;
+  run.run.config_file = o.config_file;
   if (o.plain) run.run.interactive = 0;
-  if (transport != "mpi") train::ValidateTrainConfig(config);  // before the ranks are used
+  // Every key checked (ranges before any narrowing, keys that cannot act in this layout) before
+  // the ranks are started and before anything is written; under mpirun again with the world's
+  // size below.
+  const train::TrainRunContext context{.ranks_are_threads = transport != "mpi",
+                                       .resume_flag_empty = o.resume_given && o.resume.empty()};
+  auto validate = [&] {
+    train::ResolvedTrainConfig checked = resolved;
+    checked.config = config;
+    for (const std::string& notice : train::ValidateTrainConfig(checked, context)) {
+      fmt::print(stderr, "{}\n", notice);
+    }
+  };
+  if (transport != "mpi") validate();
   comm::InProcessOptions inprocess;
   if (o.link_latency_us > 0 || o.link_gbps > 0) {
     SY_REQUIRE(transport != "mpi", InvalidArgument,
@@ -79,7 +94,17 @@ int RunTrain(const TrainOptions& o) {
                "not apply to --transport mpi");
     inprocess.emulation =
         comm::EmulationOptions{{o.link_latency_us, o.link_gbps}, {o.link_latency_us, o.link_gbps}};
-    RequireEmulationFitsDeadline(*inprocess.emulation, inprocess.timeout, "", 0);
+    try {
+      RequireEmulationFitsDeadline(*inprocess.emulation, inprocess.timeout, "", 0);
+    } catch (const InvalidArgument& e) {
+      // Both links are this command's one --link-* pair: name the flags the user gave.
+      std::string message = e.what();
+      for (size_t at = message.find("--intra-"); at != std::string::npos;
+           at = message.find("--intra-", at)) {
+        message.replace(at, 8, "--link-");
+      }
+      throw InvalidArgument(message);
+    }
   }
   std::unique_ptr<comm::Launcher> launcher =
       MakeLauncher(transport, static_cast<int>(config.ranks), inprocess, "train");
@@ -92,13 +117,18 @@ int RunTrain(const TrainOptions& o) {
                "start {} processes or leave 'ranks' unset to use the {} started",
                config.ranks, started, config.ranks, started);
     config.ranks = started;
+    validate();
   }
   // The process-wide settings of a run, at the program's edge: ranks share the process's cores
   // and each runs single-threaded BLAS on its own compute threads.
   KeepFreedMemoryForTraining();
   kernels::SetBlasThreads(1);
   kernels::ActiveGemmBackend();  // a GEMM backend that cannot run here is an error before step 1
+  // SIGINT / SIGTERM: the ranks finish their step, save it and stop (train/stop_signal.h).
+  train::ScopedStopSignals stop;
+  run.run.stop_signal = stop.flag();
   train::RunSummary summary = train::RunDistributedTraining(*launcher, config, run);
+  if (summary.stop_signal != 0) return 128 + summary.stop_signal;
   if (summary.run_dir.empty() || !std::isfinite(summary.tokens_per_s) ||
       summary.tokens_per_s <= 0) {
     return 0;
@@ -123,9 +153,10 @@ SY_REGISTER_COMMAND(Command{
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<TrainOptions>();
       app.add_option("--config", o->config_file, "JSON file whose keys are the flags below");
-      app.add_option("--resume", o->resume,
-                     "continue from a checkpoint, checkpoints or run directory (any layout), in "
-                     "that run's directory unless --out is given");
+      CLI::Option* resume =
+          app.add_option("--resume", o->resume,
+                         "continue from a checkpoint, checkpoints or run directory (any layout), "
+                         "in that run's directory unless --out is given");
       app.add_option("--transport", o->transport,
                      "inproc (ranks as threads) | mpi (ranks as mpirun's processes) | auto");
       app.add_flag("--plain", o->plain, "print progress as plain lines even on a terminal");
@@ -138,7 +169,10 @@ SY_REGISTER_COMMAND(Command{
           ->check(FiniteIn(0, 1e12));
       AddTrainConfigFlags(
           app, [o](const std::string& key, const std::string& text) { o->values[key] = text; });
-      return [o] { return RunTrain(*o); };
+      return [o, resume] {
+        o->resume_given = resume->count() > 0;
+        return RunTrain(*o);
+      };
     }});
 
 }  // namespace

@@ -18,6 +18,8 @@
 #include "switchyard/core/error.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/train/checkpoint.h"
+#include "switchyard/train/run_dir.h"
+#include "switchyard/train/stop_signal.h"
 #include "switchyard/train/trainer.h"
 
 namespace switchyard::cli {
@@ -26,6 +28,7 @@ namespace {
 struct TrainDenseOptions {
   std::string config_file;
   std::string resume;
+  bool resume_given = false;  // --resume was on the command line (also as "")
   bool plain = false;
   std::map<std::string, std::string> values;  // flag -> text, only for flags given
 };
@@ -42,17 +45,27 @@ int RunTrainDense(const TrainDenseOptions& o) {
   if (!o.resume.empty() && !resolved.out_given) {
     config.out = train::RunDirectoryOfCheckpoint(o.resume);
   }
-  SY_REQUIRE(config.trace_step == 0, InvalidArgument,
-             "config: 'trace_step' records the ranks of a distributed run: use `switchyard train "
-             "--ranks 1 --trace_step {}` (train-dense has no communication layer to trace)",
-             config.trace_step);
+  // Every key checked before anything is written; the layout keys cannot act on one rank.
+  train::ResolvedTrainConfig checked = resolved;
+  checked.config = config;
+  for (const std::string& notice : train::ValidateTrainConfig(
+           checked, {.dense = true, .resume_flag_empty = o.resume_given && o.resume.empty()})) {
+    fmt::print(stderr, "{}\n", notice);
+  }
   KeepFreedMemoryForTraining();
   kernels::SetBlasThreads(1);  // the trainer splits its GEMMs over its own threads
-  train::Trainer trainer(config);
   train::RunOptions run;
   run.resume = o.resume;
+  run.config_file = o.config_file;
   if (o.plain) run.interactive = 0;
+  train::RequireRunInputsOutsideRunDirectory(config, run.config_file,
+                                             run.resume);  // the first error, before any work
+  train::Trainer trainer(config);
+  // SIGINT / SIGTERM: the step under way finishes and is saved (train/stop_signal.h).
+  train::ScopedStopSignals stop;
+  run.stop_signal = stop.flag();
   train::RunSummary summary = trainer.Run(run);
+  if (summary.stop_signal != 0) return 128 + summary.stop_signal;
   // The limit, measured in the same run: the FMA peak of the compute threads used.
   PeakFlops peak = MeasurePeakFlops();
   double limit = peak.gflops * trainer.threads();
@@ -71,13 +84,17 @@ SY_REGISTER_COMMAND(Command{
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<TrainDenseOptions>();
       app.add_option("--config", o->config_file, "JSON file whose keys are the flags below");
-      app.add_option("--resume", o->resume,
-                     "continue from a checkpoint, checkpoints or run directory, in that run's "
-                     "directory unless --out is given");
+      CLI::Option* resume =
+          app.add_option("--resume", o->resume,
+                         "continue from a checkpoint, checkpoints or run directory, in that run's "
+                         "directory unless --out is given");
       app.add_flag("--plain", o->plain, "print progress as plain lines even on a terminal");
       AddTrainConfigFlags(
           app, [o](const std::string& key, const std::string& text) { o->values[key] = text; });
-      return [o] { return RunTrainDense(*o); };
+      return [o, resume] {
+        o->resume_given = resume->count() > 0;
+        return RunTrainDense(*o);
+      };
     }});
 
 }  // namespace

@@ -190,6 +190,7 @@ std::string SaveCheckpoint(const std::string& checkpoints_dir, const CheckpointD
         {"global_batch", data.global_batch},
         {"config", config},
         {"data", data.data_json.empty() ? json() : json::parse(data.data_json)},
+        {"moe_layer", data.moe_layer_json.empty() ? json() : json::parse(data.moe_layer_json)},
         {"files", {{kModelFile, FileEntry(model)}, {kOptimizerFile, FileEntry(optim)}}}};
     WriteTextFileAtomic(temp_dir + "/" + kStateFile, state.dump(2) + "\n");
     FsyncDirectory(temp_dir);
@@ -321,6 +322,9 @@ CheckpointData LoadCheckpoint(const std::string& path) {
     data.config_json = state.at("config").dump();
     if (state.contains("data") && !state.at("data").is_null()) {
       data.data_json = state.at("data").dump();
+    }
+    if (state.contains("moe_layer") && !state.at("moe_layer").is_null()) {
+      data.moe_layer_json = state.at("moe_layer").dump();
     }
     for (const char* file : {kModelFile, kOptimizerFile}) {
       const json& entry = state.at("files").at(file);

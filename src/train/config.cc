@@ -17,6 +17,7 @@
 #include "switchyard/parallel/moe_parallel.h"
 #include "switchyard/parallel/schedule.h"
 #include "switchyard/train/checkpoint.h"
+#include "train/config_fields.h"
 
 namespace switchyard::train {
 
@@ -24,83 +25,70 @@ using nlohmann::json;
 
 namespace {
 
-// Calls fn(key, field) for every option, in a fixed order (the JSON key order).
-template <typename Config, typename Fn>
-void VisitFields(Config& c, Fn&& fn) {
-  fn("vocab_size", c.model.vocab_size);
-  fn("seq_len", c.model.seq_len);
-  fn("model_dim", c.model.model_dim);
-  fn("num_layers", c.model.num_layers);
-  fn("num_heads", c.model.num_heads);
-  fn("hidden_dim", c.model.hidden_dim);
-  fn("norm", c.model.norm);
-  fn("activation", c.model.activation);
-  fn("tied_head", c.model.tied_head);
-  fn("moe_every", c.model.moe_every);
-  fn("init_std", c.model.init_std);
-  fn("num_experts", c.num_experts);
-  fn("experts_per_block", c.experts_per_block);
-  fn("top_k", c.top_k);
-  fn("capacity_factor", c.capacity_factor);
-  fn("expert_hidden_dim", c.expert_hidden_dim);
-  fn("aux_loss_coef", c.aux_loss_coef);
-  fn("z_loss_coef", c.z_loss_coef);
-  fn("moe_layer_config", c.moe_layer_config);
-  fn("check_finite", c.check_finite);
-  fn("routing_scope", c.routing_scope);
-  fn("data", c.data);
-  fn("val_data", c.val_data);
-  fn("val_fraction", c.val_fraction);
-  fn("steps", c.steps);
-  fn("batch_size", c.batch_size);
-  fn("lr", c.lr);
-  fn("min_lr", c.min_lr);
-  fn("warmup_steps", c.warmup_steps);
-  fn("weight_decay", c.weight_decay);
-  fn("beta1", c.beta1);
-  fn("beta2", c.beta2);
-  fn("adam_eps", c.adam_eps);
-  fn("grad_clip", c.grad_clip);
-  fn("nonfinite", c.nonfinite);
-  fn("seed", c.seed);
-  fn("out", c.out);
-  fn("log_every", c.log_every);
-  fn("eval_every", c.eval_every);
-  fn("eval_tokens", c.eval_tokens);
-  fn("checkpoint_every", c.checkpoint_every);
-  fn("keep_checkpoints", c.keep_checkpoints);
-  fn("sample_tokens", c.sample_tokens);
-  fn("temperature", c.temperature);
-  fn("threads", c.threads);
-  fn("trace_step", c.trace_step);
-  fn("ranks", c.ranks);
-  fn("ep", c.ep);
-  fn("zero_stage", c.zero_stage);
-  fn("overlap_grad_reduce", c.overlap_grad_reduce);
-  fn("bucket_mb", c.bucket_mb);
-  fn("dispatch", c.dispatch);
-  fn("overlap_degree", c.overlap_degree);
-  fn("adaptive_r", c.adaptive_r);
-  fn("a2a_algo", c.a2a_algo);
-  fn("a2a_ranks_per_node", c.a2a_ranks_per_node);
-  fn("smart_schedule", c.smart_schedule);
-  fn("shadow_experts", c.shadow_experts);
-  fn("tp", c.tp);
-  fn("sequence_parallel", c.sequence_parallel);
-  fn("tp_comm_overlap", c.tp_comm_overlap);
-  fn("arrangement", c.arrangement);
-  fn("etp", c.etp);
-  fn("cp", c.cp);
-  fn("cp_algo", c.cp_algo);
-  fn("attention_core", c.attention_core);
-  fn("memory_budget_mib", c.memory_budget_mib);
-  fn("microbatches", c.microbatches);
-  fn("recompute", c.model.recompute);
-  fn("precision", c.model.precision);
-  fn("pp", c.pp);
-  fn("pipeline_schedule", c.pipeline_schedule);
-  fn("virtual_stages", c.virtual_stages);
-  fn("pipeline_split", c.pipeline_split);
+// Whether `text` is valid UTF-8 (what a JSON string can hold).
+bool IsValidUtf8(std::string_view text) {
+  size_t i = 0;
+  while (i < text.size()) {
+    const auto b = static_cast<unsigned char>(text[i]);
+    size_t n = 0;
+    uint32_t cp = 0;
+    if (b < 0x80) {
+      ++i;
+      continue;
+    } else if ((b & 0xE0) == 0xC0) {
+      n = 1, cp = b & 0x1F;
+    } else if ((b & 0xF0) == 0xE0) {
+      n = 2, cp = b & 0x0F;
+    } else if ((b & 0xF8) == 0xF0) {
+      n = 3, cp = b & 0x07;
+    } else {
+      return false;
+    }
+    for (size_t k = 1; k <= n; ++k) {
+      if (i + k >= text.size()) return false;
+      const auto c = static_cast<unsigned char>(text[i + k]);
+      if ((c & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (c & 0x3F);
+    }
+    // Overlong forms, surrogates and values past U+10FFFF are not UTF-8.
+    constexpr uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += n + 1;
+  }
+  return true;
+}
+
+json StringJson(const std::string& text) {
+  if (IsValidUtf8(text)) return text;
+  std::string hex;
+  for (char ch : text) hex += fmt::format("{:02x}", static_cast<unsigned char>(ch));
+  return json{{"hex", hex}};
+}
+
+// The string of StringJson's {"hex": ...} form; throws `bad` for anything else.
+template <typename Bad>
+std::string StringFromHexJson(const json& v, Bad&& bad) {
+  if (!v.is_object() || v.size() != 1 || !v.contains("hex") || !v.at("hex").is_string()) {
+    throw bad();
+  }
+  const std::string hex = v.at("hex").get<std::string>();
+  if (hex.size() % 2 != 0) throw bad();
+  std::string out;
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    int byte = 0;
+    for (size_t k = 0; k < 2; ++k) {
+      const char c = hex[i + k];
+      const int d = c >= '0' && c <= '9'   ? c - '0'
+                    : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                    : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                           : -1;
+      if (d < 0) throw bad();
+      byte = byte * 16 + d;
+    }
+    if (byte == 0) throw bad();  // no path holds a NUL byte
+    out += static_cast<char>(byte);
+  }
+  return out;
 }
 
 struct ToJsonVisitor {
@@ -115,6 +103,8 @@ struct ToJsonVisitor {
       j[key] = std::string(RecomputeName(v));
     } else if constexpr (std::is_same_v<T, Precision>) {
       j[key] = std::string(PrecisionName(v));
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      j[key] = StringJson(v);  // paths may hold bytes that are not UTF-8
     } else {
       j[key] = v;
     }
@@ -142,6 +132,12 @@ struct FromJsonVisitor {
       const bool numeric = k == "adaptive_r" || k == "smart_schedule" || k == "shadow_experts";
       if (numeric && v.is_number_integer()) {
         dst = std::to_string(v.get<int64_t>());
+        return;
+      }
+      if (v.is_object()) {  // StringJson's form of text that is not UTF-8
+        dst = StringFromHexJson(v, [&] {
+          return bad("a string, or {\"hex\": \"<the bytes in hex>\"} for bytes that are not UTF-8");
+        });
         return;
       }
       if (!v.is_string()) throw bad(numeric ? "a string or an integer" : "a string");
@@ -200,10 +196,11 @@ struct FromJsonVisitor {
           throw bad("a non-negative integer");
         }
       } else {
-        // A value the field cannot hold would be truncated silently (threads is an int).
-        const int64_t x =
-            v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX ? INT64_MAX : v.get<int64_t>();
-        if (x < std::numeric_limits<T>::min() || x > std::numeric_limits<T>::max()) {
+        // A value the field cannot hold would be truncated silently (threads is an int; 2^63
+        // does not fit int64).
+        const bool above = v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX;
+        const int64_t x = above ? INT64_MAX : v.get<int64_t>();
+        if (above || x < std::numeric_limits<T>::min() || x > std::numeric_limits<T>::max()) {
           throw bad(fmt::format("an integer in [{}, {}]", std::numeric_limits<T>::min(),
                                 std::numeric_limits<T>::max())
                         .c_str());
@@ -218,6 +215,8 @@ struct FromJsonVisitor {
 };
 
 }  // namespace
+
+std::string StringToJsonValue(const std::string& text) { return StringJson(text).dump(); }
 
 std::string TrainConfigToJson(const TrainConfig& config) {
   json j = json::object();
@@ -349,7 +348,7 @@ void SetTrainConfigValue(TrainConfig& config, std::string_view key, std::string_
   try {
     value = json::parse(text);
   } catch (const json::exception&) {
-    value = std::string(text);
+    value = StringJson(std::string(text));  // a bare string; a path may not be UTF-8
   }
   json j = json::object();
   j[std::string(key)] = value;
@@ -400,174 +399,6 @@ moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
   j["seed"] = c.seed;
   if (c.check_finite) j["check_finite"] = true;  // false keeps the file's value
   return moe::LayerConfigFromJson(j.dump());
-}
-
-void ValidateTrainConfig(const TrainConfig& c) {
-  ValidateModelConfig(c.model);
-  auto at_least = [](const char* key, double v, double lo) {
-    SY_REQUIRE(v >= lo && std::isfinite(v), InvalidArgument, "config: '{}' must be >= {}, got {}",
-               key, lo, v);
-  };
-  at_least("steps", static_cast<double>(c.steps), 0);
-  at_least("batch_size", static_cast<double>(c.batch_size), 1);
-  at_least("lr", c.lr, 0);
-  at_least("min_lr", c.min_lr, 0);
-  at_least("warmup_steps", static_cast<double>(c.warmup_steps), 0);
-  at_least("weight_decay", c.weight_decay, 0);
-  at_least("grad_clip", c.grad_clip, 0);
-  at_least("bucket_mb", c.bucket_mb, 0);
-  at_least("log_every", static_cast<double>(c.log_every), 1);
-  at_least("eval_every", static_cast<double>(c.eval_every), 0);
-  at_least("eval_tokens", static_cast<double>(c.eval_tokens), 0);
-  at_least("checkpoint_every", static_cast<double>(c.checkpoint_every), 0);
-  at_least("keep_checkpoints", static_cast<double>(c.keep_checkpoints), 0);
-  at_least("sample_tokens", static_cast<double>(c.sample_tokens), 0);
-  at_least("threads", c.threads, 0);
-  at_least("num_experts", static_cast<double>(c.num_experts), 1);
-  if (!c.experts_per_block.empty()) {
-    const int64_t blocks = NumMoeBlocks(c.model);
-    SY_REQUIRE(static_cast<int64_t>(c.experts_per_block.size()) == blocks, InvalidArgument,
-               "config: 'experts_per_block' has {} entries, expected one per MoE block: {} "
-               "(num_layers {} / moe_every {})",
-               c.experts_per_block.size(), blocks, c.model.num_layers, c.model.moe_every);
-    for (int64_t e : c.experts_per_block) {
-      SY_REQUIRE(e >= 1, InvalidArgument,
-                 "config: 'experts_per_block': expected counts >= 1, got {}", e);
-    }
-  }
-  at_least("top_k", static_cast<double>(c.top_k), 1);
-  at_least("expert_hidden_dim", static_cast<double>(c.expert_hidden_dim), 0);
-  at_least("aux_loss_coef", c.aux_loss_coef, 0);
-  at_least("z_loss_coef", c.z_loss_coef, 0);
-  SY_REQUIRE(c.temperature > 0, InvalidArgument, "config: 'temperature' must be > 0, got {}",
-             c.temperature);
-  SY_REQUIRE(c.out.empty() == false, InvalidArgument, "config: 'out' must not be empty");
-  at_least("ranks", static_cast<double>(c.ranks), 1);
-  at_least("ep", static_cast<double>(c.ep), 0);
-  at_least("overlap_degree", static_cast<double>(c.overlap_degree), 1);
-  at_least("tp", static_cast<double>(c.tp), 1);
-  at_least("etp", static_cast<double>(c.etp), 1);
-  SY_REQUIRE(!c.tp_comm_overlap || c.sequence_parallel, InvalidArgument,
-             "config: 'tp_comm_overlap' overlaps the sequence-parallel collectives: it needs "
-             "'sequence_parallel' true");
-  SY_REQUIRE(c.arrangement == "auto" || c.arrangement == "deepspeed" || c.arrangement == "megatron",
-             InvalidArgument,
-             "config: 'arrangement' must be \"auto\", \"deepspeed\" or \"megatron\", got \"{}\"",
-             c.arrangement);
-  if (c.tp > 1) {
-    SY_REQUIRE(c.ranks % c.tp == 0, InvalidArgument,
-               "config: 'tp' {} must divide 'ranks' {} (data-parallel size ranks / tp)", c.tp,
-               c.ranks);
-    for (const auto& [key, v] : {std::pair<const char*, int64_t>{"num_heads", c.model.num_heads},
-                                 {"hidden_dim", c.model.hidden_dim},
-                                 {"vocab_size", c.model.vocab_size}}) {
-      SY_REQUIRE(v % c.tp == 0, InvalidArgument,
-                 "config: '{}' {} does not divide by 'tp' {} (each tensor-parallel rank holds an "
-                 "equal part)",
-                 key, v, c.tp);
-    }
-  }
-  at_least("microbatches", static_cast<double>(c.microbatches), 1);
-  at_least("cp", static_cast<double>(c.cp), 1);
-  SY_REQUIRE(c.cp_algo == "ring" || c.cp_algo == "ulysses", InvalidArgument,
-             "config: 'cp_algo' must be \"ring\" or \"ulysses\", got \"{}\"", c.cp_algo);
-  SY_REQUIRE(
-      c.attention_core == "auto" || c.attention_core == "softmax" || c.attention_core == "flash",
-      InvalidArgument,
-      "config: 'attention_core' must be \"auto\", \"softmax\" or \"flash\", got \"{}\"",
-      c.attention_core);
-  SY_REQUIRE(std::isfinite(c.memory_budget_mib) && c.memory_budget_mib >= 0, InvalidArgument,
-             "config: 'memory_budget_mib' must be a number >= 0 (0: no budget), got {}",
-             c.memory_budget_mib);
-  if (c.cp > 1) {
-    SY_REQUIRE(c.attention_core != "softmax", InvalidArgument,
-               "config: 'attention_core' softmax keeps the whole [seq_len, seq_len] "
-               "probabilities on one rank, which 'cp' {} splits: use \"auto\" or \"flash\"",
-               c.cp);
-    SY_REQUIRE(c.model.seq_len % (2 * c.cp) == 0, InvalidArgument,
-               "config: 'seq_len' {} does not split over 'cp' {} ranks: the load-balanced "
-               "(zigzag) split needs a multiple of 2 x cp = {}",
-               c.model.seq_len, c.cp, 2 * c.cp);
-    SY_REQUIRE(c.cp_algo != "ulysses" || c.model.num_heads % (c.cp * c.tp) == 0, InvalidArgument,
-               "config: 'cp_algo' ulysses splits each tensor-parallel rank's heads over the cp "
-               "ranks: 'num_heads' {} does not divide by 'tp' {} x 'cp' {} = {}",
-               c.model.num_heads, c.tp, c.cp, c.tp * c.cp);
-  }
-  SY_REQUIRE(c.model.precision == Precision::kFloat32 || (c.tp == 1 && c.cp == 1), InvalidArgument,
-             "config: 'precision' bf16 is not supported with 'tp' {} / 'cp' {} yet (tensor- and "
-             "context-parallel layers compute in float32): use 'precision' fp32",
-             c.tp, c.cp);
-  SY_REQUIRE(c.model.recompute != Recompute::kSelective || c.cp == 1, InvalidArgument,
-             "config: 'recompute' selective with 'cp' {}: the context-parallel attention core "
-             "already recomputes its probabilities in backward; use 'recompute' none or full",
-             c.cp);
-  at_least("pp", static_cast<double>(c.pp), 1);
-  at_least("virtual_stages", static_cast<double>(c.virtual_stages), 1);
-  SY_REQUIRE(c.batch_size % c.microbatches == 0, InvalidArgument,
-             "config: 'batch_size' {} does not divide into 'microbatches' {} equal micro-batches",
-             c.batch_size, c.microbatches);
-  SY_REQUIRE(c.ranks % (c.tp * c.pp) == 0, InvalidArgument,
-             "config: {} must divide 'ranks' {} (data-parallel size ranks / (tp x pp))",
-             c.tp == 1   ? fmt::format("'pp' {}", c.pp)
-             : c.pp == 1 ? fmt::format("'tp' {}", c.tp)
-                         : fmt::format("'tp' {} x 'pp' {}", c.tp, c.pp),
-             c.ranks);
-  SY_REQUIRE(c.ranks % (c.tp * c.pp * c.cp) == 0, InvalidArgument,
-             "config: 'cp' {} x 'tp' {} x 'pp' {} must divide 'ranks' {} (data-parallel size "
-             "ranks / (tp x pp x cp))",
-             c.cp, c.tp, c.pp, c.ranks);
-  SY_REQUIRE(c.virtual_stages == 1 || c.pipeline_schedule == "interleaved", InvalidArgument,
-             "config: 'virtual_stages' {} needs 'pipeline_schedule' interleaved (got \"{}\")",
-             c.virtual_stages, c.pipeline_schedule);
-  SY_REQUIRE(c.pp * c.virtual_stages <= c.model.num_layers, InvalidArgument,
-             "config: 'pp' {} x 'virtual_stages' {} stages need at least as many blocks, "
-             "'num_layers' is {}",
-             c.pp, c.virtual_stages, c.model.num_layers);
-  if (!c.pipeline_split.empty()) {
-    int64_t sum = 0;
-    for (int64_t b : c.pipeline_split) {
-      SY_REQUIRE(b >= 1, InvalidArgument,
-                 "config: 'pipeline_split': every virtual stage needs >= 1 block, got {}", b);
-      sum += b;
-    }
-    SY_REQUIRE(static_cast<int64_t>(c.pipeline_split.size()) == c.pp * c.virtual_stages &&
-                   sum == c.model.num_layers,
-               InvalidArgument,
-               "config: 'pipeline_split' has {} counts summing to {}: expected pp x "
-               "virtual_stages = {} counts summing to num_layers {}",
-               c.pipeline_split.size(), sum, c.pp * c.virtual_stages, c.model.num_layers);
-  }
-  SY_REQUIRE(c.zero_stage >= 0 && c.zero_stage <= 3, InvalidArgument,
-             "config: 'zero_stage' must be 0, 1, 2 or 3, got {}", c.zero_stage);
-  SY_REQUIRE(c.nonfinite == "stop" || c.nonfinite == "skip", InvalidArgument,
-             "config: 'nonfinite' must be \"stop\" or \"skip\", got \"{}\"", c.nonfinite);
-  SY_REQUIRE(c.val_fraction >= 0 && c.val_fraction <= 0.5, InvalidArgument,
-             "config: 'val_fraction' must be in [0, 0.5], got {}", c.val_fraction);
-  // Sizes derived from these must fit: the data counters (step * batch_size + row) and the
-  // tokens of a step.
-  CheckedMul(c.steps + 1, c.batch_size, "config: 'steps' x 'batch_size' (data counter)");
-  CheckedMul(c.batch_size, c.model.seq_len, "config: 'batch_size' x 'seq_len' (tokens per step)");
-  SY_REQUIRE(c.dispatch == "alltoall" || c.dispatch == "alltoallv" || c.dispatch == "allgather",
-             InvalidArgument,
-             "config: 'dispatch' must be \"alltoall\", \"alltoallv\" or \"allgather\", got \"{}\"",
-             c.dispatch);
-  SY_REQUIRE(c.routing_scope == "global" || c.routing_scope == "per_rank", InvalidArgument,
-             "config: 'routing_scope' must be \"global\" or \"per_rank\", got \"{}\"",
-             c.routing_scope);
-  SY_REQUIRE(c.a2a_algo == "flat" || c.a2a_algo == "2dh", InvalidArgument,
-             "config: 'a2a_algo' must be \"flat\" or \"2dh\", got \"{}\"", c.a2a_algo);
-  at_least("a2a_ranks_per_node", static_cast<double>(c.a2a_ranks_per_node), 0);
-  at_least("trace_step", static_cast<double>(c.trace_step), 0);
-  (void)AdaptiveRAtStep(c.adaptive_r, 0);  // parses every entry
-  try {
-    (void)parallel::SmartGroupFromString(c.smart_schedule);
-    (void)parallel::ShadowFromString(c.shadow_experts);
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(
-        fmt::format("config: 'smart_schedule' \"{}\" / 'shadow_experts' "
-                    "\"{}\": {}",
-                    c.smart_schedule, c.shadow_experts, e.what()));
-  }
 }
 
 int AdaptiveRAtStep(std::string_view adaptive_r, int64_t step) {

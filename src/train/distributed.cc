@@ -22,6 +22,7 @@
 #include "switchyard/parallel/expert_shard.h"
 #include "switchyard/train/data.h"
 #include "switchyard/train/moe_feed_forward.h"
+#include "switchyard/train/run_dir.h"
 #include "switchyard/train/zero.h"
 #include "train/step_trace.h"
 
@@ -920,6 +921,8 @@ RunSummary RunDistributedTraining(comm::Launcher& launcher, const TrainConfig& c
   SY_REQUIRE(config.ranks == launcher.world_size(), InvalidArgument,
              "config: 'ranks' is {} but the launcher starts {} ranks ({})", config.ranks,
              launcher.world_size(), launcher.kind());
+  RequireRunInputsOutsideRunDirectory(config, options.run.config_file,
+                                      options.run.resume);  // before any rank reads or writes
   TrainConfig c = config;
   if (c.ep == 0) c.ep = TrainExpertParallelSize(c, static_cast<int>(c.ranks));  // as it runs
   const bool agree = launcher.ranks_in_process() < launcher.world_size();

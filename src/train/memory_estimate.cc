@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/limits.h"
@@ -56,8 +57,11 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const int64_t heads = m.num_heads / tp;
   const bool softmax = ResolvedAttentionCore(c) == "softmax";
   const int64_t probs = softmax ? CheckedMul(heads, s, what) : 2 * heads;
-  const int64_t moe_hidden = static_cast<int64_t>(
-      std::ceil(2.0 * static_cast<double>(eh * c.top_k) * std::max(1.0, c.capacity_factor)));
+  const int64_t moe_hidden =
+      CheckedToInt64(std::ceil(2.0 * static_cast<double>(eh) * static_cast<double>(c.top_k) *
+                               std::max(1.0, c.capacity_factor)),
+                     "per-rank memory estimate (expert hidden x top_k x capacity_factor)", 0,
+                     std::numeric_limits<int64_t>::max());
   const int64_t dense_layer = residual + 8 * d / tp + 2 * m.hidden_dim / tp + probs;
   const int64_t moe_layer = residual + 8 * d / tp + moe_hidden + probs;
   const int64_t per_token = CheckedMul(layers - moe_layers, dense_layer, what) +

@@ -6,7 +6,6 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
@@ -72,17 +71,44 @@ StepMetrics MetricsFromJson(const std::string& line, const std::string& what) {
   return m;
 }
 
+namespace {
+
+struct MetricsLine {
+  std::string text;
+  StepMetrics metrics;
+};
+
+// The lines of metrics.jsonl text with their metrics, a torn last line (no newline, does not
+// parse) left out.
+std::vector<MetricsLine> ParseMetricsLines(const std::string& text, const std::string& path) {
+  std::vector<MetricsLine> out;
+  size_t at = 0;
+  int64_t n = 0;
+  while (at < text.size()) {
+    const size_t end = text.find('\n', at);
+    const bool terminated = end != std::string::npos;
+    std::string line = text.substr(at, terminated ? end - at : std::string::npos);
+    at = terminated ? end + 1 : text.size();
+    ++n;
+    if (line.empty()) continue;
+    try {
+      StepMetrics m = MetricsFromJson(line, fmt::format("{}:{}", path, n));
+      out.push_back({std::move(line), std::move(m)});
+    } catch (const IoError&) {
+      if (terminated) throw;  // only the last line can be torn
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<StepMetrics> ReadMetrics(const std::string& path) {
   std::vector<StepMetrics> out;
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return out;
-  std::istringstream in(ReadTextFile(path));
-  std::string line;
-  int64_t n = 0;
-  while (std::getline(in, line)) {
-    ++n;
-    if (line.empty()) continue;
-    out.push_back(MetricsFromJson(line, fmt::format("{}:{}", path, n)));
+  for (MetricsLine& line : ParseMetricsLines(ReadTextFile(path), path)) {
+    out.push_back(std::move(line.metrics));
   }
   return out;
 }
@@ -93,14 +119,9 @@ MetricsWriter::MetricsWriter(std::string path, int64_t keep_through_step) : path
     if (std::filesystem::exists(path_, ec)) {
       // Keep the lines up to the resumed step, dropping a torn last line if the run was killed
       // while writing it.
-      std::istringstream in(ReadTextFile(path_));
-      std::string line, kept;
-      while (std::getline(in, line)) {
-        if (line.empty()) continue;
-        try {
-          if (MetricsFromJson(line, path_).step <= keep_through_step) kept += line + "\n";
-        } catch (const IoError&) {
-        }
+      std::string kept;
+      for (const MetricsLine& line : ParseMetricsLines(ReadTextFile(path_), path_)) {
+        if (line.metrics.step <= keep_through_step) kept += line.text + "\n";
       }
       WriteTextFileAtomic(path_, kept);
     }

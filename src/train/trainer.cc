@@ -50,7 +50,9 @@ std::string DataIdentityJson(const Corpus& corpus) {
   // The hash of train then held-out bytes, without copying the corpus.
   const uint64_t hash = Fnv1a64(std::as_bytes(std::span(corpus.val)),
                                 Fnv1a64(std::as_bytes(std::span(corpus.train))));
-  json j = {{"files", files},
+  json names = json::array();
+  for (const std::string& f : files) names.push_back(json::parse(StringToJsonValue(f)));
+  json j = {{"files", names},
             {"bytes", corpus.train.size() + corpus.val.size()},
             {"fnv1a64", fmt::format("{:016x}", hash)}};
   return j.dump();
@@ -105,6 +107,7 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
   const moe::LayerConfig moe_layer =
       c.model.moe_every > 0 ? MoeLayerConfig(c) : moe::LayerConfig{};  // validates it
   check_finite_ = c.model.moe_every > 0 && moe_layer.check_finite;
+  if (NumMoeBlocks(c.model) > 0) moe_layer_json_ = moe::ToJson(moe_layer);
 
   corpus_ = LoadRunCorpus(c.data, c.val_data, c.val_fraction, &corpus_note_);
   data_json_ = DataIdentityJson(corpus_);
@@ -479,12 +482,42 @@ CheckpointData Trainer::Snapshot() {
   d.global_batch = config_.batch_size;
   d.config_json = TrainConfigToJson(config_);
   d.data_json = data_json_;
+  d.moe_layer_json = moe_layer_json_;
   d.model = hooks_->ModelValuesForCheckpoint(params);
   d.optimizer = hooks_->OptimizerStateForCheckpoint(optimizer_, params);
   return d;
 }
 
-void Trainer::Restore(const CheckpointData& data) {
+namespace {
+
+// The MoE layer options that decide which parameters an MoE block has.
+constexpr const char* kMoeParameterKeys[] = {"gated", "fc_bias", "residual_moe",
+                                             "shared_expert_hidden", "expert_bias"};
+
+// Refuses (naming each key, both values, `source` and this run's layer file) a checkpoint whose
+// MoE layer options (moe::ToJson) shape other parameters than this run's.
+void RequireSameMoeParameters(const std::string& checkpoint_json, const std::string& run_json,
+                              const std::string& source, const std::string& layer_file) {
+  const json theirs = json::parse(checkpoint_json), ours = json::parse(run_json);
+  std::vector<std::string> changed;
+  for (const char* key : kMoeParameterKeys) {
+    const json a = theirs.contains(key) ? theirs.at(key) : json();
+    const json b = ours.contains(key) ? ours.at(key) : json();
+    if (a != b) {
+      changed.push_back(
+          fmt::format("'{}': {} has {}, this run {}", key, source, a.dump(), b.dump()));
+    }
+  }
+  SY_REQUIRE(changed.empty(), InvalidArgument,
+             "resume: MoE layer options that shape the parameters differ from {}'s (this run's "
+             "'moe_layer_config': {}): {}; give the options it was trained with",
+             source, layer_file.empty() ? std::string("none, the defaults") : layer_file,
+             fmt::join(changed, "; "));
+}
+
+}  // namespace
+
+void Trainer::Restore(const CheckpointData& data, const std::string& source) {
   TrainConfig saved = TrainConfigFromJson(data.config_json.empty() ? "{}" : data.config_json);
   // What must match for the model to load and the run to continue identically: every
   // difference in one message.
@@ -510,7 +543,20 @@ void Trainer::Restore(const CheckpointData& data) {
                a.at("files").dump(), a.at("bytes").dump(), a.at("fnv1a64").dump(),
                b.at("files").dump(), b.at("bytes").dump(), b.at("fnv1a64").dump());
   }
-  hooks_->LoadModelValues(model_->parameters(), data.model);
+  if (!data.moe_layer_json.empty() && !moe_layer_json_.empty()) {
+    RequireSameMoeParameters(data.moe_layer_json, moe_layer_json_, source,
+                             config_.moe_layer_config);
+  }
+  try {
+    hooks_->LoadModelValues(model_->parameters(), data.model);
+  } catch (const Error& e) {
+    if (!data.moe_layer_json.empty() || moe_layer_json_.empty()) throw;
+    // A checkpoint from before the MoE layer options were recorded.
+    throw InvalidArgument(fmt::format(
+        "resume: {} does not fit this run's model ({}); it does not record its MoE layer "
+        "options: check that 'moe_layer_config' ({}) has the ones it was trained with",
+        source, e.what(), config_.moe_layer_config.empty() ? "none" : config_.moe_layer_config));
+  }
   hooks_->LoadOptimizerState(optimizer_, data.optimizer, data.optimizer_step, model_->parameters());
   step_ = data.step;
 }
@@ -587,6 +633,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
   const std::string run_dir = c.out;
   const std::string checkpoints_dir = run_dir + "/checkpoints";
   const bool writer = hooks_->writes_run_directory();
+  if (writer) RequireRunInputsOutsideRunDirectory(c, options.config_file, options.resume);
   // The writer owns the run directory for the whole run (run_dir.h), before reading anything
   // of it.
   RunDirectoryLock lock;
@@ -595,15 +642,15 @@ RunSummary Trainer::Run(const RunOptions& options) {
   bool resumes_own_run = false;  // the checkpoint is in run_dir/checkpoints
   int64_t resumed_step = -1;
   if (!options.resume.empty()) {
-    std::string dir = ResolveCheckpoint(options.resume);
-    Restore(LoadCheckpoint(dir));
+    const std::string dir = ResolveCheckpoint(options.resume);
+    Restore(LoadCheckpoint(dir), "checkpoint " + dir);
     resumed = true;
     resumed_step = step_;
     std::error_code ec_from, ec_own;
     const fs::path from = fs::weakly_canonical(fs::path(dir), ec_from).parent_path();
     const fs::path own = fs::weakly_canonical(fs::path(checkpoints_dir), ec_own);
     resumes_own_run = !ec_from && !ec_own && from == own;
-    if (writer) fmt::print(out, "resumed from {} at step {}\n", dir, step_);
+    if (writer) fmt::print(out, "resumed from {} at step {}\n", EscapeForTerminal(dir), step_);
   }
   std::unique_ptr<MetricsWriter> metrics;
   std::vector<StepMetrics> history;
@@ -648,9 +695,9 @@ RunSummary Trainer::Run(const RunOptions& options) {
                "run: {} steps x {} sequences ({} tokens/step), {} compute thread(s), out {}\n",
                params, c.model.num_layers, c.model.model_dim, c.model.num_heads, c.model.seq_len,
                moe ? fmt::format(", MoE every {} blocks", c.model.moe_every) : "",
-               c.data.empty() ? std::string("fortunes corpus") : c.data, corpus_.train.size(),
-               corpus_.val.size(), unigram_entropy_, c.steps, c.batch_size,
-               c.batch_size * c.model.seq_len, threads_, run_dir);
+               c.data.empty() ? std::string("fortunes corpus") : EscapeForTerminal(c.data),
+               corpus_.train.size(), corpus_.val.size(), unigram_entropy_, c.steps, c.batch_size,
+               c.batch_size * c.model.seq_len, threads_, EscapeForTerminal(run_dir));
     if (!corpus_note_.empty()) fmt::print(out, "{}\n", corpus_note_);
     const std::string layout = hooks_->LayoutDescription();
     if (!layout.empty()) fmt::print(out, "layout: {}\n", layout);
@@ -658,12 +705,12 @@ RunSummary Trainer::Run(const RunOptions& options) {
   bool interactive =
       options.interactive < 0 ? ProgressBar::IsTerminal(out) : options.interactive > 0;
   ProgressBar bar(out, interactive && writer, c.log_every);
-  std::string title =
-      fmt::format("switchyard train: {} layers{}, d={}, {}", c.model.num_layers,
-                  moe ? fmt::format(" (MoE every {}, {} experts, top-{})", c.model.moe_every,
-                                    c.num_experts, c.top_k)
-                      : "",
-                  c.model.model_dim, c.data.empty() ? std::string("fortunes") : c.data);
+  std::string title = fmt::format(
+      "switchyard train: {} layers{}, d={}, {}", c.model.num_layers,
+      moe ? fmt::format(" (MoE every {}, {} experts, top-{})", c.model.moe_every, c.num_experts,
+                        c.top_k)
+          : "",
+      c.model.model_dim, c.data.empty() ? std::string("fortunes") : EscapeForTerminal(c.data));
   auto write_figures = [&] {
     if (!writer) return;
     WriteLossSvg(run_dir + "/loss.svg", history, unigram_entropy_, title);
@@ -688,6 +735,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
   const double run_start = Now();
   const int64_t first_step = step_;
   int64_t saved_step = resumes_own_run ? resumed_step : -1;  // newest checkpoint in run_dir
+  std::string saved_dir;                                     // its directory (the writer's)
   const int keep = static_cast<int>(std::min<int64_t>(c.keep_checkpoints, INT32_MAX));
   // Whether any rank failed (collective). Only the writer's own work can fail on one rank
   // without the others noticing; this makes every rank stop at the same point.
@@ -697,6 +745,17 @@ RunSummary Trainer::Run(const RunOptions& options) {
     double failed[1] = {error ? 1.0 : 0.0};
     hooks_->AllReduceSum(failed);
     return failed[0] > 0;
+  };
+  // The signal some rank was asked to stop by (0: none), the same on every rank (collective
+  // when a stop flag is given): each process of an MPI job sees its own signal, and ranks as
+  // threads read the shared flag at different moments, so they agree after every step.
+  auto agreed_stop = [&]() -> int {
+    if (options.stop_signal == nullptr) return 0;
+    const int mine = options.stop_signal->load();
+    if (world == 1) return mine;
+    double stop[2] = {mine != 0 ? 1.0 : 0.0, static_cast<double>(mine)};
+    hooks_->AllReduceSum(stop);
+    return stop[0] > 0 ? static_cast<int>(std::lround(stop[1] / stop[0])) : 0;
   };
   // Interval accumulators (reset at every metrics line).
   StepMetrics acc;
@@ -719,6 +778,9 @@ RunSummary Trainer::Run(const RunOptions& options) {
         all_ranks_failed = true;  // every rank detects it alike, before the update
         throw;
       }
+      // A stop asked for by a signal: this step is complete; it gets its metrics line and a
+      // checkpoint, then the run returns.
+      const int stop = agreed_stop();
       if (acc_steps == 0) {
         acc = StepMetrics{};
         acc.loss = acc.ce_loss = 0;
@@ -767,7 +829,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
         last_val = val;
       }
       const double n = static_cast<double>(acc_steps), good = static_cast<double>(acc_good);
-      const bool log_line = step_ % c.log_every == 0 || last || evaluate;
+      const bool log_line = step_ % c.log_every == 0 || last || evaluate || stop != 0;
       // The writer's files: a failure here is the writer's alone until any_failed.
       std::exception_ptr writer_error = Capture([&] {
         if (!writer) return;
@@ -834,10 +896,10 @@ RunSummary Trainer::Run(const RunOptions& options) {
         if (writer_error) std::rethrow_exception(writer_error);
         throw Error(fmt::format("rank {}: stopped: the writer (rank 0) failed", hooks_->rank()));
       }
-      if ((c.checkpoint_every > 0 && step_ % c.checkpoint_every == 0) || last) {
+      if ((c.checkpoint_every > 0 && step_ % c.checkpoint_every == 0) || last || stop != 0) {
         CheckpointData snap = Snapshot();
         std::exception_ptr save_error = Capture([&] {
-          if (writer) SaveCheckpoint(checkpoints_dir, snap, keep, resumed_step);
+          if (writer) saved_dir = SaveCheckpoint(checkpoints_dir, snap, keep, resumed_step);
         });
         if (any_failed(save_error)) {
           all_ranks_failed = true;
@@ -846,8 +908,25 @@ RunSummary Trainer::Run(const RunOptions& options) {
         }
         saved_step = step_;
       }
+      if (stop != 0) {
+        summary.stop_signal = stop;
+        break;
+      }
     }
     bar.Finish();
+    if (summary.stop_signal != 0) {
+      summary.steps = step_;
+      summary.seconds = Now() - run_start;
+      if (writer) {
+        fmt::print(out,
+                   "stopped by signal {} after step {}: the last completed step was saved to {}: "
+                   "continue with 'resume' {}\n",
+                   summary.stop_signal, step_,
+                   EscapeForTerminal(saved_dir.empty() ? checkpoints_dir : saved_dir),
+                   EscapeForTerminal(run_dir));
+      }
+      return summary;
+    }
     summary.steps = step_;
     summary.seconds = Now() - run_start;
     summary.saved_activation_bytes = saved_activation_bytes_;
@@ -1080,8 +1159,9 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                           FormatBytes(static_cast<uint64_t>(summary.memory_peak_min_bytes)));
   }
   fmt::print(out, "{}\n", memory);
-  fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{}{})\n", run_dir,
-             moe ? ", expert_load.svg" : "", c.sample_tokens > 0 ? ", sample.txt" : "",
+  fmt::print(out, "  run directory: {} (metrics.jsonl, loss.svg{}, checkpoints/{}{})\n",
+             EscapeForTerminal(run_dir), moe ? ", expert_load.svg" : "",
+             c.sample_tokens > 0 ? ", sample.txt" : "",
              std::filesystem::exists(run_dir + "/trace.json") ? ", trace.json" : "");
   if (c.sample_tokens > 0) {
     fmt::print(out, "sample (temperature {}):\n{}\n", c.temperature,

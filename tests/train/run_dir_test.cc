@@ -1,8 +1,15 @@
-// Run-directory pieces: SVG writer and figures, progress line, metrics JSON lines.
+// Run-directory pieces: SVG writer and figures, progress line, metrics JSON lines, the run
+// directory's lock and the check that a run's writes never replace its inputs.
+#include "switchyard/train/run_dir.h"
+
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
@@ -176,6 +183,89 @@ TEST(MetricsTest, JsonLinesRoundTripAndResumeTruncates) {
   EXPECT_EQ(all.back().step, 4);
   EXPECT_THROW(MetricsFromJson("{\"loss\": 1}", "x"), IoError);
   EXPECT_THROW(MetricsFromJson("not json", "x"), IoError);
+}
+
+// A torn last line (no newline) is skipped; a malformed line before it is an error naming the
+// file and line, and the writer of a resumed run leaves such a file as it is.
+TEST(MetricsTest, OnlyATornLastLineIsSkipped) {
+  testing::TempDir dir;
+  const std::string path = dir / "metrics.jsonl";
+  WriteTextFileAtomic(path, "{\"step\": 1}\n{\"step\": 2}\n{\"step\": 3, \"lo");
+  std::vector<StepMetrics> all = ReadMetrics(path);
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(all.back().step, 2);
+  const std::string middle = "{\"step\": 1}\n{\"step\": 2, \"lo\n{\"step\": 3}\n";
+  WriteTextFileAtomic(path, middle);
+  try {
+    ReadMetrics(path);
+    ADD_FAILURE() << "a malformed middle line was accepted";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("metrics.jsonl:2"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(MetricsWriter(path, 3), IoError);
+  EXPECT_EQ(ReadTextFile(path), middle);
+}
+
+// The lock is taken before the marker is written: a directory holding only the lock file (a run
+// starting, or one killed before its marker) is a run directory to a second run, which is
+// refused naming the owner while the lock is held and admitted once it is not.
+TEST(RunDirectoryLockTest, ADirectoryWithOnlyTheLockFile) {
+  testing::TempDir dir;
+  const std::string run = dir / "run";
+  std::filesystem::create_directories(run);
+  const std::string lock = run + "/" + kRunLockFile;
+  const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  ASSERT_EQ(::write(fd, "4242\n", 5), 5);
+  try {
+    RunDirectoryLock second(run);
+    ADD_FAILURE() << "a held lock was taken again";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("in use by another switchyard run (pid 4242)"),
+              std::string::npos)
+        << e.what();
+  }
+  ::close(fd);  // the owner is gone (killed before its marker): the directory is usable
+  RunDirectoryLock again(run);
+  EXPECT_TRUE(again.held());
+  EXPECT_TRUE(IsRunDirectory(run));
+  // Another file next to the lock: not a run's directory.
+  testing::TempDir other;
+  WriteTextFileAtomic(other / kRunLockFile, "");
+  WriteTextFileAtomic(other / "notes.txt", "mine\n");
+  EXPECT_THROW(RunDirectoryLock(other.path()), InvalidArgument);
+}
+
+// Inputs that a run's writes would replace or prune are refused; others are not.
+TEST(RunDirectoryLockTest, InputsOutsideTheRunDirectory) {
+  testing::TempDir dir;
+  const std::string run = dir / "run";
+  std::filesystem::create_directories(run + "/checkpoints/step_00000001");
+  for (const char* f : {"metrics.jsonl", "sample.txt", "checkpoints/step_00000001/state.json"}) {
+    WriteTextFileAtomic(run + "/" + f, "x\n");
+  }
+  WriteTextFileAtomic(dir / "corpus.txt", "x\n");
+  std::filesystem::create_symlink(run + "/sample.txt", dir / "link.txt");
+  auto refused = [&](const std::string& path, const std::string& resume = "") {
+    try {
+      RequireInputsOutsideRunDirectory(run, {{"data", path}}, resume);
+      return false;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("data '" + path + "'"), std::string::npos) << e.what();
+      return true;
+    }
+  };
+  EXPECT_TRUE(refused(run + "/metrics.jsonl"));
+  EXPECT_TRUE(refused(dir / "link.txt"));  // a link to a file the run writes
+  EXPECT_TRUE(refused(run + "/../run/sample.txt"));
+  EXPECT_TRUE(refused(run));  // the run directory as a data directory
+  EXPECT_TRUE(refused(run + "/checkpoints/step_00000001/state.json"));
+  EXPECT_FALSE(refused(run + "/checkpoints/step_00000001/state.json",
+                       run + "/checkpoints/step_00000001"));  // the resumed checkpoint
+  EXPECT_FALSE(refused(dir / "corpus.txt"));
+  EXPECT_FALSE(refused(run + "/summary.json"));  // does not exist: cannot be read either
+  EXPECT_NO_THROW(RequireInputsOutsideRunDirectory(dir / "new", {{"data", run + "/sample.txt"}}));
 }
 
 TEST(MetricsTest, FiguresAreWritten) {

@@ -41,6 +41,9 @@ struct CheckpointData {
   // What the run trains on: {"files": [...], "bytes": N, "fnv1a64": "..."} (DataIdentityJson in
   // trainer.h); "" in checkpoints written before it was recorded.
   std::string data_json;
+  // The MoE blocks' layer options (moe::ToJson) the run trains with; "" for a dense model and
+  // in checkpoints written before it was recorded.
+  std::string moe_layer_json;
   TensorMap model;      // name -> float32 value
   TensorMap optimizer;  // "<param>.exp_avg" / "<param>.exp_avg_sq"
 };

@@ -155,7 +155,16 @@ std::string TrainConfigToJson(const TrainConfig& config);
 // Overrides `base` with the keys of a JSON object; an unknown key or a value of the wrong type
 // throws InvalidArgument naming the key ("config: key 'steps': expected an integer, got ...").
 TrainConfig TrainConfigFromJson(std::string_view json_text, const TrainConfig& base = {});
-// Checks values (InvalidArgument naming the key).
+// `text` as a JSON value (JSON text) that any bytes survive: a JSON string when it is valid
+// UTF-8, else {"hex": "<its bytes in hex>"} (a path may hold any byte but NUL; a JSON string
+// only UTF-8). TrainConfigToJson writes string keys so and TrainConfigFromJson reads both forms
+// (docs/formats.md).
+std::string StringToJsonValue(const std::string& text);
+
+// Checks values (InvalidArgument naming the key and the value given). Every integer key is
+// range-checked as the full 64-bit value before anything narrows it (ranks, tp, pp, cp, ep, etp,
+// virtual_stages, a2a_ranks_per_node, overlap_degree, threads, ... become `int`), every float key
+// must be finite and in its range, and choice keys are checked by name whether or not they act.
 void ValidateTrainConfig(const TrainConfig& config);
 
 // The MoE layer options of the config's MoE blocks (model_dim, hidden_dim = expert_hidden_dim or
@@ -191,6 +200,22 @@ struct ResolvedTrainConfig {
 // every key a flag or the --config file sets differently from the resumed checkpoint's model
 // (ResumeMustMatchKeys). IoError for unreadable files.
 ResolvedTrainConfig ResolveTrainConfig(const TrainConfigSources& sources);
+
+// Where a run runs, for the checks of the keys set explicitly (ValidateTrainConfig below).
+struct TrainRunContext {
+  bool dense = false;              // train-dense: one rank without the communication layer
+  bool ranks_are_threads = true;   // the ranks are threads of one process (one node)
+  bool resume_flag_empty = false;  // --resume was given as ""
+};
+// ValidateTrainConfig(resolved.config), then every key set explicitly by a flag or the --config
+// file (ResolvedTrainConfig::explicit_keys) that cannot act in the run's layout: a value other
+// than the key's default is an InvalidArgument naming the key, the value and why (e.g.
+// 'pipeline_schedule' at pp 1, 'cp_algo' at cp 1, 'overlap_degree' where no tokens are
+// exchanged, 'trace_step' after the last step, 'tp' for train-dense); the default value is no
+// error and comes back as a notice to print. A flag given an empty path ("--data ''") is an
+// error. Also refuses what would fail only inside the first step (cp with drop_policy random).
+std::vector<std::string> ValidateTrainConfig(const ResolvedTrainConfig& resolved,
+                                             const TrainRunContext& run);
 
 // The keys a resumed run must share with its checkpoint (model shape, MoE sizes, seed, batch).
 const std::vector<std::string>& ResumeMustMatchKeys();

@@ -54,15 +54,18 @@ struct StepMetrics {
 std::string MetricsToJson(const StepMetrics& m);
 // Parses a line written by MetricsToJson; throws IoError naming `what` on malformed input.
 StepMetrics MetricsFromJson(const std::string& line, const std::string& what);
-// Every line of a metrics.jsonl file (missing file: empty).
+// Every line of a metrics.jsonl file (missing file: empty). A torn last line -- one without its
+// newline that does not parse, what a run killed or stopped by a file-size limit while writing
+// it leaves -- is skipped; a malformed line anywhere else is an IoError naming the file and line.
 std::vector<StepMetrics> ReadMetrics(const std::string& path);
 
 // Appends lines to metrics.jsonl, flushing each one.
 class MetricsWriter {
  public:
   // Opens `path` for appending. With keep_through_step >= 0 (a resumed run), lines of later
-  // steps (written after the checkpoint by the interrupted run) are removed first, so the file
-  // holds each step once. Throws IoError.
+  // steps (written after the checkpoint by the interrupted run) and a torn last line are removed
+  // first, so the file holds each step once (ReadMetrics: a malformed line before the last one
+  // is an IoError). Throws IoError.
   explicit MetricsWriter(std::string path, int64_t keep_through_step = -1);
   ~MetricsWriter();
   MetricsWriter(const MetricsWriter&) = delete;

@@ -15,6 +15,9 @@
 #pragma once
 
 #include <string>
+#include <vector>
+
+#include "switchyard/train/config.h"
 
 namespace switchyard::train {
 
@@ -43,5 +46,29 @@ class RunDirectoryLock {
 // True when `dir` is a run directory of this program (marker, or config.json and
 // checkpoints/latest).
 bool IsRunDirectory(const std::string& dir);
+
+// An input of a run, with the name the user knows it by ("data", "--config", ...).
+struct RunInput {
+  std::string what;
+  std::string path;
+};
+// Refuses (InvalidArgument naming the input and the file) a run whose writes into run directory
+// `dir` would replace or delete one of its `inputs`: an input that is a file the run writes there
+// (config.json, metrics.jsonl, summary.json, sample.txt, the figures, trace.json, the marker and
+// lock, checkpoints/latest; compared by device and inode, so links and other spellings count), an
+// input inside `dir`/checkpoints other than `resume_checkpoint` (pruning deletes old
+// checkpoints), or an input directory that is `dir` itself (the run's own files would join the
+// data). Inputs that do not exist are skipped (reading them fails on its own).
+void RequireInputsOutsideRunDirectory(const std::string& dir, const std::vector<RunInput>& inputs,
+                                      const std::string& resume_checkpoint = "");
+
+// Refuses (InvalidArgument) a run whose writes into its run directory config.out would replace
+// or delete one of its inputs (RequireInputsOutsideRunDirectory): the data and held-out files
+// (also those of data directories), the data directories, the MoE layer file, `config_file` (the
+// --config file, "" none) and the files of the checkpoint `resume` names ("" a fresh run).
+// Trainer::Run calls it on the writer; commands call it before they start the ranks, so that it
+// is the first error. IoError for a missing data file or checkpoint.
+void RequireRunInputsOutsideRunDirectory(const TrainConfig& config, const std::string& config_file,
+                                         const std::string& resume);
 
 }  // namespace switchyard::train
