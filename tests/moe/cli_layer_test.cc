@@ -353,6 +353,34 @@ TEST_F(CliLayerTest, DuplicateKeysAndUnknownTensorsAreErrors) {
                             "layer config reads only x, dy, gate.weight, experts.fc1.weight");
 }
 
+// DeepSeek-V3's router from layer.json: sigmoid scores, group-limited routing, routed scaling and
+// the sequence loss, as the layer computes them in-process; rows that are not whole sequences are
+// a usage error naming sequence_length.
+TEST_F(CliLayerTest, MegatronRouterKeysRunAsTheLayerInProcess) {
+  const std::string json = R"({"model_dim": 6, "hidden_dim": 10, "num_experts": 8, "top_k": 4,
+    "score_function": "sigmoid", "num_groups": 4, "group_topk": 2, "topk_scaling_factor": 2.5,
+    "aux_loss": "sequence", "sequence_length": 6, "aux_loss_coef": 0.1, "capacity_factor": 0})";
+  LayerConfig c = LayerConfigFromJson(json);
+  TensorMap in = Inputs(c, 18);
+  RunResult r = Run(json, in);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  TensorMap out = ReadSafetensors(Path("out.safetensors"));
+  MoeLayer layer(c);
+  LayerParams params = ParamsFromMap(c, in);
+  LayerOutput want = layer.Forward(params, in.at("x"));
+  LayerGradients grads = layer.Backward(params, want, in.at("dy"));
+  EXPECT_EQ(Floats(out.at("routing.topk_idx")), Floats(want.topk_idx));
+  EXPECT_EQ(Floats(out.at("routing.gates")), Floats(want.gates));
+  EXPECT_NEAR(out.at("l_aux").At(0), want.l_aux, 1e-6);
+  EXPECT_GT(want.l_aux, 0.5f);
+  EXPECT_TRUE(AllClose(Floats(out.at("y")), Floats(want.y), 1e-6, 1e-6));
+  EXPECT_TRUE(
+      AllClose(Floats(out.at("grad.gate.weight")), Floats(grads.params.gate_weight), 1e-5, 1e-6));
+
+  RunResult partial = Run(json, Inputs(c, 16));
+  EXPECT_ONE_LINE_ERROR(partial, 2, "sequence_length: aux_loss sequence needs whole sequences");
+}
+
 TEST_F(CliLayerTest, NumericKeysAreRangeChecked) {
   LayerConfig c = LayerConfigFromJson(kConfig);
   const std::string base = R"("model_dim": 6, "hidden_dim": 10, "num_experts": 4)";
@@ -377,6 +405,12 @@ TEST_F(CliLayerTest, NumericKeysAreRangeChecked) {
       {base + R"(, "alignment": 0)", "key 'alignment': expected an integer in [1, "},
       {base + R"(, "capacity": 3000000000)", "key 'capacity': expected an integer in [0, "},
       {base + R"(, "seed": -1)", "key 'seed': expected a non-negative integer, got -1"},
+      {base + R"(, "num_groups": 3, "group_topk": 1)",
+       "num_groups: expected a divisor of num_experts = 4"},
+      {base + R"(, "num_groups": 2, "group_topk": 3)",
+       "group_topk: expected an integer in [0, num_groups = 2]"},
+      {base + R"(, "topk_scaling_factor": 0)", "topk_scaling_factor: expected a finite number > 0"},
+      {base + R"(, "aux_loss": "sequence")", "aux_loss: sequence needs sequence_length >= 1"},
       {R"("model_dim": 16777216, "hidden_dim": 16777216, "num_experts": 1048576)",
        "overflows a 64-bit integer"},
       {R"("model_dim": 65536, "hidden_dim": 65536, "num_experts": 65536)",
