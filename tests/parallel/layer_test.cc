@@ -652,9 +652,18 @@ TEST(AdaptiveR, AutoPicksTheCheapestBySpecFormula) {
 TEST(ParallelLayer, TokensInAnyOrderWithTheirGlobalIndexRouteAsOneRank) {
   const int w = 4;
   const int64_t t_num = 40;
-  for (const moe::DropPolicy drop : {moe::DropPolicy::kPosition, moe::DropPolicy::kRandom}) {
+  // Drop policy and aux loss: the sequence loss (sequences of 10 tokens, spread over the ranks)
+  // adds its per-sequence sums over the routing group.
+  const std::vector<std::pair<moe::DropPolicy, moe::AuxLoss>> cases = {
+      {moe::DropPolicy::kPosition, moe::AuxLoss::kGShard},
+      {moe::DropPolicy::kRandom, moe::AuxLoss::kGShard},
+      {moe::DropPolicy::kRandom, moe::AuxLoss::kSequence}};
+  for (const auto& drop_aux : cases) {
+    const moe::DropPolicy drop = drop_aux.first;
     for (const bool per_rank : {false, true}) {
       moe::LayerConfig c = SmallConfig(4, false, 0.75f);
+      c.aux_loss = drop_aux.second;
+      c.sequence_length = 10;
       c.drop_policy = drop;
       c.batch_prioritized_routing = drop == moe::DropPolicy::kPosition;
       c.noise = moe::NoiseKind::kTutelNormal;
@@ -683,8 +692,9 @@ TEST(ParallelLayer, TokensInAnyOrderWithTheirGlobalIndexRouteAsOneRank) {
           want_dgate.data<float>()[i] += g.params.gate_weight.data<float>()[i];
         }
       }
-      const std::string what = fmt::format("{} drops, {}", moe::DropPolicyName(drop),
-                                           per_rank ? "per_rank cp 2 x dp 2" : "global");
+      const std::string what =
+          fmt::format("{} drops, {} loss, {}", moe::DropPolicyName(drop),
+                      moe::AuxLossName(c.aux_loss), per_rank ? "per_rank cp 2 x dp 2" : "global");
       int64_t want_dropped = 0;
       for (const moe::LayerOutput& o : want) want_dropped += o.dropped;
       ASSERT_GT(want_dropped, 0) << what;
