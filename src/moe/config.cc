@@ -44,6 +44,7 @@ constexpr std::pair<std::string_view, AuxLoss> kAuxLosses[] = {
     {"gshard", AuxLoss::kGShard},
     {"gshard_all_choices", AuxLoss::kGShardAllChoices},
     {"importance_load", AuxLoss::kImportanceLoad},
+    {"sequence", AuxLoss::kSequence},
     {"none", AuxLoss::kNone}};
 constexpr std::pair<std::string_view, kernels::Activation> kActivations[] = {
     {"relu", kernels::Activation::kRelu},
@@ -143,6 +144,9 @@ const std::map<std::string, Setter, std::less<>>& Setters() {
       {"top_k", [](LayerConfig& c, auto k, const Json& v) { c.top_k = GetInt(k, v, 1, kMaxExperts); }},
       {"score_function", [](LayerConfig& c, auto k, const Json& v) { c.score_function = GetEnum(k, v, kScoreFunctions); }},
       {"normalize_gate", [](LayerConfig& c, auto k, const Json& v) { c.normalize_gate = GetBool(k, v); }},
+      {"num_groups", [](LayerConfig& c, auto k, const Json& v) { c.num_groups = GetInt(k, v, 1, kMaxExperts); }},
+      {"group_topk", [](LayerConfig& c, auto k, const Json& v) { c.group_topk = GetInt(k, v, 0, kMaxExperts); }},
+      {"topk_scaling_factor", [](LayerConfig& c, auto k, const Json& v) { c.topk_scaling_factor = GetFloat(k, v); }},  // > 0: ValidateConfig
       {"noise", [](LayerConfig& c, auto k, const Json& v) { c.noise = GetEnum(k, v, kNoiseKinds); }},
       {"noise_std", [](LayerConfig& c, auto k, const Json& v) { c.noise_std = GetFloat(k, v, 0); }},
       {"jitter_eps", [](LayerConfig& c, auto k, const Json& v) { c.jitter_eps = GetFloat(k, v); }},  // [0, 1): ValidateConfig
@@ -172,6 +176,7 @@ const std::map<std::string, Setter, std::less<>>& Setters() {
       {"aux_loss", [](LayerConfig& c, auto k, const Json& v) { c.aux_loss = GetEnum(k, v, kAuxLosses); }},
       {"aux_loss_coef", [](LayerConfig& c, auto k, const Json& v) { c.aux_loss_coef = GetFloat(k, v, 0); }},
       {"z_loss_coef", [](LayerConfig& c, auto k, const Json& v) { c.z_loss_coef = GetFloat(k, v, 0); }},
+      {"sequence_length", [](LayerConfig& c, auto k, const Json& v) { c.sequence_length = GetInt(k, v, 0, kMaxDim); }},
       {"residual_moe", [](LayerConfig& c, auto k, const Json& v) { c.residual_moe = GetBool(k, v); }},
       {"shared_expert_hidden", [](LayerConfig& c, auto k, const Json& v) { c.shared_expert_hidden = GetInt(k, v, 0, kMaxDim); }},
       {"seed", [](LayerConfig& c, auto k, const Json& v) {
@@ -219,6 +224,50 @@ std::string UnknownKeyMessage(const std::string& key) {
     return fmt::format("layer.json: unknown key '{}' (did you mean '{}'?)", shown, best);
   }
   return fmt::format("layer.json: unknown key '{}' (docs/moe.md lists the keys)", shown);
+}
+
+// The options of the Megatron-Core / DeepSeek-V3 router (docs/moe.md, "Gate" and "Losses").
+void ValidateRouting(const LayerConfig& c) {
+  const int64_t k = EffectiveTopK(c);
+  SY_REQUIRE(
+      c.num_groups >= 1 && c.num_groups <= c.num_experts && c.num_experts % c.num_groups == 0,
+      InvalidArgument,
+      "num_groups: expected a divisor of num_experts = {} (experts form equal contiguous "
+      "groups), got {}",
+      c.num_experts, c.num_groups);
+  SY_REQUIRE(c.group_topk >= 0 && c.group_topk <= c.num_groups, InvalidArgument,
+             "group_topk: expected an integer in [0, num_groups = {}] (0: no group limit), got {}",
+             c.num_groups, c.group_topk);
+  SY_REQUIRE(c.num_groups == 1 || c.group_topk > 0, InvalidArgument,
+             "num_groups: {} groups without group_topk: set group_topk in [1, {}] (the groups a "
+             "token may use), or num_groups to 1",
+             c.num_groups, c.num_groups);
+  if (c.group_topk > 0) {
+    const int64_t per_group = c.num_experts / c.num_groups;
+    SY_REQUIRE(k >= c.group_topk, InvalidArgument,
+               "group_topk: expected <= top_k = {} (a group scores the sum of its top "
+               "top_k / group_topk experts), got {}",
+               k, c.group_topk);
+    SY_REQUIRE(k <= c.group_topk * per_group, InvalidArgument,
+               "top_k: expected <= group_topk x experts per group = {} x {} = {} (the eligible "
+               "experts), got {}",
+               c.group_topk, per_group, c.group_topk * per_group, k);
+    SY_REQUIRE(c.noise != NoiseKind::kGumbelSecond, InvalidArgument,
+               "noise: gumbel_second picks choices 2..k among all experts and cannot be combined "
+               "with group-limited routing (group_topk = {})",
+               c.group_topk);
+  }
+  SY_REQUIRE(std::isfinite(c.topk_scaling_factor) && c.topk_scaling_factor > 0, InvalidArgument,
+             "topk_scaling_factor: expected a finite number > 0, got {}", c.topk_scaling_factor);
+  SY_REQUIRE(c.topk_scaling_factor == 1.0f || !c.renormalize_after_drop, InvalidArgument,
+             "topk_scaling_factor: {} would be undone by renormalize_after_drop (the survivors' "
+             "weights are renormalized to sum 1); use one of them",
+             c.topk_scaling_factor);
+  SY_REQUIRE(c.sequence_length >= 0 && c.sequence_length <= kMaxDim, InvalidArgument,
+             "sequence_length: expected an integer in [0, {}], got {}", kMaxDim, c.sequence_length);
+  SY_REQUIRE(c.aux_loss != AuxLoss::kSequence || c.sequence_length > 0, InvalidArgument,
+             "aux_loss: sequence needs sequence_length >= 1 (the rows of one sequence; rows are "
+             "batch-major)");
 }
 
 }  // namespace
@@ -279,6 +328,7 @@ void ValidateConfig(const LayerConfig& c) {
     SY_REQUIRE(c.noise_std > 0, InvalidArgument,
                "aux_loss: importance_load needs noise_std > 0 (the sigma of its load estimate)");
   }
+  ValidateRouting(c);
   SY_REQUIRE(c.preset == "tutel" || c.preset == "deepspeed", InvalidArgument,
              "preset: expected tutel or deepspeed, got '{}'", c.preset);
   SY_REQUIRE(c.activation == kernels::Activation::kRelu ||
@@ -366,6 +416,9 @@ std::string ToJson(const LayerConfig& c, std::optional<bool> training) {
       {"top_k", c.top_k},
       {"score_function", ScoreFunctionName(c.score_function)},
       {"normalize_gate", c.normalize_gate},
+      {"num_groups", c.num_groups},
+      {"group_topk", c.group_topk},
+      {"topk_scaling_factor", c.topk_scaling_factor},
       {"noise", NoiseKindName(c.noise)},
       {"noise_std", c.noise_std},
       {"jitter_eps", c.jitter_eps},
@@ -389,6 +442,7 @@ std::string ToJson(const LayerConfig& c, std::optional<bool> training) {
       {"aux_loss", AuxLossName(c.aux_loss)},
       {"aux_loss_coef", c.aux_loss_coef},
       {"z_loss_coef", c.z_loss_coef},
+      {"sequence_length", c.sequence_length},
       {"residual_moe", c.residual_moe},
       {"shared_expert_hidden", c.shared_expert_hidden},
       {"seed", c.seed},

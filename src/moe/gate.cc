@@ -47,6 +47,36 @@ Tensor JitterFactors(const LayerConfig& c, uint64_t key, const GateOptions& o, i
   return j;
 }
 
+// Group-limited top-k (Megatron-Core's group_limited_topk): the E experts form num_groups
+// contiguous groups of E / num_groups; a group scores the sum of its top_k / group_topk largest
+// values of `select`; the k choices are the top k of `select` among the experts of the
+// group_topk best groups (ties: lower index, for groups and experts alike).
+void GroupLimitedTopK(const LayerConfig& c, const float* select, int64_t t_num, int64_t k,
+                      int32_t* experts) {
+  const int64_t e_num = c.num_experts, groups = c.num_groups, per_group = e_num / groups;
+  const int64_t per_group_k = k / c.group_topk;
+  std::vector<int32_t> idx(static_cast<size_t>(std::max(per_group_k, c.group_topk)));
+  std::vector<float> val(static_cast<size_t>(std::max({per_group_k, c.group_topk, k})));
+  std::vector<float> group_score(static_cast<size_t>(groups));
+  std::vector<float> masked(static_cast<size_t>(e_num));
+  for (int64_t t = 0; t < t_num; ++t) {
+    const float* row = select + t * e_num;
+    for (int64_t g = 0; g < groups; ++g) {
+      kernels::TopK(row + g * per_group, 1, per_group, per_group_k, idx.data(), val.data());
+      float sum = 0;
+      for (int64_t j = 0; j < per_group_k; ++j) sum += val[static_cast<size_t>(j)];
+      group_score[static_cast<size_t>(g)] = sum;
+    }
+    kernels::TopK(group_score.data(), 1, groups, c.group_topk, idx.data(), val.data());
+    std::fill(masked.begin(), masked.end(), -std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < c.group_topk; ++j) {
+      const int64_t g = idx[static_cast<size_t>(j)];
+      std::copy(row + g * per_group, row + (g + 1) * per_group, masked.begin() + g * per_group);
+    }
+    kernels::TopK(masked.data(), 1, e_num, k, experts + t * k, val.data());
+  }
+}
+
 }  // namespace
 
 void CheckTokenIndex(std::span<const int64_t> token_index, int64_t num_tokens) {
@@ -179,6 +209,8 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
         r.experts[static_cast<size_t>(t * k + j)] = idx[static_cast<size_t>(j - 1)];
       }
     }
+  } else if (GroupLimited(c)) {
+    GroupLimitedTopK(c, select_src, t_num, k, r.experts.data());
   } else if (t_num > 0) {
     kernels::TopK(select_src, t_num, e_num, k, r.experts.data(), topv.data());
   }
@@ -223,6 +255,16 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
       }
     }
   }
+  // DeepSeek-V3's routed scaling, after normalization (as Megatron-Core applies it).
+  if (c.topk_scaling_factor != 1.0f) {
+    for (float& g : r.gates) g *= c.topk_scaling_factor;
+  }
+  if (c.aux_loss == AuxLoss::kSequence) {
+    r.sequence.resize(static_cast<size_t>(t_num));
+    for (int64_t t = 0; t < t_num; ++t) {
+      r.sequence[static_cast<size_t>(t)] = static_cast<int64_t>(global(t)) / c.sequence_length;
+    }
+  }
 
   r.priority.resize(static_cast<size_t>(t_num));
   for (int64_t t = 0; t < t_num; ++t) {
@@ -238,19 +280,28 @@ std::vector<float> GateValuesBackward(const LayerConfig& c, const GateResult& ga
   const int64_t k = gate.top_k;
   SY_CHECK(static_cast<int64_t>(d_gates.size()) == gate.num_tokens * k);
   std::vector<float> ds(d_gates.begin(), d_gates.end());
+  // g_j = f * n_j with f = topk_scaling_factor: d n_j = f * d g_j.
+  if (c.topk_scaling_factor != 1.0f) {
+    for (float& d : ds) d *= c.topk_scaling_factor;
+  }
   const bool satk = c.score_function == ScoreFunction::kSoftmaxAfterTopK;
   if (!(c.normalize_gate && k > 1 && !satk)) return ds;
+  std::vector<float> scaled;
+  std::span<const float> dn = d_gates;
+  if (c.topk_scaling_factor != 1.0f) {
+    scaled = ds;
+    dn = scaled;
+  }
   for (int64_t t = 0; t < gate.num_tokens; ++t) {
     const float* s = gate.choice_scores.data() + t * k;
-    const float* g = gate.gates.data() + t * k;
-    const float* dg = d_gates.data() + t * k;
+    const float* dg = dn.data() + t * k;
     float* out = ds.data() + t * k;
     float sum = 0;
     for (int64_t j = 0; j < k; ++j) sum += s[j];
     if (sum > kGateEps) {
-      // g_j = s_j / S: ds_j = (dg_j - sum_i dg_i g_i) / S.
+      // n_j = s_j / S: ds_j = (dn_j - sum_i dn_i n_i) / S.
       float dot = 0;
-      for (int64_t j = 0; j < k; ++j) dot += dg[j] * g[j];
+      for (int64_t j = 0; j < k; ++j) dot += dg[j] * (s[j] / sum);
       for (int64_t j = 0; j < k; ++j) out[j] = (dg[j] - dot) / sum;
     } else {
       for (int64_t j = 0; j < k; ++j) out[j] = dg[j] / kGateEps;

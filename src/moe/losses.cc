@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "switchyard/core/error.h"
+#include "switchyard/kernels/ops.h"
 
 namespace switchyard::moe {
 namespace {
@@ -205,11 +206,78 @@ bool IsGShard(const LayerConfig& config) {
   return config.aux_loss == AuxLoss::kGShard || config.aux_loss == AuxLoss::kGShardAllChoices;
 }
 
+// The number of sequences of a batch of batch_tokens tokens (aux_loss sequence).
+int64_t NumSequences(const LayerConfig& config, int64_t batch_tokens) {
+  SY_REQUIRE(batch_tokens % config.sequence_length == 0, InvalidArgument,
+             "sequence_length: aux_loss sequence needs whole sequences of sequence_length = {} "
+             "rows (rows are batch-major), but the batch has {} tokens",
+             config.sequence_length, batch_tokens);
+  return batch_tokens / config.sequence_length;
+}
+
+// Per-sequence sums [B, E] of this rank's tokens: P (when probs is not null) and the counts of
+// Megatron's aux routing map, the top k of each token's aux probabilities.
+void SequenceSums(const LayerConfig& config, const GateResult& g, int64_t num_sequences,
+                  std::vector<double>* probs, std::vector<double>* choices) {
+  const int64_t t_num = g.num_tokens, e_num = g.num_experts, k = g.top_k;
+  const auto size = static_cast<size_t>(num_sequences * e_num);
+  SY_CHECK(static_cast<int64_t>(g.sequence.size()) == t_num);
+  choices->assign(size, 0.0);
+  if (probs != nullptr) probs->assign(size, 0.0);
+  if (t_num == 0) return;
+  // The top k of P is the top k of the scores (P is the scores, or the sigmoid scores scaled by a
+  // positive factor per token).
+  std::vector<int32_t> top(static_cast<size_t>(t_num * k));
+  std::vector<float> val(static_cast<size_t>(t_num * k));
+  kernels::TopK(g.scores.data<float>(), t_num, e_num, k, top.data(), val.data());
+  std::vector<double> p;
+  if (probs != nullptr) p = AuxProbabilitiesOfScores(config, g);
+  for (int64_t t = 0; t < t_num; ++t) {
+    const int64_t b = g.sequence[static_cast<size_t>(t)] % num_sequences;
+    for (int64_t j = 0; j < k; ++j) {
+      (*choices)[static_cast<size_t>(b * e_num + top[static_cast<size_t>(t * k + j)])] += 1.0;
+    }
+    if (probs == nullptr) continue;
+    for (int64_t e = 0; e < e_num; ++e) {
+      (*probs)[static_cast<size_t>(b * e_num + e)] += p[static_cast<size_t>(t * e_num + e)];
+    }
+  }
+}
+
+// Adds aux_coef * d l_aux / d logits of the sequence loss of the batch with sums `batch`:
+// d l / d P[t, e] = E / (k S^2 B) * N_{b(t) e}.
+void SequenceLossBackward(const LayerConfig& config, const GateResult& g, const GateLossSums& batch,
+                          float aux_coef, float* d_logits) {
+  const int64_t t_num = g.num_tokens, e_num = g.num_experts;
+  const size_t b_num = batch.seq_choices.size() / static_cast<size_t>(e_num);
+  SY_REQUIRE(b_num > 0 && batch.seq_choices.size() == b_num * static_cast<size_t>(e_num),
+             InvalidArgument,
+             "GateLossesBackward: the batch sums hold {} per-sequence counts, expected a "
+             "positive multiple of {} experts",
+             batch.seq_choices.size(), e_num);
+  SY_CHECK(static_cast<int64_t>(g.sequence.size()) == t_num);
+  const auto seq = static_cast<double>(config.sequence_length);
+  const double scale = aux_coef * static_cast<double>(e_num) /
+                       (static_cast<double>(g.top_k) * seq * seq * static_cast<double>(b_num));
+  std::vector<double> p = AuxProbabilitiesOfScores(config, g);
+  std::vector<double> dp(p.size());
+  for (int64_t t = 0; t < t_num; ++t) {
+    const auto b =
+        static_cast<size_t>(g.sequence[static_cast<size_t>(t)] % static_cast<int64_t>(b_num));
+    for (int64_t e = 0; e < e_num; ++e) {
+      dp[static_cast<size_t>(t * e_num + e)] =
+          scale * batch.seq_choices[b * static_cast<size_t>(e_num) + static_cast<size_t>(e)];
+    }
+  }
+  AuxProbabilitiesBackward(config, g.noisy_logits.data<float>(), p, dp, t_num, e_num, d_logits,
+                           g.scores.data<float>());
+}
+
 }  // namespace
 
 std::vector<double> GateLossSums::ToVector() const {
   std::vector<double> v{num_tokens, z};
-  for (const auto* part : {&probs, &choices, &importance, &load}) {
+  for (const auto* part : {&probs, &choices, &importance, &load, &seq_probs, &seq_choices}) {
     v.insert(v.end(), part->begin(), part->end());
   }
   return v;
@@ -220,6 +288,10 @@ GateLossSums GateLossSums::FromVector(const LayerConfig& config, std::span<const
   GateLossSums s;
   size_t expected = 2 + (IsGShard(config) ? 2 * e_num : 0) +
                     (config.aux_loss == AuxLoss::kImportanceLoad ? 2 * e_num : 0);
+  const bool sequence = config.aux_loss == AuxLoss::kSequence;
+  if (sequence && values.size() > 2 && (values.size() - 2) % (2 * e_num) == 0) {
+    expected = values.size();  // [B, E] twice, for any number of sequences B
+  }
   SY_REQUIRE(
       values.size() == expected, InvalidArgument,
       "GateLossSums::FromVector: expected {} values for aux_loss '{}' and {} experts, got {}",
@@ -240,10 +312,16 @@ GateLossSums GateLossSums::FromVector(const LayerConfig& config, std::span<const
     take(&s.importance);
     take(&s.load);
   }
+  if (sequence) {
+    const size_t half = (values.size() - 2) / 2;
+    s.seq_probs.assign(values.begin() + 2, values.begin() + static_cast<std::ptrdiff_t>(2 + half));
+    s.seq_choices.assign(values.begin() + static_cast<std::ptrdiff_t>(2 + half), values.end());
+  }
   return s;
 }
 
-GateLossSums ComputeGateLossSums(const LayerConfig& config, const GateResult& g) {
+GateLossSums ComputeGateLossSums(const LayerConfig& config, const GateResult& g,
+                                 int64_t batch_tokens) {
   const int64_t t_num = g.num_tokens, e_num = g.num_experts;
   GateLossSums s;
   s.num_tokens = static_cast<double>(t_num);
@@ -267,6 +345,9 @@ GateLossSums ComputeGateLossSums(const LayerConfig& config, const GateResult& g)
     s.choices = GShardChoices(config, g);
   } else if (config.aux_loss == AuxLoss::kImportanceLoad) {
     ImportanceLoadSums(config, g, &s.importance, &s.load);
+  } else if (config.aux_loss == AuxLoss::kSequence) {
+    const int64_t b_num = NumSequences(config, batch_tokens > 0 ? batch_tokens : t_num);
+    SequenceSums(config, g, b_num, &s.seq_probs, &s.seq_choices);
   }
   return s;
 }
@@ -288,6 +369,15 @@ GateLosses GateLossesFromSums(const LayerConfig& config, const GateLossSums& s) 
     out.l_aux = static_cast<float>(scale * sum);
   } else if (config.aux_loss == AuxLoss::kImportanceLoad) {
     out.l_aux = static_cast<float>((Cv2(s.importance, nullptr) + Cv2(s.load, nullptr)) / 2.0);
+  } else if (config.aux_loss == AuxLoss::kSequence && !s.seq_probs.empty()) {
+    // 1/B sum_b E / (k S^2) sum_e P_be N_be.
+    const auto b_num = static_cast<double>(s.seq_probs.size() / static_cast<size_t>(e_num));
+    const auto seq = static_cast<double>(config.sequence_length);
+    double sum = 0;
+    for (size_t i = 0; i < s.seq_probs.size(); ++i) sum += s.seq_probs[i] * s.seq_choices[i];
+    out.l_aux =
+        static_cast<float>(sum * static_cast<double>(e_num) /
+                           (static_cast<double>(EffectiveTopK(config)) * seq * seq * b_num));
   }
   return out;
 }
@@ -305,6 +395,8 @@ void GateLossesBackward(const LayerConfig& config, const GateResult& g, float au
       own.choices = GShardChoices(config, g);
     } else if (config.aux_loss == AuxLoss::kImportanceLoad) {
       ImportanceLoadSums(config, g, &own.importance, &own.load);
+    } else if (config.aux_loss == AuxLoss::kSequence) {
+      SequenceSums(config, g, NumSequences(config, g.num_tokens), nullptr, &own.seq_choices);
     }
   }
   GateLossesBackward(config, g, aux_coef, z_coef, d_logits, own);
@@ -359,6 +451,8 @@ void GateLossesBackward(const LayerConfig& config, const GateResult& g, float au
                "experts",
                e_num);
     ImportanceLoadBackward(config, g, batch.importance, batch.load, aux_coef, dl);
+  } else if (config.aux_loss == AuxLoss::kSequence) {
+    SequenceLossBackward(config, g, batch, aux_coef, dl);
   }
 }
 

@@ -316,7 +316,14 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   const int64_t k = s.gate.top_k;
 
   // Losses: of the routing group's batch (per-expert sums added over its ranks).
-  moe::GateLossSums sums = moe::ComputeGateLossSums(c, s.gate);
+  // The sequence loss lays its sums out per sequence of the batch: it needs the batch's size.
+  int64_t batch_tokens = 0;
+  if (c.aux_loss == moe::AuxLoss::kSequence && shared) {
+    std::vector<int64_t> v{t_num};
+    internal::AllReduceSum(routing, v, Traffic::kRouting, st);
+    batch_tokens = v[0];
+  }
+  moe::GateLossSums sums = moe::ComputeGateLossSums(c, s.gate, batch_tokens);
   if (shared) {
     std::vector<double> v = sums.ToVector();
     internal::AllReduceSum(routing, v, Traffic::kRouting, st);

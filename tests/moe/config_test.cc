@@ -204,5 +204,63 @@ TEST(ValidateConfig, ChecksSizesAndOptions) {
   EXPECT_THROW(ValidateConfig(c), InvalidArgument);
 }
 
+// The Megatron-Core / DeepSeek-V3 router keys (docs/moe.md, "Gate" and "Losses").
+const std::string kBase = R"({"model_dim": 6, "hidden_dim": 5, "num_experts": 8)";
+
+TEST(RouterConfig, KeysAreReadAndWritten) {
+  LayerConfig c = LayerConfigFromJson(
+      kBase + R"(, "top_k": 4, "score_function": "sigmoid", "num_groups": 4, "group_topk": 2,
+      "topk_scaling_factor": 2.5, "aux_loss": "sequence", "sequence_length": 16,
+      "expert_bias": true, "expert_bias_update_rate": 0.001})");
+  EXPECT_EQ(c.num_groups, 4);
+  EXPECT_EQ(c.group_topk, 2);
+  EXPECT_FLOAT_EQ(c.topk_scaling_factor, 2.5f);
+  EXPECT_EQ(c.aux_loss, AuxLoss::kSequence);
+  EXPECT_EQ(c.sequence_length, 16);
+  LayerConfig back = LayerConfigFromJson(ToJson(c));
+  EXPECT_EQ(back.num_groups, 4);
+  EXPECT_EQ(back.group_topk, 2);
+  EXPECT_FLOAT_EQ(back.topk_scaling_factor, 2.5f);
+  EXPECT_EQ(back.aux_loss, AuxLoss::kSequence);
+  EXPECT_EQ(back.sequence_length, 16);
+  LayerConfig d;
+  EXPECT_EQ(d.num_groups, 1);
+  EXPECT_EQ(d.group_topk, 0);
+  EXPECT_EQ(d.topk_scaling_factor, 1.0f);
+  EXPECT_EQ(d.sequence_length, 0);
+}
+
+TEST(RouterConfig, BadValuesNameTheKey) {
+  struct Case {
+    std::string json, expected;
+  };
+  const std::vector<Case> cases = {
+      {kBase + R"(, "num_groups": 3, "group_topk": 1})",
+       "num_groups: expected a divisor of num_experts = 8"},
+      {kBase + R"(, "num_groups": 0})", "key 'num_groups'"},
+      {kBase + R"(, "num_groups": 4})", "num_groups: 4 groups without group_topk"},
+      {kBase + R"(, "num_groups": 4, "group_topk": 5})",
+       "group_topk: expected an integer in [0, num_groups = 4]"},
+      {kBase + R"(, "top_k": 2, "num_groups": 4, "group_topk": 3})",
+       "group_topk: expected <= top_k = 2"},
+      {kBase + R"(, "top_k": 5, "num_groups": 4, "group_topk": 2})",
+       "top_k: expected <= group_topk x experts per group = 2 x 2 = 4"},
+      {kBase + R"(, "num_groups": 4, "group_topk": 2, "noise": "gumbel_second"})",
+       "noise: gumbel_second"},
+      {kBase + R"(, "topk_scaling_factor": 0})",
+       "topk_scaling_factor: expected a finite number > 0"},
+      {kBase + R"(, "topk_scaling_factor": -1})", "topk_scaling_factor"},
+      {kBase + R"(, "topk_scaling_factor": 2, "renormalize_after_drop": true})",
+       "topk_scaling_factor: 2 would be undone by renormalize_after_drop"},
+      {kBase + R"(, "aux_loss": "sequence"})", "aux_loss: sequence needs sequence_length >= 1"},
+      {kBase + R"(, "sequence_length": -1})", "key 'sequence_length'"},
+      {kBase + R"(, "aux_loss": "global"})", "key 'aux_loss'"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_NE(ParseError(c.json).find(c.expected), std::string::npos)
+        << c.json << "\n  got: " << ParseError(c.json);
+  }
+}
+
 }  // namespace
 }  // namespace switchyard::moe

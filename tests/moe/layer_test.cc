@@ -241,6 +241,54 @@ std::vector<Variant> Variants() {
          c.model_dim = 6, c.hidden_dim = 5, c.num_experts = 4, c.capacity_factor = 0.4f;
          c.aux_loss_coef = 0.3f;
        }},
+      // ---- Megatron-Core / DeepSeek-V3 router options ----
+      {"group_limited_top1_per_group",
+       [](C& c) {
+         c.num_experts = 8, c.num_groups = 4, c.group_topk = 2, c.top_k = 3;  // k/gk = 1
+       }},
+      {"group_limited_whole_group", [](C& c) { c.num_groups = 2, c.group_topk = 1, c.top_k = 2; }},
+      {"group_limited_softmax_after_topk",
+       [](C& c) {
+         c.score_function = ScoreFunction::kSoftmaxAfterTopK;
+         c.num_experts = 8, c.num_groups = 4, c.group_topk = 2, c.top_k = 4;
+       }},
+      {"deepseek_v3",
+       [](C& c) {
+         c.score_function = ScoreFunction::kSigmoid;
+         c.num_experts = 8, c.num_groups = 4, c.group_topk = 2, c.top_k = 4;  // top-2 sums
+         c.expert_bias = true;
+         c.topk_scaling_factor = 2.5f;
+         c.aux_loss = AuxLoss::kSequence, c.sequence_length = 6, c.aux_loss_coef = 10.0f;
+       },
+       12, SetExpertBias},
+      {"topk_scaling_softmax", [](C& c) { c.topk_scaling_factor = 1.5f; }},
+      {"topk_scaling_softmax_after_topk",
+       [](C& c) {
+         c.score_function = ScoreFunction::kSoftmaxAfterTopK;
+         c.topk_scaling_factor = 2.0f;
+       }},
+      {"topk_scaling_sigmoid_top1",
+       [](C& c) {
+         c.score_function = ScoreFunction::kSigmoid;
+         c.top_k = 1;
+         c.topk_scaling_factor = 2.5f;
+       }},
+      {"aux_sequence",
+       [](C& c) {
+         c.aux_loss = AuxLoss::kSequence, c.sequence_length = 4, c.aux_loss_coef = 10.0f;
+       },
+       12},
+      {"aux_sequence_softmax_after_topk_top3",
+       [](C& c) {
+         c.score_function = ScoreFunction::kSoftmaxAfterTopK, c.top_k = 3;
+         c.aux_loss = AuxLoss::kSequence, c.sequence_length = 3, c.aux_loss_coef = 10.0f;
+       },
+       12},
+      {"aux_sequence_one_sequence",
+       [](C& c) {
+         c.aux_loss = AuxLoss::kSequence, c.sequence_length = 12, c.aux_loss_coef = 10.0f;
+       },
+       12},
       {"one_token", [](C&) {}, 1},
       {"one_token_top1", [](C& c) { c.top_k = 1; }, 1},
   };
@@ -341,6 +389,21 @@ TEST_P(LayerVsReference, ForwardMatchesReference) {
     unbiased.expert_bias = false;
     auto plain = testing::ReferenceForward(unbiased, rp, testing::ToDoubles(x_), tokens_, ref_opt_);
     EXPECT_NE(plain.topk, ref.topk) << "the expert bias changes no choice";
+  }
+  if (GroupLimited(config_)) {
+    // A group limit that changes no choice would pass with the limit ignored.
+    LayerConfig unlimited = config_;
+    unlimited.num_groups = 1, unlimited.group_topk = 0;
+    auto plain =
+        testing::ReferenceForward(unlimited, rp, testing::ToDoubles(x_), tokens_, ref_opt_);
+    EXPECT_NE(plain.topk, ref.topk) << "the group limit changes no choice";
+  }
+  if (config_.aux_loss == AuxLoss::kSequence && tokens_ > config_.sequence_length) {
+    // Per-sequence statistics differ from those of the whole batch.
+    LayerConfig whole = config_;
+    whole.sequence_length = tokens_;
+    auto batch = testing::ReferenceForward(whole, rp, testing::ToDoubles(x_), tokens_, ref_opt_);
+    EXPECT_GT(std::abs(batch.l_aux - ref.l_aux), 1e-4) << "sequences make no difference";
   }
   EXPECT_NEAR(out.l_aux, ref.l_aux, 1e-5 + 1e-5 * std::abs(ref.l_aux));
   EXPECT_NEAR(out.z_loss, ref.z_loss, 1e-5 + 1e-5 * std::abs(ref.z_loss));

@@ -154,6 +154,20 @@ RefOutput ReferenceForward(const LayerConfig& c, const RefParams& p, const std::
       gum[first] = -std::numeric_limits<double>::infinity();
       chosen[t] = {first};
       for (int32_t e : TopIndices(gum, k - 1)) chosen[t].push_back(e);
+    } else if (c.group_topk > 0) {
+      // Group-limited: groups of E / G contiguous experts, scored by the sum of their top
+      // k / group_topk values; the top k among the experts of the group_topk best groups.
+      const int64_t per = E / c.num_groups;
+      std::vector<double> group_score(c.num_groups, 0.0);
+      for (int64_t gi = 0; gi < c.num_groups; ++gi) {
+        std::vector<double> part(sel.begin() + gi * per, sel.begin() + (gi + 1) * per);
+        for (int32_t e : TopIndices(part, k / c.group_topk)) group_score[gi] += part[e];
+      }
+      std::vector<double> masked(E, -std::numeric_limits<double>::infinity());
+      for (int32_t gi : TopIndices(group_score, c.group_topk)) {
+        for (int64_t e = gi * per; e < (gi + 1) * per; ++e) masked[e] = sel[e];
+      }
+      chosen[t] = TopIndices(masked, k);
     } else {
       chosen[t] = TopIndices(sel, k);
     }
@@ -173,6 +187,7 @@ RefOutput ReferenceForward(const LayerConfig& c, const RefParams& p, const std::
       CounterRng rng(key, kStreamRandomRouting);
       routed[t][1] = 2 * g[t][1] > rng.Uniform(gidx(t));
     }
+    for (double& v : g[t]) v *= c.topk_scaling_factor;
   }
 
   // ---- §1.2 slots: cumsum of one-hot masks over the (possibly prioritized) token order ----
@@ -357,6 +372,21 @@ RefOutput ReferenceForward(const LayerConfig& c, const RefParams& p, const std::
         }
       }
       out.l_aux = (Cv2(imp) + Cv2(ld)) / 2;
+    } else if (c.aux_loss == AuxLoss::kSequence) {
+      // Rows [b * S, (b + 1) * S) are sequence b; per sequence E / (k S^2) sum_e P_be N_be with
+      // N_be counting the tokens whose top k of P holds e; the mean over sequences.
+      const int64_t S = c.sequence_length, B = T / S;
+      for (int64_t b = 0; b < B; ++b) {
+        std::vector<double> pe(E, 0.0), ne(E, 0.0);
+        for (int64_t t = b * S; t < (b + 1) * S; ++t) {
+          std::vector<double> pt = aux_p(noisy[t]);
+          for (int64_t e = 0; e < E; ++e) pe[e] += pt[e];
+          for (int32_t e : TopIndices(pt, k)) ne[e] += 1;
+        }
+        for (int64_t e = 0; e < E; ++e) {
+          out.l_aux += static_cast<double>(E) / (k * S * S) * pe[e] * ne[e] / B;
+        }
+      }
     }
     for (int64_t t = 0; t < T; ++t) {
       double mx = *std::max_element(logits[t].begin(), logits[t].end());

@@ -97,6 +97,16 @@ std::vector<ConfigCase> ConfigCases() {
          c.expert_bias = true;
          c.normalize_gate = false;
        }},
+      // DeepSeek-V3's router: sigmoid scores, two groups of which a token may use one, routed
+      // scaling.
+      {"group_limited_sigmoid_scaled",
+       [](LayerConfig& c) {
+         c.score_function = moe::ScoreFunction::kSigmoid;
+         c.num_groups = 2;
+         c.group_topk = 1;
+         c.top_k = c.num_experts / 2;
+         c.topk_scaling_factor = 2.5f;
+       }},
   };
 }
 
@@ -198,6 +208,32 @@ TEST(ParallelLayer, BFloat16ActivationsMatchTheSingleRankLayer) {
     LayerRunResult run = RunLayerOnRanks(config, in.params, in.x, in.dy, o);
     EXPECT_EQ(run.output.y.dtype(), DType::kBFloat16);
     EXPECT_TRUE(MatchesReference(run, ref, 1e-2, 1e-2)) << layout.name;
+  }
+}
+
+// The sequence loss (aux_loss sequence) of a batch split over ranks: 2 ranks, ep 2, sequences of
+// 8 rows over 24 tokens (12 per rank, so the middle sequence lies on both). The global scope
+// equals one rank on the whole batch; the per-rank scope equals one layer per rank's 12 tokens
+// (sequences of 4 rows there, 3 per rank).
+TEST(ParallelLayer, SequenceLossEqualsTheSingleRankLayer) {
+  for (BatchScope scope : {BatchScope::kGlobal, BatchScope::kPerRank}) {
+    moe::LayerConfig config = SmallConfig(4, false, 0.75f);
+    config.aux_loss = moe::AuxLoss::kSequence;
+    config.sequence_length = scope == BatchScope::kGlobal ? 8 : 4;
+    config.aux_loss_coef = 1.0f;  // the loss's gradient is a visible part of the gate's
+    const Inputs in = MakeInputs(config, 24, 41);
+    DriverOptions o;
+    o.parallel.mesh.world_size = 2;
+    o.parallel.mesh.ep = 2;
+    o.parallel.batch_scope = scope;
+    const testing::Reference ref = scope == BatchScope::kGlobal
+                                       ? testing::WholeBatchReference(config, in)
+                                       : testing::PerShardReference(config, in, {12, 12});
+    LayerRunResult run;
+    ASSERT_NO_THROW(run = RunLayerOnRanks(config, in.params, in.x, in.dy, o));
+    EXPECT_GT(run.output.l_aux, 0.5f);
+    EXPECT_TRUE(MatchesReference(run, ref))
+        << (scope == BatchScope::kGlobal ? "global" : "per_rank");
   }
 }
 
@@ -616,9 +652,18 @@ TEST(AdaptiveR, AutoPicksTheCheapestBySpecFormula) {
 TEST(ParallelLayer, TokensInAnyOrderWithTheirGlobalIndexRouteAsOneRank) {
   const int w = 4;
   const int64_t t_num = 40;
-  for (const moe::DropPolicy drop : {moe::DropPolicy::kPosition, moe::DropPolicy::kRandom}) {
+  // Drop policy and aux loss: the sequence loss (sequences of 10 tokens, spread over the ranks)
+  // adds its per-sequence sums over the routing group.
+  const std::vector<std::pair<moe::DropPolicy, moe::AuxLoss>> cases = {
+      {moe::DropPolicy::kPosition, moe::AuxLoss::kGShard},
+      {moe::DropPolicy::kRandom, moe::AuxLoss::kGShard},
+      {moe::DropPolicy::kRandom, moe::AuxLoss::kSequence}};
+  for (const auto& drop_aux : cases) {
+    const moe::DropPolicy drop = drop_aux.first;
     for (const bool per_rank : {false, true}) {
       moe::LayerConfig c = SmallConfig(4, false, 0.75f);
+      c.aux_loss = drop_aux.second;
+      c.sequence_length = 10;
       c.drop_policy = drop;
       c.batch_prioritized_routing = drop == moe::DropPolicy::kPosition;
       c.noise = moe::NoiseKind::kTutelNormal;
@@ -647,8 +692,9 @@ TEST(ParallelLayer, TokensInAnyOrderWithTheirGlobalIndexRouteAsOneRank) {
           want_dgate.data<float>()[i] += g.params.gate_weight.data<float>()[i];
         }
       }
-      const std::string what = fmt::format("{} drops, {}", moe::DropPolicyName(drop),
-                                           per_rank ? "per_rank cp 2 x dp 2" : "global");
+      const std::string what =
+          fmt::format("{} drops, {} loss, {}", moe::DropPolicyName(drop),
+                      moe::AuxLossName(c.aux_loss), per_rank ? "per_rank cp 2 x dp 2" : "global");
       int64_t want_dropped = 0;
       for (const moe::LayerOutput& o : want) want_dropped += o.dropped;
       ASSERT_GT(want_dropped, 0) << what;

@@ -40,7 +40,10 @@ enum class AuxLoss : uint8_t {
   kGShard,            // E * sum_e m_e * c_e, c_e from 1st choices
   kGShardAllChoices,  // E / k * sum_e m_e * c_e, c_e from all k choices (DeepSpeed k > 2)
   kImportanceLoad,    // (cv^2(importance) + cv^2(load)) / 2 (Shazeer 2017, as Tutel computes it)
-  kNone
+  kNone,
+  // Megatron-Core's seq_aux_loss (DeepSeek-V3's sequence-wise loss): per sequence of
+  // sequence_length rows, E / (k S^2) * sum_e P_e * N_e, averaged over the sequences
+  kSequence
 };
 
 struct LayerConfig {
@@ -53,6 +56,12 @@ struct LayerConfig {
   // ---- gate ----
   ScoreFunction score_function = ScoreFunction::kSoftmax;
   bool normalize_gate = true;  // g_j /= max(sum_j g_j, eps) (k > 1)
+  // Group-limited routing (DeepSeek-V3, Megatron-Core moe_router_num_groups/group_topk): experts
+  // in num_groups contiguous groups; only the group_topk best groups (a group scores the sum of
+  // its top top_k / group_topk selection values) are eligible. group_topk = 0: off.
+  int64_t num_groups = 1;
+  int64_t group_topk = 0;
+  float topk_scaling_factor = 1.0f;  // g_j *= factor after normalization (DeepSeek-V3)
   // Noise and random routing apply to training calls only (ForwardOptions::training, layer.h).
   NoiseKind noise = NoiseKind::kNone;
   float noise_std = 1.0f;       // kTutelNormal (and the sigma of the importance_load loss)
@@ -85,6 +94,9 @@ struct LayerConfig {
   AuxLoss aux_loss = AuxLoss::kGShard;
   float aux_loss_coef = 0.01f;
   float z_loss_coef = 0.0f;
+  // aux_loss sequence: rows are batch-major, sequence_length consecutive global token indices per
+  // sequence (0: unset; required by aux_loss sequence).
+  int64_t sequence_length = 0;
 
   // ---- variants (docs/moe.md; moe/variants.h) ----
   bool residual_moe = false;         // PR-MoE: out = moe * c0 + mlp * c1
@@ -100,6 +112,9 @@ struct LayerConfig {
 inline int64_t EffectiveTopK(const LayerConfig& config) {
   return config.top_k < config.num_experts ? config.top_k : config.num_experts;
 }
+
+// True when group-limited routing is on (group_topk > 0).
+inline bool GroupLimited(const LayerConfig& config) { return config.group_topk > 0; }
 
 // Checks the options against each other; throws InvalidArgument naming the field and what was
 // expected (e.g. "top_k: expected >= 1, got 0").

@@ -59,10 +59,14 @@ struct GateResult {
   std::vector<int32_t> experts;      // [T, k] chosen expert of each choice
   std::vector<float> choice_scores;  // [T, k] s_j: the score of the chosen expert (satk: softmax
                                      //        over the k chosen logits)
-  std::vector<float> gates;          // [T, k] g_j: s_j after normalize_gate
+  std::vector<float> gates;          // [T, k] g_j: s_j after normalize_gate, times
+                                     //        topk_scaling_factor
   std::vector<uint8_t> routed;       // [T, k] 0 where GShard random routing removed the choice
   std::vector<float> priority;       // [T] max_e scores[t, e]: batch-prioritized routing order
   std::vector<float> lse;            // [T] logsumexp_e logits[t, e] (noise-free): the z-loss
+  // [T] global token index / sequence_length: the sequence of each token (aux_loss sequence only;
+  // empty otherwise).
+  std::vector<int64_t> sequence;
 };
 
 // Runs the gate.
@@ -73,7 +77,8 @@ struct GateResult {
 GateResult GateForward(const LayerConfig& config, const Tensor& x, const Tensor& gate_weight,
                        const Tensor& expert_bias, const GateOptions& options);
 
-// Backward of g_j = normalize(s_j): d_gates [T, k] -> d choice_scores [T, k].
+// Backward of g_j = topk_scaling_factor * normalize(s_j): d_gates [T, k] -> d choice_scores
+// [T, k].
 std::vector<float> GateValuesBackward(const LayerConfig& config, const GateResult& gate,
                                       std::span<const float> d_gates);
 

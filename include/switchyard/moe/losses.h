@@ -10,6 +10,12 @@
 //                       Pc the aux probabilities of the noise-free logits, thr_t the noisy logit
 //                       of token t's k-th choice, sigma = noise_std / E, cv^2(v) =
 //                       var(v) / (mean(v)^2 + 1e-10) with the unbiased variance.
+//   sequence            Megatron-Core's seq_aux_loss (DeepSeek-V3's sequence-wise balance loss):
+//                       the batch's rows form B sequences of S = sequence_length tokens (token t
+//                       belongs to sequence GateResult::sequence[t]);
+//                       l_aux = 1/B sum_b E / (k S^2) sum_e P_be N_be, P_be = sum_{t in b} P[t, e],
+//                       N_be = the number of tokens of b whose top k of P holds e (Megatron's
+//                       aux routing map: no expert bias, no group limit). Gradient through P_be.
 //   z-loss              z = mean_t (logsumexp_e logits[t, e])^2 on the noise-free logits (ST-MoE).
 // P are the aux probabilities: the softmax over all E experts (score functions softmax and
 // softmax_after_topk), or the sigmoid scores normalized to sum 1 per token (Megatron-Core).
@@ -48,14 +54,24 @@ struct GateLossSums {
   std::vector<double> choices;     // [E] counted choices per expert (1st, or all k)
   std::vector<double> importance;  // [E] importance_load: sum_t Pc[t, e]
   std::vector<double> load;        // [E] importance_load: sum_t Phi((Pc[t, e] - thr_t) / sigma)
+  // aux_loss sequence, [B, E] per sequence b of the batch (slot: sequence index mod B):
+  std::vector<double> seq_probs;    // sum_{t in b} P[t, e]
+  std::vector<double> seq_choices;  // tokens of b with e in their top k of P
 
-  // [num_tokens, z, probs, choices, importance, load] (empty vectors take no room).
+  // [num_tokens, z, probs, choices, importance, load, seq_probs, seq_choices] (empty vectors take
+  // no room).
   std::vector<double> ToVector() const;
   // Inverse of ToVector for the same config; throws InvalidArgument on a size mismatch.
   static GateLossSums FromVector(const LayerConfig& config, std::span<const double> values);
 };
 
-GateLossSums ComputeGateLossSums(const LayerConfig& config, const GateResult& gate);
+// batch_tokens: the number of tokens of the whole batch these tokens belong to (0: just these).
+// aux_loss sequence lays its sums out per sequence of that batch: B = batch_tokens /
+// sequence_length slots, sequence s in slot s mod B, so the batch must hold B whole sequences of
+// consecutive global token indices (any rank may hold any of their tokens). A batch_tokens that
+// is not a multiple of sequence_length throws InvalidArgument naming sequence_length.
+GateLossSums ComputeGateLossSums(const LayerConfig& config, const GateResult& gate,
+                                 int64_t batch_tokens = 0);
 GateLosses GateLossesFromSums(const LayerConfig& config, const GateLossSums& sums);
 // As GateLossesBackward, for the losses of the batch whose sums are `batch` (gate is this rank's
 // part of it).
