@@ -30,6 +30,10 @@ constexpr const char* kNumericKeys[] = {"model_dim",
                                         "aux_loss_coef",
                                         "z_loss_coef",
                                         "shared_expert_hidden",
+                                        "num_groups",
+                                        "group_topk",
+                                        "topk_scaling_factor",
+                                        "sequence_length",
                                         "seed"};
 
 // Value texts as they may appear in a file (nlohmann parses each; some overflow on the way).

@@ -145,6 +145,14 @@ void ValidateTrainConfig(const TrainConfig& c) {
                "(num_layers {} / moe_every {})",
                c.experts_per_block.size(), blocks, c.model.num_layers, c.model.moe_every);
   }
+  if (NumMoeBlocks(c.model) > 0) {
+    // The layer computes the sequence-level loss from each token's global index; the trainer does
+    // not yet hand it a sequence_length that matches its batches, nor is that path tested.
+    SY_REQUIRE(MoeLayerConfig(c).aux_loss != moe::AuxLoss::kSequence, InvalidArgument,
+               "config: 'moe_layer_config' {} sets aux_loss \"sequence\", which `switchyard layer` "
+               "and the library run but `train` does not support yet; use another aux_loss",
+               c.moe_layer_config);
+  }
   SY_REQUIRE(c.temperature > 0, InvalidArgument, "config: 'temperature' must be > 0, got {}",
              c.temperature);
   SY_REQUIRE(c.out.empty() == false, InvalidArgument, "config: 'out' must not be empty");

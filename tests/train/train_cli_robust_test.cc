@@ -125,7 +125,9 @@ TEST_F(TrainCliRobustTest, FloatKeysAreRangeChecked) {
 // (checked before anything is written); its default value is only a notice.
 TEST_F(TrainCliRobustTest, KeysThatCannotActAreRefused) {
   WriteTextFileAtomic(dir_ + "/random.json", "{\"drop_policy\": \"random\"}");
+  WriteTextFileAtomic(dir_ + "/seq.json", "{\"aux_loss\": \"sequence\", \"sequence_length\": 16}");
   ExpectRefused({
+      {"--ranks 2 --moe_layer_config " + dir_ + "/seq.json", {"seq.json", "aux_loss", "sequence"}},
       {"--ranks 2 --steps 1 --resume ''", {"--resume", "empty"}},
       {"--ranks 2 --steps 1 --data ''", {"--data", "empty"}},
       {"--ranks 1 --pipeline_schedule fthenb", {"'pipeline_schedule'", "'pp' is 1"}},
