@@ -14,12 +14,17 @@
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/reduce.h"
 #include "switchyard/kernels/vec_math.h"
+#include "switchyard/parallel/tp_mappings.h"
 #include "train/parallel_for.h"
 
 namespace switchyard::train {
 
 using kernels::Trans;
 using parallel::CommStats;
+using parallel::CopyToTp;
+using parallel::GatherFromSp;
+using parallel::ReduceFromTp;
+using parallel::ReduceScatterToSp;
 using parallel::Traffic;
 
 namespace {
@@ -68,13 +73,18 @@ void AllReduceInPlace(comm::Communicator& g, const Tensor& t, CommStats* stats) 
            [&] { return g.AllReduce(t); });
 }
 
+// InvalidArgument naming `what` unless `tokens` divides by the group's size.
+void RequireTokensDivide(std::string_view what, int64_t tokens, const comm::Communicator& g) {
+  SY_REQUIRE(tokens % g.size() == 0, InvalidArgument,
+             "{}: {} tokens do not divide by the tensor-parallel size {} (sequence parallelism "
+             "needs the token count padded to a multiple of it)",
+             what, tokens, g.size());
+}
+
 Tensor ReduceScatterTokens(std::string_view what, comm::Communicator& g, const Tensor& full,
                            CommStats* stats) {
   const int64_t p = g.size();
-  SY_REQUIRE(full.size(0) % p == 0, InvalidArgument,
-             "{}: {} tokens do not divide by the tensor-parallel size {} (sequence parallelism "
-             "needs the token count padded to a multiple of it)",
-             what, full.size(0), p);
+  RequireTokensDivide(what, full.size(0), g);
   Shape s = full.shape();
   s[0] /= p;
   Tensor out = Tensor::Empty(s);
@@ -187,10 +197,7 @@ Tensor SequenceShard(std::string_view what, const Tensor& x, const comm::Communi
   SY_REQUIRE(x.defined() && x.dim() >= 1, InvalidArgument, "{}: expected [num_tokens, ...], got {}",
              what, x.defined() ? ShapeToString(x.shape()) : "undefined");
   const int64_t p = group.size(), n = x.size(0);
-  SY_REQUIRE(n % p == 0, InvalidArgument,
-             "{}: {} tokens do not divide by the tensor-parallel size {} (sequence parallelism "
-             "needs the token count padded to a multiple of it)",
-             what, n, p);
+  RequireTokensDivide(what, n, group);
   return x.Slice(group.rank() * (n / p), (group.rank() + 1) * (n / p));
 }
 
@@ -403,12 +410,12 @@ Tensor ColumnParallelLinear::Forward(const Tensor& x, ColumnParallelCache* cache
                                      CommStats* stats) const {
   const int64_t in = in_dim(), lo = local_out_dim();
   const int64_t n = Rows("column-parallel linear x", x, in);
-  Tensor input = x;
+  Tensor input;
   Tensor y;
-  if (!options_.sequence_parallel) {
-    y = local_.Forward(x, threads);
-  } else if (!options_.comm_overlap) {
-    input = GatherSequence(group_, x, stats);
+  if (!options_.comm_overlap) {
+    // f: x enters the tensor-parallel region (with sequence parallelism: gathered over tokens).
+    input = options_.sequence_parallel ? GatherFromSp::Forward(group_, x, stats)
+                                       : CopyToTp::Forward(group_, x, stats);
     y = local_.Forward(input, threads);
   } else {
     const int64_t p = group_.size();
@@ -438,14 +445,10 @@ Tensor ColumnParallelLinear::Backward(const ColumnParallelCache& cache, const Te
   const int64_t n = Rows("column-parallel linear cache.x", cache.x, in);
   ExpectShape("column-parallel linear dy", dy, {n, lo});
   ExpectDType("column-parallel linear dy", dy, DType::kFloat32);
-  if (!options_.sequence_parallel) {
-    Tensor dx = local_.Backward(cache.x, dy, threads);
-    AllReduceInPlace(group_, dx, stats);
-    return dx;
-  }
   if (!options_.comm_overlap) {
-    return ReduceScatterTokens("column-parallel linear dx", group_,
-                               local_.Backward(cache.x, dy, threads), stats);
+    Tensor dx = local_.Backward(cache.x, dy, threads);  // partial over the output columns
+    return options_.sequence_parallel ? GatherFromSp::Backward(group_, dx, stats)
+                                      : CopyToTp::Backward(group_, dx, stats);
   }
   const int64_t p = group_.size(), part = n / p;
   Tensor dx = Tensor::Empty({part, in});
@@ -496,19 +499,15 @@ Tensor RowParallelLinear::Forward(const Tensor& x, RowParallelCache* cache, int 
                                   CommStats* stats) const {
   const int64_t li = local_in_dim(), out = out_dim();
   const int64_t n = Rows("row-parallel linear x", x, li);
+  if (options_.sequence_parallel) RequireTokensDivide("row-parallel linear x", n, group_);
   Tensor y;
-  if (!options_.sequence_parallel) {
-    y = local_.Forward(x, threads);
-    AllReduceInPlace(group_, y, stats);
-  } else if (!options_.comm_overlap) {
-    y = ReduceScatterTokens("row-parallel linear y", group_, local_.Forward(x, threads), stats);
+  if (!options_.comm_overlap) {
+    // g: the partial sums leave the tensor-parallel region (sequence parallelism: scattered).
+    Tensor partial = local_.Forward(x, threads);
+    y = options_.sequence_parallel ? ReduceScatterToSp::Forward(group_, partial, stats)
+                                   : ReduceFromTp::Forward(group_, partial, stats);
   } else {
-    const int64_t p = group_.size();
-    SY_REQUIRE(n % p == 0, InvalidArgument,
-               "row-parallel linear x: {} tokens do not divide by the tensor-parallel size {} "
-               "(sequence parallelism needs the token count padded to a multiple of it)",
-               n, p);
-    const int64_t part = n / p;
+    const int64_t part = n / group_.size();
     y = Tensor::Empty({part, out});
     const float* w = local_.weight().value.data<float>();
     RingGemmReduceScatter(
@@ -540,9 +539,10 @@ Tensor RowParallelLinear::Backward(const RowParallelCache& cache, const Tensor& 
   ExpectShape("row-parallel linear dy", dy, {dy_rows, out});
   ExpectDType("row-parallel linear dy", dy, DType::kFloat32);
   if (bias_ != nullptr) AddColumnSums(dy, *bias_);
-  if (!options_.sequence_parallel) return local_.Backward(cache.x, dy, threads);
   if (!options_.comm_overlap) {
-    return local_.Backward(cache.x, GatherSequence(group_, dy, stats), threads);
+    const Tensor full = options_.sequence_parallel ? ReduceScatterToSp::Backward(group_, dy, stats)
+                                                   : ReduceFromTp::Backward(group_, dy, stats);
+    return local_.Backward(cache.x, full, threads);
   }
   Tensor dy_full = Tensor::Empty({n, out});
   Tensor dx = Tensor::Empty({n, li});
@@ -615,21 +615,19 @@ Tensor VocabParallelEmbedding::Forward(const Tensor& ids, CommStats* stats) cons
     const int64_t row = id[t] - vocab_start_;
     if (row >= 0 && row < local_rows_) std::copy_n(w + row * dim_, dim_, yp + t * dim_);
   }
-  if (options_.sequence_parallel) {
-    return ReduceScatterTokens("vocab-parallel embedding output", group_, y, stats);
-  }
-  AllReduceInPlace(group_, y, stats);
-  return y;
+  if (!options_.sequence_parallel) return ReduceFromTp::Forward(group_, y, stats);
+  RequireTokensDivide("vocab-parallel embedding output", n, group_);
+  return ReduceScatterToSp::Forward(group_, y, stats);
 }
 
 void VocabParallelEmbedding::Backward(const Tensor& ids, const Tensor& dy, CommStats* stats) const {
   CheckIds("vocab-parallel embedding ids", ids, num_embeddings_);
   const int64_t n = ids.numel();
-  Tensor full = dy;
   if (options_.sequence_parallel) {
     ExpectShape("vocab-parallel embedding dy", dy, {n / group_.size(), dim_});
-    full = GatherSequence(group_, dy, stats);
   }
+  const Tensor full = options_.sequence_parallel ? ReduceScatterToSp::Backward(group_, dy, stats)
+                                                 : ReduceFromTp::Backward(group_, dy, stats);
   ExpectShape("vocab-parallel embedding dy", full, {n, dim_});
   ExpectDType("vocab-parallel embedding dy", full, DType::kFloat32);
   const int32_t* id = ids.data<int32_t>();

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -725,6 +726,65 @@ TEST(TensorParallelErrors, IndivisibleSizesAndTokensAreNamed) {
         },
         "4 tokens do not divide by the tensor-parallel size 3");
   });
+}
+
+// At tp 1 the layers built on the communication pairs (parallel/tp_mappings.h, each the identity
+// over one rank) are the single-rank layers bit for bit: outputs, input gradients and parameter
+// gradients, with and without sequence parallelism.
+::testing::AssertionResult BitEqual(const Tensor& got, const Tensor& want) {
+  if (got.shape() != want.shape()) {
+    return ::testing::AssertionFailure() << "shapes differ: " << ShapeToString(got.shape())
+                                         << " vs " << ShapeToString(want.shape());
+  }
+  if (std::memcmp(got.data<float>(), want.data<float>(), got.nbytes()) != 0) {
+    return ::testing::AssertionFailure() << "not bit-identical";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+TEST(TensorParallelOneRank, LayersAreThePlainLayersBitForBit) {
+  const int64_t in = 6, out = 10, n = 7, vocab = 11;
+  const uint64_t seed = 5;
+  Tensor x = RandomTensor({n, in}, 21), dy = RandomTensor({n, out}, 22);
+  Tensor ids = Tensor::FromVector(std::vector<int32_t>{3, 0, 10, 3, 7, 1, 9}, {n});
+  for (const bool sp : {false, true}) {
+    comm::RunInProcess(1, [&](comm::Communicator& group) {
+      const std::string who = sp ? "sequence parallel" : "plain";
+      ParameterSet ref_params, params;
+      Linear ref(ref_params, "fc.", in, out, /*bias=*/true, 0.1f, seed);
+      ColumnParallelLinear column(params, "fc.", in, out, true, 0.1f, seed, group,
+                                  {.sequence_parallel = sp});
+      RowParallelLinear row(params, "row.", in, out, true, 0.1f, seed, group,
+                            {.sequence_parallel = sp});
+      Linear ref_row(ref_params, "row.", in, out, /*bias=*/true, 0.1f, seed);
+      Tensor bias = RandomTensor({out}, 23);
+      for (Parameter* b : {ref.bias(), column.local().bias(), row.bias(), ref_row.bias()}) {
+        b->value.CopyFrom(bias);
+      }
+      const Tensor y_ref = ref.Forward(x), dx_ref = ref.Backward(x, dy);
+      ColumnParallelCache cc;
+      EXPECT_TRUE(BitEqual(column.Forward(x, &cc), y_ref)) << who << " column y";
+      EXPECT_TRUE(BitEqual(column.Backward(cc, dy), dx_ref)) << who << " column dx";
+      EXPECT_TRUE(BitEqual(params.Get("fc.weight").grad, ref_params.Get("fc.weight").grad)) << who;
+      EXPECT_TRUE(BitEqual(params.Get("fc.bias").grad, ref_params.Get("fc.bias").grad)) << who;
+
+      const Tensor yr_ref = ref_row.Forward(x), dxr_ref = ref_row.Backward(x, dy);
+      RowParallelCache rc;
+      EXPECT_TRUE(BitEqual(row.Forward(x, &rc), yr_ref)) << who << " row y";
+      EXPECT_TRUE(BitEqual(row.Backward(rc, dy), dxr_ref)) << who << " row dx";
+      EXPECT_TRUE(BitEqual(params.Get("row.weight").grad, ref_params.Get("row.weight").grad))
+          << who;
+      EXPECT_TRUE(BitEqual(params.Get("row.bias").grad, ref_params.Get("row.bias").grad)) << who;
+
+      Embedding ref_embed(ref_params, "embed.", vocab, out, 0.1f, seed);
+      VocabParallelEmbedding embed(params, "embed.", vocab, out, 0.1f, seed, group,
+                                   {.sequence_parallel = sp});
+      EXPECT_TRUE(BitEqual(embed.Forward(ids), ref_embed.Forward(ids))) << who << " embedding";
+      ref_embed.Backward(ids, dy);
+      embed.Backward(ids, dy);
+      EXPECT_TRUE(BitEqual(embed.weight().grad, ref_embed.weight().grad)) << who;
+    });
+  }
 }
 
 }  // namespace
