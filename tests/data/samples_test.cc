@@ -197,7 +197,9 @@ TEST(SampleStream, SamplesComeFromTheDatasetTheBlendPicks) {
     stream.Sample(i, out);
     const int d = stream.Locate(i).dataset;
     for (int32_t t : out) {
-      if (t != 99999) EXPECT_EQ(t / 100000, d) << i;
+      if (t != 99999) {
+        EXPECT_EQ(t / 100000, d) << i;
+      }
     }
   }
 }

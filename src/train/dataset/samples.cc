@@ -7,6 +7,10 @@
 #include "switchyard/core/error.h"
 
 namespace switchyard::train::dataset {
+// GCC's 128-bit integer (the high word of a 64 x 64 product); __extension__ keeps -Wpedantic
+// quiet about it.
+__extension__ using Uint128 = unsigned __int128;
+
 namespace {
 
 // SplitMix64's finalizer: a well-mixed 64-bit hash (the round function and the shuffle's draws).
@@ -106,7 +110,7 @@ std::shared_ptr<const DatasetSamples::Epoch> DatasetSamples::EpochTable(int64_t 
     const uint64_t key =
         Key(options_.seed, Key(kDocumentOrder, stream_key_, 0), static_cast<uint64_t>(epoch));
     for (int64_t i = n - 1; i > 0; --i) {
-      const auto bound = static_cast<unsigned __int128>(i + 1);
+      const auto bound = static_cast<Uint128>(i + 1);
       const auto j = static_cast<int64_t>((Mix(key ^ Mix(static_cast<uint64_t>(i))) * bound) >> 64);
       std::swap(table->order[static_cast<size_t>(i)], table->order[static_cast<size_t>(j)]);
     }

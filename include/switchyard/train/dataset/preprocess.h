@@ -37,7 +37,7 @@ struct PreprocessOptions {
   int workers = 1;                 // encoding threads
   int64_t chunk_documents = 4096;  // documents read before they are encoded in parallel
   // Called after every chunk (and once at the end), from the calling thread.
-  std::function<void(const PreprocessProgress&)> progress;
+  std::function<void(const PreprocessProgress&)> progress{};
 };
 
 struct PreprocessResult {

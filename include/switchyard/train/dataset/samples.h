@@ -73,10 +73,10 @@ struct DocumentSplit {
 DocumentSplit SplitDocuments(int64_t num_documents, double val_fraction, const std::string& name);
 
 struct SampleOptions {
-  int64_t seq_len = 0;         // a sample holds seq_len + 1 tokens (inputs and targets)
-  uint64_t seed = 0;           // document and sample order
-  bool shuffle = true;         // false: documents and samples in file order (evaluation)
-  std::optional<int32_t> eod;  // appended after every document when set
+  int64_t seq_len = 0;           // a sample holds seq_len + 1 tokens (inputs and targets)
+  uint64_t seed = 0;             // document and sample order
+  bool shuffle = true;           // false: documents and samples in file order (evaluation)
+  std::optional<int32_t> eod{};  // appended after every document when set
 };
 
 // One dataset's samples (see the top of this file). `source` must outlive this object.
