@@ -79,7 +79,7 @@ int RunTrain(const TrainOptions& o) {
                "not apply to --transport mpi");
     inprocess.emulation =
         comm::EmulationOptions{{o.link_latency_us, o.link_gbps}, {o.link_latency_us, o.link_gbps}};
-    RequireEmulationFitsDeadline(*inprocess.emulation, inprocess.timeout, "", 0);
+    RequireEmulationFitsDeadline(*inprocess.emulation, inprocess.timeout, "", 0, kTrainLinkFlags);
   }
   std::unique_ptr<comm::Launcher> launcher =
       MakeLauncher(transport, static_cast<int>(config.ranks), inprocess, "train");
