@@ -56,8 +56,8 @@ struct BenchParallelOptions {
 void AddParallelBenchOptions(CLI::App& app, BenchParallelOptions* o);
 
 // The rows of the expert buffers one MoE layer `c` fills on `tokens` tokens: E x capacity (the
-// capacity of `tokens`), or tokens x k dropless or with capacity_factor 0. InvalidArgument for a
-// capacity that cannot be an integer (moe::ComputeCapacity).
+// capacity of `tokens`), or tokens x k dropless or with capacity_factor 0; tokens x k x |cf| when
+// the capacity is beyond what the layer accepts (it refuses that itself).
 double MoeExpertRows(const moe::LayerConfig& c, int64_t tokens);
 // An estimate of the bytes one forward + backward of `c` holds at once on `tokens` tokens, for
 // RequireMemory before anything is allocated: the activations and their gradients, the gate's

@@ -86,10 +86,15 @@ double MoeExpertRows(const moe::LayerConfig& c, int64_t tokens) {
   const double cf = c.capacity_factor;
   if (cf == 0) return tk;  // the largest load: about T k / E per expert when balanced
   // cf > 0: exactly the layer's capacity; cf < 0: at most that of |cf|, and never more than
-  // every token on every expert. Refuses a capacity that is no integer, as the layer would.
+  // every token on every expert. A capacity beyond the int32 rows the layer allows counts as
+  // T k |cf| rows, which no memory holds either: the estimate is refused as too large.
   moe::LayerConfig positive = c;
   positive.capacity_factor = static_cast<float>(std::fabs(cf));
-  const double rows = e * static_cast<double>(moe::ComputeCapacity(positive, tokens, tokens));
+  double rows = tk * std::fabs(cf);
+  try {
+    rows = e * static_cast<double>(moe::ComputeCapacity(positive, tokens, tokens));
+  } catch (const InvalidArgument&) {
+  }
   return cf > 0 ? rows : std::min(rows, e * t);
 }
 

@@ -36,12 +36,23 @@ void NormalizeFlagSpellings(int argc, char** argv) {
 
 namespace {
 
-// Options whose integer text is checked by switchyard's own parser (AddIntOptionWith), or handed
-// on as text (the TrainConfig keys: train::ResolveTrainConfig parses them). Any other option
-// CLI11 types as INT or UINT gets the strict 64-bit check from ApplyFlagConventions.
-std::set<const CLI::Option*>& CheckedIntegerOptions() {
-  static std::set<const CLI::Option*> options;
-  return options;
+// Marks an option whose integer text is checked by switchyard's own parser (AddIntOptionWith), or
+// handed on as text (the TrainConfig keys: train::ResolveTrainConfig parses them): a validator
+// that does nothing, found by its name. Any other option CLI11 types as INT or UINT gets the
+// strict 64-bit check from ApplyFlagConventions.
+constexpr const char* kCheckedIntegerMarker = "switchyard-checked-integer";
+
+void MarkIntegerChecked(CLI::Option* opt) {
+  opt->check(CLI::Validator([](std::string&) { return std::string(); }, "", kCheckedIntegerMarker));
+}
+
+bool IsIntegerChecked(CLI::Option* opt) {
+  try {
+    opt->get_validator(kCheckedIntegerMarker);
+    return true;
+  } catch (const CLI::OptionNotFound&) {
+    return false;
+  }
 }
 
 }  // namespace
@@ -56,7 +67,7 @@ CLI::Option* AddIntOptionWith(CLI::App& app, const std::string& name,
       },
       help);
   opt->type_name(fmt::format("INT in [{}, {}]", lo, hi));
-  CheckedIntegerOptions().insert(opt);
+  MarkIntegerChecked(opt);
   return opt;
 }
 
@@ -68,18 +79,27 @@ CLI::Option* AddIntListOption(CLI::App& app, const std::string& name, std::vecto
            "{}: range [{}, {}] does not fit the flag's type", name, lo, hi);
   CLI::Option* opt = app.add_option_function<std::vector<std::string>>(
       name,
-      [target, name, lo, hi](const std::vector<std::string>& items) {
-        SY_REQUIRE(items.size() <= kMaxSizesInList, InvalidArgument,
-                   "{}: {} values; expected at most {}", name, items.size(), kMaxSizesInList);
+      [target, name, lo, hi](const std::vector<std::string>& args) {
+        // Split here rather than by CLI11's delimiter, which drops empty items: "2,,4" is an
+        // error, not 2,4.
         std::vector<Int> values;
-        for (const std::string& item : items) {
-          values.push_back(static_cast<Int>(ParseInt64InRange(item, name, lo, hi)));
+        for (const std::string& arg : args) {
+          size_t start = 0;
+          while (true) {
+            const size_t comma = std::min(arg.find(',', start), arg.size());
+            SY_REQUIRE(values.size() < kMaxSizesInList, InvalidArgument, "{}: more than {} values",
+                       name, kMaxSizesInList);
+            values.push_back(static_cast<Int>(ParseInt64InRange(
+                std::string_view(arg).substr(start, comma - start), name, lo, hi)));
+            if (comma == arg.size()) break;
+            start = comma + 1;
+          }
         }
         *target = std::move(values);
       },
       help);
-  opt->delimiter(',')->type_name(fmt::format("INT in [{}, {}],...", lo, hi));
-  CheckedIntegerOptions().insert(opt);
+  opt->type_name(fmt::format("INT in [{}, {}],...", lo, hi));
+  MarkIntegerChecked(opt);
   return opt;
 }
 template CLI::Option* AddIntListOption<int>(CLI::App&, const std::string&, std::vector<int>*,
@@ -164,7 +184,7 @@ void AddTrainConfigFlags(CLI::App& app,
     CLI::Option* opt = app.add_option_function<std::string>(
         flag, [setter, name = key.name](const std::string& v) { (*setter)(name, v); }, key.help);
     opt->type_name(key.type);
-    CheckedIntegerOptions().insert(opt);  // the text goes to train::ResolveTrainConfig
+    MarkIntegerChecked(opt);  // the text goes to train::ResolveTrainConfig
     // A yes/no key given alone means true (--sequence-parallel); "--key false" still works.
     if (key.type == "BOOL") opt->expected(0, 1)->default_str("true");
   }
@@ -197,8 +217,7 @@ void ApplyFlagConventions(CLI::App& app, const std::string& command) {
     // first instead, before any other check (transform runs first), so that a bad value is
     // refused naming the flag and quoting the text. The commands' own flags use AddIntOption.
     const std::string type = opt->get_type_name();
-    if ((type.rfind("INT", 0) == 0 || type.rfind("UINT", 0) == 0) &&
-        !CheckedIntegerOptions().count(opt)) {
+    if ((type.rfind("INT", 0) == 0 || type.rfind("UINT", 0) == 0) && !IsIntegerChecked(opt)) {
       const bool is_unsigned = type.rfind("UINT", 0) == 0;
       const std::string flag = "--" + opt->get_single_name();
       opt->transform(CLI::Validator(

@@ -12,7 +12,6 @@
 #include "cli/flags.h"
 #include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
-#include "switchyard/core/limits.h"
 #include "switchyard/version.h"
 
 namespace switchyard::cli {
@@ -73,9 +72,9 @@ int Main(int argc, char** argv) {
       const std::string parent =
           sub->get_parent() != &app ? sub->get_parent()->get_name() + " " : "";
       throw OutOfMemory(fmt::format(
-          "{}{}: out of memory: an allocation failed (std::bad_alloc) with {} available; give "
-          "smaller sizes or free memory",
-          parent, sub->get_name(), FormatBytes(AvailableMemoryBytes())));
+          "{}{}: out of memory: an allocation failed (std::bad_alloc): the system or a limit "
+          "(ulimit -v, the cgroup) gives this process no more; give smaller sizes or free memory",
+          parent, sub->get_name()));
     }
   }
   std::fprintf(stderr, "switchyard: error: no command given (see --help)\n");

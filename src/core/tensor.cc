@@ -124,10 +124,10 @@ Tensor Tensor::Empty(Shape shape, DType dtype) {
   try {
     t.storage_ = Allocate(t.nbytes());
   } catch (const std::bad_alloc&) {
-    throw OutOfMemory(
-        fmt::format("out of memory allocating a tensor of shape {} {} ({}); {} are available now",
-                    ShapeToString(t.shape_), DTypeName(dtype), FormatBytes(t.nbytes()),
-                    FormatBytes(AvailableMemoryBytes())));
+    throw OutOfMemory(fmt::format(
+        "out of memory allocating a tensor of shape {} {} ({}): the system or a limit (ulimit -v, "
+        "the cgroup) gives this process no more; give smaller sizes or free memory",
+        ShapeToString(t.shape_), DTypeName(dtype), FormatBytes(t.nbytes())));
   }
   t.defined_empty_ = t.storage_ == nullptr;
   return t;
