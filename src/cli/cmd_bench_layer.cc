@@ -194,8 +194,10 @@ int RunBenchLayer(const BenchLayerOptions& o) {
       EstimateMoeStepBytes(c, o.tokens, 1.0,
                            kept_max * 2 * (m + h) + 3 * static_cast<double>(o.experts) * m * h),
       fmt::format("bench layer: --tokens {} x --model-dim {} with --experts {} of --hidden-dim {} "
-                  "(capacity factor {:g}), one forward and backward",
-                  o.tokens, o.model_dim, o.experts, o.hidden_dim, o.capacity_factor));
+                  "({}), one forward and backward",
+                  o.tokens, o.model_dim, o.experts, o.hidden_dim,
+                  o.dropless ? std::string("dropless")
+                             : fmt::format("capacity factor {:g}", o.capacity_factor)));
   if (!c.dropless && c.capacity_factor > 0) {
     // The layer's own check, before it computes the gate: E x capacity rows must index in int32
     // (the capacity is known before routing when capacity_factor > 0).

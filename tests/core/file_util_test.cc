@@ -4,10 +4,13 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <functional>
@@ -134,8 +137,22 @@ TEST(FileUtil, InputsThatAreNotRegularFilesAreRefusedWithoutBlocking) {
   // A symbolic link to the FIFO is the FIFO.
   const std::string link = dir.File("link");
   ASSERT_EQ(::symlink(fifo.c_str(), link.c_str()), 0);
-  const std::string msg = IoErrorWithin20s(fifo, [&] { ReadTextFile(link); });
+  std::string msg = IoErrorWithin20s(fifo, [&] { ReadTextFile(link); });
   EXPECT_NE(msg.find("it is a FIFO (named pipe)"), std::string::npos) << msg;
+  // A socket cannot even be opened (ENXIO): still named for what it is.
+  const std::string socket_path = dir.File("sock");
+  const int sock = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(sock, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  ASSERT_LT(socket_path.size(), sizeof(addr.sun_path));
+  std::copy(socket_path.begin(), socket_path.end(), addr.sun_path);
+  ASSERT_EQ(::bind(sock, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  msg = IoErrorOf([&] { ReadTextFile(socket_path); });
+  ::close(sock);
+  EXPECT_NE(msg.find("cannot read '" + socket_path + "': it is a socket, not a regular file"),
+            std::string::npos)
+      << msg;
   // A regular file is still read whole, and a symbolic link to one too.
   WriteTextFileAtomic(dir.File("text"), "abc");
   ASSERT_EQ(::symlink(dir.File("text").c_str(), dir.File("text-link").c_str()), 0);
