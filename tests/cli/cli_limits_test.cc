@@ -6,6 +6,8 @@
 // std::bad_alloc, spun for ever on an overflowed product or computed for a minute first).
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -130,6 +132,20 @@ TEST(CliMemory, SizesThatCannotFitAreRefusedUpFront) {
                                         "bench cp --cp 2 --seq 1073741824 --heads 1024 "
                                         "--head-dim 1024"),
                      2, {"bench cp: --seq 1073741824", "needs", "available"});
+}
+
+// groups and trace-svg hold memory in proportion to --world and to the trace: checked first too
+// (here under a 400 MB address-space limit; a trace of 17 MB of blanks needs about 400 MB).
+TEST(CliMemory, GroupsAndTraceSvgCheckTheirMemory) {
+  const std::string limit = "ulimit -v 400000; timeout -k 5 60";
+  ExpectOneLineError(RunSwitchyardAfter(limit, "groups --world 1048576 --all --json"), 2,
+                     {"groups: --world 1048576", "needs 2.0 GiB", "available"});
+  const std::string trace = ::testing::TempDir() + "/sy_cli_limits_blank_trace.json";
+  std::ofstream(trace) << R"({"traceEvents": [)" << std::string(17 << 20, ' ') << "]}";
+  ExpectOneLineError(
+      RunSwitchyardAfter(limit, "trace-svg --trace " + trace + " --out " + trace + ".svg"), 2,
+      {"trace-svg: the 17.0 MiB of '" + trace + "'", "needs", "available"});
+  std::remove(trace.c_str());
 }
 
 // The last line of defence: an allocation that fails although the up-front check let it through
