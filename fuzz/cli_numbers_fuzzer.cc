@@ -1,5 +1,6 @@
 // Fuzzes the command line's number grammar (src/cli/parse_numbers.h): sizes with suffixes, lists
-// and ranges (--sizes), rounding to element multiples, and finite floats (the emulation flags).
+// and ranges (--sizes), rounding to element multiples, finite floats (the emulation flags) and
+// integers (every integer flag, core/limits.h).
 // Every input must either give a value that keeps the grammar's promises or throw
 // InvalidArgument (exit 2 for the user); any other exception, a crash, a sanitizer report (a
 // float-to-integer overflow, say) or a hang (a range that never ends) is a bug.
@@ -10,6 +11,7 @@
 
 #include "cli/parse_numbers.h"
 #include "switchyard/core/error.h"
+#include "switchyard/core/limits.h"
 
 namespace {
 
@@ -57,6 +59,20 @@ void FuzzDouble(std::string_view text, double lo, double hi) {
   }
 }
 
+// Integer flags (core/limits.h, ParseInt64InRange): the value is in range and reads back from
+// its decimal form; a value refused in a narrow range is refused for being out of it or for not
+// being an integer at all, never accepted wrapped.
+void FuzzInteger(std::string_view text, int64_t lo, int64_t hi) {
+  try {
+    const int64_t v = switchyard::ParseInt64InRange(text, "--pp", lo, hi);
+    Check(v >= lo && v <= hi);
+    Check(switchyard::ParseInt64InRange(std::to_string(v), "--pp", lo, hi) == v);
+    // The same text in the full range is the same value.
+    Check(switchyard::ParseInt64InRange(text, "--pp", INT64_MIN, INT64_MAX) == v);
+  } catch (const InvalidArgument&) {
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -65,5 +81,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzList(text);
   FuzzDouble(text, 0, 1e12);
   FuzzDouble(text, -1e6, 1e6);
+  FuzzInteger(text, 1, 1024);
+  FuzzInteger(text, INT64_MIN, INT64_MAX);
   return 0;
 }

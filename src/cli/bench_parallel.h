@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <string>
 
+#include "switchyard/moe/config.h"
+
 namespace switchyard::cli {
 
 struct BenchParallelOptions {
@@ -52,6 +54,18 @@ struct BenchParallelOptions {
 // Declares the options only `bench layer-parallel` has (batch, layout, schedules, emulation,
 // rounds) on `app`, bound to *o.
 void AddParallelBenchOptions(CLI::App& app, BenchParallelOptions* o);
+
+// The rows of the expert buffers one MoE layer `c` fills on `tokens` tokens: E x capacity (the
+// capacity of `tokens`), or tokens x k dropless or with capacity_factor 0; tokens x k x |cf| when
+// the capacity is beyond what the layer accepts (it refuses that itself).
+double MoeExpertRows(const moe::LayerConfig& c, int64_t tokens);
+// An estimate of the bytes one forward + backward of `c` holds at once on `tokens` tokens, for
+// RequireMemory before anything is allocated: the activations and their gradients, the gate's
+// [tokens, E] scores and their gradients, the routing, the expert buffers forward and backward,
+// `param_copies` copies of the parameters with gradients and momentum, and `extra_floats` more.
+// In floating point, saturating at 2^62 bytes: no product of sizes overflows before the check.
+uint64_t EstimateMoeStepBytes(const moe::LayerConfig& c, int64_t tokens, double param_copies,
+                              double extra_floats = 0);
 
 // Runs the benchmark and prints its report (text or one JSON line). Returns the exit code.
 int RunBenchParallel(const BenchParallelOptions& o);

@@ -473,8 +473,7 @@ SY_REGISTER_COMMAND(Command{
       app.add_option("--op", o->op,
                      "allreduce, alltoall, alltoallv, allgather, reduce_scatter, broadcast, "
                      "reduce, scatter, gather");
-      app.add_option("--ranks", o->ranks, "ranks (threads) for --transport inproc")
-          ->check(CLI::Range(1, 1024));
+      AddIntOption(app, "--ranks", &o->ranks, 1, 1024, "ranks (threads) for --transport inproc");
       app.add_option("--transport", o->transport,
                      "inproc or mpi (default: mpi when started by mpirun)");
       app.add_option("--algo", o->algos,
@@ -490,18 +489,17 @@ SY_REGISTER_COMMAND(Command{
       app.add_option("--compare", o->compare,
                      "mpi: also time MPI's own collective in the same run (--transport mpi)")
           ->check(CLI::IsMember({"", "mpi"}));
-      app.add_option("--iters", o->iters, "timed iterations")->check(CLI::Range(1, 100000));
-      app.add_option("--warmup", o->warmup, "untimed iterations")->check(CLI::Range(0, 1000));
+      AddIntOption(app, "--iters", &o->iters, 1, 100000, "timed iterations");
+      AddIntOption(app, "--warmup", &o->warmup, 0, 1000, "untimed iterations");
       app.add_flag("--json", o->json, "one JSON line per size and algorithm");
-      app.add_option("--ranks-per-node", o->ranks_per_node,
-                     "in-process topology: ranks per node (0 = one node)")
-          ->check(CLI::Range(0, 1024));
+      AddIntOption(app, "--ranks-per-node", &o->ranks_per_node, 0, 1024,
+                   "in-process topology: ranks per node (0 = one node)");
       app.add_flag("--emulate", o->emulate,
                    "in-process: charge every message the alpha-beta cost of its link");
       AddEmulationLinkOptions(app, &o->intra_latency_us, &o->intra_gbps, &o->inter_latency_us,
                               &o->inter_gbps);
-      app.add_option("--timeout-ms", o->timeout_ms, "deadline of every collective")
-          ->check(CLI::Range(int64_t{1}, int64_t{86400000}));
+      AddIntOption(app, "--timeout-ms", &o->timeout_ms, int64_t{1}, int64_t{86400000},
+                   "deadline of every collective");
       return [o] { return RunBenchComm(*o); };
     }});
 

@@ -212,7 +212,17 @@ int RunBenchCp(const BenchCpOptions& o) {
                        [&](const Config& x) { return x.algo == c.algo && x.split == c.split; }))
         all.push_back(c);
     }
-  const int64_t d = o.heads * o.head_dim;
+  // Every size product below is checked for overflow first (each flag alone may be up to 2^40).
+  const int64_t d = CheckedMul(o.heads, o.head_dim, "bench cp: --heads x --head-dim");
+  const int64_t tokens = CheckedMul(o.batch, o.seq, "bench cp: --batch x --seq");
+  // The inputs, outputs, gradients and communication buffers (about 24 floats per token and
+  // model column) and the per-head statistics (log-sum-exp and its gradient's row sums).
+  // (Each term is below 2^63, so their sum fits in uint64.)
+  const uint64_t need =
+      static_cast<uint64_t>(CheckedMul(CheckedMul(tokens, d, "bench cp: tokens x model dim"),
+                                       4 * 24, "bench cp: bytes")) +
+      static_cast<uint64_t>(CheckedMul(CheckedMul(tokens, o.heads, "bench cp: tokens x heads"),
+                                       4 * 4, "bench cp: bytes"));
   for (int p : o.cp) {
     for (const Config& c : all) {
       const int64_t m = train::SequenceSplit::Multiple(c.split, p);
@@ -225,15 +235,15 @@ int RunBenchCp(const BenchCpOptions& o) {
                  "heads / cp heads)",
                  o.heads, p);
     }
-    RequireMemory(static_cast<uint64_t>(o.batch * o.seq * d) * 4 * 24,
-                  fmt::format("bench cp: --seq {} x --batch {} x {} model dim on --cp {}", o.seq,
-                              o.batch, d, p));
+    RequireMemory(need, fmt::format("bench cp: --seq {} x --batch {} x {} model dim on --cp {}",
+                                    o.seq, o.batch, d, p));
   }
   KeepFreedMemoryForTraining();
   kernels::SetBlasThreads(1);
   const int cores = UsableCores();
-  const double softmax_mib =
-      static_cast<double>(o.batch * o.heads * o.seq * o.seq) * 4 / (1024.0 * 1024.0);
+  const double softmax_mib = static_cast<double>(o.batch) * static_cast<double>(o.heads) *
+                             static_cast<double>(o.seq) * static_cast<double>(o.seq) * 4 /
+                             (1024.0 * 1024.0);
   if (!o.json) {
     fmt::print(
         "# switchyard bench cp: causal attention core, forward + backward, batch {} x seq {}, "
@@ -346,32 +356,31 @@ SY_REGISTER_COMMAND(Command{
     "imbalance, hidden fraction of the transfers, bytes, peak memory per rank",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<BenchCpOptions>();
-      auto size = CLI::Range(int64_t{1}, int64_t{1} << 40);
-      app.add_option("--cp", o->cp, "context-parallel sizes, comma-separated (ranks as threads)")
-          ->delimiter(',')
-          ->check(CLI::Range(1, 256));
+      AddIntListOption(app, "--cp", &o->cp, 1, 256,
+                       "context-parallel sizes, comma-separated (ranks as threads)");
       app.add_option("--algos", o->algos, "comma-separated: ring, ulysses")
           ->delimiter(',')
           ->check(CLI::IsMember({"ring", "ulysses"}));
       app.add_option("--splits", o->splits, "comma-separated: plain, zigzag")
           ->delimiter(',')
           ->check(CLI::IsMember({"plain", "zigzag"}));
-      app.add_option("--seq", o->seq, "tokens per sequence (a multiple of 2 x every cp)")
-          ->check(size);
-      app.add_option("--batch", o->batch, "sequences")->check(size);
-      app.add_option("--heads", o->heads, "attention heads (divisible by every cp for ulysses)")
-          ->check(size);
-      app.add_option("--head-dim", o->head_dim, "columns per head")->check(size);
-      app.add_option("--iters", o->iters, "timed iterations")->check(CLI::Range(1, 10000));
-      app.add_option("--warmup", o->warmup, "untimed iterations")->check(CLI::Range(0, 1000));
+      AddIntOption(app, "--seq", &o->seq, int64_t{1}, int64_t{1} << 40,
+                   "tokens per sequence (a multiple of 2 x every cp)");
+      AddIntOption(app, "--batch", &o->batch, int64_t{1}, int64_t{1} << 40, "sequences");
+      AddIntOption(app, "--heads", &o->heads, int64_t{1}, int64_t{1} << 40,
+                   "attention heads (divisible by every cp for ulysses)");
+      AddIntOption(app, "--head-dim", &o->head_dim, int64_t{1}, int64_t{1} << 40,
+                   "columns per head");
+      AddIntOption(app, "--iters", &o->iters, 1, 10000, "timed iterations");
+      AddIntOption(app, "--warmup", &o->warmup, 0, 1000, "untimed iterations");
       app.add_option("--intra-latency-us", o->latency_us,
                      "emulated latency per message between the cp ranks, microseconds")
           ->check(FiniteIn(0, 1e9));
       app.add_option("--intra-gbps", o->gbps,
                      "emulated bandwidth between the cp ranks, GB/s (0 = unlimited)")
           ->check(FiniteIn(0, 1e9));
-      app.add_option("--timeout-ms", o->timeout_ms, "deadline of every collective")
-          ->check(CLI::Range(int64_t{1}, int64_t{86400000}));
+      AddIntOption(app, "--timeout-ms", &o->timeout_ms, int64_t{1}, int64_t{86400000},
+                   "deadline of every collective");
       app.add_flag("--json", o->json, "one JSON line per cp, algorithm and split");
       return [o] { return RunBenchCp(*o); };
     }});

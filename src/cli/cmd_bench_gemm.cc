@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/flags.h"
 #include "cli/parse_numbers.h"
 #include "cli/peak_flops.h"
 #include "cli/timing.h"
@@ -222,20 +223,17 @@ SY_REGISTER_COMMAND(Command{
     "GFLOP/s of (M x K)(K x N) float32 GEMM (or one expert's GEMMs) on the chosen backend",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<BenchGemmOptions>();
-      app.add_option("--m", o->m, "rows of A and C")
-          ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
-      app.add_option("--k", o->k, "inner dimension")
-          ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
-      app.add_option("--n", o->n, "columns of B and C")
-          ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+      AddIntOption(app, "--m", &o->m, int64_t{0}, int64_t{1} << 20, "rows of A and C");
+      AddIntOption(app, "--k", &o->k, int64_t{0}, int64_t{1} << 20, "inner dimension");
+      AddIntOption(app, "--n", &o->n, int64_t{0}, int64_t{1} << 20, "columns of B and C");
       app.add_option("--expert", o->expert,
                      "C,M,H: time one expert's six forward/backward GEMMs (C rows, model_dim M, "
                      "hidden_dim H) instead of one (M x K)(K x N) product");
       app.add_option("--backend", o->backend,
                      "onednn | openblas (default: chosen from the cpu's features; "
                      "SY_GEMM_BACKEND does the same for every command)");
-      app.add_option("--threads", o->threads, "GEMM threads")->check(CLI::Range(1, 256));
-      app.add_option("--repeat", o->repeat, "timed repetitions")->check(CLI::Range(1, 100000));
+      AddIntOption(app, "--threads", &o->threads, 1, 256, "GEMM threads");
+      AddIntOption(app, "--repeat", &o->repeat, 1, 100000, "timed repetitions");
       app.add_flag("--json", o->json, "one JSON line instead of text");
       return [o] { return RunBenchGemm(*o); };
     }});

@@ -183,11 +183,26 @@ int RunBenchLayer(const BenchLayerOptions& o) {
   c.activation = kernels::ActivationFromName(o.activation);
   c.gated = o.gated;
   moe::MoeLayer layer(c);
-  // x, dy, y and dx: [T, M] each (the layer checks its own expert buffers and parameters).
+  // Everything one step holds, and the private buffers of the expert GEMMs timed alone (the kept
+  // rows, at most T k, of M and H floats twice, and three [E, H, M] weights), refused up front:
+  // a capacity too large for memory or for an int32 row index ends here, before the gate runs.
+  const double m = static_cast<double>(o.model_dim), h = static_cast<double>(o.hidden_dim);
+  const double kept_max =
+      std::min(MoeExpertRows(c, o.tokens),
+               static_cast<double>(o.tokens) * static_cast<double>(moe::EffectiveTopK(c)));
   RequireMemory(
-      4 * sizeof(float) *
-          static_cast<uint64_t>(CheckedMul(o.tokens, o.model_dim, "--tokens x --model-dim")),
-      "bench layer's activations");
+      EstimateMoeStepBytes(c, o.tokens, 1.0,
+                           kept_max * 2 * (m + h) + 3 * static_cast<double>(o.experts) * m * h),
+      fmt::format("bench layer: --tokens {} x --model-dim {} with --experts {} of --hidden-dim {} "
+                  "({}), one forward and backward",
+                  o.tokens, o.model_dim, o.experts, o.hidden_dim,
+                  o.dropless ? std::string("dropless")
+                             : fmt::format("capacity factor {:g}", o.capacity_factor)));
+  if (!c.dropless && c.capacity_factor > 0) {
+    // The layer's own check, before it computes the gate: E x capacity rows must index in int32
+    // (the capacity is known before routing when capacity_factor > 0).
+    moe::RequireExpertBufferMemory(c, c.num_experts, moe::ComputeCapacity(c, o.tokens, o.tokens));
+  }
   moe::LayerParams params = moe::InitParams(c, 1);
   Tensor x = RandomTensor({o.tokens, o.model_dim}, 10);
   Tensor dy = RandomTensor({o.tokens, o.model_dim}, 11);
@@ -367,27 +382,25 @@ SY_REGISTER_COMMAND(Command{
       auto o = std::make_shared<BenchLayerOptions>();
       auto par = std::make_shared<BenchParallelOptions>();
       par->ranks = 1;
-      auto range = CLI::Range(int64_t{1}, int64_t{1} << 24);
-      app.add_option("--tokens", o->tokens, "T, tokens on this rank")->check(range);
-      app.add_option("--model-dim", o->model_dim, "M")->check(range);
-      app.add_option("--hidden-dim", o->hidden_dim, "H, hidden size of one expert")->check(range);
-      app.add_option("--experts", o->experts, "E")->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
-      app.add_option("--top-k", o->top_k, "k")->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
+      AddIntOption(app, "--tokens", &o->tokens, int64_t{1}, int64_t{1} << 24,
+                   "T, tokens on this rank");
+      AddIntOption(app, "--model-dim", &o->model_dim, int64_t{1}, int64_t{1} << 24, "M");
+      AddIntOption(app, "--hidden-dim", &o->hidden_dim, int64_t{1}, int64_t{1} << 24,
+                   "H, hidden size of one expert");
+      AddIntOption(app, "--experts", &o->experts, int64_t{1}, int64_t{1} << 16, "E");
+      AddIntOption(app, "--top-k", &o->top_k, int64_t{1}, int64_t{1} << 16, "k");
       app.add_option("--capacity-factor", o->capacity_factor, "cf (0: no drops)")
           ->check(FiniteIn(-1e6, 1e6));
       app.add_flag("--dropless", o->dropless, "dropless mode (grouped GEMM, no capacity)");
       app.add_option("--activation", o->activation, "relu, gelu or silu");
       app.add_flag("--gated", o->gated, "gated experts (SwiGLU form)");
       CLI::Option* threads =
-          app.add_option("--threads", o->threads,
-                         "compute threads of the rank (with --ranks: per rank, default cores / W)")
-              ->check(CLI::Range(1, 256));
-      app.add_option("--blas-threads", o->blas_threads,
-                     "GEMM threads per product (1: grouped GEMMs spread experts over --threads)")
-          ->check(CLI::Range(1, 256));
-      app.add_option("--repeat", o->repeat, "timed repetitions")->check(CLI::Range(1, 100000));
-      app.add_option("--warmup", o->warmup, "untimed repetitions first")
-          ->check(CLI::Range(0, 1000));
+          AddIntOption(app, "--threads", &o->threads, 1, 256,
+                       "compute threads of the rank (with --ranks: per rank, default cores / W)");
+      AddIntOption(app, "--blas-threads", &o->blas_threads, 1, 256,
+                   "GEMM threads per product (1: grouped GEMMs spread experts over --threads)");
+      AddIntOption(app, "--repeat", &o->repeat, 1, 100000, "timed repetitions");
+      AddIntOption(app, "--warmup", &o->warmup, 0, 1000, "untimed repetitions first");
       app.add_flag("--breakdown", o->breakdown, "also time each piece of the layer alone");
       app.add_flag("--json", o->json, "one JSON line instead of text");
       app.add_flag("--no-malloc-cache", o->no_malloc_cache,

@@ -29,6 +29,7 @@
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/moe/layer.h"
+#include "switchyard/moe/plan.h"
 #include "switchyard/parallel/driver.h"
 #include "switchyard/parallel/schedule.h"
 #include "switchyard/parallel/trace.h"
@@ -76,23 +77,39 @@ void AppendSteps(const parallel::LayerRunResult& run, std::vector<double>* steps
 //   parameters P (E (M H (2|3) + H + M)): weights, gradients and a copy, on every in-process
 //     rank (an upper bound: ranks hold 1/ep of them).
 // The parallel run holds the same activations split over its ranks, so they count twice.
-uint64_t EstimateBenchBytes(const BenchParallelOptions& o, const moe::LayerConfig& c,
-                            int64_t t_global, const parallel::Mesh& mesh, bool mpi) {
-  (void)mesh;
-  const double t = static_cast<double>(t_global), m = static_cast<double>(c.model_dim),
+}  // namespace
+
+double MoeExpertRows(const moe::LayerConfig& c, int64_t tokens) {
+  const double t = static_cast<double>(tokens), e = static_cast<double>(c.num_experts);
+  const double tk = t * static_cast<double>(moe::EffectiveTopK(c));
+  if (c.dropless) return tk;
+  const double cf = c.capacity_factor;
+  if (cf == 0) return tk;  // the largest load: about T k / E per expert when balanced
+  // cf > 0: exactly the layer's capacity; cf < 0: at most that of |cf|, and never more than
+  // every token on every expert. A capacity beyond the int32 rows the layer allows counts as
+  // T k |cf| rows, which no memory holds either: the estimate is refused as too large.
+  moe::LayerConfig positive = c;
+  positive.capacity_factor = static_cast<float>(std::fabs(cf));
+  double rows = tk * std::fabs(cf);
+  try {
+    rows = e * static_cast<double>(moe::ComputeCapacity(positive, tokens, tokens));
+  } catch (const InvalidArgument&) {
+  }
+  return cf > 0 ? rows : std::min(rows, e * t);
+}
+
+uint64_t EstimateMoeStepBytes(const moe::LayerConfig& c, int64_t tokens, double param_copies,
+                              double extra_floats) {
+  const double t = static_cast<double>(tokens), m = static_cast<double>(c.model_dim),
                h = static_cast<double>(c.hidden_dim), e = static_cast<double>(c.num_experts);
   const double k = static_cast<double>(moe::EffectiveTopK(c));
-  const double rows =
-      t * k * (c.dropless ? 1.0 : std::max(1.0, std::fabs(static_cast<double>(c.capacity_factor))));
-  const double params = e * (m * h * (c.gated ? 3.0 : 2.0) + h + m);
-  const double ranks = mpi ? 1.0 : static_cast<double>(o.ranks);
-  const double floats =
-      2 * (6 * t * m + 4 * rows * m + (c.gated ? 4.0 : 3.0) * rows * h) + 3 * params * ranks;
+  const double rows = MoeExpertRows(c, tokens);
+  const double params = e * (m * h * (c.gated ? 3.0 : 2.0) + h + m) + e * m;
+  const double floats = 2 * (6 * t * m + 4 * rows * m + (c.gated ? 4.0 : 3.0) * rows * h) +
+                        4 * t * e + 8 * t * k + 3 * params * param_copies + extra_floats;
   const double bytes = floats * 4;
   return bytes >= 0x1p62 ? uint64_t{1} << 62 : static_cast<uint64_t>(bytes);
 }
-
-}  // namespace
 
 int RunBenchParallel(const BenchParallelOptions& o) {
   moe::LayerConfig config;
@@ -153,7 +170,7 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   const parallel::Mesh mesh(p.mesh, config.num_experts, config.hidden_dim);
   const int64_t t_global = o.global_tokens > 0 ? o.global_tokens : o.tokens * mesh.data_shards();
 
-  RequireMemory(EstimateBenchBytes(o, config, t_global, mesh, mpi),
+  RequireMemory(EstimateMoeStepBytes(config, t_global, mpi ? 1.0 : static_cast<double>(o.ranks)),
                 fmt::format("bench layer-parallel: {} tokens x model_dim {} on {} rank(s) ({} "
                             "experts of hidden_dim {}), estimated peak",
                             t_global, o.model_dim, o.ranks, o.experts, o.hidden_dim));
@@ -484,30 +501,29 @@ int RunBenchParallel(const BenchParallelOptions& o) {
 }
 
 void AddParallelBenchOptions(CLI::App& app, BenchParallelOptions* o) {
-  app.add_option("--global-tokens", o->global_tokens, "tokens of the whole batch instead")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
-  app.add_option("--ranks", o->ranks, "W")->check(CLI::Range(1, 4096));
-  app.add_option("--tp", o->tp, "dense tensor-parallel degree")->check(CLI::Range(1, 4096));
-  app.add_option("--ep", o->ep, "EP size (0: as large as possible)")->check(CLI::Range(0, 4096));
-  app.add_option("--etp", o->etp, "expert tensor parallel (Megatron)")->check(CLI::Range(1, 4096));
+  AddIntOption(app, "--global-tokens", &o->global_tokens, int64_t{0}, int64_t{1} << 40,
+               "tokens of the whole batch instead");
+  AddIntOption(app, "--ranks", &o->ranks, 1, 4096, "W");
+  AddIntOption(app, "--tp", &o->tp, 1, 4096, "dense tensor-parallel degree");
+  AddIntOption(app, "--ep", &o->ep, 0, 4096, "EP size (0: as large as possible)");
+  AddIntOption(app, "--etp", &o->etp, 1, 4096, "expert tensor parallel (Megatron)");
   app.add_option("--arrangement", o->arrangement, "deepspeed | megatron")
       ->check(CLI::IsMember({"deepspeed", "megatron"}));
   app.add_option("--dispatch", o->dispatch, "alltoall | alltoallv | allgather")
       ->check(CLI::IsMember({"alltoall", "alltoallv", "allgather"}));
   app.add_option("--adaptive-r", o->adaptive_r, "R (0 or a divisor of the H shards) or auto");
-  app.add_option("--2dh", o->hierarchical, "hierarchical all-to-all with this many ranks/node")
-      ->check(CLI::Range(0, 4096));
+  AddIntOption(app, "--2dh", &o->hierarchical, 0, 4096,
+               "hierarchical all-to-all with this many ranks/node");
   app.add_flag("--no-tp-dedup", o->no_tp_dedup, "DeepSpeed arrangement: no TP de-duplication");
   app.add_option("--scope", o->scope, "global | per_rank (capacity, slots and l_aux)")
       ->check(CLI::IsMember({"global", "per_rank"}));
   app.add_option("--transport", o->transport, "auto (mpi under mpirun) | inproc | mpi")
       ->check(CLI::IsMember({"auto", "inproc", "mpi"}));
-  app.add_option("--rounds", o->rounds, "interleaved rounds (parallel, plain path, single-rank)")
-      ->check(CLI::Range(1, 1000));
+  AddIntOption(app, "--rounds", &o->rounds, 1, 1000,
+               "interleaved rounds (parallel, plain path, single-rank)");
   app.add_flag("--no-reference", o->no_reference, "skip the single-rank limit");
-  app.add_option("--overlap-degree", o->overlap_degree,
-                 "Tutel's a2a-FFN overlap: pipeline the token all-to-alls in D chunks")
-      ->check(CLI::Range(1, 1024));
+  AddIntOption(app, "--overlap-degree", &o->overlap_degree, 1, 1024,
+               "Tutel's a2a-FFN overlap: pipeline the token all-to-alls in D chunks");
   app.add_option("--smart-schedule", o->smart,
                  "FasterMoE's pair-wise schedule: off | auto | group size g");
   app.add_option("--shadow", o->shadow, "FasterMoE's shadow experts: none | auto | E1,E2,...");
@@ -518,9 +534,8 @@ void AddParallelBenchOptions(CLI::App& app, BenchParallelOptions* o) {
       ->check(FiniteIn(0, 1e6));
   app.add_option("--trace", o->trace_path,
                  "write the last round's timeline as a Chrome trace-event JSON file");
-  app.add_option("--emulate-ranks-per-node", o->emulate_per_node,
-                 "in-process: emulate nodes of this many ranks (alpha-beta link costs)")
-      ->check(CLI::Range(0, 4096));
+  AddIntOption(app, "--emulate-ranks-per-node", &o->emulate_per_node, 0, 4096,
+               "in-process: emulate nodes of this many ranks (alpha-beta link costs)");
   AddEmulationLinkOptions(app, &o->intra_latency_us, &o->intra_gbps, &o->inter_latency_us,
                           &o->inter_gbps);
 }
@@ -533,21 +548,21 @@ SY_REGISTER_COMMAND(Command{
     "schedules against the plain path",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<BenchParallelOptions>();
-      auto range = CLI::Range(int64_t{1}, int64_t{1} << 40);
-      app.add_option("--tokens", o->tokens, "tokens per data shard (default 4096)")->check(range);
-      app.add_option("--model-dim", o->model_dim, "M")->check(range);
-      app.add_option("--hidden-dim", o->hidden_dim, "H")->check(range);
-      app.add_option("--experts", o->experts, "E")->check(range);
-      app.add_option("--top-k", o->top_k, "k")->check(range);
+      AddIntOption(app, "--tokens", &o->tokens, int64_t{1}, int64_t{1} << 40,
+                   "tokens per data shard (default 4096)");
+      AddIntOption(app, "--model-dim", &o->model_dim, int64_t{1}, int64_t{1} << 40, "M");
+      AddIntOption(app, "--hidden-dim", &o->hidden_dim, int64_t{1}, int64_t{1} << 40, "H");
+      AddIntOption(app, "--experts", &o->experts, int64_t{1}, int64_t{1} << 40, "E");
+      AddIntOption(app, "--top-k", &o->top_k, int64_t{1}, int64_t{1} << 40, "k");
       app.add_option("--capacity-factor", o->capacity_factor, "cf (0: no drops)")
           ->check(FiniteIn(-1e6, 1e6));
       app.add_flag("--dropless", o->dropless, "dropless mode");
       app.add_option("--activation", o->activation, "relu, gelu or silu");
       app.add_flag("--gated", o->gated, "gated experts");
-      app.add_option("--threads", o->threads, "compute threads per rank (0: cores / ranks)")
-          ->check(CLI::Range(0, 256));
-      app.add_option("--repeat", o->repeat, "timed steps per round")->check(CLI::Range(1, 10000));
-      app.add_option("--warmup", o->warmup, "untimed steps per round")->check(CLI::Range(0, 10000));
+      AddIntOption(app, "--threads", &o->threads, 0, 256,
+                   "compute threads per rank (0: cores / ranks)");
+      AddIntOption(app, "--repeat", &o->repeat, 1, 10000, "timed steps per round");
+      AddIntOption(app, "--warmup", &o->warmup, 0, 10000, "untimed steps per round");
       app.add_flag("--json", o->json, "one JSON line instead of text");
       AddParallelBenchOptions(app, o.get());
       return [o] { return RunBenchParallel(*o); };

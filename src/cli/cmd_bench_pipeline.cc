@@ -22,6 +22,7 @@
 #include "cli/flags.h"
 #include "cli/launch.h"
 #include "switchyard/comm/inprocess.h"
+#include "switchyard/core/limits.h"
 #include "switchyard/parallel/pipeline.h"
 
 namespace switchyard::cli {
@@ -52,6 +53,16 @@ int RunBenchPipeline(const BenchPipelineOptions& o) {
   const parallel::Schedule schedule = parallel::MakeSchedule(c);
   const parallel::ScheduleSimulation sim = parallel::SimulateSchedule(schedule);
   const int64_t elements = o.activation_kib * 1024 / 4;
+  // Each rank keeps its in-flight activations (the simulation's peak) and has at most a few more
+  // tensors of the same size on the way: the forward's output being sent, the received activation
+  // and gradient, the backward's output.
+  int64_t buffers = 0;
+  for (int in_flight : sim.peak_in_flight) buffers += in_flight + 4;
+  RequireMemory(static_cast<uint64_t>(CheckedMul(buffers, o.activation_kib * 1024,
+                                                 "bench pipeline: activation bytes")),
+                fmt::format("bench pipeline: {} activations of --activation-kib {} over --pp {} "
+                            "ranks",
+                            buffers, o.activation_kib, o.pp));
   comm::InProcessOptions inprocess;
   inprocess.timeout = comm::Milliseconds(o.timeout_ms);
   inprocess.emulation = comm::EmulationOptions{{o.latency_us, o.gbps}, {o.latency_us, o.gbps}};
@@ -153,23 +164,21 @@ SY_REGISTER_COMMAND(Command{
     "memory against the simulation and the theory",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<BenchPipelineOptions>();
-      app.add_option("--pp", o->pp, "pipeline stages (ranks)")->check(CLI::Range(1, 64));
-      app.add_option("--microbatches", o->microbatches, "micro-batches")
-          ->check(CLI::Range(1, 4096));
-      app.add_option("--virtual", o->virtual_stages, "chunks per rank (interleaved)")
-          ->check(CLI::Range(1, 16));
+      AddIntOption(app, "--pp", &o->pp, 1, 64, "pipeline stages (ranks)");
+      AddIntOption(app, "--microbatches", &o->microbatches, 1, 4096, "micro-batches");
+      AddIntOption(app, "--virtual", &o->virtual_stages, 1, 16, "chunks per rank (interleaved)");
       app.add_option("--kind", o->kind, "fthenb | 1f1b | interleaved | zb-h1")
           ->check(CLI::IsMember({"fthenb", "1f1b", "interleaved", "zb-h1"}));
       app.add_option("--forward-ms", o->forward_ms, "time of one forward (backward: twice)")
           ->check(CLI::Range(0.0, 10000.0));
-      app.add_option("--activation-kib", o->activation_kib, "activation size per micro-batch")
-          ->check(CLI::Range(int64_t{1}, int64_t{1} << 22));
+      AddIntOption(app, "--activation-kib", &o->activation_kib, int64_t{1}, int64_t{1} << 22,
+                   "activation size per micro-batch");
       app.add_option("--intra-latency-us", o->latency_us, "emulated latency per message, us")
           ->check(CLI::Range(0.0, 1e9));
       app.add_option("--intra-gbps", o->gbps, "emulated bandwidth, GB/s (0 = unlimited)")
           ->check(CLI::Range(0.0, 1e9));
-      app.add_option("--timeout-ms", o->timeout_ms, "deadline of every message")
-          ->check(CLI::Range(int64_t{1}, int64_t{86400000}));
+      AddIntOption(app, "--timeout-ms", &o->timeout_ms, int64_t{1}, int64_t{86400000},
+                   "deadline of every message");
       app.add_flag("--json", o->json, "print one JSON object");
       return [o] { return RunBenchPipeline(*o); };
     }});

@@ -558,31 +558,28 @@ SY_REGISTER_COMMAND(Command{
     "comm-GEMM overlap; step, comm and compute time, hidden fraction, bytes, activation memory",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<BenchTpOptions>();
-      auto size = CLI::Range(int64_t{1}, int64_t{1} << 40);
-      app.add_option("--tp", o->tp,
-                     "tensor-parallel sizes to run, comma-separated (ranks as threads)")
-          ->delimiter(',')
-          ->check(CLI::Range(1, 256));
+      AddIntListOption(app, "--tp", &o->tp, 1, 256,
+                       "tensor-parallel sizes to run, comma-separated (ranks as threads)");
       app.add_option("--modes", o->modes, "comma-separated: tp, sp, overlap")
           ->delimiter(',')
           ->check(CLI::IsMember({"tp", "sp", "overlap"}));
-      app.add_option("--tokens", o->tokens, "N, tokens of the sequence (divisible by every tp)")
-          ->check(size);
-      app.add_option("--model-dim", o->model_dim, "d")->check(size);
-      app.add_option("--hidden-dim", o->hidden_dim, "the MLP's hidden size (divisible by every tp)")
-          ->check(size);
+      AddIntOption(app, "--tokens", &o->tokens, int64_t{1}, int64_t{1} << 40,
+                   "N, tokens of the sequence (divisible by every tp)");
+      AddIntOption(app, "--model-dim", &o->model_dim, int64_t{1}, int64_t{1} << 40, "d");
+      AddIntOption(app, "--hidden-dim", &o->hidden_dim, int64_t{1}, int64_t{1} << 40,
+                   "the MLP's hidden size (divisible by every tp)");
       app.add_option("--activation", o->activation, "relu, gelu or silu")
           ->check(CLI::IsMember({"relu", "gelu", "silu"}));
-      app.add_option("--iters", o->iters, "timed iterations")->check(CLI::Range(1, 10000));
-      app.add_option("--warmup", o->warmup, "untimed iterations")->check(CLI::Range(0, 1000));
+      AddIntOption(app, "--iters", &o->iters, 1, 10000, "timed iterations");
+      AddIntOption(app, "--warmup", &o->warmup, 0, 1000, "untimed iterations");
       app.add_option("--intra-latency-us", o->latency_us,
                      "emulated latency per message between the tp ranks, microseconds")
           ->check(FiniteIn(0, 1e9));
       app.add_option("--intra-gbps", o->gbps,
                      "emulated bandwidth between the tp ranks, GB/s (0 = unlimited)")
           ->check(FiniteIn(0, 1e9));
-      app.add_option("--timeout-ms", o->timeout_ms, "deadline of every collective")
-          ->check(CLI::Range(int64_t{1}, int64_t{86400000}));
+      AddIntOption(app, "--timeout-ms", &o->timeout_ms, int64_t{1}, int64_t{86400000},
+                   "deadline of every collective");
       app.add_flag("--json", o->json, "one JSON line per tp and mode");
       return [o] { return RunBenchTp(*o); };
     }});

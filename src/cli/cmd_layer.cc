@@ -4,11 +4,13 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <string>
 #include <string_view>
 
 #include "cli/command.h"
+#include "cli/flags.h"
 #include "cli/launch.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
@@ -256,30 +258,28 @@ SY_REGISTER_COMMAND(Command{
              "...) and optionally dy [T, M]")
           ->required();
       app.add_option("--out", o->out_path, "safetensors file to write")->required();
-      app.add_option("--threads", o->threads, "compute threads (default: the usable cores)")
-          ->check(CLI::Range(0, 256));
-      app.add_option("--global-token-offset", o->global_token_offset,
-                     "global index of the first token (keys the random draws)")
-          ->check(CLI::Range(int64_t{0}, int64_t{1} << 50));
-      app.add_option("--step", o->step, "training step (keys the random draws)");
+      AddIntOption(app, "--threads", &o->threads, 0, 256,
+                   "compute threads (default: the usable cores)");
+      AddIntOption(app, "--global-token-offset", &o->global_token_offset, int64_t{0},
+                   int64_t{1} << 50, "global index of the first token (keys the random draws)");
+      AddIntOption(app, "--step", &o->step, 0, std::numeric_limits<int64_t>::max(),
+                   "training step (keys the random draws)");
       app.add_flag("--quiet", o->quiet, "print nothing on success");
       // Expert parallelism: the same outputs for every layout (docs/parallel.md).
       CLI::Option* ranks =
-          app.add_option("--ranks", o->ranks,
-                         "run on W ranks (threads; under mpirun: the MPI world, its size if unset)")
-              ->check(CLI::Range(1, 4096));
-      app.add_option("--ep", o->ep, "expert-parallel size (default: as large as possible)")
-          ->check(CLI::Range(0, 4096));
-      app.add_option("--tp", o->tp, "dense tensor-parallel degree")->check(CLI::Range(1, 4096));
-      app.add_option("--etp", o->etp, "expert tensor parallel (Megatron arrangement)")
-          ->check(CLI::Range(1, 4096));
+          AddIntOption(app, "--ranks", &o->ranks, 1, 4096,
+                       "run on W ranks (threads; under mpirun: the MPI world, its size if unset)");
+      AddIntOption(app, "--ep", &o->ep, 0, 4096,
+                   "expert-parallel size (default: as large as possible)");
+      AddIntOption(app, "--tp", &o->tp, 1, 4096, "dense tensor-parallel degree");
+      AddIntOption(app, "--etp", &o->etp, 1, 4096, "expert tensor parallel (Megatron arrangement)");
       app.add_option("--arrangement", o->arrangement, "deepspeed | megatron")
           ->check(CLI::IsMember({"deepspeed", "megatron"}));
       app.add_option("--dispatch", o->dispatch, "alltoall | alltoallv | allgather")
           ->check(CLI::IsMember({"alltoall", "alltoallv", "allgather"}));
       app.add_option("--adaptive-r", o->adaptive_r, "R (0 or a divisor of the H shards) or auto");
-      app.add_option("--2dh", o->hierarchical, "hierarchical all-to-all, RANKS_PER_NODE")
-          ->check(CLI::Range(0, 4096));
+      AddIntOption(app, "--2dh", &o->hierarchical, 0, 4096,
+                   "hierarchical all-to-all, RANKS_PER_NODE");
       app.add_option("--transport", o->transport,
                      "auto (mpi when started by mpirun) | inproc | mpi")
           ->check(CLI::IsMember({"auto", "inproc", "mpi"}));
@@ -287,9 +287,8 @@ SY_REGISTER_COMMAND(Command{
                      "global (equals the single-rank run) | per_rank (Tutel/DeepSpeed default)")
           ->check(CLI::IsMember({"global", "per_rank"}));
       app.add_flag("--no-tp-dedup", o->no_tp_dedup, "DeepSpeed arrangement: no TP de-duplication");
-      app.add_option("--overlap-degree", o->overlap_degree,
-                     "Tutel's a2a-FFN overlap: pipeline the token all-to-alls in D chunks")
-          ->check(CLI::Range(1, 1024));
+      AddIntOption(app, "--overlap-degree", &o->overlap_degree, 1, 1024,
+                   "Tutel's a2a-FFN overlap: pipeline the token all-to-alls in D chunks");
       app.add_option("--smart-schedule", o->smart,
                      "FasterMoE's pair-wise schedule: off | auto | group size g");
       app.add_option("--shadow", o->shadow, "FasterMoE's shadow experts: none | auto | E1,E2,...");

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/flags.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/parallel/pipeline.h"
 #include "switchyard/train/svg.h"
@@ -147,11 +148,10 @@ SY_REGISTER_COMMAND(Command{
     "A pipeline schedule as data: each rank's operations, its bubble and memory, an SVG timeline",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<ScheduleOptions>();
-      app.add_option("--pp", o->pp, "pipeline stages")->check(CLI::Range(1, 1024));
-      app.add_option("--microbatches", o->microbatches, "micro-batches per step")
-          ->check(CLI::Range(1, 1 << 16));
-      app.add_option("--virtual", o->virtual_stages, "model chunks per rank (interleaved)")
-          ->check(CLI::Range(1, 64));
+      AddIntOption(app, "--pp", &o->pp, 1, 1024, "pipeline stages");
+      AddIntOption(app, "--microbatches", &o->microbatches, 1, 1 << 16, "micro-batches per step");
+      AddIntOption(app, "--virtual", &o->virtual_stages, 1, 64,
+                   "model chunks per rank (interleaved)");
       app.add_option("--kind", o->kind, "fthenb | 1f1b | interleaved | zb-h1")
           ->check(CLI::IsMember({"fthenb", "1f1b", "interleaved", "zb-h1"}));
       app.add_option("--out", o->out, "write the timeline as an SVG file");

@@ -94,17 +94,7 @@ int RunTrain(const TrainOptions& o) {
                "not apply to --transport mpi");
     inprocess.emulation =
         comm::EmulationOptions{{o.link_latency_us, o.link_gbps}, {o.link_latency_us, o.link_gbps}};
-    try {
-      RequireEmulationFitsDeadline(*inprocess.emulation, inprocess.timeout, "", 0);
-    } catch (const InvalidArgument& e) {
-      // Both links are this command's one --link-* pair: name the flags the user gave.
-      std::string message = e.what();
-      for (size_t at = message.find("--intra-"); at != std::string::npos;
-           at = message.find("--intra-", at)) {
-        message.replace(at, 8, "--link-");
-      }
-      throw InvalidArgument(message);
-    }
+    RequireEmulationFitsDeadline(*inprocess.emulation, inprocess.timeout, "", 0, kTrainLinkFlags);
   }
   std::unique_ptr<comm::Launcher> launcher =
       MakeLauncher(transport, static_cast<int>(config.ranks), inprocess, "train");

@@ -34,6 +34,80 @@ void NormalizeFlagSpellings(int argc, char** argv) {
   }
 }
 
+namespace {
+
+// Marks an option whose integer text is checked by switchyard's own parser (AddIntOptionWith), or
+// handed on as text (the TrainConfig keys: train::ResolveTrainConfig parses them): a validator
+// that does nothing, found by its name. Any other option CLI11 types as INT or UINT gets the
+// strict 64-bit check from ApplyFlagConventions.
+constexpr const char* kCheckedIntegerMarker = "switchyard-checked-integer";
+
+void MarkIntegerChecked(CLI::Option* opt) {
+  opt->check(CLI::Validator([](std::string&) { return std::string(); }, "", kCheckedIntegerMarker));
+}
+
+bool IsIntegerChecked(CLI::Option* opt) {
+  try {
+    opt->get_validator(kCheckedIntegerMarker);
+    return true;
+  } catch (const CLI::OptionNotFound&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+CLI::Option* AddIntOptionWith(CLI::App& app, const std::string& name,
+                              std::function<void(int64_t)> store, int64_t lo, int64_t hi,
+                              const std::string& help) {
+  CLI::Option* opt = app.add_option_function<std::string>(
+      name,
+      [store = std::move(store), name, lo, hi](const std::string& text) {
+        store(ParseInt64InRange(text, name, lo, hi));
+      },
+      help);
+  opt->type_name(fmt::format("INT in [{}, {}]", lo, hi));
+  MarkIntegerChecked(opt);
+  return opt;
+}
+
+template <typename Int>
+CLI::Option* AddIntListOption(CLI::App& app, const std::string& name, std::vector<Int>* target,
+                              int64_t lo, int64_t hi, const std::string& help) {
+  SY_CHECK(lo <= hi && static_cast<long double>(lo) >= std::numeric_limits<Int>::min() &&
+               static_cast<long double>(hi) <= std::numeric_limits<Int>::max(),
+           "{}: range [{}, {}] does not fit the flag's type", name, lo, hi);
+  CLI::Option* opt = app.add_option_function<std::vector<std::string>>(
+      name,
+      [target, name, lo, hi](const std::vector<std::string>& args) {
+        // Split here rather than by CLI11's delimiter, which drops empty items: "2,,4" is an
+        // error, not 2,4.
+        std::vector<Int> values;
+        for (const std::string& arg : args) {
+          size_t start = 0;
+          while (true) {
+            const size_t comma = std::min(arg.find(',', start), arg.size());
+            SY_REQUIRE(values.size() < kMaxSizesInList, InvalidArgument, "{}: more than {} values",
+                       name, kMaxSizesInList);
+            values.push_back(static_cast<Int>(ParseInt64InRange(
+                std::string_view(arg).substr(start, comma - start), name, lo, hi)));
+            if (comma == arg.size()) break;
+            start = comma + 1;
+          }
+        }
+        *target = std::move(values);
+      },
+      help);
+  opt->type_name(fmt::format("INT in [{}, {}],...", lo, hi));
+  MarkIntegerChecked(opt);
+  return opt;
+}
+template CLI::Option* AddIntListOption<int>(CLI::App&, const std::string&, std::vector<int>*,
+                                            int64_t, int64_t, const std::string&);
+template CLI::Option* AddIntListOption<int64_t>(CLI::App&, const std::string&,
+                                                std::vector<int64_t>*, int64_t, int64_t,
+                                                const std::string&);
+
 CLI::Validator FiniteIn(double lo, double hi) {
   return CLI::Validator(
       [lo, hi](std::string& text) -> std::string {
@@ -68,27 +142,31 @@ void AddEmulationLinkOptions(CLI::App& app, double* intra_latency_us, double* in
 
 void RequireEmulationFitsDeadline(const comm::EmulationOptions& emulation,
                                   comm::Milliseconds deadline, std::string_view deadline_flag,
-                                  uint64_t largest_message_bytes) {
+                                  uint64_t largest_message_bytes, const EmulationFlagNames& names) {
   const double deadline_us = static_cast<double>(deadline.count()) * 1e3;
   const std::string deadline_text =
       deadline_flag.empty()
           ? fmt::format("the collective deadline ({} ms, the default)", deadline.count())
           : fmt::format("the collective deadline ({} {} ms)", deadline_flag, deadline.count());
-  for (const auto& [prefix, link] :
-       {std::pair<const char*, const comm::LinkModel&>{"--intra", emulation.intra_node},
-        std::pair<const char*, const comm::LinkModel&>{"--inter", emulation.inter_node}}) {
+  struct Link {
+    std::string_view latency_flag, gbps_flag;
+    const comm::LinkModel& link;
+  };
+  for (const Link& l : {Link{names.intra_latency, names.intra_gbps, emulation.intra_node},
+                        Link{names.inter_latency, names.inter_gbps, emulation.inter_node}}) {
+    const comm::LinkModel& link = l.link;
     SY_REQUIRE(link.latency_us < deadline_us, InvalidArgument,
-               "{}-latency-us: {:g} us is not below {}: every message would wait past it; "
-               "expected a latency below {:g} us",
-               prefix, link.latency_us, deadline_text, deadline_us);
+               "{}: {:g} us is not below {}: every message would wait past it; expected a "
+               "latency below {:g} us",
+               l.latency_flag, link.latency_us, deadline_text, deadline_us);
     SY_REQUIRE(link.bandwidth_gbps == 0 || link.bandwidth_gbps >= comm::kMinEmulatedGbps,
-               InvalidArgument, "{}-gbps: {:g} is not 0 (unlimited) or a bandwidth >= {:g} GB/s",
-               prefix, link.bandwidth_gbps, comm::kMinEmulatedGbps);
+               InvalidArgument, "{}: {:g} is not 0 (unlimited) or a bandwidth >= {:g} GB/s",
+               l.gbps_flag, link.bandwidth_gbps, comm::kMinEmulatedGbps);
     if (link.bandwidth_gbps > 0) {
       const double us = link.latency_us + static_cast<double>(largest_message_bytes) /
                                               (link.bandwidth_gbps * 1e9) * 1e6;
       SY_REQUIRE(us < deadline_us, InvalidArgument,
-                 "{}-gbps: a message of {} at {:g} GB/s takes {:.3g} s, not below {}", prefix,
+                 "{}: a message of {} at {:g} GB/s takes {:.3g} s, not below {}", l.gbps_flag,
                  FormatBytes(largest_message_bytes), link.bandwidth_gbps, us * 1e-6, deadline_text);
     }
   }
@@ -106,6 +184,7 @@ void AddTrainConfigFlags(CLI::App& app,
     CLI::Option* opt = app.add_option_function<std::string>(
         flag, [setter, name = key.name](const std::string& v) { (*setter)(name, v); }, key.help);
     opt->type_name(key.type);
+    MarkIntegerChecked(opt);  // the text goes to train::ResolveTrainConfig
     // A yes/no key given alone means true (--sequence-parallel); "--key false" still works.
     if (key.type == "BOOL") opt->expected(0, 1)->default_str("true");
   }
@@ -132,6 +211,22 @@ void ApplyFlagConventions(CLI::App& app, const std::string& command) {
       SY_CHECK(name.find('_') == std::string::npos,
                "{}: flag --{} is spelled with '_'; the CLI spells flags with dashes (flags.h)",
                command, name);
+    }
+    // An integer CLI11 would convert itself (strtoll with base 0: "010" is 8, "0x10" 16, a value
+    // beyond 64 bits saturates, "-1" wraps to 2^64 - 1 in an unsigned): read the whole number
+    // first instead, before any other check (transform runs first), so that a bad value is
+    // refused naming the flag and quoting the text. The commands' own flags use AddIntOption.
+    const std::string type = opt->get_type_name();
+    if ((type.rfind("INT", 0) == 0 || type.rfind("UINT", 0) == 0) && !IsIntegerChecked(opt)) {
+      const bool is_unsigned = type.rfind("UINT", 0) == 0;
+      const std::string flag = "--" + opt->get_single_name();
+      opt->transform(CLI::Validator(
+          [flag, is_unsigned](std::string& text) -> std::string {
+            ParseInt64InRange(text, flag, is_unsigned ? 0 : std::numeric_limits<int64_t>::min(),
+                              std::numeric_limits<int64_t>::max());
+            return "";
+          },
+          ""));
     }
     // The type alone ("TEXT"), without the validators' descriptions get_type_name() appends.
     if (opt->get_type_name().rfind("TEXT", 0) == 0 && opt->get_type_size() != 0) {

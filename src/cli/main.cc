@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <exception>
 #include <map>
+#include <new>
 #include <thread>
 
 #include "cli/command.h"
@@ -64,7 +65,20 @@ int Main(int argc, char** argv) {
     throw InvalidArgument(fmt::format("{} (see --help)", e.what()));
   }
   for (auto& [sub, action] : actions) {
-    if (sub->parsed()) return action();
+    if (!sub->parsed()) continue;
+    try {
+      return action();
+    } catch (const std::bad_alloc&) {
+      // The last line of defence (docs/errors.md, "Sizes that cannot fit"): every command checks
+      // its memory need up front, so this is an allocation nobody foresaw or memory that another
+      // process took meanwhile. One line naming the command, never a bare std::bad_alloc.
+      const std::string parent =
+          sub->get_parent() != &app ? sub->get_parent()->get_name() + " " : "";
+      throw OutOfMemory(fmt::format(
+          "{}{}: out of memory: an allocation failed (std::bad_alloc): the system or a limit "
+          "(ulimit -v, the cgroup) gives this process no more; give smaller sizes or free memory",
+          parent, sub->get_name()));
+    }
   }
   std::fprintf(stderr, "switchyard: error: no command given (see --help)\n");
   return 2;
@@ -124,6 +138,11 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : Fail(rc, nullptr);
   } catch (const switchyard::InvalidArgument& e) {
     return Fail(2, e.what());
+  } catch (const std::bad_alloc&) {
+    // Out of memory while parsing, or in a thread whose error was handed on as it was.
+    return Fail(1,
+                "out of memory: an allocation failed (std::bad_alloc); give smaller sizes or "
+                "free memory");
   } catch (const std::exception& e) {
     return Fail(1, e.what());
   }

@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "switchyard/core/error.h"
+#include "switchyard/core/limits.h"
 
 namespace switchyard {
 namespace {
@@ -88,6 +89,45 @@ uint64_t FileSizeLimit() {
       "(RLIMIT_FSIZE, ulimit -f) is {} bytes; the temporary file was removed and '{}' is "
       "unchanged",
       path, needed, limit, path));
+}
+
+// Opens `path` for reading if it is a regular file; `st` receives its stat. Everything else is
+// refused before a read could block or never end: opening a FIFO (named pipe) waits for a writer,
+// and reading one, or a character device such as /dev/zero, waits for data or never reaches an
+// end. So the file is opened with O_NONBLOCK (open returns at once even for a FIFO), checked with
+// fstat on the descriptor (no race with the path being swapped), and only a regular file is set
+// back to blocking reads. Every reader of this file (ReadFileBytes, ReadTextFile,
+// RandomAccessFile) opens its input here.
+int OpenRegularFileForReading(const std::string& path, struct stat* st) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    struct stat any {};
+    // A socket cannot be opened at all (ENXIO): say what it is rather than "No such device".
+    if (::stat(path.c_str(), &any) == 0 && !S_ISREG(any.st_mode) && !S_ISDIR(any.st_mode)) {
+      throw IoError(fmt::format(
+          "cannot read '{}': it is {}, not a regular file; switchyard reads its inputs only from "
+          "regular files",
+          path, KindOf(any.st_mode)));
+    }
+    throw IoError(fmt::format("cannot read '{}': {}", path, SystemError(err)));
+  }
+  std::string problem;
+  if (::fstat(fd, st) != 0) {
+    problem = SystemError(errno);
+  } else if (!S_ISREG(st->st_mode)) {
+    problem = fmt::format(
+        "it is {}, not a regular file; switchyard reads its inputs only from regular files",
+        KindOf(st->st_mode));
+  } else {
+    const int flags = ::fcntl(fd, F_GETFL);
+    if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) problem = SystemError(errno);
+  }
+  if (!problem.empty()) {
+    ::close(fd);
+    throw IoError(fmt::format("cannot read '{}': {}", path, problem));
+  }
+  return fd;
 }
 
 class FileCloser {
@@ -239,23 +279,8 @@ void AtomicFileWriter::Commit() {
 }
 
 RandomAccessFile::RandomAccessFile(std::string path) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd_ < 0) {
-    int err = errno;
-    throw IoError(fmt::format("cannot read '{}': {}", path_, SystemError(err)));
-  }
   struct stat st {};
-  std::string problem;
-  if (::fstat(fd_, &st) != 0) {
-    problem = SystemError(errno);
-  } else if (!S_ISREG(st.st_mode)) {
-    problem = "not a regular file";
-  }
-  if (!problem.empty()) {
-    ::close(fd_);
-    fd_ = -1;
-    throw IoError(fmt::format("cannot read '{}': {}", path_, problem));
-  }
+  fd_ = OpenRegularFileForReading(path_, &st);
   size_ = static_cast<uint64_t>(st.st_size);
 }
 
@@ -319,18 +344,10 @@ void RequireDistinctOutput(const NamedPath& output, std::initializer_list<NamedP
 }
 
 std::vector<std::byte> ReadFileBytes(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    int err = errno;
-    throw IoError(fmt::format("cannot read '{}': {}", path, SystemError(err)));
-  }
+  struct stat st {};
+  const int fd = OpenRegularFileForReading(path, &st);
   FileCloser closer(fd);
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    throw IoError(fmt::format("cannot read '{}': {}", path, SystemError(err)));
-  }
-  SY_REQUIRE(S_ISREG(st.st_mode), IoError, "cannot read '{}': not a regular file", path);
+  RequireMemory(static_cast<uint64_t>(st.st_size), fmt::format("reading the whole of '{}'", path));
   std::vector<std::byte> bytes(static_cast<size_t>(st.st_size));
   size_t done = 0;
   while (done < bytes.size()) {

@@ -68,6 +68,41 @@ int64_t CheckedToInt64(double value, std::string_view what, int64_t lo, int64_t 
   return result;
 }
 
+int64_t ParseInt64InRange(std::string_view text, std::string_view what, int64_t lo, int64_t hi) {
+  size_t i = 0;
+  const bool negative = !text.empty() && text[0] == '-';
+  if (!text.empty() && (text[0] == '-' || text[0] == '+')) i = 1;
+  bool digits = i < text.size();
+  // The magnitude as an unsigned 64-bit number; `overflow` once it passes 2^63 (no int64 holds
+  // it, whatever its sign).
+  uint64_t magnitude = 0;
+  bool overflow = false;
+  for (size_t j = i; j < text.size() && digits; ++j) {
+    if (text[j] < '0' || text[j] > '9') {
+      digits = false;
+      break;
+    }
+    const auto digit = static_cast<uint64_t>(text[j] - '0');
+    if (magnitude > (uint64_t{1} << 63) / 10 || magnitude * 10 > (uint64_t{1} << 63) - digit) {
+      overflow = true;
+    } else {
+      magnitude = magnitude * 10 + digit;
+    }
+  }
+  SY_REQUIRE(digits, InvalidArgument,
+             "{}: '{}' is not an integer; expected a whole decimal number in [{}, {}]", what, text,
+             lo, hi);
+  const bool fits = !overflow && (negative || magnitude < (uint64_t{1} << 63));
+  int64_t value = 0;
+  if (fits) {
+    // -2^63 is the one value whose magnitude does not fit int64 itself.
+    value = negative ? static_cast<int64_t>(0 - magnitude) : static_cast<int64_t>(magnitude);
+  }
+  SY_REQUIRE(fits && value >= lo && value <= hi, InvalidArgument,
+             "{}: '{}' is out of range; expected an integer in [{}, {}]", what, text, lo, hi);
+  return value;
+}
+
 int64_t CheckedMul(int64_t a, int64_t b, std::string_view what) {
   int64_t out = 0;
   SY_REQUIRE(a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, &out), InvalidArgument,

@@ -121,7 +121,14 @@ Tensor Tensor::Empty(Shape shape, DType dtype) {
   t.numel_ = CheckShapeValid(shape, dtype);
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
-  t.storage_ = Allocate(t.nbytes());
+  try {
+    t.storage_ = Allocate(t.nbytes());
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemory(fmt::format(
+        "out of memory allocating a tensor of shape {} {} ({}): the system or a limit (ulimit -v, "
+        "the cgroup) gives this process no more; give smaller sizes or free memory",
+        ShapeToString(t.shape_), DTypeName(dtype), FormatBytes(t.nbytes())));
+  }
   t.defined_empty_ = t.storage_ == nullptr;
   return t;
 }

@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <deque>
+#include <limits>
 #include <map>
 #include <set>
 #include <tuple>
 
 #include "switchyard/core/error.h"
+#include "switchyard/core/limits.h"
 #include "switchyard/parallel/pipeline.h"
 
 namespace switchyard::parallel {
@@ -165,8 +167,22 @@ std::vector<PipelineOp> Interleaved(const ScheduleConfig& c, int r) {
 
 }  // namespace
 
+uint64_t ScheduleMemoryBytes(const ScheduleConfig& c) {
+  const long double passes = static_cast<long double>(std::max(c.stages, 0)) *
+                             static_cast<long double>(std::max(c.microbatches, 0)) *
+                             static_cast<long double>(std::max(c.virtual_stages, 0));
+  const long double bytes = passes * kScheduleBytesPerPass;
+  constexpr auto kMax = std::numeric_limits<uint64_t>::max();
+  return bytes >= static_cast<long double>(kMax) ? kMax : static_cast<uint64_t>(bytes);
+}
+
 Schedule MakeSchedule(const ScheduleConfig& config) {
   ValidateScheduleConfig(config);
+  RequireMemory(ScheduleMemoryBytes(config),
+                fmt::format("the pipeline schedule {} (p {} x m {} x v {} passes, about {} bytes "
+                            "each)",
+                            ScheduleKindName(config.kind), config.stages, config.microbatches,
+                            config.virtual_stages, kScheduleBytesPerPass));
   Schedule s;
   s.config = config;
   for (int r = 0; r < config.stages; ++r) {

@@ -143,16 +143,18 @@ TEST(CliBenchTp, TextReportHasItsColumnsAndTheMemoryLine) {
 
 TEST(CliBenchTp, BadFlagsExitWithCodeTwoSayingWhy) {
   const std::map<std::string, std::string> cases = {
-      {"--tp 0", "--tp: Value 0 not in range"},
-      {"--tp 2,0", "--tp: Value 0 not in range"},
-      {"--tokens -8", "--tokens: Value -8 not in range"},
-      {"--model-dim 0", "--model-dim: Value 0 not in range"},
-      {"--hidden-dim -64", "--hidden-dim: Value -64 not in range"},
+      {"--tp 0", "--tp: '0' is out of range; expected an integer in [1, 256]"},
+      {"--tp 2,0", "--tp: '0' is out of range; expected an integer in [1, 256]"},
+      {"--tokens -8", "--tokens: '-8' is out of range; expected an integer in [1, 1099511627776]"},
+      {"--model-dim 0",
+       "--model-dim: '0' is out of range; expected an integer in [1, 1099511627776]"},
+      {"--hidden-dim -64",
+       "--hidden-dim: '-64' is out of range; expected an integer in [1, 1099511627776]"},
       {"--tp 4 --hidden-dim 66", "--hidden-dim 66 does not divide by --tp 4"},
       {"--tp 3 --tokens 64", "--tokens 64 does not divide by --tp 3"},
       {"--modes tp,ring", "--modes: ring not in"},
       {"--intra-gbps -1", "--intra-gbps: '-1' is not a finite number"},
-      {"--iters 0", "--iters: Value 0 not in range"},
+      {"--iters 0", "--iters: '0' is out of range; expected an integer in [1, 10000]"},
   };
   for (const auto& [flags, message] : cases) {
     CliResult r = RunSwitchyard("bench tp " + flags);

@@ -19,13 +19,15 @@ struct CliResult {
   std::string out, err;
 };
 
-// `switchyard <args>` (args as a shell would split them).
-inline CliResult RunSwitchyard(const std::string& args) {
+// `<shell_prefix> switchyard <args>` run by sh -c, e.g. with the prefix "ulimit -v 400000;" or
+// "timeout 30" (which makes a command that hangs exit with code 124).
+inline CliResult RunSwitchyardAfter(const std::string& shell_prefix, const std::string& args) {
   static int counter = 0;
   const std::string err_path = ::testing::TempDir() + "/sy_cli_" +
                                ::testing::UnitTest::GetInstance()->current_test_info()->name() +
                                "_" + std::to_string(counter++) + ".stderr";
-  const std::string command = std::string(SY_SWITCHYARD_BIN) + " " + args + " 2> " + err_path;
+  const std::string command =
+      shell_prefix + " " + std::string(SY_SWITCHYARD_BIN) + " " + args + " 2> " + err_path;
   CliResult r;
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return r;
@@ -40,6 +42,9 @@ inline CliResult RunSwitchyard(const std::string& args) {
   r.err = ss.str();
   return r;
 }
+
+// `switchyard <args>` (args as a shell would split them).
+inline CliResult RunSwitchyard(const std::string& args) { return RunSwitchyardAfter("", args); }
 
 inline std::vector<nlohmann::json> JsonLinesOf(const std::string& text) {
   std::vector<nlohmann::json> lines;

@@ -1,14 +1,21 @@
 #include "switchyard/core/file_util.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <functional>
+#include <future>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -85,6 +92,75 @@ TEST(FileUtil, ReadErrorsNameThePath) {
   EXPECT_NE(msg.find("not a regular file"), std::string::npos) << msg;
   msg = IoErrorOf([&] { RandomAccessFile f(dir.path()); });
   EXPECT_NE(msg.find("not a regular file"), std::string::npos) << msg;
+}
+
+// Runs `read` on a thread and returns its IoError message; a read that blocks for 20 s is a
+// failure (it used to block for ever in open(2)), and a writer is then opened on `fifo` so that
+// the blocked reader sees the end of its input and the test ends.
+std::string IoErrorWithin20s(const std::string& fifo, std::function<void()> read) {
+  auto done = std::make_shared<std::promise<std::string>>();
+  std::future<std::string> result = done->get_future();
+  std::thread([done, read = std::move(read)] { done->set_value(IoErrorOf(read)); }).detach();
+  if (result.wait_for(std::chrono::seconds(20)) == std::future_status::ready) return result.get();
+  ADD_FAILURE() << "reading the FIFO " << fifo << " blocked";
+  const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+  if (fd >= 0) ::close(fd);
+  return result.get();
+}
+
+TEST(FileUtil, InputsThatAreNotRegularFilesAreRefusedWithoutBlocking) {
+  // A FIFO with no writer blocked open(2) for ever; /dev/zero never ends. Every reader refuses
+  // them by what they are, naming the path, before reading a byte.
+  TempDir dir;
+  const std::string fifo = dir.File("pipe");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::vector<std::pair<const char*, std::function<void(const std::string&)>>> readers = {
+      {"ReadFileBytes", [](const std::string& p) { ReadFileBytes(p); }},
+      {"ReadTextFile", [](const std::string& p) { ReadTextFile(p); }},
+      {"RandomAccessFile", [](const std::string& p) { RandomAccessFile f(p); }},
+  };
+  for (const auto& [name, read] : readers) {
+    SCOPED_TRACE(name);
+    std::string msg = IoErrorWithin20s(fifo, [&, read = read] { read(fifo); });
+    EXPECT_NE(msg.find("cannot read '" + fifo + "': it is a FIFO (named pipe), not a regular file"),
+              std::string::npos)
+        << msg;
+    msg = IoErrorOf([&, read = read] { read("/dev/zero"); });
+    EXPECT_NE(msg.find("cannot read '/dev/zero': it is a character device"), std::string::npos)
+        << msg;
+    msg = IoErrorOf([&, read = read] { read(dir.path()); });
+    EXPECT_NE(msg.find("it is a directory, not a regular file"), std::string::npos) << msg;
+  }
+  struct stat st {};
+  ASSERT_EQ(::stat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));  // left as it was
+  // A symbolic link to the FIFO is the FIFO.
+  const std::string link = dir.File("link");
+  ASSERT_EQ(::symlink(fifo.c_str(), link.c_str()), 0);
+  std::string msg = IoErrorWithin20s(fifo, [&] { ReadTextFile(link); });
+  EXPECT_NE(msg.find("it is a FIFO (named pipe)"), std::string::npos) << msg;
+  // A socket cannot even be opened (ENXIO): still named for what it is.
+  const std::string socket_path = dir.File("sock");
+  const int sock = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(sock, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  ASSERT_LT(socket_path.size(), sizeof(addr.sun_path));
+  std::copy(socket_path.begin(), socket_path.end(), addr.sun_path);
+  ASSERT_EQ(::bind(sock, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  msg = IoErrorOf([&] { ReadTextFile(socket_path); });
+  ::close(sock);
+  EXPECT_NE(msg.find("cannot read '" + socket_path + "': it is a socket, not a regular file"),
+            std::string::npos)
+      << msg;
+  // A regular file is still read whole, and a symbolic link to one too.
+  WriteTextFileAtomic(dir.File("text"), "abc");
+  ASSERT_EQ(::symlink(dir.File("text").c_str(), dir.File("text-link").c_str()), 0);
+  EXPECT_EQ(ReadTextFile(dir.File("text-link")), "abc");
+  RandomAccessFile f(dir.File("text"));
+  std::vector<std::byte> two(2);
+  f.ReadAt(1, two);
+  EXPECT_EQ(two, Bytes("bc"));
 }
 
 TEST(FileUtil, DirectoryInTheWayLeavesItIntact) {

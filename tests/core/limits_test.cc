@@ -41,6 +41,47 @@ TEST(CheckedMul, DetectsOverflowAndNegatives) {
   EXPECT_THROW(CheckedMul(-1, 5, "x"), InvalidArgument);
 }
 
+TEST(ParseInt64InRange, ReadsTheWholeNumberBeforeComparing) {
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(ParseInt64InRange("0", "--x", 0, 10), 0);
+  EXPECT_EQ(ParseInt64InRange("+7", "--x", 0, 10), 7);
+  EXPECT_EQ(ParseInt64InRange("-3", "--x", -5, 10), -3);
+  EXPECT_EQ(ParseInt64InRange("010", "--x", 0, 100), 10);  // decimal, never octal
+  EXPECT_EQ(ParseInt64InRange("9223372036854775807", "--x", kMin, kMax), kMax);
+  EXPECT_EQ(ParseInt64InRange("-9223372036854775808", "--x", kMin, kMax), kMin);
+  EXPECT_EQ(ParseInt64InRange("-0000000000000000000009223372036854775808", "--x", kMin, kMax),
+            kMin);
+  // Values that wrapped or saturated in a narrower type (4294967297 is 1 as a 32-bit int) or
+  // beyond 64 bits: refused, quoting the text as given.
+  for (const char* text :
+       {"4294967297", "4294967296", "18446744073709551617", "-1", "9223372036854775808",
+        "-9223372036854775809", "99999999999999999999", "11"}) {
+    SCOPED_TRACE(text);
+    try {
+      ParseInt64InRange(text, "--ranks", 0, 10);
+      ADD_FAILURE() << "accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()), std::string("--ranks: '") + text +
+                                           "' is out of range; expected an integer in [0, 10]");
+    }
+  }
+  EXPECT_THROW(ParseInt64InRange("9223372036854775808", "--x", kMin, kMax), InvalidArgument);
+  // Not integers: hex and octal prefixes, exponents, fractions, spaces, signs alone, nothing.
+  for (const char* text :
+       {"0x10", "1e3", "1.0", "1.", " 1", "1 ", "1k", "--1", "+-1", "-", "+", "", "nan", "inf"}) {
+    SCOPED_TRACE(text);
+    try {
+      ParseInt64InRange(text, "--pp", 1, 64);
+      ADD_FAILURE() << "accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()),
+                std::string("--pp: '") + text +
+                    "' is not an integer; expected a whole decimal number in [1, 64]");
+    }
+  }
+}
+
 TEST(RequireMemory, RefusesMoreThanAvailableAndSaysHowMuch) {
   uint64_t available = AvailableMemoryBytes();
   ASSERT_GT(available, uint64_t{1} << 20);

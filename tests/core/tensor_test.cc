@@ -1,9 +1,15 @@
 #include "switchyard/core/tensor.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <limits>
+#include <string>
+
+#include "switchyard/core/error.h"
 
 namespace switchyard {
 namespace {
@@ -27,6 +33,34 @@ TEST(Tensor, UndefinedAndZeroSized) {
   EXPECT_EQ(z.numel(), 0);
   EXPECT_EQ(z.raw(), nullptr);
   EXPECT_EQ(z.Slice(0, 0).numel(), 0);
+}
+
+// An allocation that fails (here under a 1 GiB address-space limit, in a child process) is an
+// OutOfMemory naming the tensor, never a bare std::bad_alloc.
+TEST(Tensor, FailedAllocationNamesTheTensor) {
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    rlimit limit{uint64_t{1} << 30, uint64_t{1} << 30};
+    if (::setrlimit(RLIMIT_AS, &limit) != 0) ::_exit(3);
+    try {
+      Tensor t = Tensor::Empty({int64_t{1} << 29, 2});  // 4 GiB
+      ::_exit(4);
+    } catch (const OutOfMemory& e) {
+      const std::string m = e.what();
+      ::_exit(
+          m.find("out of memory allocating a tensor of shape [536870912, 2] float32 (4.0 GiB)") == 0
+              ? 0
+              : 5);
+    } catch (...) {
+      ::_exit(6);
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "3: setrlimit failed, 4: allocated, 5: other message, 6: "
+                                       "another exception";
 }
 
 TEST(Tensor, NegativeDimensionRejected) { EXPECT_THROW(Tensor::Empty({2, -1}), InvalidArgument); }

@@ -38,6 +38,13 @@ class PeerError : public Error {
  public:
   using Error::Error;
 };
+// An allocation failed although the up-front memory checks (RequireMemory, core/limits.h) let it
+// through: the memory was taken by something else meanwhile, or a size was not foreseen. The
+// message names what was being allocated where that is known (a tensor's shape and bytes).
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
 // A broken invariant inside switchyard: a bug, reported with file:line.
 class InternalError : public Error {
  public:

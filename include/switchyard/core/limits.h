@@ -20,6 +20,14 @@ namespace switchyard {
 // Example: CheckedToInt64(std::floor(cf * spe), "capacity", 0, kMaxCount).
 int64_t CheckedToInt64(double value, std::string_view what, int64_t lo, int64_t hi);
 
+// `text` as a whole decimal number in [lo, hi]: an optional sign and decimal digits, nothing else
+// (no hex, no octal: "010" is ten; no exponent, fraction, spaces or trailing text). The number is
+// read in full before it is compared, so a value beyond int64 or beyond the caller's narrower type
+// is refused, never wrapped. Throws InvalidArgument naming `what` (a flag such as "--pp") and
+// quoting `text` exactly as given, e.g. "--pp: '4294967297' is out of range; expected an integer
+// in [1, 1024]".
+int64_t ParseInt64InRange(std::string_view text, std::string_view what, int64_t lo, int64_t hi);
+
 // a * b, or throws InvalidArgument naming `what` when the product overflows int64 or is
 // negative.
 int64_t CheckedMul(int64_t a, int64_t b, std::string_view what);

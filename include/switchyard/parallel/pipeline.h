@@ -84,7 +84,16 @@ struct Schedule {
 // Throws InvalidArgument naming the field for a config the kind cannot schedule (p, m, v < 1;
 // v > 1 except interleaved; interleaved with m not a multiple of p, as Megatron requires).
 void ValidateScheduleConfig(const ScheduleConfig& config);
-// The schedule of `config` (validated by ValidateSchedule before it is returned).
+// An upper bound on the memory MakeSchedule and SimulateSchedule take for `config`: the op lists
+// and the validator's and the simulator's bookkeeping, kScheduleBytesPerPass bytes per
+// (micro-batch, virtual stage) pass on a rank, p * m * v of them (computed without overflow;
+// saturates). Measured: `switchyard schedule --json` peaks at 4.5-4.6 KB per pass for every kind
+// (p 64, m 4096: 1.19 GB; p 256, m 4096: 4.78 GB).
+inline constexpr uint64_t kScheduleBytesPerPass = 5120;
+uint64_t ScheduleMemoryBytes(const ScheduleConfig& config);
+// The schedule of `config` (validated by ValidateSchedule before it is returned). First refuses,
+// with InvalidArgument, a schedule whose ScheduleMemoryBytes exceed the memory available
+// (RequireMemory, core/limits.h), before building any of it.
 Schedule MakeSchedule(const ScheduleConfig& config);
 
 // Proves a schedule runnable: every (microbatch, virtual stage) has exactly one forward and one
