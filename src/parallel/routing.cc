@@ -36,6 +36,21 @@ namespace {
 // index as two words; floats travel as their bits.
 int64_t RecordWords(int64_t k, bool with_index) { return 4 * k + 1 + (with_index ? 2 : 0); }
 
+// Whether the ranks' token ranges [offset, offset + count) (the all-gathered (count, offset,
+// flag) triples) overlap nowhere; empty ranges never overlap.
+bool RangesAreDisjoint(const std::vector<int64_t>& sizes, int p_num) {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int p = 0; p < p_num; ++p) {
+    const int64_t n = sizes[3 * static_cast<size_t>(p)], at = sizes[3 * static_cast<size_t>(p) + 1];
+    if (n > 0) ranges.emplace_back(at, at + n);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i - 1].second > ranges[i].first) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 PairDecisions GlobalDecisions(const moe::LayerConfig& config, const moe::GateResult& gate,
@@ -58,6 +73,16 @@ PairDecisions GlobalDecisions(const moe::LayerConfig& config, const moe::GateRes
     with_index = with_index || sizes[3 * static_cast<size_t>(p) + 2] != 0;
     if (p > 0) contiguous = contiguous && offset(p - 1) + count(p - 1) == offset(p);
   }
+  // Ranges that overlap say nothing about the order (callers that leave every offset at 0, as
+  // the Python module does): the ranks' tokens then go in rank order, as offsets that follow
+  // each other would put them. Only the random drop policy keys a draw by a token's index across
+  // ranks, and with overlapping ranges two tokens would share one.
+  const bool disjoint = with_index || contiguous || RangesAreDisjoint(sizes, p_num);
+  SY_REQUIRE(disjoint || config.drop_policy != moe::DropPolicy::kRandom || config.dropless,
+             InvalidArgument,
+             "global batch scope with drop_policy random: the ranks' token ranges overlap (give "
+             "each rank its global_token_offset or token_index); rank {} has offset {}",
+             group.rank(), local.global_token_offset);
   // 2. Every rank's gate decisions (and global token indices).
   const int64_t words = RecordWords(k, with_index);
   Tensor own = Tensor::Zeros({std::max<int64_t>(t_max, 0), words}, DType::kInt32);
@@ -95,7 +120,8 @@ PairDecisions GlobalDecisions(const moe::LayerConfig& config, const moe::GateRes
   // The batch's global token indices: gathered, or from the ranks' offsets when their ranges do
   // not follow each other; empty when they do (the identity from the first rank's offset).
   std::vector<int64_t> index;
-  if (with_index || !contiguous) index.resize(static_cast<size_t>(t_global));
+  const bool from_offsets = !with_index && !contiguous && disjoint;
+  if (with_index || from_offsets) index.resize(static_cast<size_t>(t_global));
   int64_t gt = 0;
   for (int p = 0; p < p_num; ++p) {
     for (int64_t t = 0; t < count(p); ++t, ++gt) {
@@ -112,7 +138,7 @@ PairDecisions GlobalDecisions(const moe::LayerConfig& config, const moe::GateRes
         index[static_cast<size_t>(gt)] = static_cast<int64_t>(
             static_cast<uint64_t>(static_cast<uint32_t>(rec[4 * k + 1])) |
             (static_cast<uint64_t>(static_cast<uint32_t>(rec[4 * k + 2])) << 32));
-      } else if (!contiguous) {
+      } else if (from_offsets) {
         index[static_cast<size_t>(gt)] = offset(p) + t;
       }
     }

@@ -757,6 +757,47 @@ TEST(ParallelLayer, TokensInAnyOrderWithTheirGlobalIndexRouteAsOneRank) {
   }
 }
 
+// Callers that give no offsets (every rank at global_token_offset 0, as the Python module): the
+// ranks' tokens route in rank order, as one rank over their concatenation; the random drop policy,
+// which keys a draw by the token's index, refuses ranges that overlap.
+TEST(ParallelLayer, OverlappingTokenRangesRouteInRankOrder) {
+  const int w = 2;
+  const int64_t t_num = 24;
+  moe::LayerConfig c = SmallConfig(4, false, 0.75f);
+  const Inputs in = MakeInputs(c, t_num, 17);
+  moe::MoeLayer one(c);
+  const moe::LayerOutput want = one.Forward(in.params, in.x, {});
+  ASSERT_GT(want.dropped, 0);
+  ParallelOptions options;
+  options.mesh.world_size = w;
+  options.batch_scope = BatchScope::kGlobal;
+  comm::RunInProcess(w, [&](comm::Communicator& world) {
+    ParallelMoeLayer layer(c, options, MakeLayerGroups(world, c, options));
+    const int64_t begin = t_num / w * world.rank(), n = t_num / w;
+    const moe::LayerParams p = layer.ShardParams(in.params);
+    const ParallelOutput out = layer.Forward(p, in.x.Slice(begin, begin + n).Clone(), {});
+    for (int64_t i = 0; i < n * c.model_dim; ++i) {
+      EXPECT_NEAR(out.layer.y.data<float>()[i], want.y.data<float>()[begin * c.model_dim + i], 2e-5)
+          << "element " << i << " of rank " << world.rank();
+    }
+  });
+  c.drop_policy = moe::DropPolicy::kRandom;
+  std::vector<std::string> errors(w);
+  comm::RunInProcess(w, [&](comm::Communicator& world) {
+    ParallelMoeLayer layer(c, options, MakeLayerGroups(world, c, options));
+    const moe::LayerParams p = layer.ShardParams(in.params);
+    try {
+      layer.Forward(p, in.x.Slice(0, t_num / w).Clone(), {});
+    } catch (const InvalidArgument& e) {
+      errors[static_cast<size_t>(world.rank())] = e.what();
+    }
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("drop_policy random"), std::string::npos) << e;
+    EXPECT_NE(e.find("overlap"), std::string::npos) << e;
+  }
+}
+
 TEST(GateLossSums, SumsOfTwoHalvesGiveTheWholeBatchsLossesAndGradients) {
   for (moe::AuxLoss aux :
        {moe::AuxLoss::kGShard, moe::AuxLoss::kGShardAllChoices, moe::AuxLoss::kImportanceLoad}) {
