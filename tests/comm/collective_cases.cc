@@ -156,15 +156,17 @@ float BFloat16SumValue(int p, uint64_t i) {
 }  // namespace
 
 std::string Case::Name() const {
+  // Appended piece by piece: `"/" + std::string(...)` (a prepend) trips a GCC 12 -Wrestrict false
+  // positive.
   std::string s = std::string(CollectiveName(kind)) + "/" + std::string(AlgorithmName(algorithm)) +
                   "/" + std::string(DTypeName(dtype));
-  if (IsReduction(kind)) s += "/" + std::string(ReduceOpName(reduce_op));
-  s += "/n" + std::to_string(count);
+  if (IsReduction(kind)) s.append("/").append(ReduceOpName(reduce_op));
+  s.append("/n").append(std::to_string(count));
   if (kind == CollectiveKind::kBroadcast || kind == CollectiveKind::kReduce ||
       kind == CollectiveKind::kScatter || kind == CollectiveKind::kGather) {
-    s += "/root" + std::to_string(root);
+    s.append("/root").append(std::to_string(root));
   }
-  if (ranks_per_node > 0) s += "/L" + std::to_string(ranks_per_node);
+  if (ranks_per_node > 0) s.append("/L").append(std::to_string(ranks_per_node));
   if (in_place) s += "/inplace";
   return s;
 }
