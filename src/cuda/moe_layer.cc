@@ -43,6 +43,11 @@ void RequireSupported(const moe::LayerConfig& c) {
   }
   if (c.prescore) refuse("prescore", "true");
   if (c.aux_loss == moe::AuxLoss::kImportanceLoad) refuse("aux_loss", "importance_load");
+  if (c.aux_loss == moe::AuxLoss::kSequence) refuse("aux_loss", "sequence");
+  if (c.group_topk > 0) refuse("group_topk", std::to_string(c.group_topk));
+  if (c.topk_scaling_factor != 1.0f) {
+    refuse("topk_scaling_factor", fmt::format("{}", c.topk_scaling_factor));
+  }
   if (c.residual_moe) refuse("residual_moe", "true");
   if (c.shared_expert_hidden > 0) {
     refuse("shared_expert_hidden", std::to_string(c.shared_expert_hidden));

@@ -8,7 +8,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/device.h"
@@ -280,6 +282,28 @@ TEST(CudaLayer, RefusesUnsupportedOptions) {
   EXPECT_THROW(CudaMoeLayer(c, DType::kFloat32), InvalidArgument);
   c = Base(8, 8, 4, 2);
   EXPECT_THROW(CudaMoeLayer(c, DType::kInt32), InvalidArgument);
+  // The routers of the CPU layer the GPU does not run yet: refused by key, never ignored.
+  const std::vector<std::pair<std::string, std::function<void(moe::LayerConfig&)>>> routers = {
+      {"group_topk = 2",
+       [](moe::LayerConfig& r) {
+         r.num_groups = 4;
+         r.group_topk = 2;
+       }},
+      {"topk_scaling_factor = 2.5", [](moe::LayerConfig& r) { r.topk_scaling_factor = 2.5f; }},
+      {"aux_loss = sequence", [](moe::LayerConfig& r) {
+         r.aux_loss = moe::AuxLoss::kSequence;
+         r.sequence_length = 4;
+       }}};
+  for (const auto& [needle, set] : routers) {
+    c = Base(8, 8, 4, 2);
+    set(c);
+    try {
+      CudaMoeLayer layer(c, DType::kFloat32);
+      FAIL() << needle << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(CudaLayer, BFloat16ForwardNeedsPreparedWeights) {
