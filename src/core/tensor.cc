@@ -17,7 +17,10 @@ constexpr std::align_val_t kAlignment{64};
 
 std::shared_ptr<std::byte[]> Allocate(size_t bytes) {
   if (bytes == 0) return nullptr;
-  auto* p = static_cast<std::byte*>(::operator new[](bytes, kAlignment));
+  // The nothrow form: a refusal is a null pointer here, also under AddressSanitizer (whose
+  // throwing operator new ends the process instead; with allocator_may_return_null it returns).
+  auto* p = static_cast<std::byte*>(::operator new[](bytes, kAlignment, std::nothrow));
+  if (p == nullptr) throw std::bad_alloc();
   std::shared_ptr<MemoryAccount> account = CurrentMemoryAccount();
   if (account == nullptr) {
     return std::shared_ptr<std::byte[]>(p,
