@@ -278,6 +278,12 @@ void AtomicFileWriter::Commit() {
   SyncDirectory(DirName(target_));
 }
 
+OpenedRegularFile OpenRegularFile(const std::string& path) {
+  struct stat st {};
+  const int fd = OpenRegularFileForReading(path, &st);
+  return {fd, static_cast<uint64_t>(st.st_size)};
+}
+
 RandomAccessFile::RandomAccessFile(std::string path) : path_(std::move(path)) {
   struct stat st {};
   fd_ = OpenRegularFileForReading(path_, &st);

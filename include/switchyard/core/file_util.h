@@ -46,6 +46,15 @@ std::vector<std::byte> ReadFileBytes(const std::string& path);
 // The whole contents of a regular file as text (no decoding).
 std::string ReadTextFile(const std::string& path);
 
+// A read-only descriptor of `path` and its size, for readers that map or stream the file
+// themselves; the caller closes `fd`. The checks of ReadFileBytes, made without blocking: IoError
+// naming what the path is when it is not a regular file (a FIFO, device, socket, directory).
+struct OpenedRegularFile {
+  int fd = -1;
+  uint64_t size = 0;
+};
+OpenedRegularFile OpenRegularFile(const std::string& path);
+
 // Throws the IoError an atomic write to `path` would throw for the kind of path it is (a
 // directory, FIFO, device or socket, also behind symbolic links; a missing or non-directory
 // parent), without creating anything: lets a command refuse a bad output path before it does its
