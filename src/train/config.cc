@@ -94,8 +94,11 @@ std::string StringFromHexJson(const json& v, Bad&& bad) {
 struct ToJsonVisitor {
   json& j;
   template <typename T>
-  void operator()(const char* key, const T& v) {
-    if constexpr (std::is_same_v<T, NormKind>) {
+  void operator()(const ConfigKeyInfo& info, const T& v) {
+    const char* key = info.name;
+    if constexpr (config_keys::IsChoice<T>::value) {
+      j[key] = std::string(v.name());
+    } else if constexpr (std::is_same_v<T, NormKind>) {
       j[key] = std::string(NormKindName(v));
     } else if constexpr (std::is_same_v<T, kernels::Activation>) {
       j[key] = std::string(kernels::ActivationName(v));
@@ -115,7 +118,8 @@ struct FromJsonVisitor {
   const json& j;
   std::set<std::string>& used;
   template <typename T>
-  void operator()(const char* key, T& dst) {
+  void operator()(const ConfigKeyInfo& info, T& dst) {
+    const char* key = info.name;
     if (!j.contains(key)) return;
     used.insert(key);
     const json& v = j.at(key);
@@ -126,10 +130,16 @@ struct FromJsonVisitor {
     if constexpr (std::is_same_v<T, bool>) {
       if (!v.is_boolean()) throw bad("true or false");
       dst = v.get<bool>();
+    } else if constexpr (config_keys::IsChoice<T>::value) {
+      using E = typename T::Enum;
+      if (!v.is_string()) throw bad("one of " + ChoiceNamesText<E>());
+      const T parsed(v.get<std::string>());
+      SY_REQUIRE(parsed.valid(), InvalidArgument, "config: '{}' must be {}, got \"{}\"", key,
+                 ChoiceNamesText<E>(), parsed.name());
+      dst = parsed;
     } else if constexpr (std::is_same_v<T, std::string>) {
-      // Keys whose text may be a bare number (--adaptive_r 2, "smart_schedule": 2).
-      const std::string k = key;
-      const bool numeric = k == "adaptive_r" || k == "smart_schedule" || k == "shadow_experts";
+      // Text keys may be a bare number (--adaptive_r 2, "smart_schedule": 2).
+      const bool numeric = info.values.kind == KeyValues::Kind::kText;
       if (numeric && v.is_number_integer()) {
         dst = std::to_string(v.get<int64_t>());
         return;
@@ -214,16 +224,18 @@ struct FromJsonVisitor {
   }
 };
 
+// Every key as a JSON object (TrainConfigToJson's text).
+json ConfigJson(const TrainConfig& config) {
+  json j = json::object();
+  VisitFields(config, ToJsonVisitor{j});
+  return j;
+}
+
 }  // namespace
 
 std::string StringToJsonValue(const std::string& text) { return StringJson(text).dump(); }
 
-std::string TrainConfigToJson(const TrainConfig& config) {
-  json j = json::object();
-  TrainConfig c = config;
-  VisitFields(c, ToJsonVisitor{j});
-  return j.dump(2);
-}
+std::string TrainConfigToJson(const TrainConfig& config) { return ConfigJson(config).dump(2); }
 
 TrainConfig TrainConfigFromJson(std::string_view json_text, const TrainConfig& base) {
   json j;
@@ -243,103 +255,55 @@ TrainConfig TrainConfigFromJson(std::string_view json_text, const TrainConfig& b
   return c;
 }
 
-std::vector<ConfigKey> TrainConfigKeys() {
-  static const std::map<std::string, std::string> kHelp = {
-      {"vocab_size", "vocabulary size (256: bytes)"},
-      {"seq_len", "context length in tokens"},
-      {"model_dim", "model (hidden) dimension"},
-      {"num_layers", "transformer blocks"},
-      {"num_heads", "attention heads (divide model_dim)"},
-      {"hidden_dim", "hidden size of the dense FFN"},
-      {"norm", "layernorm | rmsnorm"},
-      {"activation", "FFN activation: gelu | relu | silu"},
-      {"tied_head", "output head shares the embedding (true | false)"},
-      {"moe_every", "MoE FFN in blocks i with i % N == N - 1 (0: dense model)"},
-      {"init_std", "std of the normal initialization"},
-      {"num_experts", "experts per MoE layer"},
-      {"experts_per_block",
-       "experts of each MoE block, e.g. 4,8 (PR-MoE pyramid; default: num_experts)"},
-      {"top_k", "experts chosen per token"},
-      {"capacity_factor", "expert capacity factor (0: no drops)"},
-      {"expert_hidden_dim", "hidden size of an expert (0: hidden_dim)"},
-      {"aux_loss_coef", "load-balancing loss coefficient"},
-      {"z_loss_coef", "router z-loss coefficient"},
-      {"moe_layer_config", "layer.json with the other MoE options (preset, drop policy, ...)"},
-      {"check_finite", "MoE blocks reject non-finite inputs (true | false)"},
-      {"routing_scope", "MoE capacity, drops and balancing losses over: global | per_rank"},
-      {"data", "training text: files and directories, comma-separated (default: fortunes)"},
-      {"val_data", "held-out text for the validation loss, as data (default: val_fraction)"},
-      {"val_fraction", "fraction of records held out for the validation loss"},
-      {"steps", "training steps"},
-      {"batch_size", "sequences per step (global)"},
-      {"lr", "peak learning rate"},
-      {"min_lr", "final learning rate of the cosine decay"},
-      {"warmup_steps", "linear warm-up steps"},
-      {"weight_decay", "AdamW decoupled weight decay"},
-      {"beta1", "AdamW beta1"},
-      {"beta2", "AdamW beta2"},
-      {"adam_eps", "AdamW epsilon"},
-      {"grad_clip", "max global gradient norm (0: off)"},
-      {"nonfinite", "a non-finite loss or gradient norm: stop (error, default) | skip the step"},
-      {"seed", "seed of initialization, data and sampling"},
-      {"out", "run directory"},
-      {"log_every", "metrics line every N steps"},
-      {"eval_every", "validation loss every N steps (0: at the end)"},
-      {"eval_tokens", "held-out tokens per evaluation (0: all)"},
-      {"checkpoint_every", "checkpoint every N steps (0: at the end)"},
-      {"keep_checkpoints", "checkpoints kept (0: all)"},
-      {"sample_tokens", "bytes of text generated at the end"},
-      {"temperature", "sampling temperature"},
-      {"threads", "compute threads (0: the threading policy)"},
-      {"trace_step", "write step N's timeline (every rank) to <out>/trace.json (0: none)"},
-      {"ranks", "ranks (threads of this process; under mpirun: the MPI world)"},
-      {"ep", "expert-parallel size (0: all ranks)"},
-      {"zero_stage", "ZeRO stage of the optimizer: 0, 1, 2 or 3"},
-      {"overlap_grad_reduce", "reduce gradient buckets while the backward goes on"},
-      {"bucket_mb", "gradient bucket size in MiB (0: one bucket per block)"},
-      {"dispatch", "MoE dispatcher: alltoall | alltoallv | allgather"},
-      {"overlap_degree", "a2a-FFN overlap degree D of the MoE blocks (1: none)"},
-      {"adaptive_r", "Tutel's adaptive r: default | auto | R | R0,R1,... (one per step, in turn)"},
-      {"a2a_algo", "MoE token all-to-all: flat | 2dh (hierarchical)"},
-      {"a2a_ranks_per_node", "ranks per node of the 2dh all-to-all (0: the machine's)"},
-      {"smart_schedule", "FasterMoE's smart schedule: off | auto | group size g"},
-      {"shadow_experts", "FasterMoE's shadow experts: none | auto | E1,E2,..."},
-      {"tp", "tensor-parallel size (divides ranks, num_heads, hidden_dim, vocab_size)"},
-      {"sequence_parallel", "shard norms and the residual stream along the sequence over tp"},
-      {"tp_comm_overlap", "sequence-parallel all-gather/reduce-scatter as rings under the GEMMs"},
-      {"arrangement", "experts beside tp: auto | deepspeed | megatron"},
-      {"etp", "expert tensor-parallel size (megatron arrangement)"},
-      {"cp", "context-parallel size: each sequence split over cp ranks"},
-      {"cp_algo", "context-parallel attention: ring | ulysses"},
-      {"attention_core",
-       "auto | softmax (keeps [seq, seq] probabilities) | flash (log-sum-exp, no [seq, seq]); "
-       "auto: flash with cp > 1"},
-      {"memory_budget_mib",
-       "refuse a layout whose per-rank memory estimate exceeds this (0: none)"},
-      {"microbatches", "micro-batches per step (gradient accumulation; divides batch_size)"},
-      {"recompute", "activation recomputation: none | full (per block) | selective (attention)"},
-      {"precision", "fp32 | bf16 (bfloat16 GEMM operands and saved activations, fp32 master)"},
-      {"pp", "pipeline stages (divides ranks / tp)"},
-      {"pipeline_schedule", "pipeline schedule: fthenb | 1f1b | interleaved | zb-h1"},
-      {"virtual_stages", "model chunks per pipeline stage (interleaved schedule)"},
-      {"pipeline_split", "blocks per virtual stage, e.g. 1,3 (empty: even)"},
+namespace {
+
+// Static checks of config_keys.def: each row's value kind fits its field's type.
+using namespace config_keys;  // NOLINT(google-build-using-namespace): the table's vocabulary
+#define SY_TRAIN_KEY(key, Type, default_value, category, resume, values, ...) \
+  static_assert(KindFits<Type>(values.kind), "config_keys.def: '" #key "': wrong value kind");
+#define SY_MODEL_KEY(key, category, resume, values, ...)           \
+  static_assert(KindFits<decltype(ModelConfig::key)>(values.kind), \
+                "config_keys.def: '" #key "': wrong value kind");
+#include "switchyard/train/config_keys.def"
+#undef SY_TRAIN_KEY
+#undef SY_MODEL_KEY
+
+}  // namespace
+
+const std::vector<ConfigKeyInfo>& TrainConfigTable() {
+  static const std::vector<ConfigKeyInfo> kTable = {
+#define SY_MODEL_KEY(key, category, resume, values, layer_key, help) \
+  {#key, category, resume, values, layer_key, help},
+#define SY_TRAIN_KEY(key, Type, default_value, ...) SY_MODEL_KEY(key, __VA_ARGS__)
+#include "switchyard/train/config_keys.def"
+#undef SY_TRAIN_KEY
+#undef SY_MODEL_KEY
   };
+  return kTable;
+}
+
+const ConfigKeyInfo* FindConfigKey(std::string_view key) {
+  for (const ConfigKeyInfo& info : TrainConfigTable()) {
+    if (key == info.name) return &info;
+  }
+  return nullptr;
+}
+
+std::vector<ConfigKey> TrainConfigKeys() {
   std::vector<ConfigKey> keys;
-  TrainConfig c;
-  VisitFields(c, [&](const char* key, auto& field) {
-    auto it = kHelp.find(key);
-    SY_CHECK(it != kHelp.end(), "no help for config key '{}'", key);
-    using T = std::decay_t<decltype(field)>;
-    const std::string k = key;
-    const char* type = std::is_same_v<T, std::vector<int64_t>> ? "LIST"
-                       : std::is_same_v<T, bool>               ? "BOOL"
-                       : std::is_integral_v<T>                 ? "INT"
-                       : std::is_floating_point_v<T>           ? "FLOAT"
-                       : k == "data" || k == "val_data" || k == "out" || k == "moe_layer_config"
-                           ? "PATH"
-                           : "NAME";
-    keys.push_back({key, it->second, type});
-  });
+  for (const ConfigKeyInfo& info : TrainConfigTable()) {
+    const char* type = "";
+    switch (info.values.kind) {
+      case KeyValues::Kind::kInt: type = "INT"; break;
+      case KeyValues::Kind::kFloat: type = "FLOAT"; break;
+      case KeyValues::Kind::kBool: type = "BOOL"; break;
+      case KeyValues::Kind::kPath: type = "PATH"; break;
+      case KeyValues::Kind::kText:
+      case KeyValues::Kind::kChoice: type = "NAME"; break;
+      case KeyValues::Kind::kList: type = "LIST"; break;
+    }
+    keys.push_back({info.name, info.help, type});
+  }
   return keys;
 }
 
@@ -388,16 +352,15 @@ moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
                "and its evaluations without them; remove the key",
                c.moe_layer_config);
   }
-  j["model_dim"] = c.model.model_dim;
+  // The keys with a layer_key in config_keys.def, over the file's values.
+  const json mine = ConfigJson(c);
+  for (const ConfigKeyInfo& info : TrainConfigTable()) {
+    if (*info.layer_key == '\0') continue;
+    // check_finite false keeps the file's value.
+    if (std::string_view(info.name) == "check_finite" && !c.check_finite) continue;
+    j[info.layer_key] = mine.at(info.name);
+  }
   j["hidden_dim"] = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : c.model.hidden_dim;
-  j["num_experts"] = c.num_experts;
-  j["top_k"] = c.top_k;
-  j["capacity_factor"] = c.capacity_factor;
-  j["aux_loss_coef"] = c.aux_loss_coef;
-  j["z_loss_coef"] = c.z_loss_coef;
-  j["activation"] = std::string(kernels::ActivationName(c.model.activation));
-  j["seed"] = c.seed;
-  if (c.check_finite) j["check_finite"] = true;  // false keeps the file's value
   return moe::LayerConfigFromJson(j.dump());
 }
 
@@ -426,42 +389,22 @@ int AdaptiveRAtStep(std::string_view adaptive_r, int64_t step) {
 namespace switchyard::train {
 
 const std::vector<std::string>& ResumeMustMatchKeys() {
-  static const std::vector<std::string> kKeys = {
-      "vocab_size",        "seq_len",    "model_dim",   "num_layers",
-      "num_heads",         "hidden_dim", "norm",        "activation",
-      "tied_head",         "moe_every",  "num_experts", "top_k",
-      "expert_hidden_dim", "seed",       "batch_size",  "experts_per_block"};
+  static const std::vector<std::string> kKeys = [] {
+    std::vector<std::string> keys;
+    for (const ConfigKeyInfo& info : TrainConfigTable()) {
+      if (info.resume == KeyResume::kMustMatch) keys.emplace_back(info.name);
+    }
+    return keys;
+  }();
   return kKeys;
 }
 
 bool IsLayoutKey(std::string_view key) {
-  return key == "ranks" || key == "ep" || key == "zero_stage" || key == "overlap_grad_reduce" ||
-         key == "bucket_mb" || key == "dispatch" || key == "overlap_degree" || key == "threads" ||
-         key == "tp" || key == "sequence_parallel" || key == "tp_comm_overlap" ||
-         key == "arrangement" || key == "etp" || key == "pp" || key == "pipeline_schedule" ||
-         key == "virtual_stages" || key == "pipeline_split" || key == "cp" || key == "cp_algo" ||
-         key == "attention_core" || key == "memory_budget_mib" || key == "adaptive_r" ||
-         key == "a2a_algo" || key == "a2a_ranks_per_node" || key == "smart_schedule" ||
-         key == "shadow_experts" || key == "trace_step";
+  const ConfigKeyInfo* info = FindConfigKey(key);
+  return info != nullptr && info->category == KeyCategory::kLayout;
 }
 
 namespace {
-
-// The MoE layer keys that are also TrainConfig keys: layer.json key -> TrainConfig key.
-// (hidden_dim is the experts' hidden size, TrainConfig's expert_hidden_dim or, when that is 0,
-// hidden_dim.)
-constexpr std::pair<const char*, const char*> kSharedMoeKeys[] = {
-    {"model_dim", "model_dim"},
-    {"hidden_dim", "expert_hidden_dim"},
-    {"num_experts", "num_experts"},
-    {"top_k", "top_k"},
-    {"capacity_factor", "capacity_factor"},
-    {"aux_loss_coef", "aux_loss_coef"},
-    {"z_loss_coef", "z_loss_coef"},
-    {"activation", "activation"},
-    {"seed", "seed"},
-    {"check_finite", "check_finite"},
-};
 
 // Takes the moe_layer_config file's values for the shared keys no source set explicitly;
 // collects the keys whose explicit values disagree with the file's.
@@ -471,10 +414,14 @@ void ApplyMoeLayerFile(ResolvedTrainConfig& r) {
   const json file = ParseJsonStrict(ReadTextFile(c.moe_layer_config), c.moe_layer_config);
   SY_REQUIRE(file.is_object(), InvalidArgument, "{}: expected a JSON object", c.moe_layer_config);
   std::vector<std::string> conflicts;
-  for (const auto& [layer_key, train_key] : kSharedMoeKeys) {
-    if (!file.contains(layer_key)) continue;
+  // The keys with a layer_key in config_keys.def. (The layer's hidden_dim is the experts' hidden
+  // size: expert_hidden_dim or, when that is 0, hidden_dim.)
+  for (const ConfigKeyInfo& info : TrainConfigTable()) {
+    const char* layer_key = info.layer_key;
+    const char* train_key = info.name;
+    if (*layer_key == '\0' || !file.contains(layer_key)) continue;
     const json& theirs = file.at(layer_key);
-    const json all = json::parse(TrainConfigToJson(c));
+    const json all = ConfigJson(c);
     json mine = all.at(train_key);
     std::string key = train_key;
     auto source = r.explicit_keys.find(key);

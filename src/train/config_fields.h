@@ -1,88 +1,91 @@
 // The fields of a TrainConfig by key, for the config's JSON forms (config.cc) and its
-// validation (config_validate.cc). Private to src/train.
+// validation (config_validate.cc), generated from config_keys.def. Private to src/train.
 #pragma once
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
 
 #include "switchyard/train/config.h"
 
 namespace switchyard::train {
 
-// Calls fn(key, field) for every option, in a fixed order (the JSON key order).
+// The vocabulary of config_keys.def's columns.
+namespace config_keys {
+
+inline constexpr int64_t kMaxRanks = 4096;  // as `switchyard layer`
+inline constexpr int64_t kMaxThreads = 256;
+inline constexpr int64_t kMaxExperts = int64_t{1} << 20;
+inline constexpr int64_t kNoIntBound = std::numeric_limits<int64_t>::max();
+inline constexpr double kNoFloatBound = 1e30;
+
+inline constexpr KeyCategory kModel = KeyCategory::kModel;
+inline constexpr KeyCategory kRun = KeyCategory::kRun;
+inline constexpr KeyCategory kLayout = KeyCategory::kLayout;
+inline constexpr KeyResume kMustMatch = KeyResume::kMustMatch;
+inline constexpr KeyResume kMayDiffer = KeyResume::kMayDiffer;
+
+using Kind = KeyValues::Kind;
+constexpr KeyValues Int() { return {.kind = Kind::kInt}; }
+constexpr KeyValues Int(int64_t lo, int64_t hi = kNoIntBound) {
+  return {.kind = Kind::kInt, .ranged = true, .int_lo = lo, .int_hi = hi};
+}
+constexpr KeyValues Float() { return {.kind = Kind::kFloat}; }
+constexpr KeyValues Float(double lo, double hi = kNoFloatBound) {
+  return {.kind = Kind::kFloat, .ranged = true, .float_lo = lo, .float_hi = hi};
+}
+constexpr KeyValues FloatBelow(double lo, double hi) {
+  KeyValues v = Float(lo, hi);
+  v.open_hi = true;
+  return v;
+}
+constexpr KeyValues MiB(double lo, double hi) {
+  KeyValues v = Float(lo, hi);
+  v.unit = " MiB";
+  return v;
+}
+constexpr KeyValues Bool() { return {.kind = Kind::kBool}; }
+constexpr KeyValues Path() { return {.kind = Kind::kPath}; }
+constexpr KeyValues Text() { return {.kind = Kind::kText}; }
+constexpr KeyValues Names() { return {.kind = Kind::kChoice}; }
+constexpr KeyValues Counts() { return {.kind = Kind::kList}; }
+constexpr KeyValues Counts(int64_t lo, int64_t hi) {
+  return {.kind = Kind::kList, .ranged = true, .int_lo = lo, .int_hi = hi};
+}
+
+template <typename T>
+struct IsChoice : std::false_type {};
+template <typename E>
+struct IsChoice<Choice<E>> : std::true_type {};
+
+// Whether a field of type T can hold a value of `kind` (checked per row at compile time).
+template <typename T>
+constexpr bool KindFits(Kind kind) {
+  switch (kind) {
+    case Kind::kInt: return std::is_integral_v<T> && !std::is_same_v<T, bool>;
+    case Kind::kFloat: return std::is_floating_point_v<T>;
+    case Kind::kBool: return std::is_same_v<T, bool>;
+    case Kind::kPath:
+    case Kind::kText: return std::is_same_v<T, std::string>;
+    case Kind::kChoice: return IsChoice<T>::value || std::is_enum_v<T>;
+    case Kind::kList: return std::is_same_v<T, std::vector<int64_t>>;
+  }
+  return false;
+}
+
+}  // namespace config_keys
+
+// Calls fn(info, field) for every key, in config_keys.def's order (the JSON key order), with
+// `info` its row of TrainConfigTable().
 template <typename Config, typename Fn>
 void VisitFields(Config& c, Fn&& fn) {
-  fn("vocab_size", c.model.vocab_size);
-  fn("seq_len", c.model.seq_len);
-  fn("model_dim", c.model.model_dim);
-  fn("num_layers", c.model.num_layers);
-  fn("num_heads", c.model.num_heads);
-  fn("hidden_dim", c.model.hidden_dim);
-  fn("norm", c.model.norm);
-  fn("activation", c.model.activation);
-  fn("tied_head", c.model.tied_head);
-  fn("moe_every", c.model.moe_every);
-  fn("init_std", c.model.init_std);
-  fn("num_experts", c.num_experts);
-  fn("experts_per_block", c.experts_per_block);
-  fn("top_k", c.top_k);
-  fn("capacity_factor", c.capacity_factor);
-  fn("expert_hidden_dim", c.expert_hidden_dim);
-  fn("aux_loss_coef", c.aux_loss_coef);
-  fn("z_loss_coef", c.z_loss_coef);
-  fn("moe_layer_config", c.moe_layer_config);
-  fn("check_finite", c.check_finite);
-  fn("routing_scope", c.routing_scope);
-  fn("data", c.data);
-  fn("val_data", c.val_data);
-  fn("val_fraction", c.val_fraction);
-  fn("steps", c.steps);
-  fn("batch_size", c.batch_size);
-  fn("lr", c.lr);
-  fn("min_lr", c.min_lr);
-  fn("warmup_steps", c.warmup_steps);
-  fn("weight_decay", c.weight_decay);
-  fn("beta1", c.beta1);
-  fn("beta2", c.beta2);
-  fn("adam_eps", c.adam_eps);
-  fn("grad_clip", c.grad_clip);
-  fn("nonfinite", c.nonfinite);
-  fn("seed", c.seed);
-  fn("out", c.out);
-  fn("log_every", c.log_every);
-  fn("eval_every", c.eval_every);
-  fn("eval_tokens", c.eval_tokens);
-  fn("checkpoint_every", c.checkpoint_every);
-  fn("keep_checkpoints", c.keep_checkpoints);
-  fn("sample_tokens", c.sample_tokens);
-  fn("temperature", c.temperature);
-  fn("threads", c.threads);
-  fn("trace_step", c.trace_step);
-  fn("ranks", c.ranks);
-  fn("ep", c.ep);
-  fn("zero_stage", c.zero_stage);
-  fn("overlap_grad_reduce", c.overlap_grad_reduce);
-  fn("bucket_mb", c.bucket_mb);
-  fn("dispatch", c.dispatch);
-  fn("overlap_degree", c.overlap_degree);
-  fn("adaptive_r", c.adaptive_r);
-  fn("a2a_algo", c.a2a_algo);
-  fn("a2a_ranks_per_node", c.a2a_ranks_per_node);
-  fn("smart_schedule", c.smart_schedule);
-  fn("shadow_experts", c.shadow_experts);
-  fn("tp", c.tp);
-  fn("sequence_parallel", c.sequence_parallel);
-  fn("tp_comm_overlap", c.tp_comm_overlap);
-  fn("arrangement", c.arrangement);
-  fn("etp", c.etp);
-  fn("cp", c.cp);
-  fn("cp_algo", c.cp_algo);
-  fn("attention_core", c.attention_core);
-  fn("memory_budget_mib", c.memory_budget_mib);
-  fn("microbatches", c.microbatches);
-  fn("recompute", c.model.recompute);
-  fn("precision", c.model.precision);
-  fn("pp", c.pp);
-  fn("pipeline_schedule", c.pipeline_schedule);
-  fn("virtual_stages", c.virtual_stages);
-  fn("pipeline_split", c.pipeline_split);
+  const std::vector<ConfigKeyInfo>& table = TrainConfigTable();
+  size_t i = 0;
+#define SY_TRAIN_KEY(key, ...) fn(table[i++], c.key);
+#define SY_MODEL_KEY(key, ...) fn(table[i++], c.model.key);
+#include "switchyard/train/config_keys.def"
+#undef SY_TRAIN_KEY
+#undef SY_MODEL_KEY
 }
 
 }  // namespace switchyard::train

@@ -1,6 +1,7 @@
 // ValidateTrainConfig: every check of a run's keys, in one place (config.h).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -22,109 +23,50 @@ using nlohmann::json;
 
 namespace {
 
-// The range of every integer key, checked on the full 64-bit value before anything narrows it
-// (the layout sizes become `int`: a value such as 2^32 + 1 would wrap to 1). Keys not listed
-// here are checked by ValidateModelConfig or below.
-struct IntRange {
-  const char* key;
-  int64_t lo, hi;
-};
-constexpr int64_t kMaxRanks = 4096;  // as `switchyard layer`
-constexpr int64_t kMaxThreads = 256;
-constexpr int64_t kAny = std::numeric_limits<int64_t>::max();
-constexpr IntRange kIntRanges[] = {
-    {"num_experts", 1, int64_t{1} << 20},
-    {"top_k", 1, int64_t{1} << 20},
-    {"expert_hidden_dim", 0, int64_t{1} << 24},
-    {"steps", 0, kAny},
-    {"batch_size", 1, kAny},
-    {"warmup_steps", 0, kAny},
-    {"log_every", 1, kAny},
-    {"eval_every", 0, kAny},
-    {"eval_tokens", 0, kAny},
-    {"checkpoint_every", 0, kAny},
-    {"keep_checkpoints", 0, kAny},
-    {"sample_tokens", 0, kAny},
-    {"threads", 0, kMaxThreads},
-    {"trace_step", 0, kAny},
-    {"ranks", 1, kMaxRanks},
-    {"ep", 0, kMaxRanks},
-    {"zero_stage", 0, 3},
-    {"overlap_degree", 1, 1024},
-    {"a2a_ranks_per_node", 0, kMaxRanks},
-    {"tp", 1, kMaxRanks},
-    {"etp", 1, kMaxRanks},
-    {"cp", 1, kMaxRanks},
-    {"microbatches", 1, int64_t{1} << 20},
-    {"pp", 1, kMaxRanks},
-    {"virtual_stages", 1, kMaxRanks},
-};
-
-// The range of every float key: finite, in [lo, hi] (hi exclusive when `open_hi`).
-struct FloatRange {
-  const char* key;
-  double lo, hi;
-  bool open_hi = false;
-  const char* unit = "";
-};
-constexpr double kHuge = 1e30;
-constexpr FloatRange kFloatRanges[] = {
-    // |cf| beyond the experts of a block changes nothing; 1e6 keeps every size derived from it
-    // in range.
-    {"capacity_factor", -1e6, 1e6},
-    {"aux_loss_coef", 0, kHuge},
-    {"z_loss_coef", 0, kHuge},
-    {"val_fraction", 0, 0.5},
-    {"lr", 0, kHuge},
-    {"min_lr", 0, kHuge},
-    {"weight_decay", 0, kHuge},
-    {"beta1", 0, 1, true},
-    {"beta2", 0, 1, true},
-    {"adam_eps", 0, kHuge},
-    {"grad_clip", 0, kHuge},
-    {"temperature", 0, kHuge},
-    {"bucket_mb", 0, double{1 << 20}, false, " MiB"},
-    {"memory_budget_mib", 0, double{1 << 30}, false, " MiB"},
-};
-
+// The range of every number key (config_keys.def's values column), checked on the full 64-bit
+// value before anything narrows it (the layout sizes become `int`: a value such as 2^32 + 1
+// would wrap to 1); every float key must be finite. Keys without a range there are checked by
+// ValidateModelConfig or below. Choice keys must hold one of their names.
 void CheckRanges(const TrainConfig& config) {
-  TrainConfig c = config;
-  VisitFields(c, [](const char* key, const auto& v) {
+  VisitFields(config, [](const ConfigKeyInfo& info, const auto& v) {
     using T = std::decay_t<decltype(v)>;
-    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool> && std::is_signed_v<T>) {
-      for (const IntRange& r : kIntRanges) {
-        if (std::string_view(r.key) != key) continue;
-        const auto x = static_cast<int64_t>(v);
-        if (r.hi == kAny) {
-          SY_REQUIRE(x >= r.lo, InvalidArgument, "config: '{}' must be >= {}, got {}", key, r.lo,
-                     x);
-        } else {
-          SY_REQUIRE(x >= r.lo && x <= r.hi, InvalidArgument,
-                     "config: '{}' must be in [{}, {}], got {}", key, r.lo, r.hi, x);
-        }
+    const char* key = info.name;
+    const KeyValues& r = info.values;
+    if constexpr (config_keys::IsChoice<T>::value) {
+      SY_REQUIRE(v.valid(), InvalidArgument, "config: '{}' must be {}, got \"{}\"", key,
+                 ChoiceNamesText<typename T::Enum>(), v.name());
+    } else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool> && std::is_signed_v<T>) {
+      if (!r.ranged) return;
+      const auto x = static_cast<int64_t>(v);
+      if (r.int_hi == config_keys::kNoIntBound) {
+        SY_REQUIRE(x >= r.int_lo, InvalidArgument, "config: '{}' must be >= {}, got {}", key,
+                   r.int_lo, x);
+      } else {
+        SY_REQUIRE(x >= r.int_lo && x <= r.int_hi, InvalidArgument,
+                   "config: '{}' must be in [{}, {}], got {}", key, r.int_lo, r.int_hi, x);
       }
     } else if constexpr (std::is_floating_point_v<T>) {
-      for (const FloatRange& r : kFloatRanges) {
-        if (std::string_view(r.key) != key) continue;
-        const auto x = static_cast<double>(v);
-        const bool ok = std::isfinite(x) && x >= r.lo && (r.open_hi ? x < r.hi : x <= r.hi);
-        if (r.hi == kHuge) {
-          SY_REQUIRE(ok, InvalidArgument, "config: '{}' must be a finite number >= {}, got {}", key,
-                     r.lo, x);
-        } else {
-          SY_REQUIRE(ok, InvalidArgument,
-                     "config: '{}' must be a finite number in [{}, {}{}{}, got {}", key, r.lo, r.hi,
-                     r.open_hi ? ")" : "]", r.unit, x);
-        }
+      if (!r.ranged) return;
+      const auto x = static_cast<double>(v);
+      const bool ok =
+          std::isfinite(x) && x >= r.float_lo && (r.open_hi ? x < r.float_hi : x <= r.float_hi);
+      if (r.float_hi == config_keys::kNoFloatBound) {
+        SY_REQUIRE(ok, InvalidArgument, "config: '{}' must be a finite number >= {}, got {}", key,
+                   r.float_lo, x);
+      } else {
+        SY_REQUIRE(ok, InvalidArgument,
+                   "config: '{}' must be a finite number in [{}, {}{}{}, got {}", key, r.float_lo,
+                   r.float_hi, r.open_hi ? ")" : "]", r.unit, x);
+      }
+    } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+      // Counts of lists: each entry as a key of its own.
+      if (!r.ranged) return;
+      for (int64_t e : v) {
+        SY_REQUIRE(e >= r.int_lo && e <= r.int_hi, InvalidArgument,
+                   "config: '{}': expected counts in [{}, {}], got {}", key, r.int_lo, r.int_hi, e);
       }
     }
   });
-  // Counts of lists: each entry as a key of its own.
-  for (int64_t e : config.experts_per_block) {
-    SY_REQUIRE(e >= 1 && e <= (int64_t{1} << 20), InvalidArgument,
-               "config: 'experts_per_block': expected counts in [1, {}], got {}", int64_t{1} << 20,
-               e);
-  }
   for (int64_t b : config.pipeline_split) {
     SY_REQUIRE(b >= 1 && b <= config.model.num_layers, InvalidArgument,
                "config: 'pipeline_split': every virtual stage needs >= 1 block and at most "
@@ -134,6 +76,52 @@ void CheckRanges(const TrainConfig& config) {
 }
 
 }  // namespace
+
+ResolvedLayout ResolveLayout(const TrainConfig& c, int world_size) {
+  SY_REQUIRE(world_size >= 1, InvalidArgument, "ranks: expected >= 1, got {}", world_size);
+  SY_REQUIRE(c.tp >= 1 && c.pp >= 1 && c.cp >= 1 && c.etp >= 1 && c.ep >= 0, InvalidArgument,
+             "config: 'tp' {}, 'pp' {}, 'cp' {} and 'etp' {} must be >= 1, 'ep' {} >= 0", c.tp,
+             c.pp, c.cp, c.etp, c.ep);
+  // The rule "tp x pp x cp divides the ranks", here only.
+  SY_REQUIRE(world_size % (c.tp * c.pp) == 0, InvalidArgument,
+             "config: {} must divide 'ranks' {} (data-parallel size ranks / (tp x pp))",
+             c.tp == 1   ? fmt::format("'pp' {}", c.pp)
+             : c.pp == 1 ? fmt::format("'tp' {}", c.tp)
+                         : fmt::format("'tp' {} x 'pp' {}", c.tp, c.pp),
+             world_size);
+  SY_REQUIRE(world_size % (c.tp * c.pp * c.cp) == 0, InvalidArgument,
+             "config: 'cp' {} x 'tp' {} x 'pp' {} must divide 'ranks' {} (data-parallel size "
+             "ranks / (tp x pp x cp))",
+             c.cp, c.tp, c.pp, world_size);
+  ResolvedLayout l;
+  l.world_size = world_size;
+  l.tp = static_cast<int>(c.tp);
+  l.pp = static_cast<int>(c.pp);
+  l.cp = static_cast<int>(c.cp);
+  l.etp = static_cast<int>(c.etp);
+  l.dp = world_size / (l.tp * l.pp * l.cp);
+  switch (c.arrangement.value()) {
+    case ArrangementChoice::kAuto:
+      l.arrangement = c.sequence_parallel ? parallel::Arrangement::kMegatron
+                                          : parallel::Arrangement::kDeepSpeed;
+      break;
+    case ArrangementChoice::kDeepSpeed: l.arrangement = parallel::Arrangement::kDeepSpeed; break;
+    case ArrangementChoice::kMegatron: l.arrangement = parallel::Arrangement::kMegatron; break;
+  }
+  // ep 0: as large as the arrangement allows. DeepSpeed's EP groups sit inside the data-parallel
+  // ranks of each tp rank, Megatron's fold over all ranks of the etp groups.
+  if (c.ep > 0) {
+    l.ep = static_cast<int>(c.ep);
+  } else if (l.arrangement == parallel::Arrangement::kMegatron) {
+    l.ep = std::max(1, world_size / (l.etp * l.pp));
+  } else {
+    l.ep = std::max(1, world_size / (l.tp * l.pp));
+  }
+  l.attention_core = c.attention_core != AttentionCore::kAuto ? c.attention_core.value()
+                     : c.cp > 1                               ? AttentionCore::kFlash
+                                                              : AttentionCore::kSoftmax;
+  return l;
+}
 
 void ValidateTrainConfig(const TrainConfig& c) {
   ValidateModelConfig(c.model);
@@ -159,14 +147,9 @@ void ValidateTrainConfig(const TrainConfig& c) {
   SY_REQUIRE(!c.tp_comm_overlap || c.sequence_parallel, InvalidArgument,
              "config: 'tp_comm_overlap' overlaps the sequence-parallel collectives: it needs "
              "'sequence_parallel' true");
-  SY_REQUIRE(c.arrangement == "auto" || c.arrangement == "deepspeed" || c.arrangement == "megatron",
-             InvalidArgument,
-             "config: 'arrangement' must be \"auto\", \"deepspeed\" or \"megatron\", got \"{}\"",
-             c.arrangement);
+  // The layout sizes are in range (CheckRanges): tp x pp x cp divides ranks (ResolveLayout).
+  (void)ResolveLayout(c, static_cast<int>(c.ranks));
   if (c.tp > 1) {
-    SY_REQUIRE(c.ranks % c.tp == 0, InvalidArgument,
-               "config: 'tp' {} must divide 'ranks' {} (data-parallel size ranks / tp)", c.tp,
-               c.ranks);
     for (const auto& [key, v] : {std::pair<const char*, int64_t>{"num_heads", c.model.num_heads},
                                  {"hidden_dim", c.model.hidden_dim},
                                  {"vocab_size", c.model.vocab_size}}) {
@@ -176,15 +159,8 @@ void ValidateTrainConfig(const TrainConfig& c) {
                  key, v, c.tp);
     }
   }
-  SY_REQUIRE(c.cp_algo == "ring" || c.cp_algo == "ulysses", InvalidArgument,
-             "config: 'cp_algo' must be \"ring\" or \"ulysses\", got \"{}\"", c.cp_algo);
-  SY_REQUIRE(
-      c.attention_core == "auto" || c.attention_core == "softmax" || c.attention_core == "flash",
-      InvalidArgument,
-      "config: 'attention_core' must be \"auto\", \"softmax\" or \"flash\", got \"{}\"",
-      c.attention_core);
   if (c.cp > 1) {
-    SY_REQUIRE(c.attention_core != "softmax", InvalidArgument,
+    SY_REQUIRE(c.attention_core != AttentionCore::kSoftmax, InvalidArgument,
                "config: 'attention_core' softmax keeps the whole [seq_len, seq_len] "
                "probabilities on one rank, which 'cp' {} splits: use \"auto\" or \"flash\"",
                c.cp);
@@ -192,7 +168,8 @@ void ValidateTrainConfig(const TrainConfig& c) {
                "config: 'seq_len' {} does not split over 'cp' {} ranks: the load-balanced "
                "(zigzag) split needs a multiple of 2 x cp = {}",
                c.model.seq_len, c.cp, 2 * c.cp);
-    SY_REQUIRE(c.cp_algo != "ulysses" || c.model.num_heads % (c.cp * c.tp) == 0, InvalidArgument,
+    SY_REQUIRE(c.cp_algo != CpAlgorithm::kUlysses || c.model.num_heads % (c.cp * c.tp) == 0,
+               InvalidArgument,
                "config: 'cp_algo' ulysses splits each tensor-parallel rank's heads over the cp "
                "ranks: 'num_heads' {} does not divide by 'tp' {} x 'cp' {} = {}",
                c.model.num_heads, c.tp, c.cp, c.tp * c.cp);
@@ -208,19 +185,11 @@ void ValidateTrainConfig(const TrainConfig& c) {
   SY_REQUIRE(c.batch_size % c.microbatches == 0, InvalidArgument,
              "config: 'batch_size' {} does not divide into 'microbatches' {} equal micro-batches",
              c.batch_size, c.microbatches);
-  SY_REQUIRE(c.ranks % (c.tp * c.pp) == 0, InvalidArgument,
-             "config: {} must divide 'ranks' {} (data-parallel size ranks / (tp x pp))",
-             c.tp == 1   ? fmt::format("'pp' {}", c.pp)
-             : c.pp == 1 ? fmt::format("'tp' {}", c.tp)
-                         : fmt::format("'tp' {} x 'pp' {}", c.tp, c.pp),
-             c.ranks);
-  SY_REQUIRE(c.ranks % (c.tp * c.pp * c.cp) == 0, InvalidArgument,
-             "config: 'cp' {} x 'tp' {} x 'pp' {} must divide 'ranks' {} (data-parallel size "
-             "ranks / (tp x pp x cp))",
-             c.cp, c.tp, c.pp, c.ranks);
-  SY_REQUIRE(c.virtual_stages == 1 || c.pipeline_schedule == "interleaved", InvalidArgument,
-             "config: 'virtual_stages' {} needs 'pipeline_schedule' interleaved (got \"{}\")",
-             c.virtual_stages, c.pipeline_schedule);
+  SY_REQUIRE(
+      c.virtual_stages == 1 || c.pipeline_schedule == parallel::ScheduleKind::kInterleaved1F1B,
+      InvalidArgument,
+      "config: 'virtual_stages' {} needs 'pipeline_schedule' interleaved (got \"{}\")",
+      c.virtual_stages, c.pipeline_schedule);
   SY_REQUIRE(c.pp * c.virtual_stages <= c.model.num_layers, InvalidArgument,
              "config: 'pp' {} x 'virtual_stages' {} stages need at least as many blocks, "
              "'num_layers' is {}",
@@ -239,21 +208,10 @@ void ValidateTrainConfig(const TrainConfig& c) {
                "virtual_stages = {} counts summing to num_layers {}",
                c.pipeline_split.size(), sum, c.pp * c.virtual_stages, c.model.num_layers);
   }
-  SY_REQUIRE(c.nonfinite == "stop" || c.nonfinite == "skip", InvalidArgument,
-             "config: 'nonfinite' must be \"stop\" or \"skip\", got \"{}\"", c.nonfinite);
   // Sizes derived from these must fit: the data counters (step * batch_size + row) and the
   // tokens of a step.
   CheckedMul(c.steps + 1, c.batch_size, "config: 'steps' x 'batch_size' (data counter)");
   CheckedMul(c.batch_size, c.model.seq_len, "config: 'batch_size' x 'seq_len' (tokens per step)");
-  SY_REQUIRE(c.dispatch == "alltoall" || c.dispatch == "alltoallv" || c.dispatch == "allgather",
-             InvalidArgument,
-             "config: 'dispatch' must be \"alltoall\", \"alltoallv\" or \"allgather\", got \"{}\"",
-             c.dispatch);
-  SY_REQUIRE(c.routing_scope == "global" || c.routing_scope == "per_rank", InvalidArgument,
-             "config: 'routing_scope' must be \"global\" or \"per_rank\", got \"{}\"",
-             c.routing_scope);
-  SY_REQUIRE(c.a2a_algo == "flat" || c.a2a_algo == "2dh", InvalidArgument,
-             "config: 'a2a_algo' must be \"flat\" or \"2dh\", got \"{}\"", c.a2a_algo);
   (void)AdaptiveRAtStep(c.adaptive_r, 0);  // parses every entry
   try {
     (void)parallel::SmartGroupFromString(c.smart_schedule);
@@ -263,12 +221,6 @@ void ValidateTrainConfig(const TrainConfig& c) {
         fmt::format("config: 'smart_schedule' \"{}\" / 'shadow_experts' "
                     "\"{}\": {}",
                     c.smart_schedule, c.shadow_experts, e.what()));
-  }
-  // Checked whether or not a pipeline runs (pp 1), so that a misspelling never passes.
-  try {
-    (void)parallel::ScheduleKindFromName(c.pipeline_schedule);
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(fmt::format("config: 'pipeline_schedule': {}", e.what()));
   }
 }
 
@@ -297,7 +249,7 @@ std::string WhyKeyCannotAct(std::string_view key, const TrainConfig& c,
   if (key == "cp_algo" && c.cp == 1) {
     return "it is the attention of context parallelism, and 'cp' is 1";
   }
-  if (key == "a2a_ranks_per_node" && c.a2a_algo != "2dh") {
+  if (key == "a2a_ranks_per_node" && c.a2a_algo != A2aAlgo::k2dh) {
     return fmt::format("it sizes the nodes of the 2dh all-to-all, and 'a2a_algo' is \"{}\"",
                        c.a2a_algo);
   }
@@ -340,10 +292,10 @@ std::vector<std::string> ValidateTrainConfig(const ResolvedTrainConfig& resolved
   }
   ValidateTrainConfig(c);
   // Ranks as threads each start their compute threads in this one process.
-  SY_REQUIRE(run.dense || !run.ranks_are_threads || c.threads * c.ranks <= kMaxRanks,
+  SY_REQUIRE(run.dense || !run.ranks_are_threads || c.threads * c.ranks <= config_keys::kMaxRanks,
              InvalidArgument,
              "config: 'threads' {} x 'ranks' {} = {} compute threads in this process: at most {}",
-             c.threads, c.ranks, c.threads * c.ranks, kMaxRanks);
+             c.threads, c.ranks, c.threads * c.ranks, config_keys::kMaxRanks);
   std::vector<std::string> notices;
   for (const auto& [key, source] : resolved.explicit_keys) {
     if (!source.starts_with("--")) continue;

@@ -91,34 +91,18 @@ comm::ConfigEntries AgreementEntries(const TrainConfig& config, const RunOptions
 }  // namespace
 
 parallel::Arrangement TrainArrangement(const TrainConfig& config) {
-  if (config.arrangement == "megatron") return parallel::Arrangement::kMegatron;
-  if (config.arrangement == "deepspeed") return parallel::Arrangement::kDeepSpeed;
-  return config.sequence_parallel ? parallel::Arrangement::kMegatron
-                                  : parallel::Arrangement::kDeepSpeed;
+  // The arrangement does not depend on the world size: any world the layout divides.
+  return ResolveLayout(config, static_cast<int>(config.tp * config.pp * config.cp)).arrangement;
 }
 
 int TrainExpertParallelSize(const TrainConfig& config, int world_size) {
-  if (config.ep > 0) return static_cast<int>(config.ep);
-  const int tp = static_cast<int>(std::max<int64_t>(1, config.tp));
-  const int etp = static_cast<int>(std::max<int64_t>(1, config.etp));
-  // As large as the arrangement allows: DeepSpeed's EP groups sit inside the data-parallel ranks
-  // of each tp rank, Megatron's fold over all ranks of the etp groups.
-  const int pp = static_cast<int>(std::max<int64_t>(1, config.pp));
-  if (TrainArrangement(config) == parallel::Arrangement::kMegatron) {
-    return std::max(1, world_size / (etp * pp));
-  }
-  return std::max(1, world_size / (tp * pp));
+  return ResolveLayout(config, world_size).ep;
 }
 
 parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int world_size) {
-  SY_REQUIRE(world_size >= 1, InvalidArgument, "ranks: expected >= 1, got {}", world_size);
-  SY_REQUIRE(config.tp >= 1 && config.pp >= 1 && config.cp >= 1 &&
-                 world_size % (config.tp * config.pp * config.cp) == 0,
-             InvalidArgument,
-             "config: 'tp' {} x 'pp' {} x 'cp' {} must divide the number of ranks {}", config.tp,
-             config.pp, config.cp, world_size);
-  const parallel::Arrangement arrangement = TrainArrangement(config);
-  const int ep = TrainExpertParallelSize(config, world_size);
+  const ResolvedLayout layout = ResolveLayout(config, world_size);
+  const parallel::Arrangement arrangement = layout.arrangement;
+  const int ep = layout.ep;
   SY_REQUIRE(world_size % ep == 0, InvalidArgument,
              "config: 'ep' {} must divide the number of ranks {}", ep, world_size);
   const int64_t e = config.num_experts;
@@ -147,10 +131,10 @@ parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int wo
   o.mesh.etp = static_cast<int>(config.etp);
   o.mesh.arrangement = arrangement;
   if (config.tp > 1) o.mesh.sequence_parallel = config.sequence_parallel;
-  o.dispatch = parallel::DispatchKindFromName(config.dispatch);
-  o.batch_scope = parallel::BatchScopeFromName(config.routing_scope);
+  o.dispatch = config.dispatch;
+  o.batch_scope = config.routing_scope;
   o.overlap_degree = static_cast<int>(config.overlap_degree);
-  if (config.a2a_algo == "2dh") {
+  if (config.a2a_algo == A2aAlgo::k2dh) {
     SY_REQUIRE(o.dispatch == parallel::DispatchKind::kAllToAll, InvalidArgument,
                "config: 'a2a_algo' 2dh is the fixed-capacity all-to-all's: it needs 'dispatch' "
                "alltoall, got \"{}\"",
@@ -842,7 +826,7 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
 RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process,
                          const ZeroOptions& zero) {
   parallel::ParallelOptions options = TrainParallelOptions(config, world.size());
-  if (config.a2a_algo == "2dh" && config.a2a_ranks_per_node == 0) {
+  if (config.a2a_algo == A2aAlgo::k2dh && config.a2a_ranks_per_node == 0) {
     // The launcher's node size, as far as it divides the expert group (the nodes of the 2DH
     // all-to-all are consecutive ranks of the expert group).
     options.hierarchical_ranks_per_node =
@@ -882,9 +866,7 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
   }
   if (config.cp > 1) {
     hooks_->SetContextParallel(ContextParallelOptions{
-        .algorithm = config.cp_algo == "ulysses" ? CpAlgorithm::kUlysses : CpAlgorithm::kRing,
-        .split = SequenceSplitKind::kZigzag,
-        .causal = true});
+        .algorithm = config.cp_algo, .split = SequenceSplitKind::kZigzag, .causal = true});
   }
   if (config.pp > 1) {
     // Every rank of this stage (collective over the world): checkpoints gather the experts of

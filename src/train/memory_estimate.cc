@@ -14,8 +14,9 @@
 namespace switchyard::train {
 
 std::string ResolvedAttentionCore(const TrainConfig& c) {
-  if (c.attention_core == "auto") return c.cp > 1 ? "flash" : "softmax";
-  return c.attention_core;
+  // The attention core does not depend on the world size: any world the layout divides.
+  const ResolvedLayout layout = ResolveLayout(c, static_cast<int>(c.tp * c.pp * c.cp));
+  return std::string(ChoiceTraits<AttentionCore>::Name(layout.attention_core));
 }
 
 RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {

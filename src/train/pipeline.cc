@@ -48,7 +48,7 @@ parallel::ScheduleConfig PipelineScheduleConfig(const TrainConfig& c) {
   s.stages = static_cast<int>(c.pp);
   s.microbatches = static_cast<int>(c.microbatches);
   s.virtual_stages = static_cast<int>(c.virtual_stages);
-  s.kind = parallel::ScheduleKindFromName(c.pipeline_schedule);
+  s.kind = c.pipeline_schedule;
   parallel::ValidateScheduleConfig(s);
   return s;
 }

@@ -364,7 +364,7 @@ StepMetrics Trainer::Step() {
         c.moe_layer_config.empty() ? "the MoE layer config" : c.moe_layer_config));
   }
   const bool finite = std::isfinite(met.loss) && std::isfinite(grad_norm);
-  if (!finite && c.nonfinite == "stop") {
+  if (!finite && c.nonfinite == NonFinite::kStop) {
     throw NonFiniteError(fmt::format(
         "step {}: the loss is non-finite (loss {}, grad_norm {}); the update was not applied: "
         "lower 'lr', or set 'nonfinite' to 'skip' to skip such steps",

@@ -9,146 +9,50 @@
 #include <vector>
 
 #include "switchyard/moe/config.h"
+#include "switchyard/train/config_choice.h"
 #include "switchyard/train/model.h"
 
 namespace switchyard::train {
 
-// Every option of a run. The JSON keys (TrainConfigToJson) are the field names, which are also
-// the command-line flags (--model_dim, --steps, ...).
+// Every option of a run: one field per row of config_keys.def, which declares each key once
+// (type, default, category, resume rule, range and help). The JSON keys (TrainConfigToJson)
+// are the field names, which are also the command-line flags (--model_dim, --steps, ...).
 struct TrainConfig {
-  ModelConfig model;
-
-  // MoE blocks (model.moe_every > 0), built by the MoE FFN factory.
-  int64_t num_experts = 4;
-  // PR-MoE's pyramid (DeepSpeed): the experts of each MoE block in block order, e.g. [4, 8];
-  // empty: num_experts in every MoE block. One count per MoE block (num_layers / moe_every).
-  // As a flag: --experts_per_block 4,8.
-  std::vector<int64_t> experts_per_block;
-  int64_t top_k = 2;
-  double capacity_factor = 1.25;
-  int64_t expert_hidden_dim = 0;  // 0: model.hidden_dim
-  double aux_loss_coef = 0.01;
-  double z_loss_coef = 0.0;
-  // A layer.json (moe/config.h) with every other MoE option (preset, drop policy, noise, ...).
-  // MoeLayerConfig() puts the keys above over its values; ResolveTrainConfig() first takes the
-  // file's values for the keys the user did not set (explicit values win over defaults).
-  // "": the moe::LayerConfig defaults.
-  std::string moe_layer_config;
-  // The MoE layer's check_finite (moe/config.h): a non-finite value in an MoE block's input
-  // stops the step with an error naming it.
-  bool check_finite = false;
-  // How an MoE block decides capacity, drops and the balancing losses: "global" (over the whole
-  // batch: W ranks equal one rank) or "per_rank" (Tutel's and DeepSpeed's: over each data-
-  // parallel rank's own tokens; W data-parallel ranks equal one rank with microbatches = W).
-  std::string routing_scope = "global";
-
-  // Data.
-  // Training text: files and directories (every regular file in a directory, sorted; ".dat"
-  // indexes and symlinks skipped), comma-separated; "" = the fortunes corpus (kFortunesDir).
-  std::string data;
-  // Held-out text for the validation loss, in the same form; "" = every k-th record of `data`
-  // (val_fraction). When set, all of `data` trains and val_fraction is not used.
-  std::string val_data;
-  double val_fraction = 0.1;
-
-  // Optimization.
-  int64_t steps = 1000;
-  int64_t batch_size = 32;  // sequences per step (global, over all ranks)
-  double lr = 3e-3;
-  double min_lr = 3e-4;
-  int64_t warmup_steps = 50;
-  double weight_decay = 0.1;
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double adam_eps = 1e-8;
-  double grad_clip = 1.0;  // max global gradient norm; 0 disables
-  // A step whose loss or gradient norm is not finite: "stop" ends the run with an error naming
-  // the step (the update is not applied; the last completed step is saved); "skip" does not
-  // apply that step's update and counts it (metrics' skipped_steps, summary.json).
-  std::string nonfinite = "stop";
-  uint64_t seed = 1;
-
-  // Run directory.
-  std::string out = "runs/train";
-  int64_t log_every = 10;          // metrics line every N steps
-  int64_t eval_every = 100;        // validation loss every N steps (and at the end); 0: end only
-  int64_t eval_tokens = 0;         // held-out tokens per evaluation; 0: all
-  int64_t checkpoint_every = 500;  // 0: at the end only
-  int64_t keep_checkpoints = 2;    // 0: keep all
-  int64_t sample_tokens = 400;     // generated at the end; 0: none
-  double temperature = 0.8;
-  int threads = 0;  // compute threads of this rank; 0: the policy of core/threading.h
-  // > 0: a Chrome trace-event timeline of step trace_step (1-based, as the metrics' step), every
-  // rank's compute and communication, written to <out>/trace.json (switchyard trace-svg draws it).
-  int64_t trace_step = 0;
-
-  // Parallel layout (switchyard train; train/distributed.h). A checkpoint does not depend on it:
-  // a run may resume under another layout.
-  int64_t ranks = 4;                  // ranks as threads of this process (under mpirun: its world)
-  int64_t ep = 0;                     // expert-parallel size (0: ranks)
-  int64_t zero_stage = 0;             // ZeRO stage 0-3 of the optimizer
-  std::string dispatch = "alltoall";  // alltoall | alltoallv | allgather
-  int64_t overlap_degree = 1;         // Tutel's a2a-FFN overlap degree D of the MoE blocks
-  // Data-parallel gradient reduction (docs/training.md, "Memory and overlap"): a block's buckets
-  // are reduced while the backward goes on (asynchronous collectives); buckets of at most about
-  // bucket_mb MiB of float32 gradients (0: one per block and one for the rest).
-  bool overlap_grad_reduce = true;
-  double bucket_mb = 25;
-  // Tutel's adaptive r of the MoE blocks (experts split into H-shards when ep > num_experts):
-  // "default" (r = 1, Megatron arrangement r = shards), "auto" (the cheapest by the volume
-  // model), an integer r (0, or a divisor of the shards) or a list "r0,r1,..." used in turn, one
-  // entry per step (step s takes entry s % length). Results do not depend on it.
-  std::string adaptive_r = "default";
-  // The token all-to-all of the MoE blocks: "flat" or "2dh" (Tutel's two-dimensional
-  // hierarchical all-to-all over nodes of a2a_ranks_per_node ranks; 0: the ranks the machine
-  // puts on one node).
-  std::string a2a_algo = "flat";
-  int64_t a2a_ranks_per_node = 0;
-  // FasterMoE's smart schedule of the MoE blocks: "off", "auto" or a group size g.
-  std::string smart_schedule = "off";
-  // FasterMoE's shadow experts: "none", "auto" or a list of expert indices "0,3".
-  std::string shadow_experts = "none";
-  // Tensor parallelism (docs/tensor_parallel.md): the dense layers split over tp ranks (the data-
-  // parallel size is ranks / tp); tp must divide ranks, num_heads, hidden_dim and vocab_size.
-  int64_t tp = 1;
-  // Norms and the residual stream sharded along the sequence over the tp ranks (all-gather and
-  // reduce-scatter instead of all-reduce); each data-parallel rank's tokens must divide by tp.
-  bool sequence_parallel = false;
-  // With sequence_parallel: those collectives as rings overlapped with the GEMMs.
-  bool tp_comm_overlap = false;
-  // How the MoE blocks' experts sit beside tp (parallel/mesh.h): "deepspeed" (expert groups
-  // inside the data-parallel ranks, tokens de-duplicated over tp), "megatron" (expert-TP x EP x
-  // expert-DP folded over all ranks; sequence-parallel tokens) or "auto" (megatron with
-  // sequence_parallel, else deepspeed).
-  std::string arrangement = "auto";
-  int64_t etp = 1;  // Megatron arrangement: each expert's hidden dimension split over etp ranks
-  // Context parallelism (docs/context_parallel.md): each sequence's positions split over cp ranks
-  // (zigzag: seq_len must divide by 2 cp), attention across them by cp_algo ring | ulysses
-  // (num_heads divisible by tp x cp). Composes with tp (each tp rank's heads), sequence_parallel,
-  // pp, dp and MoE blocks.
-  int64_t cp = 1;
-  std::string cp_algo = "ring";
-  // The attention core: "softmax" keeps the [seq_len, seq_len] probabilities of every head for
-  // backward (CausalAttentionForward), "flash" only a log-sum-exp per row and recomputes them
-  // (the core of train/context_parallel.h, the one cp > 1 runs); "auto": softmax at cp 1.
-  std::string attention_core = "auto";
-  // MiB: a layout whose per-rank memory estimate (RankMemoryEstimate) exceeds it is refused
-  // before anything is allocated (InvalidArgument naming both); 0: no budget.
-  double memory_budget_mib = 0;
-  // Gradient accumulation: each step's batch in this many micro-batches (forward and backward
-  // each, gradients summed). Micro-batch k is rows [k B / m, (k + 1) B / m) of the global batch
-  // (B = batch_size), split over the data-parallel ranks; batch_size must divide by it. An MoE
-  // block routes each micro-batch on its own (capacity and losses per micro-batch).
-  int64_t microbatches = 1;
-  // Pipeline parallelism (docs/pipeline.md): the blocks split over pp stages (ranks / (tp * pp)
-  // data-parallel ranks), run by a schedule of micro-batches.
-  int64_t pp = 1;
-  std::string pipeline_schedule = "1f1b";  // fthenb | 1f1b | interleaved | zb-h1
-  int64_t virtual_stages = 1;              // model chunks per stage (interleaved)
-  // Blocks of each virtual stage, in order (pp * virtual_stages counts summing to num_layers);
-  // empty: as even as possible (the first num_layers % (pp * v) stages one block more).
-  std::vector<int64_t> pipeline_split;
+  ModelConfig model;  // the SY_MODEL_KEY rows
+#define SY_TRAIN_KEY(key, Type, default_value, ...) Type key = default_value;
+#define SY_MODEL_KEY(...)
+#include "switchyard/train/config_keys.def"
+#undef SY_TRAIN_KEY
+#undef SY_MODEL_KEY
 };
+
+// A key's place in a run (config_keys.def): what is trained, how the run goes, where it runs.
+enum class KeyCategory : uint8_t { kModel, kRun, kLayout };
+// Whether a resumed run must keep its checkpoint's value (ResumeMustMatchKeys).
+enum class KeyResume : uint8_t { kMayDiffer, kMustMatch };
+// What a key's value is, and its range where ValidateTrainConfig checks one.
+struct KeyValues {
+  enum class Kind : uint8_t { kInt, kFloat, kBool, kPath, kText, kChoice, kList };
+  Kind kind = Kind::kInt;
+  bool ranged = false;                // false: checked elsewhere (ValidateModelConfig, ...)
+  int64_t int_lo = 0, int_hi = 0;     // kInt, and each entry of kList; int_hi INT64_MAX: >= lo
+  double float_lo = 0, float_hi = 0;  // kFloat; float_hi 1e30: >= lo
+  bool open_hi = false;               // kFloat: hi excluded
+  const char* unit = "";              // kFloat: printed after the range (" MiB")
+};
+// One row of config_keys.def.
+struct ConfigKeyInfo {
+  const char* name;
+  KeyCategory category;
+  KeyResume resume;
+  KeyValues values;
+  const char* layer_key;  // the moe::LayerConfig key it is handed to; "" for none
+  const char* help;
+};
+// Every key, in config_keys.def's order.
+const std::vector<ConfigKeyInfo>& TrainConfigTable();
+// The row of `key`; nullptr for an unknown key.
+const ConfigKeyInfo* FindConfigKey(std::string_view key);
 
 // Flat JSON object with every key.
 std::string TrainConfigToJson(const TrainConfig& config);
@@ -166,6 +70,24 @@ std::string StringToJsonValue(const std::string& text);
 // virtual_stages, a2a_ranks_per_node, overlap_degree, threads, ... become `int`), every float key
 // must be finite and in its range, and choice keys are checked by name whether or not they act.
 void ValidateTrainConfig(const TrainConfig& config);
+
+// What a config's layout resolves to on a world of `world_size` ranks: every derived size and
+// every "auto" choice, computed in one place (ResolveLayout).
+struct ResolvedLayout {
+  int world_size = 1;
+  int tp = 1, pp = 1, cp = 1;
+  int dp = 1;   // data-parallel size: world_size / (tp x pp x cp)
+  int ep = 1;   // 'ep', or for 0 as large as the arrangement allows
+  int etp = 1;  // expert tensor-parallel size (Megatron arrangement)
+  // 'arrangement' auto: Megatron with sequence_parallel, else DeepSpeed.
+  parallel::Arrangement arrangement = parallel::Arrangement::kDeepSpeed;
+  // 'attention_core' auto: flash with cp > 1, else softmax (never kAuto here).
+  AttentionCore attention_core = AttentionCore::kSoftmax;
+};
+// The layout of `config` on `world_size` ranks. The one place of the rule "tp x pp x cp divides
+// the ranks": InvalidArgument naming the keys otherwise ("config: 'tp' 3 must divide 'ranks'
+// 4 ..."). The arrangement and the attention core do not depend on world_size.
+ResolvedLayout ResolveLayout(const TrainConfig& config, int world_size);
 
 // The MoE layer options of the config's MoE blocks (model_dim, hidden_dim = expert_hidden_dim or
 // hidden_dim, num_experts, top_k, capacity_factor, coefficients, activation, seed), on top of
@@ -217,20 +139,20 @@ struct TrainRunContext {
 std::vector<std::string> ValidateTrainConfig(const ResolvedTrainConfig& resolved,
                                              const TrainRunContext& run);
 
-// The keys a resumed run must share with its checkpoint (model shape, MoE sizes, seed, batch).
+// The keys a resumed run must share with its checkpoint (model shape, MoE sizes, seed, batch):
+// the kMustMatch rows of config_keys.def.
 const std::vector<std::string>& ResumeMustMatchKeys();
-// The layout keys (ranks, ep, zero_stage, overlap_grad_reduce, bucket_mb, dispatch, overlap_degree,
-// threads, tp, sequence_parallel, tp_comm_overlap, arrangement, etp, pp, pipeline_schedule,
-// virtual_stages, pipeline_split, cp, cp_algo, attention_core, memory_budget_mib, adaptive_r,
-// a2a_algo, a2a_ranks_per_node, smart_schedule, shadow_experts, trace_step): where a run runs,
-// not what it computes; a resumed run does not take them from its checkpoint.
+// The layout keys, the kLayout rows of config_keys.def (ranks, ep, zero_stage, tp, pp, cp,
+// dispatch, ..., threads, trace_step): where a run runs, not what it computes; a resumed run
+// does not take them from its checkpoint.
 bool IsLayoutKey(std::string_view key);
 
 // Every key with a one-line description, in TrainConfigToJson's order (for command-line flags).
 struct ConfigKey {
   std::string name;
   std::string help;
-  // What the value is, for help texts: INT, FLOAT, BOOL, PATH (a file or directory) or NAME.
+  // What the value is, for help texts: INT, FLOAT, BOOL, PATH (a file or directory), NAME or
+  // LIST (KeyValues::Kind).
   std::string type;
 };
 std::vector<ConfigKey> TrainConfigKeys();

@@ -1,0 +1,224 @@
+// The config table (config_keys.def) drives every form of a key: walks it and checks that each
+// key round-trips through JSON and flags, has help and a category, sits in exactly the lists its
+// row says (layout keys, resume-must-match keys, the MoE layer's keys) and that its range is
+// enforced. A key added to the table alone passes all of it.
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <type_traits>
+
+#include "switchyard/core/error.h"
+#include "switchyard/moe/config.h"
+#include "switchyard/train/config.h"
+#include "train/config_fields.h"
+
+namespace switchyard::train {
+namespace {
+
+using nlohmann::json;
+
+// A value of the field's type other than `v` (one that survives JSON).
+template <typename T>
+void MakeOther(T& v) {
+  if constexpr (config_keys::IsChoice<T>::value) {
+    for (auto e : ChoiceTraits<typename T::Enum>::kValues) {
+      if (!(v == e)) {
+        v = e;
+        return;
+      }
+    }
+    FAIL() << "a choice with one value";
+  } else if constexpr (std::is_same_v<T, bool>) {
+    v = !v;
+  } else if constexpr (std::is_enum_v<T>) {
+    v = static_cast<T>(static_cast<int>(v) + 1);  // NormKind, Activation, Recompute, Precision
+  } else if constexpr (std::is_integral_v<T>) {
+    v = static_cast<T>(v + 3);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    v = static_cast<T>(v + 0.25);
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    v = v.empty() ? "held.txt" : v + "_2";
+  } else {
+    v.push_back(3);
+  }
+}
+
+// The command-line text of a key's value in `c` (strings bare, as a user types them).
+std::string FlagText(const TrainConfig& c, const std::string& key) {
+  const json value = json::parse(TrainConfigToJson(c)).at(key);
+  return value.is_string() ? value.get<std::string>() : value.dump();
+}
+
+TEST(ConfigTableTest, EveryKeyHasOneRowWithHelpCategoryAndItsLists) {
+  const std::vector<ConfigKeyInfo>& table = TrainConfigTable();
+  const std::vector<ConfigKey> keys = TrainConfigKeys();
+  ASSERT_EQ(keys.size(), table.size());
+  std::set<std::string> names;
+  std::vector<std::string> must_match;
+  for (size_t i = 0; i < table.size(); ++i) {
+    const ConfigKeyInfo& row = table[i];
+    const std::string name = row.name;
+    EXPECT_TRUE(names.insert(name).second) << "two rows for " << name;
+    EXPECT_EQ(keys[i].name, name);
+    EXPECT_EQ(keys[i].help, row.help);
+    EXPECT_FALSE(keys[i].help.empty()) << name;
+    EXPECT_FALSE(keys[i].type.empty()) << name;
+    EXPECT_TRUE(row.category == KeyCategory::kModel || row.category == KeyCategory::kRun ||
+                row.category == KeyCategory::kLayout)
+        << name;
+    EXPECT_EQ(FindConfigKey(name), &row);
+    EXPECT_EQ(IsLayoutKey(name), row.category == KeyCategory::kLayout) << name;
+    if (row.resume == KeyResume::kMustMatch) must_match.push_back(name);
+    // The layout is where a run runs: never a value a resumed run must keep.
+    EXPECT_FALSE(row.category == KeyCategory::kLayout && row.resume == KeyResume::kMustMatch)
+        << name;
+  }
+  EXPECT_EQ(ResumeMustMatchKeys(), must_match);
+  EXPECT_EQ(FindConfigKey("no_such_key"), nullptr);
+  EXPECT_FALSE(IsLayoutKey("no_such_key"));
+  // The JSON object has exactly the table's keys, and the fields are visited in its order.
+  const json j = json::parse(TrainConfigToJson(TrainConfig{}));
+  EXPECT_EQ(j.size(), table.size());
+  for (const ConfigKeyInfo& row : table) EXPECT_TRUE(j.contains(row.name)) << row.name;
+  TrainConfig c;
+  size_t visited = 0;
+  VisitFields(c, [&](const ConfigKeyInfo& info, auto&) {
+    ASSERT_LT(visited, table.size());
+    EXPECT_EQ(&info, &table[visited]);
+    ++visited;
+  });
+  EXPECT_EQ(visited, table.size());
+}
+
+TEST(ConfigTableTest, EveryKeyRoundTripsThroughJsonAndFlags) {
+  const TrainConfig defaults;
+  const json default_json = json::parse(TrainConfigToJson(defaults));
+  TrainConfig probe;
+  VisitFields(probe, [&](const ConfigKeyInfo& info, auto& field) {
+    const std::string key = info.name;
+    const auto saved = field;
+    MakeOther(field);
+    TrainConfig changed = probe;
+    field = saved;
+    const json want = json::parse(TrainConfigToJson(changed));
+    EXPECT_NE(want.at(key), default_json.at(key)) << key;
+    // Through a JSON file.
+    EXPECT_EQ(json::parse(TrainConfigToJson(TrainConfigFromJson(TrainConfigToJson(changed)))), want)
+        << key;
+    // Through the one-key JSON a --config file holds.
+    json one = json::object();
+    one[key] = want.at(key);
+    EXPECT_EQ(json::parse(TrainConfigToJson(TrainConfigFromJson(one.dump()))), want) << key;
+    // Through a flag's text.
+    TrainConfig flagged;
+    SetTrainConfigValue(flagged, key, FlagText(changed, key));
+    EXPECT_EQ(json::parse(TrainConfigToJson(flagged)), want) << key;
+  });
+}
+
+TEST(ConfigTableTest, EveryRangeIsEnforcedAndNamesTheKey) {
+  ASSERT_NO_THROW(ValidateTrainConfig(TrainConfig{}));
+  int ranged = 0;
+  for (const ConfigKeyInfo& row : TrainConfigTable()) {
+    if (!row.values.ranged) continue;
+    ++ranged;
+    const std::string key = row.name;
+    std::vector<std::string> outside;
+    const KeyValues& v = row.values;
+    if (v.kind == KeyValues::Kind::kInt) {
+      outside.push_back(std::to_string(v.int_lo - 1));
+      if (v.int_hi != std::numeric_limits<int64_t>::max()) {
+        outside.push_back(std::to_string(v.int_hi + 1));
+      }
+    } else if (v.kind == KeyValues::Kind::kFloat) {
+      outside.push_back(json(v.float_lo - 1 - std::abs(v.float_lo)).dump());
+      if (v.float_hi < 1e30) {
+        outside.push_back(json(v.open_hi ? v.float_hi : v.float_hi * 2 + 1).dump());
+      }
+    } else if (v.kind == KeyValues::Kind::kList) {
+      outside.push_back(fmt::format("[{}]", v.int_hi + 1));
+    }
+    ASSERT_FALSE(outside.empty()) << key;
+    for (const std::string& text : outside) {
+      TrainConfig c;
+      std::string error;
+      try {
+        SetTrainConfigValue(c, key, text);
+        ValidateTrainConfig(c);
+      } catch (const InvalidArgument& e) {
+        error = e.what();
+      }
+      EXPECT_NE(error.find("'" + key + "'"), std::string::npos)
+          << key << " " << text << " was accepted or refused for another reason: " << error;
+    }
+  }
+  EXPECT_GE(ranged, 30);
+}
+
+// Every choice key takes each of its names and refuses others at the boundary, naming the key
+// and the names; its field compares as the enum.
+TEST(ConfigTableTest, ChoiceKeysAreEnumsSpelledAsBefore) {
+  TrainConfig c;
+  SetTrainConfigValue(c, "cp_algo", "ulysses");
+  EXPECT_TRUE(c.cp_algo == CpAlgorithm::kUlysses);
+  SetTrainConfigValue(c, "pipeline_schedule", "zb-h1");
+  EXPECT_TRUE(c.pipeline_schedule == parallel::ScheduleKind::kZeroBubbleH1);
+  SetTrainConfigValue(c, "dispatch", "allgather");
+  EXPECT_TRUE(c.dispatch == parallel::DispatchKind::kAllGather);
+  SetTrainConfigValue(c, "arrangement", "megatron");
+  EXPECT_TRUE(c.arrangement == ArrangementChoice::kMegatron);
+  const json j = json::parse(TrainConfigToJson(c));
+  EXPECT_EQ(j.at("pipeline_schedule"), "zb-h1");
+  EXPECT_EQ(j.at("arrangement"), "megatron");
+  try {
+    SetTrainConfigValue(c, "cp_algo", "flash");
+    ADD_FAILURE() << "cp_algo flash accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "config: 'cp_algo' must be \"ring\" or \"ulysses\", got \"flash\""),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(TrainConfigFromJson(R"({"nonfinite": 1})"), InvalidArgument);
+  // A name assigned in code is parsed there; an unknown one waits for ValidateTrainConfig.
+  TrainConfig assigned;
+  assigned.a2a_algo = "2dh";
+  EXPECT_TRUE(assigned.a2a_algo == A2aAlgo::k2dh);
+  assigned.nonfinite = "later";
+  EXPECT_FALSE(assigned.nonfinite.valid());
+  EXPECT_THROW(ValidateTrainConfig(assigned), InvalidArgument);
+}
+
+// The derived layout values, resolved in one place.
+TEST(ConfigTableTest, ResolveLayoutDerivesEpArrangementAndAttentionCore) {
+  TrainConfig c;
+  c.tp = 2;
+  ResolvedLayout l = ResolveLayout(c, 8);
+  EXPECT_EQ(l.dp, 4);
+  EXPECT_EQ(l.ep, 4);  // DeepSpeed: ranks / (tp x pp)
+  EXPECT_EQ(l.arrangement, parallel::Arrangement::kDeepSpeed);
+  EXPECT_EQ(l.attention_core, AttentionCore::kSoftmax);
+  c.sequence_parallel = true;  // auto: Megatron with sequence parallelism
+  c.cp = 2;
+  l = ResolveLayout(c, 8);
+  EXPECT_EQ(l.arrangement, parallel::Arrangement::kMegatron);
+  EXPECT_EQ(l.ep, 8);  // Megatron: ranks / (etp x pp)
+  EXPECT_EQ(l.dp, 2);
+  EXPECT_EQ(l.attention_core, AttentionCore::kFlash);
+  c.ep = 2;
+  EXPECT_EQ(ResolveLayout(c, 8).ep, 2);
+  try {
+    ResolveLayout(c, 6);
+    ADD_FAILURE() << "tp 2 x cp 2 on 6 ranks accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'cp' 2 x 'tp' 2 x 'pp' 1 must divide 'ranks' 6"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace switchyard::train
