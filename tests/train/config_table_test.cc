@@ -192,6 +192,38 @@ TEST(ConfigTableTest, ChoiceKeysAreEnumsSpelledAsBefore) {
   EXPECT_THROW(ValidateTrainConfig(assigned), InvalidArgument);
 }
 
+// The rows with a layer_key hand their value to the MoE layer (MoeLayerConfig), the key added
+// through the table alone (topk_scaling_factor) among them.
+TEST(ConfigTableTest, LayerKeysReachTheMoeLayer) {
+  TrainConfig probe;
+  probe.num_experts = 8;
+  int layer_keys = 0;
+  VisitFields(probe, [&](const ConfigKeyInfo& info, auto& field) {
+    if (*info.layer_key == '\0') return;
+    ++layer_keys;
+    const auto saved = field;
+    MakeOther(field);
+    const TrainConfig changed = probe;
+    field = saved;
+    const json layer = json::parse(moe::ToJson(MoeLayerConfig(changed)));
+    const json want = json::parse(TrainConfigToJson(changed)).at(info.name);
+    const json& got = layer.at(info.layer_key);
+    if (want.is_number_float()) {  // the layer holds floats
+      EXPECT_NEAR(got.get<double>(), want.get<double>(), 1e-6) << info.name;
+    } else {
+      EXPECT_EQ(got, want) << info.name;
+    }
+  });
+  EXPECT_EQ(layer_keys, 11);
+  TrainConfig c;
+  SetTrainConfigValue(c, "topk_scaling_factor", "2.5");
+  EXPECT_EQ(MoeLayerConfig(c).topk_scaling_factor, 2.5f);
+  EXPECT_EQ(MoeLayerConfig(TrainConfig{}).topk_scaling_factor, 1.0f);
+  EXPECT_FALSE(IsLayoutKey("topk_scaling_factor"));
+  SetTrainConfigValue(c, "topk_scaling_factor", "0");
+  EXPECT_THROW(ValidateTrainConfig(c), InvalidArgument);
+}
+
 // The derived layout values, resolved in one place.
 TEST(ConfigTableTest, ResolveLayoutDerivesEpArrangementAndAttentionCore) {
   TrainConfig c;
