@@ -7,52 +7,39 @@
 #include <cstdint>
 #include <string>
 
+#include "cli/bench_setup.h"
+#include "cli/layout_flags.h"
 #include "switchyard/moe/config.h"
 
 namespace switchyard::cli {
 
 struct BenchParallelOptions {
-  // The layer (options `bench layer` has too).
-  int64_t tokens = 4096;  // per data shard
-  int64_t model_dim = 512;
-  int64_t hidden_dim = 2048;
-  int64_t experts = 8;
-  int64_t top_k = 2;
-  float capacity_factor = 1.25f;
-  bool dropless = false;
-  std::string activation = "gelu";
-  bool gated = false;
-  int threads = 0;
-  int repeat = 3;
-  int warmup = 1;
-  bool json = false;
+  // The layer and the timing loop (options `bench layer` has too).
+  MoeLayerFlags layer;                           // layer.tokens: per data shard
+  int threads = 0;                               // compute threads per rank (0: cores / ranks)
+  BenchLoopFlags loop{.iters = 3, .warmup = 1};  // per round
   // Only here.
   int64_t global_tokens = 0;  // > 0: the whole batch instead
   int ranks = 2;
-  int tp = 1, ep = 0, etp = 1;
-  std::string arrangement = "deepspeed";
-  std::string dispatch = "alltoall";
-  std::string adaptive_r = "default";
-  int hierarchical = 0;
-  bool no_tp_dedup = false;
-  std::string scope = "global";
-  std::string transport = "auto";
   int rounds = 2;
   bool no_reference = false;
-  // Overlap and scheduling, and the plain path they are compared with.
-  int overlap_degree = 1;
-  std::string smart = "off";
-  std::string shadow = "none";
+  // The layout, the overlap schedules (compared with the plain path) and --trace (the last round).
+  MoeLayoutFlags layout;
   bool no_baseline = false;
   double hot_expert_bias = 0;  // > 0: a skewed gate (expert 0 chosen first far more often)
-  std::string trace_path;
-  // Emulated topology (in-process): nodes of `emulate_per_node` ranks with alpha-beta links.
-  int emulate_per_node = 0;
-  double intra_gbps = 0, intra_latency_us = 0, inter_gbps = 0, inter_latency_us = 0;
+  // Emulated topology (in-process): nodes of `links.ranks_per_node` ranks with alpha-beta links.
+  NodeLinkFlags links;
 };
 
+// The timing loop's flags of `bench layer-parallel` (`bench layer` spells them alike).
+inline const BenchLoopFlagSpec kParallelLoopFlags{.iters_name = "--repeat",
+                                                  .max_iters = 10000,
+                                                  .max_warmup = 10000,
+                                                  .iters_help = "timed steps per round",
+                                                  .warmup_help = "untimed steps per round"};
+
 // Declares the options only `bench layer-parallel` has (batch, layout, schedules, emulation,
-// rounds) on `app`, bound to *o.
+// rounds; not the layer, threads or loop) on `app`, bound to *o.
 void AddParallelBenchOptions(CLI::App& app, BenchParallelOptions* o);
 
 // The rows of the expert buffers one MoE layer `c` fills on `tokens` tokens: E x capacity (the

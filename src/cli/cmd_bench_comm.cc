@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cli/bench_common.h"
+#include "cli/bench_setup.h"
 #include "cli/command.h"
 #include "cli/flags.h"
 #include "cli/parse_numbers.h"
@@ -50,11 +51,8 @@ struct BenchCommOptions {
   std::string dtype = "float32";
   std::string reduce_op = "sum";
   std::string compare;
-  int iters = 20;
-  int warmup = 3;
-  bool json = false;
-  int ranks_per_node = 0;
-  double intra_latency_us = 0, intra_gbps = 0, inter_latency_us = 0, inter_gbps = 0;
+  BenchLoopFlags loop{.iters = 20, .warmup = 3};
+  NodeLinkFlags links;  // links.ranks_per_node: the in-process topology, emulated or not
   bool emulate = false;
   int64_t timeout_ms = 120000;
 };
@@ -259,6 +257,145 @@ std::optional<double> Ratio(double num, double den) {
 std::string Cell(std::optional<double> v, int width = 10) {
   return v ? fmt::format("{:>{}.2f}", *v, width) : fmt::format("{:>{}}", "-", width);
 }
+// The table's preamble and header.
+void PrintCommHeader(Communicator& comm, const BenchCommOptions& o, const SizePlan& plan,
+                     bool compare) {
+  const CollectiveKind kind = comm::CollectiveFromName(o.op);
+  const bool inprocess = comm.transport_kind() == "inprocess";
+  const int w = comm.size();
+  const double factor = BusFactor(kind, w);
+  const bool has_zero = std::find(plan.bytes.begin(), plan.bytes.end(), 0) != plan.bytes.end();
+  fmt::print(
+      "# switchyard bench comm: {} on {} ranks ({}{}), {}{}, median of {} iterations "
+      "(each the max over ranks)\n",
+      o.op, w, comm.transport_kind(),
+      comm.topology().nodes > 1
+          ? fmt::format(", {} nodes x {}", comm.topology().nodes, comm.topology().ranks_per_node)
+          : "",
+      o.dtype, o.emulate ? ", EMULATED links" : "", o.loop.iters);
+  fmt::print("# busbw = algbw x {:.3f}{}\n", factor,
+             inprocess
+                 ? "; memcpy = one thread copying the same size, interleaved with the "
+                   "collectives; memcpy*T = T = min(W, cores) ranks copying it at once (aggregate)"
+                 : "");
+  if (plan.rounded) {
+    fmt::print("# sizes rounded up to a multiple of {} bytes ({} {}{})\n", plan.unit,
+               IsBlockCollective(kind) ? fmt::format("{} ranks x", w) : std::string("one"), o.dtype,
+               IsBlockCollective(kind) ? " element each" : " element");
+  }
+  if (has_zero) {
+    fmt::print("# -: not meaningful (size 0 moves no bytes: no bandwidth, no ratio)\n");
+  }
+  std::string header = fmt::format("{:>12} {:>11} {:>22} {:>11} {:>10} {:>10}", "size(B)", "count",
+                                   "algorithm", "time(us)", "algbw", "busbw");
+  if (inprocess) header += fmt::format(" {:>10} {:>10} {:>10}", "memcpy", "bus/memcpy", "memcpy*T");
+  if (compare) header += fmt::format(" {:>10}", "vs mpi");
+  fmt::print("{}\n", header);
+}
+
+// In-process, the limit: one thread copying `bytes` (between two buffers of this rank) while the
+// other ranks wait, timed in the same iterations as the collectives. Page-aligned buffers, the
+// destination 64 bytes into its page: glibc's memcpy slows down badly when source and
+// destination are a few bytes apart modulo 4 KiB (as two consecutive heap blocks can be), and the
+// limit should be the best a copy can do. Also the limit for W ranks sharing the machine: the
+// first T = min(W, cores) ranks copying `bytes` each at the same time (aggregate bytes / slowest
+// copy).
+class MemcpyLimit {
+ public:
+  MemcpyLimit(Communicator& comm, size_t bytes)
+      : comm_(comm), bytes_(bytes), copiers_(MemcpyCopiers(comm.size())) {
+    if (comm.rank() >= copiers_) return;
+    src_buffer_.assign(bytes + 8192, std::byte{1});
+    dst_buffer_.assign(bytes + 8192, std::byte{0});
+    auto page = [](std::byte* p) {
+      return p + (4096 - reinterpret_cast<uintptr_t>(p) % 4096) % 4096;
+    };
+    src_ = page(src_buffer_.data());
+    dst_ = page(dst_buffer_.data()) + 64;
+  }
+  int copiers() const { return copiers_; }
+  // One iteration: rank 0 copying alone, then the copiers at once; `timed` keeps the times.
+  void Run(bool timed) {
+    comm_.Barrier().Wait();
+    if (comm_.rank() == 0) {
+      const double t0 = NowSeconds();
+      std::memcpy(dst_, src_, bytes_);
+      if (timed) alone_.push_back(NowSeconds() - t0);
+    }
+    const double t = TimedOnAllRanks(comm_, [&] {
+      if (comm_.rank() < copiers_) std::memcpy(dst_, src_, bytes_);
+    });
+    if (timed) concurrent_.push_back(t);
+  }
+  // GB/s of one copy, and of the copiers together (rank 0's view); none for 0 bytes.
+  std::optional<double> AloneGbps() const {
+    if (alone_.empty() || bytes_ == 0) return std::nullopt;
+    return Ratio(static_cast<double>(bytes_), Median(alone_) * 1e9);
+  }
+  std::optional<double> ConcurrentGbps() const {
+    if (alone_.empty() || bytes_ == 0) return std::nullopt;
+    return Ratio(static_cast<double>(bytes_) * copiers_, Median(concurrent_) * 1e9);
+  }
+
+ private:
+  Communicator& comm_;
+  size_t bytes_;
+  int copiers_;
+  std::vector<std::byte> src_buffer_, dst_buffer_;
+  std::byte *src_ = nullptr, *dst_ = nullptr;
+  std::vector<double> alone_, concurrent_;
+};
+
+// One size's figures, printed by rank 0 as JSON lines or table rows.
+struct SizeReport {
+  std::vector<Row> rows = {};
+  int32_t bad = 0;  // results that failed their check, over every rank
+  bool inprocess = false, compare = false;
+  int copiers = 0;
+  std::optional<double> memcpy_gbps = {}, concurrent_gbps = {};
+};
+
+void PrintSizeReport(Communicator& comm, const BenchCommOptions& o, const SizeReport& s) {
+  const std::optional<double> mpi_busbw = s.compare ? s.rows.back().busbw : std::nullopt;
+  auto over = [](std::optional<double> a, std::optional<double> b) {
+    return a && b ? Ratio(*a, *b) : std::nullopt;
+  };
+  for (const Row& row : s.rows) {
+    if (o.loop.json) {
+      nlohmann::json j = {{"op", o.op},
+                          {"ranks", comm.size()},
+                          {"transport", comm.transport_kind()},
+                          {"algorithm", row.algorithm},
+                          {"dtype", o.dtype},
+                          {"bytes", row.bytes},
+                          {"time_us", row.time_s * 1e6},
+                          {"algbw_gbps", JsonOf(row.algbw)},
+                          {"busbw_gbps", JsonOf(row.busbw)},
+                          {"emulated", o.emulate},
+                          {"check", s.bad == 0 ? "ok" : "FAILED"}};
+      if (s.inprocess) {
+        j["memcpy_gbps"] = JsonOf(s.memcpy_gbps);
+        j["busbw_over_memcpy"] = JsonOf(over(row.busbw, s.memcpy_gbps));
+        j["memcpy_concurrent_threads"] = s.copiers;
+        j["memcpy_concurrent_gbps"] = JsonOf(s.concurrent_gbps);
+      }
+      if (s.compare) j["busbw_over_mpi"] = JsonOf(over(row.busbw, mpi_busbw));
+      PrintJsonLine(j);
+      continue;
+    }
+    std::string line = fmt::format("{:>12} {:>11} {:>22} {:>11.1f} {} {}", row.bytes,
+                                   row.bytes / DTypeSize(DTypeFromName(o.dtype)), row.algorithm,
+                                   row.time_s * 1e6, Cell(row.algbw), Cell(row.busbw));
+    if (s.inprocess) {
+      line += fmt::format(" {} {} {}", Cell(s.memcpy_gbps), Cell(over(row.busbw, s.memcpy_gbps)),
+                          Cell(s.concurrent_gbps));
+    }
+    if (s.compare) line += " " + Cell(over(row.busbw, mpi_busbw));
+    fmt::print("{}{}\n", line, s.bad == 0 ? "" : "  CHECK FAILED");
+  }
+  std::fflush(stdout);
+}
+
 void RunBench(Communicator& comm, const BenchCommOptions& o, const SizePlan& plan, bool print) {
   const CollectiveKind kind = comm::CollectiveFromName(o.op);
   const DType dtype = DTypeFromName(o.dtype);
@@ -268,149 +405,45 @@ void RunBench(Communicator& comm, const BenchCommOptions& o, const SizePlan& pla
   const bool compare = o.compare == "mpi";
   if (compare) algos.push_back(Algorithm::kNative);
   const bool inprocess = comm.transport_kind() == "inprocess";
-  const int w = comm.size();
-  const double factor = BusFactor(kind, w);
-  const bool has_zero = std::find(plan.bytes.begin(), plan.bytes.end(), 0) != plan.bytes.end();
-
-  if (print && !o.json) {
-    fmt::print(
-        "# switchyard bench comm: {} on {} ranks ({}{}), {}{}, median of {} iterations "
-        "(each the max over ranks)\n",
-        o.op, w, comm.transport_kind(),
-        comm.topology().nodes > 1
-            ? fmt::format(", {} nodes x {}", comm.topology().nodes, comm.topology().ranks_per_node)
-            : "",
-        o.dtype, o.emulate ? ", EMULATED links" : "", o.iters);
-    fmt::print(
-        "# busbw = algbw x {:.3f}{}\n", factor,
-        inprocess ? "; memcpy = one thread copying the same size, interleaved with the "
-                    "collectives; memcpy*T = T = min(W, cores) ranks copying it at once (aggregate)"
-                  : "");
-    if (plan.rounded) {
-      fmt::print("# sizes rounded up to a multiple of {} bytes ({} {}{})\n", plan.unit,
-                 IsBlockCollective(kind) ? fmt::format("{} ranks x", w) : std::string("one"),
-                 o.dtype, IsBlockCollective(kind) ? " element each" : " element");
-    }
-    if (has_zero) {
-      fmt::print("# -: not meaningful (size 0 moves no bytes: no bandwidth, no ratio)\n");
-    }
-    std::string header = fmt::format("{:>12} {:>11} {:>22} {:>11} {:>10} {:>10}", "size(B)",
-                                     "count", "algorithm", "time(us)", "algbw", "busbw");
-    if (inprocess)
-      header += fmt::format(" {:>10} {:>10} {:>10}", "memcpy", "bus/memcpy", "memcpy*T");
-    if (compare) header += fmt::format(" {:>10}", "vs mpi");
-    fmt::print("{}\n", header);
-  }
+  const double factor = BusFactor(kind, comm.size());
+  if (print && !o.loop.json) PrintCommHeader(comm, o, plan, compare);
 
   for (uint64_t bytes : plan.bytes) {
     Job job(comm, kind, bytes, dtype, reduce_op);
     const size_t actual = job.actual_bytes();
     std::vector<std::vector<double>> times(algos.size());
-    std::vector<double> memcpy_times;
-    // In-process, the limit: one thread copying `actual` bytes (between two buffers of this
-    // rank) while the other ranks wait, timed in the same iterations as the collectives.
-    // Page-aligned buffers, the destination 64 bytes into its page: glibc's memcpy slows down
-    // badly when source and destination are a few bytes apart modulo 4 KiB (as two consecutive
-    // heap blocks can be), and the limit should be the best a copy can do.
-    // Also the limit for W ranks sharing the machine: the first T = min(W, cores) ranks copying
-    // `actual` bytes each at the same time (aggregate bytes / slowest copy).
-    const int copiers = MemcpyCopiers(w);
-    std::vector<double> concurrent_times;
-    std::vector<std::byte> copy_src, copy_dst;
-    std::byte *src = nullptr, *dst = nullptr;
-    if (inprocess && comm.rank() < copiers) {
-      copy_src.assign(actual + 8192, std::byte{1});
-      copy_dst.assign(actual + 8192, std::byte{0});
-      auto page = [](std::byte* p) {
-        return p + (4096 - reinterpret_cast<uintptr_t>(p) % 4096) % 4096;
-      };
-      src = page(copy_src.data());
-      dst = page(copy_dst.data()) + 64;
-    }
-    for (int it = 0; it < o.warmup + o.iters; ++it) {
-      if (inprocess) {
-        comm.Barrier().Wait();
-        if (comm.rank() == 0) {
-          double t0 = NowSeconds();
-          std::memcpy(dst, src, actual);
-          if (it >= o.warmup) memcpy_times.push_back(NowSeconds() - t0);
-        }
-        comm.Barrier().Wait();
-        double t0 = NowSeconds();
-        if (comm.rank() < copiers) std::memcpy(dst, src, actual);
-        double t = MaxOverRanks(comm, NowSeconds() - t0);
-        if (it >= o.warmup) concurrent_times.push_back(t);
-      }
+    std::optional<MemcpyLimit> limit;
+    if (inprocess) limit.emplace(comm, actual);
+    for (int it = 0; it < o.loop.warmup + o.loop.iters; ++it) {
+      const bool timed = it >= o.loop.warmup;
+      if (limit) limit->Run(timed);
       for (size_t a = 0; a < algos.size(); ++a) {  // interleaved: same conditions for all
-        comm.Barrier().Wait();
-        double t0 = NowSeconds();
-        job.Start(algos[a]).Wait();
-        double t = MaxOverRanks(comm, NowSeconds() - t0);
-        if (it >= o.warmup) times[a].push_back(t);
+        const double t = TimedOnAllRanks(comm, [&] { job.Start(algos[a]).Wait(); });
+        if (timed) times[a].push_back(t);
       }
     }
-    std::vector<Row> rows;
+    SizeReport report{.inprocess = inprocess, .compare = compare};
     for (size_t a = 0; a < algos.size(); ++a) {
       Row row;
       row.bytes = actual;
       row.algorithm = std::string(comm::AlgorithmName(algos[a]));
-      row.time_s = SummarizeTimes(times[a]).median_s;
+      row.time_s = Median(times[a]);
       row.algbw = Ratio(static_cast<double>(actual), row.time_s * 1e9);
       if (actual == 0) row.algbw.reset();  // nothing moved: no bandwidth
       if (row.algbw) row.busbw = *row.algbw * factor;
       job.Start(algos[a]).Wait();
       row.check = job.Check();
-      rows.push_back(row);
+      report.rows.push_back(row);
     }
     // Results of every rank are checked; failures are reported by rank 0 as a count.
-    int32_t bad = 0;
-    for (const Row& row : rows) bad += row.check.empty() ? 0 : 1;
-    comm.AllReduce(&bad, &bad, 1, DType::kInt32).Wait();
-    std::optional<double> memcpy_gbps, concurrent_gbps;
-    if (!memcpy_times.empty() && actual > 0) {
-      memcpy_gbps = Ratio(static_cast<double>(actual), SummarizeTimes(memcpy_times).median_s * 1e9);
-      concurrent_gbps = Ratio(static_cast<double>(actual) * copiers,
-                              SummarizeTimes(concurrent_times).median_s * 1e9);
+    for (const Row& row : report.rows) report.bad += row.check.empty() ? 0 : 1;
+    comm.AllReduce(&report.bad, &report.bad, 1, DType::kInt32).Wait();
+    if (limit) {
+      report.copiers = limit->copiers();
+      report.memcpy_gbps = limit->AloneGbps();
+      report.concurrent_gbps = limit->ConcurrentGbps();
     }
-    if (!print) continue;
-    const std::optional<double> mpi_busbw = compare ? rows.back().busbw : std::nullopt;
-    for (const Row& row : rows) {
-      auto over = [](std::optional<double> a, std::optional<double> b) {
-        return a && b ? Ratio(*a, *b) : std::nullopt;
-      };
-      if (o.json) {
-        nlohmann::json j = {{"op", o.op},
-                            {"ranks", w},
-                            {"transport", comm.transport_kind()},
-                            {"algorithm", row.algorithm},
-                            {"dtype", o.dtype},
-                            {"bytes", row.bytes},
-                            {"time_us", row.time_s * 1e6},
-                            {"algbw_gbps", JsonOf(row.algbw)},
-                            {"busbw_gbps", JsonOf(row.busbw)},
-                            {"emulated", o.emulate},
-                            {"check", bad == 0 ? "ok" : "FAILED"}};
-        if (inprocess) {
-          j["memcpy_gbps"] = JsonOf(memcpy_gbps);
-          j["busbw_over_memcpy"] = JsonOf(over(row.busbw, memcpy_gbps));
-          j["memcpy_concurrent_threads"] = copiers;
-          j["memcpy_concurrent_gbps"] = JsonOf(concurrent_gbps);
-        }
-        if (compare) j["busbw_over_mpi"] = JsonOf(over(row.busbw, mpi_busbw));
-        fmt::print("{}\n", j.dump());
-      } else {
-        std::string line = fmt::format("{:>12} {:>11} {:>22} {:>11.1f} {} {}", row.bytes,
-                                       row.bytes / DTypeSize(dtype), row.algorithm,
-                                       row.time_s * 1e6, Cell(row.algbw), Cell(row.busbw));
-        if (inprocess) {
-          line += fmt::format(" {} {} {}", Cell(memcpy_gbps), Cell(over(row.busbw, memcpy_gbps)),
-                              Cell(concurrent_gbps));
-        }
-        if (compare) line += " " + Cell(over(row.busbw, mpi_busbw));
-        fmt::print("{}{}\n", line, bad == 0 ? "" : "  CHECK FAILED");
-      }
-    }
-    std::fflush(stdout);
+    if (print) PrintSizeReport(comm, o, report);
   }
 }
 
@@ -435,9 +468,9 @@ int RunBenchComm(const BenchCommOptions& o) {
                            {"dtype", o.dtype},
                            {"reduce-op", o.reduce_op},
                            {"compare", o.compare},
-                           {"iters", std::to_string(o.iters)},
-                           {"warmup", std::to_string(o.warmup)},
-                           {"ranks-per-node", std::to_string(o.ranks_per_node)},
+                           {"iters", std::to_string(o.loop.iters)},
+                           {"warmup", std::to_string(o.loop.warmup)},
+                           {"ranks-per-node", std::to_string(o.links.ranks_per_node)},
                            {"timeout-ms", std::to_string(o.timeout_ms)}});
       const SizePlan plan = PlanSizes(o, world->size());
       RequireBenchMemory(o, plan, 1, 0);
@@ -452,11 +485,10 @@ int RunBenchComm(const BenchCommOptions& o) {
              "--compare mpi needs --transport mpi (MPI's own collectives run between processes)");
   comm::InProcessOptions options;
   options.timeout = comm::Milliseconds(o.timeout_ms);
-  options.ranks_per_node = o.ranks_per_node;
+  options.ranks_per_node = o.links.ranks_per_node;
   const SizePlan plan = PlanSizes(o, o.ranks);
   if (o.emulate) {
-    options.emulation = comm::EmulationOptions{{o.intra_latency_us, o.intra_gbps},
-                                               {o.inter_latency_us, o.inter_gbps}};
+    options.emulation = o.links.Emulation();
     RequireEmulationFitsDeadline(*options.emulation, options.timeout, "--timeout-ms",
                                  *std::max_element(plan.bytes.begin(), plan.bytes.end()));
   }
@@ -489,15 +521,14 @@ SY_REGISTER_COMMAND(Command{
       app.add_option("--compare", o->compare,
                      "mpi: also time MPI's own collective in the same run (--transport mpi)")
           ->check(CLI::IsMember({"", "mpi"}));
-      AddIntOption(app, "--iters", &o->iters, 1, 100000, "timed iterations");
-      AddIntOption(app, "--warmup", &o->warmup, 0, 1000, "untimed iterations");
-      app.add_flag("--json", o->json, "one JSON line per size and algorithm");
-      AddIntOption(app, "--ranks-per-node", &o->ranks_per_node, 0, 1024,
+      AddBenchLoopFlags(app, &o->loop,
+                        {.max_iters = 100000, .json_help = "one JSON line per size and algorithm"});
+      AddIntOption(app, "--ranks-per-node", &o->links.ranks_per_node, 0, 1024,
                    "in-process topology: ranks per node (0 = one node)");
       app.add_flag("--emulate", o->emulate,
                    "in-process: charge every message the alpha-beta cost of its link");
-      AddEmulationLinkOptions(app, &o->intra_latency_us, &o->intra_gbps, &o->inter_latency_us,
-                              &o->inter_gbps);
+      AddEmulationLinkOptions(app, &o->links.intra_latency_us, &o->links.intra_gbps,
+                              &o->links.inter_latency_us, &o->links.inter_gbps);
       AddIntOption(app, "--timeout-ms", &o->timeout_ms, int64_t{1}, int64_t{86400000},
                    "deadline of every collective");
       return [o] { return RunBenchComm(*o); };

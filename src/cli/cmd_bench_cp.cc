@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cli/bench_common.h"
+#include "cli/bench_setup.h"
 #include "cli/command.h"
 #include "cli/flags.h"
 #include "cli/launch.h"
@@ -48,9 +49,6 @@ using parallel::Traffic;
 using train::CpAlgorithm;
 using train::SequenceSplitKind;
 
-constexpr double kDefaultLatencyUs = 50;
-constexpr double kDefaultGbps = 0.1;
-
 struct BenchCpOptions {
   std::vector<int> cp = {1, 2, 4};
   std::vector<std::string> algos = {"ring", "ulysses"};
@@ -59,12 +57,8 @@ struct BenchCpOptions {
   int64_t batch = 1;
   int64_t heads = 8;
   int64_t head_dim = 32;
-  int iters = 2;
-  int warmup = 0;
-  double latency_us = kDefaultLatencyUs;
-  double gbps = kDefaultGbps;
-  int64_t timeout_ms = 600000;
-  bool json = false;
+  BenchLoopFlags loop{.iters = 2, .warmup = 0};
+  UniformLinkFlags link{.timeout_ms = 600000};
 };
 
 struct Config {
@@ -126,13 +120,9 @@ void CommOnly(comm::Communicator& g, CpAlgorithm algo, const Tensor& act, const 
 }
 
 std::vector<Result> RunCp(const BenchCpOptions& o, int p, const std::vector<Config>& configs) {
-  comm::InProcessOptions inprocess;
-  inprocess.timeout = comm::Milliseconds(o.timeout_ms);
-  inprocess.emulation = comm::EmulationOptions{{o.latency_us, o.gbps}, {o.latency_us, o.gbps}};
   const int64_t d = o.heads * o.head_dim;
-  RequireEmulationFitsDeadline(*inprocess.emulation, inprocess.timeout, "--timeout-ms",
-                               static_cast<uint64_t>(o.batch * o.seq * 3 * d) * sizeof(float));
-  std::unique_ptr<comm::Launcher> launcher = MakeLauncher("inproc", p, inprocess, "bench cp");
+  std::unique_ptr<comm::Launcher> launcher = MakeUniformLinkLauncher(
+      p, o.link, static_cast<uint64_t>(o.batch * o.seq * 3 * d) * sizeof(float), "bench cp");
   std::vector<Result> results(configs.size());
   const Tensor qkv = RandomTensor({o.batch * o.seq, 3 * d}, 1);
   const Tensor datt = RandomTensor({o.batch * o.seq, d}, 2);
@@ -154,27 +144,24 @@ std::vector<Result> RunCp(const BenchCpOptions& o, int p, const std::vector<Conf
       const Tensor dy = attn.split().Shard(datt, o.batch);
       Result& res = results[c];
       res.config = cfg;
-      for (int it = 0; it < o.warmup + o.iters; ++it) {
+      for (int it = 0; it < o.loop.warmup + o.loop.iters; ++it) {
         CommStats fs, bs;
         train::CpWork fwork, bwork;
-        world.Barrier().Wait();
-        const double t0 = NowSeconds();
-        train::ContextParallelCache cache;
-        (void)attn.Forward(x, o.batch, &cache, 1, &fs, &fwork);
-        (void)attn.Backward(cache, dy, 1, &bs, &bwork);
-        const double step = MaxOverRanks(world, NowSeconds() - t0);
+        train::ContextParallelCache cache;  // outside the timing: its release is not timed
+        const double step = TimedOnAllRanks(world, [&] {
+          (void)attn.Forward(x, o.batch, &cache, 1, &fs, &fwork);
+          (void)attn.Backward(cache, dy, 1, &bs, &bwork);
+        });
         compute[r] = fs.compute_seconds() + bs.compute_seconds();
         blocked[r] = fs.comm_seconds + bs.comm_seconds;
         scores[r] = fwork.score_elements + bwork.score_elements;
         fw[r] = fwork;
         bw[r] = bwork;
         bytes[r] = fs.Bytes(Traffic::kContext) + bs.Bytes(Traffic::kContext);
-        world.Barrier().Wait();
-        const double t1 = NowSeconds();
-        CommOnly(world, cfg.algo, act, act3, recv, recv3, kv, kv_recv);
-        const double comm = MaxOverRanks(world, NowSeconds() - t1);
+        const double comm = TimedOnAllRanks(
+            world, [&] { CommOnly(world, cfg.algo, act, act3, recv, recv3, kv, kv_recv); });
         world.Barrier().Wait();  // every rank's figures are written
-        if (r == 0 && it >= o.warmup) {
+        if (r == 0 && it >= o.loop.warmup) {
           const double blk = *std::min_element(blocked.begin(), blocked.end());
           res.step.push_back(step);
           res.comm.push_back(comm);
@@ -200,6 +187,24 @@ std::vector<Result> RunCp(const BenchCpOptions& o, int p, const std::vector<Conf
     }
   });
   return results;
+}
+
+const TextTable& CpTable() {
+  static const TextTable table("  ", {{"algo", 8, true},
+                                      {"split", 7, true},
+                                      {"step ms", 8},
+                                      {"rank ms min..max", 17},
+                                      {"imbalance", 9},
+                                      {"scores m/m", 10},
+                                      {"comm ms", 8},
+                                      {"blocked min..max", 15},
+                                      {"hidden", 7},
+                                      {"bound", 6},
+                                      {"MB/rank", 8},
+                                      {"agree", 6},
+                                      {"peak fwd", 9},
+                                      {"peak bwd", 9}});
+  return table;
 }
 
 int RunBenchCp(const BenchCpOptions& o) {
@@ -238,13 +243,11 @@ int RunBenchCp(const BenchCpOptions& o) {
     RequireMemory(need, fmt::format("bench cp: --seq {} x --batch {} x {} model dim on --cp {}",
                                     o.seq, o.batch, d, p));
   }
-  KeepFreedMemoryForTraining();
-  kernels::SetBlasThreads(1);
-  const int cores = UsableCores();
+  const int cores = PrepareOneThreadPerRank();
   const double softmax_mib = static_cast<double>(o.batch) * static_cast<double>(o.heads) *
                              static_cast<double>(o.seq) * static_cast<double>(o.seq) * 4 /
                              (1024.0 * 1024.0);
-  if (!o.json) {
+  if (!o.loop.json) {
     fmt::print(
         "# switchyard bench cp: causal attention core, forward + backward, batch {} x seq {}, "
         "{} heads x head_dim {}, float32\n",
@@ -252,7 +255,7 @@ int RunBenchCp(const BenchCpOptions& o) {
     fmt::print(
         "# ranks as threads (in-process), EMULATED links: {:g} us + {:g} GB/s per message; {} "
         "core(s), 1 GEMM thread per rank; median of {} iterations\n",
-        o.latency_us, o.gbps, cores, o.iters);
+        o.link.latency_us, o.link.gbps, cores, o.loop.iters);
     fmt::print(
         "# rank ms = a rank's time outside blocking waits (min..max over ranks), imbalance = "
         "max/min; scores = score elements per rank (max/min); comm = the same collectives "
@@ -265,16 +268,9 @@ int RunBenchCp(const BenchCpOptions& o) {
   }
   for (int p : o.cp) {
     const std::vector<Result> results = RunCp(o, p, all);
-    if (!o.json) {
-      fmt::print("\ncp {}{}\n", p,
-                 p > cores
-                     ? fmt::format(" ({} ranks on {} cores: they time-share the cores)", p, cores)
-                     : std::string());
-      fmt::print(
-          "  {:<8} {:<7} {:>8} {:>17} {:>9} {:>10} {:>8} {:>15} {:>7} {:>6} {:>8} {:>6} "
-          "{:>9} {:>9}\n",
-          "algo", "split", "step ms", "rank ms min..max", "imbalance", "scores m/m", "comm ms",
-          "blocked min..max", "hidden", "bound", "MB/rank", "agree", "peak fwd", "peak bwd");
+    if (!o.loop.json) {
+      fmt::print("\ncp {}{}\n", p, OversubscribedNote(p, cores, "they time-share the cores"));
+      CpTable().PrintHeader();
     }
     for (const Result& r : results) {
       const double step = SummarizeTimes(r.step).median_s;
@@ -295,7 +291,7 @@ int RunBenchCp(const BenchCpOptions& o) {
       const double closed = ClosedFormBytes(r.config.algo, p, o);
       const bool agree = std::fabs(r.bytes_max - closed) <= 1e-9 * std::max(closed, 1.0) &&
                          std::fabs(r.bytes_min - closed) <= 1e-9 * std::max(closed, 1.0);
-      if (o.json) {
+      if (o.loop.json) {
         const nlohmann::json j = {
             {"op", "cp"},
             {"cp", p},
@@ -305,9 +301,9 @@ int RunBenchCp(const BenchCpOptions& o) {
             {"batch", o.batch},
             {"heads", o.heads},
             {"head_dim", o.head_dim},
-            {"iters", o.iters},
+            {"iters", o.loop.iters},
             {"cores", cores},
-            {"emulation", {{"latency_us", o.latency_us}, {"gbps", o.gbps}}},
+            {"emulation", o.link.Json()},
             {"step_median_ms", step * 1e3},
             {"rank_compute_max_ms", cmax * 1e3},
             {"rank_compute_min_ms", cmin * 1e3},
@@ -330,19 +326,18 @@ int RunBenchCp(const BenchCpOptions& o) {
         fmt::print("{}\n", j.dump());
         continue;
       }
-      fmt::print(
-          "  {:<8} {:<7} {:>8.1f} {:>17} {:>9} {:>10} {:>8.1f} {:>15} {:>7} {:>6} {:>8.2f} {:>6} "
-          "{:>5.1f} MiB {:>5.1f} MiB\n",
-          AlgoName(r.config.algo), SplitName(r.config.split), step * 1e3,
-          fmt::format("{:.1f}..{:.1f}", cmin * 1e3, cmax * 1e3), Fixed2(imbalance),
-          Fixed2(score_ratio), comm * 1e3,
-          fmt::format("{:.1f}..{:.1f}", blocked * 1e3, blocked_max * 1e3), Percent(hidden),
-          p > 1 ? fmt::format("{:.0f}%", 100 * bound) : std::string("-"), r.bytes_max / 1e6,
-          agree ? "yes" : "NO", static_cast<double>(r.peak_fwd) / (1024.0 * 1024.0),
-          static_cast<double>(r.peak_bwd) / (1024.0 * 1024.0));
+      CpTable().PrintRow(
+          {AlgoName(r.config.algo), SplitName(r.config.split), fmt::format("{:.1f}", step * 1e3),
+           fmt::format("{:.1f}..{:.1f}", cmin * 1e3, cmax * 1e3), Fixed2(imbalance),
+           Fixed2(score_ratio), fmt::format("{:.1f}", comm * 1e3),
+           fmt::format("{:.1f}..{:.1f}", blocked * 1e3, blocked_max * 1e3), Percent(hidden),
+           p > 1 ? fmt::format("{:.0f}%", 100 * bound) : std::string("-"),
+           fmt::format("{:.2f}", r.bytes_max / 1e6), agree ? "yes" : "NO",
+           fmt::format("{:>5.1f} MiB", static_cast<double>(r.peak_fwd) / (1024.0 * 1024.0)),
+           fmt::format("{:>5.1f} MiB", static_cast<double>(r.peak_bwd) / (1024.0 * 1024.0))});
     }
   }
-  if (!o.json) {
+  if (!o.loop.json) {
     fmt::print(
         "\nbytes per rank per forward + backward, a = batch x seq/P x D x 4: ulysses 8 (P-1)/P a, "
         "ring 6 (P-1) a (docs/context_parallel.md)\n");
@@ -371,17 +366,8 @@ SY_REGISTER_COMMAND(Command{
                    "attention heads (divisible by every cp for ulysses)");
       AddIntOption(app, "--head-dim", &o->head_dim, int64_t{1}, int64_t{1} << 40,
                    "columns per head");
-      AddIntOption(app, "--iters", &o->iters, 1, 10000, "timed iterations");
-      AddIntOption(app, "--warmup", &o->warmup, 0, 1000, "untimed iterations");
-      app.add_option("--intra-latency-us", o->latency_us,
-                     "emulated latency per message between the cp ranks, microseconds")
-          ->check(FiniteIn(0, 1e9));
-      app.add_option("--intra-gbps", o->gbps,
-                     "emulated bandwidth between the cp ranks, GB/s (0 = unlimited)")
-          ->check(FiniteIn(0, 1e9));
-      AddIntOption(app, "--timeout-ms", &o->timeout_ms, int64_t{1}, int64_t{86400000},
-                   "deadline of every collective");
-      app.add_flag("--json", o->json, "one JSON line per cp, algorithm and split");
+      AddBenchLoopFlags(app, &o->loop, {.json_help = "one JSON line per cp, algorithm and split"});
+      AddUniformLinkFlags(app, &o->link, "the cp ranks");
       return [o] { return RunBenchCp(*o); };
     }});
 

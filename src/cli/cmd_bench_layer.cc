@@ -4,7 +4,6 @@
 // With --ranks W > 1 it is `bench layer-parallel` (bench_parallel.h): the same layer on W ranks,
 // with the overlap schedules against the plain path.
 #include <fmt/format.h>
-#include <time.h>
 
 #include <algorithm>
 #include <memory>
@@ -13,6 +12,7 @@
 
 #include "cli/bench_common.h"
 #include "cli/bench_parallel.h"
+#include "cli/bench_setup.h"
 #include "cli/command.h"
 #include "cli/flags.h"
 #include "cli/launch.h"
@@ -35,21 +35,11 @@ using kernels::GemmProblem;
 using kernels::Trans;
 
 struct BenchLayerOptions {
-  int64_t tokens = 4096;
-  int64_t model_dim = 512;
-  int64_t hidden_dim = 2048;
-  int64_t experts = 8;
-  int64_t top_k = 2;
-  float capacity_factor = 1.25f;
-  bool dropless = false;
-  std::string activation = "gelu";
-  bool gated = false;
+  MoeLayerFlags layer;
   int threads = 1;
   int blas_threads = 1;
-  int repeat = 10;
-  int warmup = 2;
+  BenchLoopFlags loop{.iters = 10, .warmup = 2};
   bool breakdown = false;
-  bool json = false;
   bool no_malloc_cache = false;
 };
 
@@ -153,18 +143,221 @@ class ExpertGemms {
   Tensor x_, y_, a_, b_, w1_, w2_, dw_;
 };
 
-// CPU time of the whole process (all threads): on a shared machine it counts the work done, not
-// the time other processes held the cores.
-double ProcessCpuSeconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
 struct Stage {
   std::string name;
   std::function<void()> run;
 };
+
+// Everything one step holds, and the private buffers of the expert GEMMs timed alone (the kept
+// rows, at most T k, of M and H floats twice, and three [E, H, M] weights), refused up front:
+// a capacity too large for memory or for an int32 row index ends here, before the gate runs.
+void RequireLayerBenchMemory(const MoeLayerFlags& l, const moe::LayerConfig& c) {
+  const double m = static_cast<double>(l.model_dim), h = static_cast<double>(l.hidden_dim);
+  const double kept_max =
+      std::min(MoeExpertRows(c, l.tokens),
+               static_cast<double>(l.tokens) * static_cast<double>(moe::EffectiveTopK(c)));
+  RequireMemory(
+      EstimateMoeStepBytes(c, l.tokens, 1.0,
+                           kept_max * 2 * (m + h) + 3 * static_cast<double>(l.experts) * m * h),
+      fmt::format("bench layer: --tokens {} x --model-dim {} with --experts {} of --hidden-dim {} "
+                  "({}), one forward and backward",
+                  l.tokens, l.model_dim, l.experts, l.hidden_dim,
+                  l.dropless ? std::string("dropless")
+                             : fmt::format("capacity factor {:g}", l.capacity_factor)));
+  if (!c.dropless && c.capacity_factor > 0) {
+    // The layer's own check, before it computes the gate: E x capacity rows must index in int32
+    // (the capacity is known before routing when capacity_factor > 0).
+    moe::RequireExpertBufferMemory(c, c.num_experts, moe::ComputeCapacity(c, l.tokens, l.tokens));
+  }
+}
+
+// The layer, its parameters and batch, and the expert GEMMs of the routing it produced.
+struct LayerBench {
+  moe::LayerConfig config;
+  moe::MoeLayer layer;
+  moe::LayerParams params;
+  Tensor x, dy;
+  moe::ForwardOptions fo;
+  moe::LayerOutput probe;  // one forward: the routing the GEMMs alone reproduce
+  int64_t kept = 0;
+  double useful_flop = 0;  // of one forward + backward of the experts
+  ExpertGemms gemms;
+
+  LayerBench(const BenchLayerOptions& o, const moe::LayerConfig& c)
+      : config(c),
+        layer(c),  // checks the configuration
+        // The memory, once the layer accepted the configuration and before anything is allocated.
+        params((RequireLayerBenchMemory(o.layer, c), moe::InitParams(c, 1))),
+        x(RandomTensor({o.layer.tokens, o.layer.model_dim}, 10)),
+        dy(RandomTensor({o.layer.tokens, o.layer.model_dim}, 11)),
+        fo(ForwardWith(o.threads)),
+        probe(layer.Forward(params, x, fo)),
+        kept(Sum(probe.expert_counts)),
+        useful_flop(3.0 *
+                    moe::ExpertFlops(kept, o.layer.model_dim, o.layer.hidden_dim, o.layer.gated)),
+        gemms(probe.expert_counts, o.layer.model_dim, o.layer.hidden_dim, o.layer.gated) {}
+
+  void Step(int threads) {
+    moe::LayerOutput out = layer.Forward(params, x, fo);
+    moe::LayerGradients g = layer.Backward(params, out, dy, threads);
+  }
+
+ private:
+  static moe::ForwardOptions ForwardWith(int threads) {
+    moe::ForwardOptions fo;
+    fo.threads = threads;
+    return fo;
+  }
+  static int64_t Sum(const std::vector<int64_t>& v) {
+    int64_t s = 0;
+    for (int64_t n : v) s += n;
+    return s;
+  }
+};
+
+// Breakdown: each piece of the layer on its own, through the public step functions, in
+// dependency order; the median process CPU seconds of each.
+std::vector<std::pair<std::string, double>> MeasureBreakdown(const BenchLayerOptions& o,
+                                                             LayerBench& b) {
+  const moe::LayerConfig& c = b.config;
+  const int threads = o.threads;
+  moe::GateResult gate;
+  moe::DispatchPlan plan;
+  Tensor expert_in, expert_out, y;
+  moe::ExpertActivations acts;
+  moe::CombineGradients cg;
+  moe::ExpertGradients eg;
+  moe::DispatchGradients dg;
+  moe::ExpertOptions eo{c.activation, c.gated};
+  const std::vector<Stage> stages = {
+      {"gate forward",
+       [&] { gate = moe::GateForward(c, b.x, b.params.gate_weight, Tensor(), {}); }},
+      {"losses forward", [&] { (void)moe::ComputeGateLosses(c, gate); }},
+      {"plan", [&] { plan = moe::MakeDispatchPlan(c, gate, {}); }},
+      {"dispatch", [&] { expert_in = moe::Dispatch(plan, b.x, false, threads); }},
+      {"expert GEMMs forward alone", [&] { b.gemms.RunGroupedForward(threads); }},
+      {"experts forward",
+       [&] {
+         expert_out = moe::ExpertsForward(eo, b.params.experts, expert_in, moe::GroupsOf(plan),
+                                          &acts, threads);
+       }},
+      {"combine", [&] { y = moe::Combine(plan, expert_out, false, threads); }},
+      {"combine backward",
+       [&] { cg = moe::CombineBackward(plan, b.dy, expert_out, false, threads); }},
+      {"expert GEMMs backward alone", [&] { b.gemms.RunGroupedBackward(threads); }},
+      {"experts backward",
+       [&] { eg = moe::ExpertsBackward(eo, b.params.experts, acts, cg.expert_out, threads); }},
+      {"dispatch backward",
+       [&] { dg = moe::DispatchBackward(plan, eg.input, b.x, false, threads); }},
+      {"gate backward",
+       [&] {
+         auto dgates = moe::CombineWeightsBackward(c, gate, plan, cg.weights);
+         auto ds = moe::GateValuesBackward(c, gate, dgates);
+         (void)moe::GateBackward(c, gate, b.x, b.params.gate_weight, ds, c.aux_loss_coef,
+                                 c.z_loss_coef);
+       }},
+  };
+  std::vector<std::function<void()>> runs;
+  for (const Stage& st : stages) runs.push_back(st.run);
+  // One warm-up round (in dependency order), then the timed rounds.
+  const InterleavedTimes t = TimeInterleaved(runs, 1, o.loop.iters, /*cpu_too=*/true);
+  std::vector<std::pair<std::string, double>> breakdown;
+  for (size_t j = 0; j < stages.size(); ++j) {
+    breakdown.emplace_back(stages[j].name, Median(t.cpu[j]));
+  }
+  return breakdown;
+}
+
+// What `bench layer` measured: the step, the grouped GEMMs alone, the GEMMs as a loop (wall and
+// process CPU seconds), the breakdown, the FMA peak.
+struct LayerFigures {
+  TimingStats step, grouped, loop;
+  double cpu_step = 0, cpu_grouped = 0, cpu_loop = 0;
+  std::vector<std::pair<std::string, double>> breakdown;
+  PeakFlops peak;
+  double peak_total = 0;  // one thread's peak x --threads
+};
+
+void PrintLayerJson(const BenchLayerOptions& o, const LayerBench& b, const LayerFigures& f) {
+  const MoeLayerFlags& l = o.layer;
+  const double step = f.step.median_s, grouped = f.grouped.median_s;
+  nlohmann::json j = {{"op", "layer"},
+                      {"tokens", l.tokens},
+                      {"model_dim", l.model_dim},
+                      {"hidden_dim", l.hidden_dim},
+                      {"experts", l.experts},
+                      {"top_k", b.layer.top_k()},
+                      {"capacity_factor", l.capacity_factor},
+                      {"dropless", l.dropless},
+                      {"activation", l.activation},
+                      {"gated", l.gated},
+                      {"threads", o.threads},
+                      {"blas_threads", o.blas_threads},
+                      {"gemm_backend", kernels::GemmBackendName()},
+                      {"useful_gflops_per_cpu_s", b.useful_flop / f.cpu_step / 1e9},
+                      {"small_gemm_isa", moe::SmallGemmIsaName()},
+                      {"capacity", b.probe.capacity},
+                      {"kept_pairs", b.kept},
+                      {"dropped_pairs", b.probe.dropped},
+                      {"step_ms", step * 1e3},
+                      {"tokens_per_s", static_cast<double>(l.tokens) / step},
+                      {"useful_gflops", b.useful_flop / step / 1e9},
+                      {"expert_gemm_ms", grouped * 1e3},
+                      {"expert_gemm_gflops", b.useful_flop / grouped / 1e9},
+                      {"expert_gemm_loop_ms", f.loop.median_s * 1e3},
+                      {"step_over_gemm", step / grouped},
+                      {"step_cpu_ms", f.cpu_step * 1e3},
+                      {"expert_gemm_cpu_ms", f.cpu_grouped * 1e3},
+                      {"expert_gemm_loop_cpu_ms", f.cpu_loop * 1e3},
+                      {"step_over_gemm_cpu", f.cpu_step / f.cpu_grouped},
+                      {"malloc_cache", !o.no_malloc_cache},
+                      {"peak_gflops", f.peak_total}};
+  for (const auto& [name, t] : f.breakdown) j["breakdown_cpu_ms"][name] = t * 1e3;
+  PrintJsonLine(j);
+}
+
+void PrintLayerText(const BenchLayerOptions& o, const LayerBench& b, const LayerFigures& f) {
+  const MoeLayerFlags& l = o.layer;
+  const double step = f.step.median_s, grouped = f.grouped.median_s;
+  const double ratio = step / grouped, cpu_ratio = f.cpu_step / f.cpu_grouped;
+  fmt::print(
+      "MoE layer T={} M={} H={} E={} k={} cf={} {}{} act={}, {} thread(s) (BLAS {}), {} reps\n",
+      l.tokens, l.model_dim, l.hidden_dim, l.experts, b.layer.top_k(), l.capacity_factor,
+      l.dropless ? "dropless" : fmt::format("capacity {}", b.probe.capacity),
+      l.gated ? " gated" : "", l.activation, o.threads, o.blas_threads, o.loop.iters);
+  fmt::print("  kept (token, choice) pairs {} (dropped {})\n", b.kept, b.probe.dropped);
+  fmt::print(
+      "  forward+backward   {:8.2f} ms/step (median; best {:.2f})  {:9.0f} tokens/s  "
+      "{:6.1f} useful GFLOP/s\n",
+      step * 1e3, f.step.min_s * 1e3, static_cast<double>(l.tokens) / step,
+      b.useful_flop / step / 1e9);
+  fmt::print(
+      "  expert GEMMs alone {:8.2f} ms (grouped)  {:6.1f} GFLOP/s   -> step / GEMMs = "
+      "{:.3f} (overhead {:.1f}%)\n",
+      grouped * 1e3, b.useful_flop / grouped / 1e9, ratio, 100.0 * (ratio - 1.0));
+  fmt::print("  expert GEMMs loop  {:8.2f} ms (plain GEMM per expert)  grouped/loop = {:.3f}\n",
+             f.loop.median_s * 1e3, grouped / f.loop.median_s);
+  fmt::print(
+      "  process CPU time: step {:.2f} ms, GEMMs {:.2f} ms (grouped), {:.2f} ms (loop) -> "
+      "step / GEMMs = {:.3f}, grouped/loop = {:.3f}\n",
+      f.cpu_step * 1e3, f.cpu_grouped * 1e3, f.cpu_loop * 1e3, cpu_ratio,
+      f.cpu_grouped / f.cpu_loop);
+  // On a loaded machine the wall time carries other processes' time; per CPU-second of the
+  // process is what the layer does while it holds its cores.
+  fmt::print("  useful GFLOP/s per CPU-second of the step: {:.1f} ({:.2f} of one core's peak)\n",
+             b.useful_flop / f.cpu_step / 1e9, b.useful_flop / f.cpu_step / 1e9 / f.peak.gflops);
+  fmt::print("  GEMMs: {}; small-expert kernels {}\n", kernels::GemmBackendName(),
+             moe::SmallGemmIsaName());
+  if (!kernels::GemmBackendWarning().empty()) {
+    fmt::print("  {}\n", kernels::GemmBackendWarning());
+  }
+  fmt::print("  FMA peak ({}, measured now) {:.1f} GFLOP/s -> layer at {:.0f}% of peak\n",
+             f.peak.isa, f.peak_total, 100.0 * b.useful_flop / step / 1e9 / f.peak_total);
+  if (!f.breakdown.empty()) {
+    fmt::print("  breakdown (each piece alone, median process CPU ms):\n");
+    for (const auto& [name, t] : f.breakdown) fmt::print("    {:27s} {:8.3f}\n", name, t * 1e3);
+  }
+}
 
 int RunBenchLayer(const BenchLayerOptions& o) {
   // The trainer's allocator policy (cli/launch.h): freed buffers stay in the process, as in a
@@ -173,204 +366,27 @@ int RunBenchLayer(const BenchLayerOptions& o) {
   // again (step / GEMMs 1.13-1.22 against 1.06-1.07, docs/PERFORMANCE.md).
   if (!o.no_malloc_cache) KeepFreedMemoryForTraining();
   kernels::SetBlasThreads(o.blas_threads);
-  moe::LayerConfig c;
-  c.model_dim = o.model_dim;
-  c.hidden_dim = o.hidden_dim;
-  c.num_experts = o.experts;
-  c.top_k = o.top_k;
-  c.capacity_factor = o.capacity_factor;
-  c.dropless = o.dropless;
-  c.activation = kernels::ActivationFromName(o.activation);
-  c.gated = o.gated;
-  moe::MoeLayer layer(c);
-  // Everything one step holds, and the private buffers of the expert GEMMs timed alone (the kept
-  // rows, at most T k, of M and H floats twice, and three [E, H, M] weights), refused up front:
-  // a capacity too large for memory or for an int32 row index ends here, before the gate runs.
-  const double m = static_cast<double>(o.model_dim), h = static_cast<double>(o.hidden_dim);
-  const double kept_max =
-      std::min(MoeExpertRows(c, o.tokens),
-               static_cast<double>(o.tokens) * static_cast<double>(moe::EffectiveTopK(c)));
-  RequireMemory(
-      EstimateMoeStepBytes(c, o.tokens, 1.0,
-                           kept_max * 2 * (m + h) + 3 * static_cast<double>(o.experts) * m * h),
-      fmt::format("bench layer: --tokens {} x --model-dim {} with --experts {} of --hidden-dim {} "
-                  "({}), one forward and backward",
-                  o.tokens, o.model_dim, o.experts, o.hidden_dim,
-                  o.dropless ? std::string("dropless")
-                             : fmt::format("capacity factor {:g}", o.capacity_factor)));
-  if (!c.dropless && c.capacity_factor > 0) {
-    // The layer's own check, before it computes the gate: E x capacity rows must index in int32
-    // (the capacity is known before routing when capacity_factor > 0).
-    moe::RequireExpertBufferMemory(c, c.num_experts, moe::ComputeCapacity(c, o.tokens, o.tokens));
-  }
-  moe::LayerParams params = moe::InitParams(c, 1);
-  Tensor x = RandomTensor({o.tokens, o.model_dim}, 10);
-  Tensor dy = RandomTensor({o.tokens, o.model_dim}, 11);
-  moe::ForwardOptions fo;
-  fo.threads = o.threads;
-
-  moe::LayerOutput probe = layer.Forward(params, x, fo);
-  int64_t kept = 0;
-  for (int64_t n : probe.expert_counts) kept += n;
-  const double useful_flop = 3.0 * moe::ExpertFlops(kept, o.model_dim, o.hidden_dim, o.gated);
-  ExpertGemms gemms(probe.expert_counts, o.model_dim, o.hidden_dim, o.gated);
-
-  auto step = [&] {
-    moe::LayerOutput out = layer.Forward(params, x, fo);
-    moe::LayerGradients g = layer.Backward(params, out, dy, o.threads);
-  };
+  const moe::LayerConfig c = o.layer.Config();
+  LayerBench b(o, c);  // the layer checks its configuration first
   // Interleaved: step, grouped GEMMs, looped GEMMs, so drift hits all three alike.
-  for (int i = 0; i < o.warmup; ++i) {
-    step();
-    gemms.RunGrouped(o.threads);
-    gemms.RunLoop();
-  }
-  std::vector<double> t_step, t_grouped, t_loop, c_step, c_grouped, c_loop;
-  auto timed = [](const auto& fn, std::vector<double>& wall, std::vector<double>& cpu) {
-    double w0 = NowSeconds(), c0 = ProcessCpuSeconds();
-    fn();
-    cpu.push_back(ProcessCpuSeconds() - c0);
-    wall.push_back(NowSeconds() - w0);
-  };
-  for (int i = 0; i < o.repeat; ++i) {
-    timed(step, t_step, c_step);
-    timed([&] { gemms.RunGrouped(o.threads); }, t_grouped, c_grouped);
-    timed([&] { gemms.RunLoop(); }, t_loop, c_loop);
-  }
-  TimingStats s_step = SummarizeTimes(t_step), s_grouped = SummarizeTimes(t_grouped),
-              s_loop = SummarizeTimes(t_loop);
-  double cpu_step = SummarizeTimes(c_step).median_s,
-         cpu_grouped = SummarizeTimes(c_grouped).median_s,
-         cpu_loop = SummarizeTimes(c_loop).median_s;
-
-  // Breakdown: each piece of the layer on its own, through the public step functions.
-  std::vector<std::pair<std::string, double>> breakdown;
-  if (o.breakdown) {
-    moe::GateResult gate;
-    moe::DispatchPlan plan;
-    Tensor expert_in, expert_out, y;
-    moe::ExpertActivations acts;
-    moe::CombineGradients cg;
-    moe::ExpertGradients eg;
-    moe::DispatchGradients dg;
-    moe::ExpertOptions eo{c.activation, c.gated};
-    std::vector<Stage> stages = {
-        {"gate forward", [&] { gate = moe::GateForward(c, x, params.gate_weight, Tensor(), {}); }},
-        {"losses forward", [&] { (void)moe::ComputeGateLosses(c, gate); }},
-        {"plan", [&] { plan = moe::MakeDispatchPlan(c, gate, {}); }},
-        {"dispatch", [&] { expert_in = moe::Dispatch(plan, x, false, o.threads); }},
-        {"expert GEMMs forward alone", [&] { gemms.RunGroupedForward(o.threads); }},
-        {"experts forward",
-         [&] {
-           expert_out = moe::ExpertsForward(eo, params.experts, expert_in, moe::GroupsOf(plan),
-                                            &acts, o.threads);
-         }},
-        {"combine", [&] { y = moe::Combine(plan, expert_out, false, o.threads); }},
-        {"combine backward",
-         [&] { cg = moe::CombineBackward(plan, dy, expert_out, false, o.threads); }},
-        {"expert GEMMs backward alone", [&] { gemms.RunGroupedBackward(o.threads); }},
-        {"experts backward",
-         [&] { eg = moe::ExpertsBackward(eo, params.experts, acts, cg.expert_out, o.threads); }},
-        {"dispatch backward",
-         [&] { dg = moe::DispatchBackward(plan, eg.input, x, false, o.threads); }},
-        {"gate backward",
-         [&] {
-           auto dgates = moe::CombineWeightsBackward(c, gate, plan, cg.weights);
-           auto ds = moe::GateValuesBackward(c, gate, dgates);
-           (void)moe::GateBackward(c, gate, x, params.gate_weight, ds, c.aux_loss_coef,
-                                   c.z_loss_coef);
-         }},
-    };
-    for (const Stage& st : stages) st.run();  // warm-up, in dependency order
-    std::vector<std::vector<double>> times(stages.size());
-    for (int i = 0; i < o.repeat; ++i) {
-      for (size_t j = 0; j < stages.size(); ++j) {
-        double t0 = ProcessCpuSeconds();
-        stages[j].run();
-        times[j].push_back(ProcessCpuSeconds() - t0);
-      }
-    }
-    for (size_t j = 0; j < stages.size(); ++j) {
-      breakdown.emplace_back(stages[j].name, SummarizeTimes(times[j]).median_s);
-    }
-  }
-  PeakFlops peak = MeasurePeakFlops();
-  double peak_total = peak.gflops * o.threads;
-
-  double ratio = s_step.median_s / s_grouped.median_s;
-  double cpu_ratio = cpu_step / cpu_grouped;
-  if (o.json) {
-    nlohmann::json j = {{"op", "layer"},
-                        {"tokens", o.tokens},
-                        {"model_dim", o.model_dim},
-                        {"hidden_dim", o.hidden_dim},
-                        {"experts", o.experts},
-                        {"top_k", layer.top_k()},
-                        {"capacity_factor", o.capacity_factor},
-                        {"dropless", o.dropless},
-                        {"activation", o.activation},
-                        {"gated", o.gated},
-                        {"threads", o.threads},
-                        {"blas_threads", o.blas_threads},
-                        {"gemm_backend", kernels::GemmBackendName()},
-                        {"useful_gflops_per_cpu_s", useful_flop / cpu_step / 1e9},
-                        {"small_gemm_isa", moe::SmallGemmIsaName()},
-                        {"capacity", probe.capacity},
-                        {"kept_pairs", kept},
-                        {"dropped_pairs", probe.dropped},
-                        {"step_ms", s_step.median_s * 1e3},
-                        {"tokens_per_s", static_cast<double>(o.tokens) / s_step.median_s},
-                        {"useful_gflops", useful_flop / s_step.median_s / 1e9},
-                        {"expert_gemm_ms", s_grouped.median_s * 1e3},
-                        {"expert_gemm_gflops", useful_flop / s_grouped.median_s / 1e9},
-                        {"expert_gemm_loop_ms", s_loop.median_s * 1e3},
-                        {"step_over_gemm", ratio},
-                        {"step_cpu_ms", cpu_step * 1e3},
-                        {"expert_gemm_cpu_ms", cpu_grouped * 1e3},
-                        {"expert_gemm_loop_cpu_ms", cpu_loop * 1e3},
-                        {"step_over_gemm_cpu", cpu_ratio},
-                        {"malloc_cache", !o.no_malloc_cache},
-                        {"peak_gflops", peak_total}};
-    for (auto& [name, t] : breakdown) j["breakdown_cpu_ms"][name] = t * 1e3;
-    fmt::print("{}\n", j.dump());
-    return 0;
-  }
-  fmt::print(
-      "MoE layer T={} M={} H={} E={} k={} cf={} {}{} act={}, {} thread(s) (BLAS {}), {} reps\n",
-      o.tokens, o.model_dim, o.hidden_dim, o.experts, layer.top_k(), o.capacity_factor,
-      o.dropless ? "dropless" : fmt::format("capacity {}", probe.capacity), o.gated ? " gated" : "",
-      o.activation, o.threads, o.blas_threads, o.repeat);
-  fmt::print("  kept (token, choice) pairs {} (dropped {})\n", kept, probe.dropped);
-  fmt::print(
-      "  forward+backward   {:8.2f} ms/step (median; best {:.2f})  {:9.0f} tokens/s  "
-      "{:6.1f} useful GFLOP/s\n",
-      s_step.median_s * 1e3, s_step.min_s * 1e3, static_cast<double>(o.tokens) / s_step.median_s,
-      useful_flop / s_step.median_s / 1e9);
-  fmt::print(
-      "  expert GEMMs alone {:8.2f} ms (grouped)  {:6.1f} GFLOP/s   -> step / GEMMs = "
-      "{:.3f} (overhead {:.1f}%)\n",
-      s_grouped.median_s * 1e3, useful_flop / s_grouped.median_s / 1e9, ratio,
-      100.0 * (ratio - 1.0));
-  fmt::print("  expert GEMMs loop  {:8.2f} ms (plain GEMM per expert)  grouped/loop = {:.3f}\n",
-             s_loop.median_s * 1e3, s_grouped.median_s / s_loop.median_s);
-  fmt::print(
-      "  process CPU time: step {:.2f} ms, GEMMs {:.2f} ms (grouped), {:.2f} ms (loop) -> "
-      "step / GEMMs = {:.3f}, grouped/loop = {:.3f}\n",
-      cpu_step * 1e3, cpu_grouped * 1e3, cpu_loop * 1e3, cpu_ratio, cpu_grouped / cpu_loop);
-  // On a loaded machine the wall time carries other processes' time; per CPU-second of the
-  // process is what the layer does while it holds its cores.
-  fmt::print("  useful GFLOP/s per CPU-second of the step: {:.1f} ({:.2f} of one core's peak)\n",
-             useful_flop / cpu_step / 1e9, useful_flop / cpu_step / 1e9 / peak.gflops);
-  fmt::print("  GEMMs: {}; small-expert kernels {}\n", kernels::GemmBackendName(),
-             moe::SmallGemmIsaName());
-  if (!kernels::GemmBackendWarning().empty()) {
-    fmt::print("  {}\n", kernels::GemmBackendWarning());
-  }
-  fmt::print("  FMA peak ({}, measured now) {:.1f} GFLOP/s -> layer at {:.0f}% of peak\n", peak.isa,
-             peak_total, 100.0 * useful_flop / s_step.median_s / 1e9 / peak_total);
-  if (!breakdown.empty()) {
-    fmt::print("  breakdown (each piece alone, median process CPU ms):\n");
-    for (auto& [name, t] : breakdown) fmt::print("    {:27s} {:8.3f}\n", name, t * 1e3);
+  const InterleavedTimes t =
+      TimeInterleaved({[&] { b.Step(o.threads); }, [&] { b.gemms.RunGrouped(o.threads); },
+                       [&] { b.gemms.RunLoop(); }},
+                      o.loop.warmup, o.loop.iters, /*cpu_too=*/true);
+  LayerFigures f;
+  f.step = SummarizeTimes(t.wall[0]);
+  f.grouped = SummarizeTimes(t.wall[1]);
+  f.loop = SummarizeTimes(t.wall[2]);
+  f.cpu_step = Median(t.cpu[0]);
+  f.cpu_grouped = Median(t.cpu[1]);
+  f.cpu_loop = Median(t.cpu[2]);
+  if (o.breakdown) f.breakdown = MeasureBreakdown(o, b);
+  f.peak = MeasurePeakFlops();
+  f.peak_total = f.peak.gflops * o.threads;
+  if (o.loop.json) {
+    PrintLayerJson(o, b, f);
+  } else {
+    PrintLayerText(o, b, f);
   }
   return 0;
 }
@@ -382,50 +398,35 @@ SY_REGISTER_COMMAND(Command{
       auto o = std::make_shared<BenchLayerOptions>();
       auto par = std::make_shared<BenchParallelOptions>();
       par->ranks = 1;
-      AddIntOption(app, "--tokens", &o->tokens, int64_t{1}, int64_t{1} << 24,
-                   "T, tokens on this rank");
-      AddIntOption(app, "--model-dim", &o->model_dim, int64_t{1}, int64_t{1} << 24, "M");
-      AddIntOption(app, "--hidden-dim", &o->hidden_dim, int64_t{1}, int64_t{1} << 24,
-                   "H, hidden size of one expert");
-      AddIntOption(app, "--experts", &o->experts, int64_t{1}, int64_t{1} << 16, "E");
-      AddIntOption(app, "--top-k", &o->top_k, int64_t{1}, int64_t{1} << 16, "k");
-      app.add_option("--capacity-factor", o->capacity_factor, "cf (0: no drops)")
-          ->check(FiniteIn(-1e6, 1e6));
-      app.add_flag("--dropless", o->dropless, "dropless mode (grouped GEMM, no capacity)");
-      app.add_option("--activation", o->activation, "relu, gelu or silu");
-      app.add_flag("--gated", o->gated, "gated experts (SwiGLU form)");
+      AddMoeLayerFlags(app, &o->layer,
+                       {.max_size = int64_t{1} << 24,
+                        .max_experts = int64_t{1} << 16,
+                        .tokens_help = "T, tokens on this rank"});
       CLI::Option* threads =
           AddIntOption(app, "--threads", &o->threads, 1, 256,
                        "compute threads of the rank (with --ranks: per rank, default cores / W)");
       AddIntOption(app, "--blas-threads", &o->blas_threads, 1, 256,
                    "GEMM threads per product (1: grouped GEMMs spread experts over --threads)");
-      AddIntOption(app, "--repeat", &o->repeat, 1, 100000, "timed repetitions");
-      AddIntOption(app, "--warmup", &o->warmup, 0, 1000, "untimed repetitions first");
+      const BenchLoopOptions loop = AddBenchLoopFlags(app, &o->loop,
+                                                      {.iters_name = "--repeat",
+                                                       .max_iters = 100000,
+                                                       .iters_help = "timed repetitions",
+                                                       .warmup_help = "untimed repetitions first"});
       app.add_flag("--breakdown", o->breakdown, "also time each piece of the layer alone");
-      app.add_flag("--json", o->json, "one JSON line instead of text");
       app.add_flag("--no-malloc-cache", o->no_malloc_cache,
                    "leave glibc malloc's defaults (large buffers are mmapped and faulted in anew "
                    "every step)");
       AddParallelBenchOptions(app, par.get());
-      CLI::Option* repeat = app.get_option("--repeat");
-      CLI::Option* warmup = app.get_option("--warmup");
-      return [o, par, threads, repeat, warmup] {
+      return [o, par, threads, loop] {
         if (par->ranks <= 1) return RunBenchLayer(*o);
-        // The same layer on W ranks: `bench layer-parallel`.
+        // The same layer on W ranks: `bench layer-parallel`, with its defaults for the threads
+        // and the loop unless given.
         BenchParallelOptions p = *par;
-        p.tokens = o->tokens;
-        p.model_dim = o->model_dim;
-        p.hidden_dim = o->hidden_dim;
-        p.experts = o->experts;
-        p.top_k = o->top_k;
-        p.capacity_factor = o->capacity_factor;
-        p.dropless = o->dropless;
-        p.activation = o->activation;
-        p.gated = o->gated;
-        p.json = o->json;
+        p.layer = o->layer;
+        p.loop.json = o->loop.json;
         if (threads->count() > 0) p.threads = o->threads;
-        if (repeat->count() > 0) p.repeat = o->repeat;
-        if (warmup->count() > 0) p.warmup = o->warmup;
+        if (loop.iters->count() > 0) p.loop.iters = o->loop.iters;
+        if (loop.warmup->count() > 0) p.loop.warmup = o->loop.warmup;
         return RunBenchParallel(p);
       };
     }});

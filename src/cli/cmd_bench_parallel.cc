@@ -20,6 +20,7 @@
 
 #include "cli/bench_common.h"
 #include "cli/bench_parallel.h"
+#include "cli/bench_setup.h"
 #include "cli/command.h"
 #include "cli/flags.h"
 #include "cli/launch.h"
@@ -36,8 +37,6 @@
 
 namespace switchyard::cli {
 namespace {
-
-double Median(std::vector<double> v) { return SummarizeTimes(std::move(v)).median_s; }
 
 // Token all-to-alls of one run, averaged over the ranks (forward + backward of the last step):
 // time blocked in them and time they ran.
@@ -111,326 +110,393 @@ uint64_t EstimateMoeStepBytes(const moe::LayerConfig& c, int64_t tokens, double 
   return bytes >= 0x1p62 ? uint64_t{1} << 62 : static_cast<uint64_t>(bytes);
 }
 
-int RunBenchParallel(const BenchParallelOptions& o) {
+namespace {
+
+// The runs one round makes and what they share: the layer, the layout, the launchers, the batch.
+struct ParallelSetup {
   moe::LayerConfig config;
-  config.model_dim = o.model_dim;
-  config.hidden_dim = o.hidden_dim;
-  config.num_experts = o.experts;
-  config.top_k = o.top_k;
-  config.capacity_factor = o.capacity_factor;
-  config.dropless = o.dropless;
-  config.activation = kernels::ActivationFromName(o.activation);
-  config.gated = o.gated;
-  config.expert_bias = o.hot_expert_bias > 0;
-  moe::ValidateConfig(config);
-
-  parallel::DriverOptions d;
-  parallel::ParallelOptions& p = d.parallel;
-  p.mesh.world_size = o.ranks;
-  p.mesh.tp = o.tp;
-  p.mesh.ep = o.ep;
-  p.mesh.etp = o.etp;
-  p.mesh.arrangement = parallel::ArrangementFromName(o.arrangement);
-  p.dispatch = parallel::DispatchKindFromName(o.dispatch);
-  p.adaptive_r = parallel::AdaptiveRFromString(o.adaptive_r);
-  p.hierarchical_ranks_per_node = o.hierarchical;
-  p.tp_dedup = !o.no_tp_dedup;
-  p.batch_scope = parallel::BatchScopeFromName(o.scope);
-  p.overlap_degree = o.overlap_degree;
-  p.smart_group = parallel::SmartGroupFromString(o.smart);
-  p.shadow = parallel::ShadowFromString(o.shadow);
-  const std::string transport = ResolveTransport(o.transport);
-  const bool mpi = transport == "mpi";
-  d.threads = o.threads;
-  d.repeat = o.repeat;
-  d.warmup = o.warmup;
-  comm::InProcessOptions inprocess;
-  if (o.emulate_per_node > 0) {
-    SY_REQUIRE(!mpi, InvalidArgument,
-               "--emulate-ranks-per-node applies to the in-process transport");
-    inprocess.ranks_per_node = o.emulate_per_node;
-    inprocess.emulation = comm::EmulationOptions{{o.intra_latency_us, o.intra_gbps},
-                                                 {o.inter_latency_us, o.inter_gbps}};
-    RequireEmulationFitsDeadline(*inprocess.emulation, inprocess.timeout, "", 0);
-    // The schedules' cost model assumes the emulated link unless given one.
-    const std::optional<comm::LinkModel> link = comm::EmulatedLink(inprocess, o.ranks);
-    if (link && p.cost_model.link_gbps <= 0) {
-      p.cost_model.link_gbps = link->bandwidth_gbps;
-      p.cost_model.link_latency_us = link->latency_us;
-    }
-  }
-  std::unique_ptr<comm::Launcher> launcher =
-      MakeLauncher(transport, o.ranks, inprocess, "bench layer-parallel");
-  // With emulated links: the same ranks over free links too (see free_links below).
-  std::unique_ptr<comm::Launcher> free_launcher =
-      inprocess.emulation ? MakeLauncher(transport, o.ranks, {}, "bench layer-parallel") : nullptr;
-  const int per_rank_threads =
-      o.threads > 0 ? o.threads
-                    : ComputeThreadsPerRank(launcher->ranks_in_process(), UsableCores());
-  const parallel::Mesh mesh(p.mesh, config.num_experts, config.hidden_dim);
-  const int64_t t_global = o.global_tokens > 0 ? o.global_tokens : o.tokens * mesh.data_shards();
-
-  RequireMemory(EstimateMoeStepBytes(config, t_global, mpi ? 1.0 : static_cast<double>(o.ranks)),
-                fmt::format("bench layer-parallel: {} tokens x model_dim {} on {} rank(s) ({} "
-                            "experts of hidden_dim {}), estimated peak",
-                            t_global, o.model_dim, o.ranks, o.experts, o.hidden_dim));
-  moe::LayerParams params = moe::InitParams(config, 1);
-  if (config.expert_bias) {
-    // A skewed gate: expert 0's choice score is raised by the bias (gate values unchanged).
-    params.expert_bias = Tensor::Zeros({config.num_experts});
-    params.expert_bias.data<float>()[0] = static_cast<float>(o.hot_expert_bias);
-  }
-  const Tensor x = RandomTensor({t_global, o.model_dim}, 2);
-  const Tensor dy = RandomTensor({t_global, o.model_dim}, 3);
-  const bool reference = !o.no_reference && !mpi;
-  const int cores = UsableCores();
-
-  // The plain path the schedules are measured against.
-  parallel::DriverOptions plain = d;
-  plain.parallel.overlap_degree = 1;
-  plain.parallel.smart_group = parallel::kSmartOff;
-  plain.parallel.shadow = parallel::ShadowOptions{};
-  const bool scheduled = p.overlap_degree > 1 || p.smart_group != parallel::kSmartOff ||
-                         p.shadow.policy != parallel::ShadowPolicy::kNone;
-  const bool compare = scheduled && !o.no_baseline;
+  parallel::DriverOptions run;    // the layout and schedules asked for
+  parallel::DriverOptions plain;  // the same layout on the plain path (D 1, no smart, no shadows)
+  std::string transport;
+  bool emulated = false;
+  std::unique_ptr<comm::Launcher> launcher;
+  // With emulated links: the same ranks over free links (see with_free).
+  std::unique_ptr<comm::Launcher> free_launcher;
+  int per_rank_threads = 0;
+  int cores = 0;
+  std::optional<parallel::Mesh> mesh;
+  int64_t t_global = 0;
+  moe::LayerParams params;
+  moe::LayerParams balanced_params;  // params with the gate not skewed (with_balanced)
+  Tensor x, dy;
+  bool reference = false;  // the single-rank layer on the same batch, all the cores
+  bool compare = false;    // with a schedule: the plain path
   // With emulated links, the plain path over free links (no emulated cost) too: the step without
   // communication cost, so that (plain - free) is what communication costs the plain path.
-  const parallel::DriverOptions& free_links = plain;
-  const bool pipelined = p.overlap_degree > 1 || p.smart_group != parallel::kSmartOff;
-  const bool with_free = compare && pipelined && free_launcher != nullptr;
+  bool with_free = false;
   // With a skewed gate and shadows, the plain path with the gate not skewed too: the step without
   // the hot expert's imbalance, so that (plain - balanced) is what the skew costs the plain path.
-  const bool with_balanced =
-      compare && config.expert_bias && p.shadow.policy != parallel::ShadowPolicy::kNone;
-  moe::LayerParams balanced_params = params;
-  if (with_balanced) balanced_params.expert_bias = Tensor::Zeros({config.num_experts});
-  parallel::Tracer tracer;
+  bool with_balanced = false;
+};
 
-  // Interleaved rounds: the parallel run, the plain path, then the single-rank layer on the same
-  // batch. Every MPI rank makes the same runs; rank 0 reports.
-  std::vector<double> steps, plain_steps, free_steps, balanced_steps, single, hidden,
-      saved_of_plain, hidden_of_cost, removed_of_skew;
+// The layout and schedules of the flags (named values parsed here: a bad one throws).
+parallel::DriverOptions DriverOptionsOf(const BenchParallelOptions& o) {
+  parallel::DriverOptions d;
+  d.parallel = o.layout.Options(o.ranks);
+  d.threads = o.threads;
+  d.repeat = o.loop.iters;
+  d.warmup = o.loop.warmup;
+  return d;
+}
+
+// The in-process options of --emulate-ranks-per-node (none without it); the schedules' cost
+// model assumes the emulated link unless given one.
+comm::InProcessOptions EmulationOf(const BenchParallelOptions& o, bool mpi,
+                                   parallel::ParallelOptions* p) {
+  comm::InProcessOptions inprocess;
+  if (o.links.ranks_per_node <= 0) return inprocess;
+  SY_REQUIRE(!mpi, InvalidArgument, "--emulate-ranks-per-node applies to the in-process transport");
+  inprocess.ranks_per_node = o.links.ranks_per_node;
+  inprocess.emulation = o.links.Emulation();
+  RequireEmulationFitsDeadline(*inprocess.emulation, inprocess.timeout, "", 0);
+  const std::optional<comm::LinkModel> link = comm::EmulatedLink(inprocess, o.ranks);
+  if (link && p->cost_model.link_gbps <= 0) {
+    p->cost_model.link_gbps = link->bandwidth_gbps;
+    p->cost_model.link_latency_us = link->latency_us;
+  }
+  return inprocess;
+}
+
+ParallelSetup MakeParallelSetup(const BenchParallelOptions& o) {
+  ParallelSetup s;
+  s.config = o.layer.Config();
+  s.config.expert_bias = o.hot_expert_bias > 0;
+  moe::ValidateConfig(s.config);
+  s.run = DriverOptionsOf(o);
+  const parallel::ParallelOptions& p = s.run.parallel;
+  s.transport = ResolveTransport(o.layout.transport);
+  const bool mpi = s.transport == "mpi";
+  const comm::InProcessOptions inprocess = EmulationOf(o, mpi, &s.run.parallel);
+  s.emulated = inprocess.emulation.has_value();
+  s.launcher = MakeLauncher(s.transport, o.ranks, inprocess, "bench layer-parallel");
+  if (s.emulated) s.free_launcher = MakeLauncher(s.transport, o.ranks, {}, "bench layer-parallel");
+  s.per_rank_threads = o.threads > 0
+                           ? o.threads
+                           : ComputeThreadsPerRank(s.launcher->ranks_in_process(), UsableCores());
+  s.mesh.emplace(p.mesh, s.config.num_experts, s.config.hidden_dim);
+  s.t_global = o.global_tokens > 0 ? o.global_tokens : o.layer.tokens * s.mesh->data_shards();
+
+  RequireMemory(
+      EstimateMoeStepBytes(s.config, s.t_global, mpi ? 1.0 : static_cast<double>(o.ranks)),
+      fmt::format("bench layer-parallel: {} tokens x model_dim {} on {} rank(s) ({} "
+                  "experts of hidden_dim {}), estimated peak",
+                  s.t_global, o.layer.model_dim, o.ranks, o.layer.experts, o.layer.hidden_dim));
+  s.params = moe::InitParams(s.config, 1);
+  if (s.config.expert_bias) {
+    // A skewed gate: expert 0's choice score is raised by the bias (gate values unchanged).
+    s.params.expert_bias = Tensor::Zeros({s.config.num_experts});
+    s.params.expert_bias.data<float>()[0] = static_cast<float>(o.hot_expert_bias);
+  }
+  s.x = RandomTensor({s.t_global, o.layer.model_dim}, 2);
+  s.dy = RandomTensor({s.t_global, o.layer.model_dim}, 3);
+  s.reference = !o.no_reference && !mpi;
+  s.cores = UsableCores();
+
+  s.plain = s.run;
+  s.plain.parallel.overlap_degree = 1;
+  s.plain.parallel.smart_group = parallel::kSmartOff;
+  s.plain.parallel.shadow = parallel::ShadowOptions{};
+  const bool shadows = p.shadow.policy != parallel::ShadowPolicy::kNone;
+  const bool pipelined = p.overlap_degree > 1 || p.smart_group != parallel::kSmartOff;
+  s.compare = (pipelined || shadows) && !o.no_baseline;
+  s.with_free = s.compare && pipelined && s.free_launcher != nullptr;
+  s.with_balanced = s.compare && s.config.expert_bias && shadows;
+  s.balanced_params = s.params;
+  if (s.with_balanced) s.balanced_params.expert_bias = Tensor::Zeros({s.config.num_experts});
+  return s;
+}
+
+// What the interleaved rounds measured (on rank 0): per repetition the slowest rank's step of
+// each run, and per round the figures derived from them.
+struct ParallelSamples {
+  std::vector<double> steps, plain_steps, free_steps, balanced_steps, single;
+  std::vector<double> hidden, saved_of_plain, hidden_of_cost, removed_of_skew;
   std::vector<double> blocked, busy, plain_blocked;
   parallel::LayerRunResult last;
+};
+
+// One round's runs: the one asked for (`last`), and as the setup says, the plain path, the plain
+// path over free links, the plain path with the gate not skewed.
+struct RoundRuns {
+  parallel::LayerRunResult base, free_run, balanced;
+};
+
+void RecordRound(const ParallelSetup& s, const RoundRuns& r, ParallelSamples* out) {
+  const size_t first = out->steps.size(), plain_first = out->plain_steps.size();
+  AppendSteps(out->last, &out->steps);
+  const TokenComm tc = TokenCommOf(out->last);
+  out->blocked.push_back(tc.blocked);
+  out->busy.push_back(tc.busy);
+  if (tc.busy > 0) out->hidden.push_back(1.0 - tc.blocked / tc.busy);
+  const double v_ms = MedianFrom(out->steps, first);
+  if (s.compare) {
+    AppendSteps(r.base, &out->plain_steps);
+    const TokenComm pc = TokenCommOf(r.base);
+    out->plain_blocked.push_back(pc.blocked);
+    const double dt = MedianFrom(out->plain_steps, plain_first) - v_ms;
+    if (pc.blocked > 0) out->saved_of_plain.push_back(dt / pc.blocked);
+  }
+  const double p_ms = s.compare ? MedianFrom(out->plain_steps, plain_first) : 0;
+  if (s.with_free) {
+    const size_t free_first = out->free_steps.size();
+    AppendSteps(r.free_run, &out->free_steps);
+    const double f_ms = MedianFrom(out->free_steps, free_first);
+    if (p_ms > f_ms) out->hidden_of_cost.push_back((p_ms - v_ms) / (p_ms - f_ms));
+  }
+  if (s.with_balanced) {
+    const size_t b_first = out->balanced_steps.size();
+    AppendSteps(r.balanced, &out->balanced_steps);
+    const double b_ms = MedianFrom(out->balanced_steps, b_first);
+    if (p_ms > b_ms) out->removed_of_skew.push_back((p_ms - v_ms) / (p_ms - b_ms));
+  }
+}
+
+// The single-rank layer on the whole batch with all the cores: warm-up, then timed steps.
+void TimeSingleRank(const BenchParallelOptions& o, const ParallelSetup& s,
+                    std::vector<double>* single) {
+  kernels::SetBlasThreads(s.cores);
+  moe::MoeLayer layer(s.config);
+  moe::ForwardOptions fo;
+  fo.threads = s.cores;
+  auto step = [&] {
+    moe::LayerOutput out = layer.Forward(s.params, s.x, fo);
+    layer.Backward(s.params, out, s.dy, s.cores);
+  };
+  const InterleavedTimes t = TimeInterleaved({step}, o.loop.warmup, o.loop.iters);
+  single->insert(single->end(), t.wall[0].begin(), t.wall[0].end());
+}
+
+// Interleaved rounds: the parallel run, the plain path, then the single-rank layer on the same
+// batch. Every MPI rank makes the same runs; rank 0 records.
+ParallelSamples MeasureRounds(const BenchParallelOptions& o, ParallelSetup& s,
+                              parallel::Tracer* tracer) {
+  ParallelSamples out;
   const int rounds = std::max(1, o.rounds);
   for (int round = 0; round < rounds; ++round) {
-    d.tracer = !o.trace_path.empty() && round == rounds - 1 ? &tracer : nullptr;
-    kernels::SetBlasThreads(per_rank_threads);
-    last = parallel::RunLayerOnRanks(*launcher, config, params, x, dy, d);
-    parallel::LayerRunResult base, free_run;
-    if (compare) base = parallel::RunLayerOnRanks(*launcher, config, params, x, dy, plain);
-    if (with_free) {
-      free_run = parallel::RunLayerOnRanks(*free_launcher, config, params, x, dy, free_links);
+    s.run.tracer = !o.layout.trace_path.empty() && round == rounds - 1 ? tracer : nullptr;
+    kernels::SetBlasThreads(s.per_rank_threads);
+    out.last = parallel::RunLayerOnRanks(*s.launcher, s.config, s.params, s.x, s.dy, s.run);
+    RoundRuns r;
+    if (s.compare) {
+      r.base = parallel::RunLayerOnRanks(*s.launcher, s.config, s.params, s.x, s.dy, s.plain);
     }
-    parallel::LayerRunResult balanced;
-    if (with_balanced) {
-      balanced = parallel::RunLayerOnRanks(*launcher, config, balanced_params, x, dy, plain);
+    if (s.with_free) {
+      r.free_run =
+          parallel::RunLayerOnRanks(*s.free_launcher, s.config, s.params, s.x, s.dy, s.plain);
     }
-    if (!last.is_root) continue;
-    const size_t first = steps.size(), plain_first = plain_steps.size();
-    AppendSteps(last, &steps);
-    const TokenComm tc = TokenCommOf(last);
-    blocked.push_back(tc.blocked);
-    busy.push_back(tc.busy);
-    if (tc.busy > 0) hidden.push_back(1.0 - tc.blocked / tc.busy);
-    if (compare) {
-      AppendSteps(base, &plain_steps);
-      const TokenComm pc = TokenCommOf(base);
-      plain_blocked.push_back(pc.blocked);
-      const double dt = Median({plain_steps.begin() + static_cast<std::ptrdiff_t>(plain_first),
-                                plain_steps.end()}) -
-                        Median({steps.begin() + static_cast<std::ptrdiff_t>(first), steps.end()});
-      if (pc.blocked > 0) saved_of_plain.push_back(dt / pc.blocked);
+    if (s.with_balanced) {
+      r.balanced =
+          parallel::RunLayerOnRanks(*s.launcher, s.config, s.balanced_params, s.x, s.dy, s.plain);
     }
-    if (with_free) {
-      const size_t free_first = free_steps.size();
-      AppendSteps(free_run, &free_steps);
-      const double p_ms = Median(
-          {plain_steps.begin() + static_cast<std::ptrdiff_t>(plain_first), plain_steps.end()});
-      const double f_ms =
-          Median({free_steps.begin() + static_cast<std::ptrdiff_t>(free_first), free_steps.end()});
-      const double v_ms = Median({steps.begin() + static_cast<std::ptrdiff_t>(first), steps.end()});
-      if (p_ms > f_ms) hidden_of_cost.push_back((p_ms - v_ms) / (p_ms - f_ms));
-    }
-    if (with_balanced) {
-      const size_t b_first = balanced_steps.size();
-      AppendSteps(balanced, &balanced_steps);
-      const double p_ms = Median(
-          {plain_steps.begin() + static_cast<std::ptrdiff_t>(plain_first), plain_steps.end()});
-      const double b_ms = Median(
-          {balanced_steps.begin() + static_cast<std::ptrdiff_t>(b_first), balanced_steps.end()});
-      const double v_ms = Median({steps.begin() + static_cast<std::ptrdiff_t>(first), steps.end()});
-      if (p_ms > b_ms) removed_of_skew.push_back((p_ms - v_ms) / (p_ms - b_ms));
-    }
-    if (reference) {
-      kernels::SetBlasThreads(cores);
-      moe::MoeLayer layer(config);
-      moe::ForwardOptions fo;
-      fo.threads = cores;
-      auto step = [&] {
-        moe::LayerOutput out = layer.Forward(params, x, fo);
-        layer.Backward(params, out, dy, cores);
-      };
-      for (int i = 0; i < o.warmup; ++i) step();
-      for (int i = 0; i < o.repeat; ++i) {
-        double t0 = NowSeconds();
-        step();
-        single.push_back(NowSeconds() - t0);
-      }
-    }
+    if (!out.last.is_root) continue;
+    RecordRound(s, r, &out);
+    if (s.reference) TimeSingleRank(o, s, &out.single);
   }
-  if (!last.is_root) return 0;
-  if (!o.trace_path.empty()) tracer.WriteJson(o.trace_path);
+  return out;
+}
 
-  const TimingStats st = SummarizeTimes(steps);
-  const std::optional<double> tokens_per_s = Quotient(static_cast<double>(t_global), st.median_s);
-  const double single_s = single.empty() ? 0 : Median(single);
-  const double bytes_per_float = 4;
-  // Per rank: the last step's traffic (forward + backward + sync).
-  nlohmann::json ranks = nlohmann::json::array();
+// Per rank: the last step's traffic (forward + backward + sync), and the largest over the ranks.
+struct RankTraffic {
+  nlohmann::json per_rank = nlohmann::json::array();
   double max_bytes = 0, max_token_bytes = 0, max_weight_bytes = 0;
+};
+RankTraffic RankTrafficOf(const parallel::LayerRunResult& last) {
+  using parallel::Traffic;
+  RankTraffic t;
   for (const parallel::RankReport& r : last.ranks) {
     parallel::CommStats s = r.forward;
     s += r.backward;
     s += r.sync;
-    max_bytes = std::max(max_bytes, s.TotalBytes());
-    max_token_bytes = std::max(max_token_bytes, s.Bytes(parallel::Traffic::kTokens));
-    max_weight_bytes =
-        std::max(max_weight_bytes, r.forward.Bytes(parallel::Traffic::kWeights) +
-                                       r.backward.Bytes(parallel::Traffic::kWeights));
-    ranks.push_back({{"rank", r.coords.rank},
-                     {"tokens", r.tokens},
-                     {"step_ms", Median(r.step_seconds) * 1e3},
-                     {"comm_ms", s.comm_seconds * 1e3},
-                     {"token_comm_blocked_ms", s.CommSeconds(parallel::Traffic::kTokens) * 1e3},
-                     {"token_comm_busy_ms", s.BusySeconds(parallel::Traffic::kTokens) * 1e3},
-                     {"compute_ms", s.compute_seconds() * 1e3},
-                     {"collectives", s.collectives},
-                     {"bytes_tokens", s.Bytes(parallel::Traffic::kTokens)},
-                     {"bytes_routing", s.Bytes(parallel::Traffic::kRouting)},
-                     {"bytes_weights_fwd_bwd", r.forward.Bytes(parallel::Traffic::kWeights) +
-                                                   r.backward.Bytes(parallel::Traffic::kWeights)},
-                     {"bytes_grad_sync", r.sync.Bytes(parallel::Traffic::kWeights)},
-                     {"bytes_tp", s.Bytes(parallel::Traffic::kTensor)}});
+    const double weights = r.forward.Bytes(Traffic::kWeights) + r.backward.Bytes(Traffic::kWeights);
+    t.max_bytes = std::max(t.max_bytes, s.TotalBytes());
+    t.max_token_bytes = std::max(t.max_token_bytes, s.Bytes(Traffic::kTokens));
+    t.max_weight_bytes = std::max(t.max_weight_bytes, weights);
+    t.per_rank.push_back({{"rank", r.coords.rank},
+                          {"tokens", r.tokens},
+                          {"step_ms", Median(r.step_seconds) * 1e3},
+                          {"comm_ms", s.comm_seconds * 1e3},
+                          {"token_comm_blocked_ms", s.CommSeconds(Traffic::kTokens) * 1e3},
+                          {"token_comm_busy_ms", s.BusySeconds(Traffic::kTokens) * 1e3},
+                          {"compute_ms", s.compute_seconds() * 1e3},
+                          {"collectives", s.collectives},
+                          {"bytes_tokens", s.Bytes(Traffic::kTokens)},
+                          {"bytes_routing", s.Bytes(Traffic::kRouting)},
+                          {"bytes_weights_fwd_bwd", weights},
+                          {"bytes_grad_sync", r.sync.Bytes(Traffic::kWeights)},
+                          {"bytes_tp", s.Bytes(Traffic::kTensor)}});
   }
-  const double predicted_bytes = last.predicted_volume * bytes_per_float;
-  const int group = mesh.expert_group_size();
-  const TimingStats plain_st = SummarizeTimes(plain_steps);
-  const std::optional<double> hidden_median = MedianIfAny(hidden);
-  const std::optional<double> saved_median = MedianIfAny(saved_of_plain);
-  const std::optional<double> hidden_of_cost_median = MedianIfAny(hidden_of_cost);
-  const std::optional<double> removed_of_skew_median = MedianIfAny(removed_of_skew);
-  const std::optional<double> speedup =
-      compare ? Quotient(plain_st.median_s, st.median_s) : std::nullopt;
-  const std::string shadowed =
-      last.shadowed.empty() ? "none" : fmt::format("{}", fmt::join(last.shadowed, ","));
-  nlohmann::json schedule = {
-      {"overlap_degree", last.overlap_degree},
-      {"smart_group", last.smart_group},
-      {"shadow", o.shadow},
-      {"shadowed", last.shadowed},
-      {"hot_expert_bias", o.hot_expert_bias},
-      {"token_comm_busy_ms", (busy.empty() ? 0 : Median(busy)) * 1e3},
-      {"token_comm_blocked_ms", (blocked.empty() ? 0 : Median(blocked)) * 1e3},
-      {"hidden_fraction", JsonOf(hidden_median)},
-      {"cost_model",
-       {{"link_gbps", last.cost_model.link_gbps},
-        {"link_latency_us", last.cost_model.link_latency_us},
-        {"gemm_gflops", last.cost_model.gemm_gflops}}}};
-  if (with_free) {
-    schedule["free_links_step_median_ms"] = SummarizeTimes(free_steps).median_s * 1e3;
-    schedule["hidden_of_comm_cost"] = JsonOf(hidden_of_cost_median);
+  return t;
+}
+
+// The figures of the report, from the samples.
+struct ParallelFigures {
+  TimingStats st, plain_st;
+  std::optional<double> tokens_per_s, hidden, saved, hidden_of_cost, removed_of_skew, speedup;
+  double single_s = 0;
+  double busy_ms = 0, blocked_ms = 0;
+  double predicted_bytes = 0;
+  int group = 1;
+  RankTraffic traffic;
+};
+
+ParallelFigures FiguresOf(const ParallelSetup& s, const ParallelSamples& m) {
+  ParallelFigures f;
+  f.st = SummarizeTimes(m.steps);
+  f.plain_st = SummarizeTimes(m.plain_steps);
+  f.tokens_per_s = Quotient(static_cast<double>(s.t_global), f.st.median_s);
+  f.single_s = m.single.empty() ? 0 : Median(m.single);
+  f.hidden = MedianIfAny(m.hidden);
+  f.saved = MedianIfAny(m.saved_of_plain);
+  f.hidden_of_cost = MedianIfAny(m.hidden_of_cost);
+  f.removed_of_skew = MedianIfAny(m.removed_of_skew);
+  f.speedup = s.compare ? Quotient(f.plain_st.median_s, f.st.median_s) : std::nullopt;
+  f.busy_ms = (m.busy.empty() ? 0 : Median(m.busy)) * 1e3;
+  f.blocked_ms = (m.blocked.empty() ? 0 : Median(m.blocked)) * 1e3;
+  f.predicted_bytes = m.last.predicted_volume * 4;  // float32
+  f.group = s.mesh->expert_group_size();
+  f.traffic = RankTrafficOf(m.last);
+  return f;
+}
+
+nlohmann::json ScheduleJson(const BenchParallelOptions& o, const ParallelSetup& s,
+                            const ParallelSamples& m, const ParallelFigures& f) {
+  const parallel::LayerRunResult& last = m.last;
+  nlohmann::json schedule = {{"overlap_degree", last.overlap_degree},
+                             {"smart_group", last.smart_group},
+                             {"shadow", o.layout.shadow},
+                             {"shadowed", last.shadowed},
+                             {"hot_expert_bias", o.hot_expert_bias},
+                             {"token_comm_busy_ms", f.busy_ms},
+                             {"token_comm_blocked_ms", f.blocked_ms},
+                             {"hidden_fraction", JsonOf(f.hidden)},
+                             {"cost_model",
+                              {{"link_gbps", last.cost_model.link_gbps},
+                               {"link_latency_us", last.cost_model.link_latency_us},
+                               {"gemm_gflops", last.cost_model.gemm_gflops}}}};
+  if (s.with_free) {
+    schedule["free_links_step_median_ms"] = SummarizeTimes(m.free_steps).median_s * 1e3;
+    schedule["hidden_of_comm_cost"] = JsonOf(f.hidden_of_cost);
   }
-  if (with_balanced) {
-    schedule["unskewed_plain_step_median_ms"] = SummarizeTimes(balanced_steps).median_s * 1e3;
-    schedule["removed_of_skew_cost"] = JsonOf(removed_of_skew_median);
+  if (s.with_balanced) {
+    schedule["unskewed_plain_step_median_ms"] = SummarizeTimes(m.balanced_steps).median_s * 1e3;
+    schedule["removed_of_skew_cost"] = JsonOf(f.removed_of_skew);
   }
-  if (compare) {
-    schedule["plain_step_median_ms"] = plain_st.median_s * 1e3;
-    schedule["speedup_over_plain"] = JsonOf(speedup);
-    schedule["plain_token_comm_blocked_ms"] = Median(plain_blocked) * 1e3;
-    schedule["saved_of_plain_token_comm"] = JsonOf(saved_median);
+  if (s.compare) {
+    schedule["plain_step_median_ms"] = f.plain_st.median_s * 1e3;
+    schedule["speedup_over_plain"] = JsonOf(f.speedup);
+    schedule["plain_token_comm_blocked_ms"] = Median(m.plain_blocked) * 1e3;
+    schedule["saved_of_plain_token_comm"] = JsonOf(f.saved);
   }
+  return schedule;
+}
+
+void PrintParallelJson(const BenchParallelOptions& o, const ParallelSetup& s,
+                       const ParallelSamples& m, const ParallelFigures& f) {
+  const MoeLayerFlags& l = o.layer;
   nlohmann::json emulation = nullptr;
-  if (o.emulate_per_node > 0) {
-    emulation = {{"ranks_per_node", o.emulate_per_node},
-                 {"intra_gbps", o.intra_gbps},
-                 {"intra_latency_us", o.intra_latency_us},
-                 {"inter_gbps", o.inter_gbps},
-                 {"inter_latency_us", o.inter_latency_us}};
+  if (o.links.ranks_per_node > 0) {
+    emulation = {{"ranks_per_node", o.links.ranks_per_node},
+                 {"intra_gbps", o.links.intra_gbps},
+                 {"intra_latency_us", o.links.intra_latency_us},
+                 {"inter_gbps", o.links.inter_gbps},
+                 {"inter_latency_us", o.links.inter_latency_us}};
   }
-  if (o.json) {
-    nlohmann::json j = {{"op", "layer-parallel"},
-                        {"ranks", o.ranks},
-                        {"arrangement", o.arrangement},
-                        {"tp", o.tp},
-                        {"ep", mesh.ep()},
-                        {"etp", o.etp},
-                        {"expert_group", group},
-                        {"dispatch", o.dispatch},
-                        {"adaptive_r", last.adaptive_r},
-                        {"2dh", o.hierarchical},
-                        {"scope", o.scope},
-                        {"transport", transport},
-                        {"global_tokens", t_global},
-                        {"model_dim", o.model_dim},
-                        {"hidden_dim", o.hidden_dim},
-                        {"experts", o.experts},
-                        {"top_k", o.top_k},
-                        {"capacity_factor", o.capacity_factor},
-                        {"dropless", o.dropless},
-                        {"capacity", last.output.capacity},
-                        {"wire_capacity", last.buffer_capacity},
-                        {"step_median_ms", st.median_s * 1e3},
-                        {"step_min_ms", st.min_s * 1e3},
-                        {"tokens_per_s", JsonOf(tokens_per_s)},
-                        {"single_rank_ms", single_s * 1e3},
-                        {"single_rank_threads", cores},
-                        {"ratio_to_single_rank", JsonOf(Quotient(st.median_s, single_s))},
-                        {"predicted_volume_bytes", predicted_bytes},
-                        {"max_rank_bytes", max_bytes},
-                        {"max_rank_token_bytes", max_token_bytes},
-                        {"max_rank_weight_bytes", max_weight_bytes},
-                        {"schedule", schedule},
-                        {"emulation", emulation},
-                        {"per_rank", ranks}};
-    fmt::print("{}\n", j.dump());
-    return 0;
-  }
+  PrintJsonLine({{"op", "layer-parallel"},
+                 {"ranks", o.ranks},
+                 {"arrangement", o.layout.arrangement},
+                 {"tp", o.layout.tp},
+                 {"ep", s.mesh->ep()},
+                 {"etp", o.layout.etp},
+                 {"expert_group", f.group},
+                 {"dispatch", o.layout.dispatch},
+                 {"adaptive_r", m.last.adaptive_r},
+                 {"2dh", o.layout.hierarchical},
+                 {"scope", o.layout.scope},
+                 {"transport", s.transport},
+                 {"global_tokens", s.t_global},
+                 {"model_dim", l.model_dim},
+                 {"hidden_dim", l.hidden_dim},
+                 {"experts", l.experts},
+                 {"top_k", l.top_k},
+                 {"capacity_factor", l.capacity_factor},
+                 {"dropless", l.dropless},
+                 {"capacity", m.last.output.capacity},
+                 {"wire_capacity", m.last.buffer_capacity},
+                 {"step_median_ms", f.st.median_s * 1e3},
+                 {"step_min_ms", f.st.min_s * 1e3},
+                 {"tokens_per_s", JsonOf(f.tokens_per_s)},
+                 {"single_rank_ms", f.single_s * 1e3},
+                 {"single_rank_threads", s.cores},
+                 {"ratio_to_single_rank", JsonOf(Quotient(f.st.median_s, f.single_s))},
+                 {"predicted_volume_bytes", f.predicted_bytes},
+                 {"max_rank_bytes", f.traffic.max_bytes},
+                 {"max_rank_token_bytes", f.traffic.max_token_bytes},
+                 {"max_rank_weight_bytes", f.traffic.max_weight_bytes},
+                 {"schedule", ScheduleJson(o, s, m, f)},
+                 {"emulation", emulation},
+                 {"per_rank", f.traffic.per_rank}});
+}
+
+// The layout, the batch, the step and the single-rank limit.
+void PrintParallelHeader(const BenchParallelOptions& o, const ParallelSetup& s,
+                         const ParallelSamples& m, const ParallelFigures& f) {
+  const MoeLayerFlags& l = o.layer;
+  const parallel::Mesh& mesh = *s.mesh;
   fmt::print(
       "layer-parallel: {} ranks ({}), {} tp {} ep {} etp {}: expert group {} ({} experts/rank{}), "
       "dispatch {}, r {}{}, scope {}\n",
-      o.ranks, transport, o.arrangement, o.tp, mesh.ep(), o.etp, group, mesh.local_experts(),
-      mesh.shards() > 1 ? fmt::format(", H split {}", mesh.shards()) : std::string(), o.dispatch,
-      last.adaptive_r, o.hierarchical ? fmt::format(", 2DH {} ranks/node", o.hierarchical) : "",
-      o.scope);
-  fmt::print("  batch {} tokens ({} data shards), M {}, H {}, E {}, k {}, {}\n", t_global,
-             mesh.data_shards(), o.model_dim, o.hidden_dim, o.experts, o.top_k,
-             o.dropless
+      o.ranks, s.transport, o.layout.arrangement, o.layout.tp, mesh.ep(), o.layout.etp, f.group,
+      mesh.local_experts(),
+      mesh.shards() > 1 ? fmt::format(", H split {}", mesh.shards()) : std::string(),
+      o.layout.dispatch, m.last.adaptive_r,
+      o.layout.hierarchical ? fmt::format(", 2DH {} ranks/node", o.layout.hierarchical) : "",
+      o.layout.scope);
+  fmt::print("  batch {} tokens ({} data shards), M {}, H {}, E {}, k {}, {}\n", s.t_global,
+             mesh.data_shards(), l.model_dim, l.hidden_dim, l.experts, l.top_k,
+             l.dropless
                  ? std::string("dropless")
                  : fmt::format("cf {} -> capacity {}, {} rows/expert/source on the wire",
-                               o.capacity_factor, last.output.capacity, last.buffer_capacity));
+                               l.capacity_factor, m.last.output.capacity, m.last.buffer_capacity));
   fmt::print(
       "  step (fwd+bwd+grad sync): median {:.1f} ms, best {:.1f} ms over {} -> {} tokens/s\n",
-      st.median_s * 1e3, st.min_s * 1e3, st.repeat,
-      tokens_per_s ? fmt::format("{:.0f}", *tokens_per_s) : std::string("-"));
-  if (single_s > 0) {
+      f.st.median_s * 1e3, f.st.min_s * 1e3, f.st.repeat,
+      f.tokens_per_s ? fmt::format("{:.0f}", *f.tokens_per_s) : std::string("-"));
+  if (f.single_s > 0) {
     fmt::print(
         "  limit: single-rank layer, same {} tokens, {} thread(s), interleaved: {:.1f} ms "
         "-> parallel/single = {:.2f}\n",
-        t_global, cores, single_s * 1e3, st.median_s / single_s);
+        s.t_global, s.cores, f.single_s * 1e3, f.st.median_s / f.single_s);
   }
-  if (o.emulate_per_node > 0) {
+  if (o.links.ranks_per_node > 0) {
     fmt::print(
         "  emulated links: nodes of {} rank(s); intra-node {} GB/s + {} us, inter-node {} GB/s + "
         "{} us per message\n",
-        o.emulate_per_node, o.intra_gbps, o.intra_latency_us, o.inter_gbps, o.inter_latency_us);
+        o.links.ranks_per_node, o.links.intra_gbps, o.links.intra_latency_us, o.links.inter_gbps,
+        o.links.inter_latency_us);
   }
-  const parallel::CostModel& cm = last.cost_model;
+}
+
+// The schedule, its token all-to-alls, and the plain path and limits it is compared with.
+void PrintParallelSchedule(const BenchParallelOptions& o, const ParallelSetup& s,
+                           const ParallelSamples& m, const ParallelFigures& f) {
+  const parallel::CostModel& cm = m.last.cost_model;
+  const std::string shadowed =
+      m.last.shadowed.empty() ? "none" : fmt::format("{}", fmt::join(m.last.shadowed, ","));
   fmt::print(
       "  schedule: overlap degree {}, smart schedule {}, shadowed experts {}{}{}\n",
-      last.overlap_degree,
-      last.smart_group > 0 ? fmt::format("g = {}", last.smart_group) : std::string("off"), shadowed,
+      m.last.overlap_degree,
+      m.last.smart_group > 0 ? fmt::format("g = {}", m.last.smart_group) : std::string("off"),
+      shadowed,
       o.hot_expert_bias > 0 ? fmt::format(" (skewed gate: expert 0 bias {})", o.hot_expert_bias)
                             : std::string(),
       cm.gemm_gflops > 0 ? fmt::format("; cost model {:.3g} GB/s + {:.3g} us, {:.3g} GFLOP/s",
@@ -439,37 +505,38 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   fmt::print(
       "  token all-to-alls (fwd+bwd, mean over ranks): ran {:.1f} ms, blocked {:.1f} ms -> {} "
       "hidden behind compute{}\n",
-      (busy.empty() ? 0 : Median(busy)) * 1e3, (blocked.empty() ? 0 : Median(blocked)) * 1e3,
-      Percent(hidden_median), hidden_median ? "" : " (-: no token all-to-all ran)");
-  if (compare) {
+      f.busy_ms, f.blocked_ms, Percent(f.hidden), f.hidden ? "" : " (-: no token all-to-all ran)");
+  const double plain = f.plain_st.median_s;
+  if (s.compare) {
     fmt::print(
         "  plain path (D 1, no smart schedule, no shadows), interleaved: median {:.1f} ms, token "
         "all-to-alls blocked {:.1f} ms -> speedup {}x, step saved = {} of the plain "
         "path's token communication\n",
-        plain_st.median_s * 1e3, Median(plain_blocked) * 1e3, Fixed2(speedup),
-        Percent(saved_median));
+        plain * 1e3, Median(m.plain_blocked) * 1e3, Fixed2(f.speedup), Percent(f.saved));
   }
-  if (with_free) {
-    const double f = SummarizeTimes(free_steps).median_s;
+  if (s.with_free) {
+    const double fs = SummarizeTimes(m.free_steps).median_s;
     fmt::print(
         "  limit: plain path over free links (no emulated cost), interleaved: median {:.1f} ms -> "
         "communication costs the plain path {:.1f} ms ({}x the free step); this schedule "
         "hides {} of it (median over rounds of (plain - this) / (plain - free))\n",
-        f * 1e3, (plain_st.median_s - f) * 1e3, Fixed2(Quotient(plain_st.median_s - f, f)),
-        Percent(hidden_of_cost_median));
+        fs * 1e3, (plain - fs) * 1e3, Fixed2(Quotient(plain - fs, fs)), Percent(f.hidden_of_cost));
   }
-  if (with_balanced) {
-    const double b = SummarizeTimes(balanced_steps).median_s;
+  if (s.with_balanced) {
+    const double b = SummarizeTimes(m.balanced_steps).median_s;
     fmt::print(
         "  limit: plain path with the gate not skewed, interleaved: median {:.1f} ms -> the skew "
         "costs the plain path {:.1f} ms; shadowing removes {} of it (median over rounds of "
         "(plain - this) / (plain - unskewed))\n",
-        b * 1e3, (plain_st.median_s - b) * 1e3, Percent(removed_of_skew_median));
+        b * 1e3, (plain - b) * 1e3, Percent(f.removed_of_skew));
   }
+}
+
+void PrintPerRank(const nlohmann::json& per_rank) {
   fmt::print(
       "  per rank (last step): tokens  step ms  comm ms  compute ms  a2a ran  a2a blocked  MB "
       "tokens  MB routing  MB weights  MB grad-sync  MB tp\n");
-  for (const auto& r : ranks) {
+  for (const auto& r : per_rank) {
     fmt::print(
         "    {:4d} {:8d} {:8.1f} {:8.1f} {:11.1f} {:8.1f} {:12.1f} {:9.2f} {:11.3f} {:11.2f} "
         "{:13.2f} {:6.2f}\n",
@@ -480,23 +547,43 @@ int RunBenchParallel(const BenchParallelOptions& o) {
         r["bytes_weights_fwd_bwd"].get<double>() / 1e6, r["bytes_grad_sync"].get<double>() / 1e6,
         r["bytes_tp"].get<double>() / 1e6);
   }
-  // The volume model's two terms: tokens 4 C_g r (all-to-alls there and back, forward and backward)
-  // and weights 2 P / (E r) (r = 0: 2 P). On the wire a rank sends (P - 1) / P of its token volume.
-  const double p_elems = static_cast<double>(o.experts) *
-                         (static_cast<double>(o.hidden_dim * o.model_dim) * (o.gated ? 3.0 : 2.0) +
-                          static_cast<double>(o.hidden_dim + o.model_dim));
-  const int r = last.adaptive_r;
+}
+
+// The volume model's two terms: tokens 4 C_g r (all-to-alls there and back, forward and backward)
+// and weights 2 P / (E r) (r = 0: 2 P). On the wire a rank sends (P - 1) / P of its token volume.
+void PrintVolumeModel(const MoeLayerFlags& l, int r, const ParallelFigures& f) {
+  const double p_elems = static_cast<double>(l.experts) *
+                         (static_cast<double>(l.hidden_dim * l.model_dim) * (l.gated ? 3.0 : 2.0) +
+                          static_cast<double>(l.hidden_dim + l.model_dim));
   const double weight_term =
-      (r == 0 ? 2.0 * p_elems : 2.0 * p_elems / (static_cast<double>(o.experts) * r)) *
-      bytes_per_float;
-  const double token_term = predicted_bytes - weight_term;
+      (r == 0 ? 2.0 * p_elems : 2.0 * p_elems / (static_cast<double>(l.experts) * r)) * 4;
+  const double token_term = f.predicted_bytes - weight_term;
   fmt::print(
       "  volume model for r = {}: {:.2f} MB per rank per step = tokens 4 C_g r {:.2f} MB (x "
       "(P-1)/P "
       "= {:.2f} MB; measured {:.2f} MB) + weights {} {:.2f} MB (measured {:.2f} MB)\n",
-      r, predicted_bytes / 1e6, token_term / 1e6,
-      token_term * (group - 1) / std::max(1, group) / 1e6, max_token_bytes / 1e6,
-      r == 0 ? "2P" : "2P/(E r)", weight_term / 1e6, max_weight_bytes / 1e6);
+      r, f.predicted_bytes / 1e6, token_term / 1e6,
+      token_term * (f.group - 1) / std::max(1, f.group) / 1e6, f.traffic.max_token_bytes / 1e6,
+      r == 0 ? "2P" : "2P/(E r)", weight_term / 1e6, f.traffic.max_weight_bytes / 1e6);
+}
+
+}  // namespace
+
+int RunBenchParallel(const BenchParallelOptions& o) {
+  ParallelSetup s = MakeParallelSetup(o);
+  parallel::Tracer tracer;
+  const ParallelSamples m = MeasureRounds(o, s, &tracer);
+  if (!m.last.is_root) return 0;
+  if (!o.layout.trace_path.empty()) tracer.WriteJson(o.layout.trace_path);
+  const ParallelFigures f = FiguresOf(s, m);
+  if (o.loop.json) {
+    PrintParallelJson(o, s, m, f);
+    return 0;
+  }
+  PrintParallelHeader(o, s, m, f);
+  PrintParallelSchedule(o, s, m, f);
+  PrintPerRank(f.traffic.per_rank);
+  PrintVolumeModel(o.layer, m.last.adaptive_r, f);
   return 0;
 }
 
@@ -504,40 +591,20 @@ void AddParallelBenchOptions(CLI::App& app, BenchParallelOptions* o) {
   AddIntOption(app, "--global-tokens", &o->global_tokens, int64_t{0}, int64_t{1} << 40,
                "tokens of the whole batch instead");
   AddIntOption(app, "--ranks", &o->ranks, 1, 4096, "W");
-  AddIntOption(app, "--tp", &o->tp, 1, 4096, "dense tensor-parallel degree");
-  AddIntOption(app, "--ep", &o->ep, 0, 4096, "EP size (0: as large as possible)");
-  AddIntOption(app, "--etp", &o->etp, 1, 4096, "expert tensor parallel (Megatron)");
-  app.add_option("--arrangement", o->arrangement, "deepspeed | megatron")
-      ->check(CLI::IsMember({"deepspeed", "megatron"}));
-  app.add_option("--dispatch", o->dispatch, "alltoall | alltoallv | allgather")
-      ->check(CLI::IsMember({"alltoall", "alltoallv", "allgather"}));
-  app.add_option("--adaptive-r", o->adaptive_r, "R (0 or a divisor of the H shards) or auto");
-  AddIntOption(app, "--2dh", &o->hierarchical, 0, 4096,
-               "hierarchical all-to-all with this many ranks/node");
-  app.add_flag("--no-tp-dedup", o->no_tp_dedup, "DeepSpeed arrangement: no TP de-duplication");
-  app.add_option("--scope", o->scope, "global | per_rank (capacity, slots and l_aux)")
-      ->check(CLI::IsMember({"global", "per_rank"}));
-  app.add_option("--transport", o->transport, "auto (mpi under mpirun) | inproc | mpi")
-      ->check(CLI::IsMember({"auto", "inproc", "mpi"}));
+  AddMoeLayoutFlags(app, &o->layout,
+                    "write the last round's timeline as a Chrome trace-event JSON file");
   AddIntOption(app, "--rounds", &o->rounds, 1, 1000,
                "interleaved rounds (parallel, plain path, single-rank)");
   app.add_flag("--no-reference", o->no_reference, "skip the single-rank limit");
-  AddIntOption(app, "--overlap-degree", &o->overlap_degree, 1, 1024,
-               "Tutel's a2a-FFN overlap: pipeline the token all-to-alls in D chunks");
-  app.add_option("--smart-schedule", o->smart,
-                 "FasterMoE's pair-wise schedule: off | auto | group size g");
-  app.add_option("--shadow", o->shadow, "FasterMoE's shadow experts: none | auto | E1,E2,...");
   app.add_flag("--no-baseline", o->no_baseline,
                "with a schedule: skip the plain path (D 1, no smart schedule, no shadows)");
   app.add_option("--hot-expert-bias", o->hot_expert_bias,
                  "skewed gate: add this to expert 0's choice score (e.g. 0.1; 0: off)")
       ->check(FiniteIn(0, 1e6));
-  app.add_option("--trace", o->trace_path,
-                 "write the last round's timeline as a Chrome trace-event JSON file");
-  AddIntOption(app, "--emulate-ranks-per-node", &o->emulate_per_node, 0, 4096,
+  AddIntOption(app, "--emulate-ranks-per-node", &o->links.ranks_per_node, 0, 4096,
                "in-process: emulate nodes of this many ranks (alpha-beta link costs)");
-  AddEmulationLinkOptions(app, &o->intra_latency_us, &o->intra_gbps, &o->inter_latency_us,
-                          &o->inter_gbps);
+  AddEmulationLinkOptions(app, &o->links.intra_latency_us, &o->links.intra_gbps,
+                          &o->links.inter_latency_us, &o->links.inter_gbps);
 }
 
 namespace {
@@ -548,22 +615,10 @@ SY_REGISTER_COMMAND(Command{
     "schedules against the plain path",
     [](CLI::App& app) -> Action {
       auto o = std::make_shared<BenchParallelOptions>();
-      AddIntOption(app, "--tokens", &o->tokens, int64_t{1}, int64_t{1} << 40,
-                   "tokens per data shard (default 4096)");
-      AddIntOption(app, "--model-dim", &o->model_dim, int64_t{1}, int64_t{1} << 40, "M");
-      AddIntOption(app, "--hidden-dim", &o->hidden_dim, int64_t{1}, int64_t{1} << 40, "H");
-      AddIntOption(app, "--experts", &o->experts, int64_t{1}, int64_t{1} << 40, "E");
-      AddIntOption(app, "--top-k", &o->top_k, int64_t{1}, int64_t{1} << 40, "k");
-      app.add_option("--capacity-factor", o->capacity_factor, "cf (0: no drops)")
-          ->check(FiniteIn(-1e6, 1e6));
-      app.add_flag("--dropless", o->dropless, "dropless mode");
-      app.add_option("--activation", o->activation, "relu, gelu or silu");
-      app.add_flag("--gated", o->gated, "gated experts");
+      AddMoeLayerFlags(app, &o->layer, {.tokens_help = "tokens per data shard (default 4096)"});
       AddIntOption(app, "--threads", &o->threads, 0, 256,
                    "compute threads per rank (0: cores / ranks)");
-      AddIntOption(app, "--repeat", &o->repeat, 1, 10000, "timed steps per round");
-      AddIntOption(app, "--warmup", &o->warmup, 0, 10000, "untimed steps per round");
-      app.add_flag("--json", o->json, "one JSON line instead of text");
+      AddBenchLoopFlags(app, &o->loop, kParallelLoopFlags);
       AddParallelBenchOptions(app, o.get());
       return [o] { return RunBenchParallel(*o); };
     }});

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli/bench_setup.h"
 #include "cli/command.h"
 #include "cli/flags.h"
 #include "cli/launch.h"
@@ -35,9 +36,7 @@ struct BenchPipelineOptions {
   std::string kind = "1f1b";
   double forward_ms = 5;
   int64_t activation_kib = 256;
-  double latency_us = 50;
-  double gbps = 1;
-  int64_t timeout_ms = 60000;
+  UniformLinkFlags link{.latency_us = 50, .gbps = 1, .timeout_ms = 60000};
   bool json = false;
 };
 
@@ -63,13 +62,8 @@ int RunBenchPipeline(const BenchPipelineOptions& o) {
                 fmt::format("bench pipeline: {} activations of --activation-kib {} over --pp {} "
                             "ranks",
                             buffers, o.activation_kib, o.pp));
-  comm::InProcessOptions inprocess;
-  inprocess.timeout = comm::Milliseconds(o.timeout_ms);
-  inprocess.emulation = comm::EmulationOptions{{o.latency_us, o.gbps}, {o.latency_us, o.gbps}};
-  RequireEmulationFitsDeadline(*inprocess.emulation, inprocess.timeout, "--timeout-ms",
-                               static_cast<uint64_t>(elements) * 4);
   std::unique_ptr<comm::Launcher> launcher =
-      MakeLauncher("inproc", o.pp, inprocess, "bench pipeline");
+      MakeUniformLinkLauncher(o.pp, o.link, static_cast<uint64_t>(elements) * 4, "bench pipeline");
   std::mutex mu;
   std::vector<RankResult> results(static_cast<size_t>(o.pp));
   const auto work = [](double ms) {
@@ -144,7 +138,7 @@ int RunBenchPipeline(const BenchPipelineOptions& o) {
       "{} GB/s; compute is a sleep (the schedule, not the cores, is measured)\n",
       o.kind, o.pp, o.microbatches,
       o.virtual_stages > 1 ? fmt::format(" v {}", o.virtual_stages) : "", o.forward_ms,
-      2 * o.forward_ms, o.activation_kib, o.latency_us, o.gbps);
+      2 * o.forward_ms, o.activation_kib, o.link.latency_us, o.link.gbps);
   fmt::print("bubble fraction: measured {:.3f}, simulated {:.3f}, theory {:.3f} (step {:.1f} ms)\n",
              measured, sim.bubble_fraction, theory, wall * 1e3);
   for (size_t r = 0; r < results.size(); ++r) {
@@ -173,12 +167,7 @@ SY_REGISTER_COMMAND(Command{
           ->check(CLI::Range(0.0, 10000.0));
       AddIntOption(app, "--activation-kib", &o->activation_kib, int64_t{1}, int64_t{1} << 22,
                    "activation size per micro-batch");
-      app.add_option("--intra-latency-us", o->latency_us, "emulated latency per message, us")
-          ->check(CLI::Range(0.0, 1e9));
-      app.add_option("--intra-gbps", o->gbps, "emulated bandwidth, GB/s (0 = unlimited)")
-          ->check(CLI::Range(0.0, 1e9));
-      AddIntOption(app, "--timeout-ms", &o->timeout_ms, int64_t{1}, int64_t{86400000},
-                   "deadline of every message");
+      AddUniformLinkFlags(app, &o->link, "consecutive stages");
       app.add_flag("--json", o->json, "print one JSON object");
       return [o] { return RunBenchPipeline(*o); };
     }});

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "cli/bench_common.h"
+#include "cli/bench_setup.h"
 #include "cli/command.h"
 #include "cli/flags.h"
 #include "cli/launch.h"
@@ -51,12 +52,6 @@ namespace {
 using kernels::Trans;
 using parallel::CommStats;
 using parallel::Traffic;
-
-// The default emulated link: every message pays this latency and its bytes at this bandwidth
-// (one port per sending rank, messages serialized). Chosen so that on the 2-core machines of
-// docs/PERFORMANCE.md the communication of the default block is about 0.5-1x its computation.
-constexpr double kDefaultLatencyUs = 50;
-constexpr double kDefaultGbps = 0.1;
 
 enum class Mode : uint8_t { kTensor, kSequence, kOverlap };
 
@@ -83,12 +78,10 @@ struct BenchTpOptions {
   int64_t model_dim = 512;
   int64_t hidden_dim = 2048;
   std::string activation = "gelu";
-  int iters = 5;
-  int warmup = 1;
-  double latency_us = kDefaultLatencyUs;
-  double gbps = kDefaultGbps;
-  int64_t timeout_ms = 120000;
-  bool json = false;
+  BenchLoopFlags loop{.iters = 5, .warmup = 1};
+  // Every message pays the link's latency and its bytes at its bandwidth (one port per sending
+  // rank, messages serialized).
+  UniformLinkFlags link;
 };
 
 // dst += src, elementwise (same number of elements).
@@ -309,15 +302,6 @@ int64_t ReduceInt(comm::Communicator& world, int64_t v, comm::ReduceOp op) {
   return v;
 }
 
-// Every rank starts together; the time of the slowest rank.
-template <typename Fn>
-double TimedOnAllRanks(comm::Communicator& world, Fn&& fn) {
-  world.Barrier().Wait();
-  const double t0 = NowSeconds();
-  fn();
-  return MaxOverRanks(world, NowSeconds() - t0);
-}
-
 // What one mode measured at one tp (rank 0's view, maxima over ranks).
 struct ModeResult {
   Mode mode = Mode::kTensor;
@@ -331,19 +315,16 @@ struct ModeResult {
 };
 
 std::vector<ModeResult> RunTp(const BenchTpOptions& o, int p, const std::vector<Mode>& modes) {
-  comm::InProcessOptions inprocess;
-  inprocess.timeout = comm::Milliseconds(o.timeout_ms);
-  inprocess.emulation = comm::EmulationOptions{{o.latency_us, o.gbps}, {o.latency_us, o.gbps}};
-  RequireEmulationFitsDeadline(*inprocess.emulation, inprocess.timeout, "--timeout-ms",
-                               static_cast<uint64_t>(o.tokens * o.model_dim) * sizeof(float));
-  std::unique_ptr<comm::Launcher> launcher = MakeLauncher("inproc", p, inprocess, "bench tp");
+  std::unique_ptr<comm::Launcher> launcher = MakeUniformLinkLauncher(
+      p, o.link, static_cast<uint64_t>(o.tokens * o.model_dim) * sizeof(float), "bench tp");
   std::vector<ModeResult> results(modes.size());
   launcher->Run([&](comm::Communicator& world) {
     std::vector<std::unique_ptr<MlpBlock>> blocks;
     for (Mode m : modes) blocks.push_back(std::make_unique<MlpBlock>(world, o, m));
     std::vector<ModeResult> mine(modes.size());
-    for (int it = 0; it < o.warmup + o.iters; ++it) {
-      const bool timed = it >= o.warmup, last = it + 1 == o.warmup + o.iters;
+    const int rounds = o.loop.warmup + o.loop.iters;
+    for (int it = 0; it < rounds; ++it) {
+      const bool timed = it >= o.loop.warmup, last = it + 1 == rounds;
       for (size_t m = 0; m < modes.size(); ++m) {
         MlpBlock& block = *blocks[m];
         ModeResult& r = mine[m];
@@ -392,12 +373,8 @@ uint64_t EstimateBytes(const BenchTpOptions& o, int p, size_t modes) {
   return bytes >= 0x1p62 ? uint64_t{1} << 62 : static_cast<uint64_t>(bytes);
 }
 
-int RunBenchTp(const BenchTpOptions& o) {
-  std::vector<Mode> modes;
-  for (const std::string& name : o.modes) {
-    const Mode m = ModeFromName(name);
-    if (std::find(modes.begin(), modes.end(), m) == modes.end()) modes.push_back(m);
-  }
+// The sizes every tp must divide, and the memory of each, checked before anything runs.
+void RequireTpSizes(const BenchTpOptions& o, size_t modes) {
   for (int p : o.tp) {
     SY_REQUIRE(o.tokens % p == 0, InvalidArgument,
                "bench tp: --tokens {} does not divide by --tp {}: sequence parallelism gives "
@@ -407,143 +384,191 @@ int RunBenchTp(const BenchTpOptions& o) {
                "bench tp: --hidden-dim {} does not divide by --tp {}: fc1's output columns and "
                "fc2's input columns are split over the ranks; expected a multiple of {}",
                o.hidden_dim, p, p);
-    RequireMemory(EstimateBytes(o, p, modes.size()),
+    RequireMemory(EstimateBytes(o, p, modes),
                   fmt::format("bench tp: --tokens {} x --model-dim {} x --hidden-dim {} on --tp "
                               "{} rank(s), {} mode(s), estimated peak",
-                              o.tokens, o.model_dim, o.hidden_dim, p, modes.size()));
+                              o.tokens, o.model_dim, o.hidden_dim, p, modes));
   }
-  KeepFreedMemoryForTraining();  // no page faults of fresh activations in the timings
-  kernels::SetBlasThreads(1);
-  const int cores = UsableCores();
-  if (!o.json) {
-    fmt::print(
-        "# switchyard bench tp: h -> LayerNorm -> fc1 [{} -> {}] column-parallel -> {} -> fc2 "
-        "[{} -> {}] row-parallel -> + h, forward + backward, N {} tokens, float32\n",
-        o.model_dim, o.hidden_dim, o.activation, o.hidden_dim, o.model_dim, o.tokens);
-    fmt::print(
-        "# ranks as threads (in-process), EMULATED links: {:g} us + {:g} GB/s per message; {} "
-        "core(s), 1 GEMM thread per rank; median of {} iterations (each the max over ranks)\n",
-        o.latency_us, o.gbps, cores, o.iters);
-    fmt::print(
-        "# comm = the same collectives alone, compute = the same GEMMs, norm, activation alone, "
-        "interleaved with the step; hidden = (comm + compute - step) / comm in [0, 1] and "
-        "comm/cmp, each per iteration, then the median; blocked = time the step waited in "
-        "collectives, ran = time they ran (hidden or not)\n");
-    fmt::print(
-        "# bound (overlap) = the most the rings can hide: (P-1)/P of the GEMMs they run block by "
-        "block (fc1, fc2 forward; their dx and weight gradients in backward), over comm\n");
+}
+
+void PrintTpPreamble(const BenchTpOptions& o, int cores) {
+  fmt::print(
+      "# switchyard bench tp: h -> LayerNorm -> fc1 [{} -> {}] column-parallel -> {} -> fc2 "
+      "[{} -> {}] row-parallel -> + h, forward + backward, N {} tokens, float32\n",
+      o.model_dim, o.hidden_dim, o.activation, o.hidden_dim, o.model_dim, o.tokens);
+  fmt::print(
+      "# ranks as threads (in-process), EMULATED links: {:g} us + {:g} GB/s per message; {} "
+      "core(s), 1 GEMM thread per rank; median of {} iterations (each the max over ranks)\n",
+      o.link.latency_us, o.link.gbps, cores, o.loop.iters);
+  fmt::print(
+      "# comm = the same collectives alone, compute = the same GEMMs, norm, activation alone, "
+      "interleaved with the step; hidden = (comm + compute - step) / comm in [0, 1] and "
+      "comm/cmp, each per iteration, then the median; blocked = time the step waited in "
+      "collectives, ran = time they ran (hidden or not)\n");
+  fmt::print(
+      "# bound (overlap) = the most the rings can hide: (P-1)/P of the GEMMs they run block by "
+      "block (fc1, fc2 forward; their dx and weight gradients in backward), over comm\n");
+}
+
+const TextTable& TpTable() {
+  static const TextTable table("  ", {{"mode", 8, true},
+                                      {"step ms", 8},
+                                      {"comm ms", 8},
+                                      {"compute ms", 10},
+                                      {"comm/cmp", 8},
+                                      {"hidden", 7},
+                                      {"bound", 6},
+                                      {"blocked", 7},
+                                      {"ran", 7},
+                                      {"MB/step", 9},
+                                      {"closed form", 11},
+                                      {"agree", 6},
+                                      {"norm KiB", 9},
+                                      {"tp-reg KiB", 9}});
+  return table;
+}
+
+// One mode's figures at one tp: medians over the iterations, and the fractions computed per
+// iteration (its step, comm and compute were measured back to back, so a drift of the machine's
+// speed between iterations cancels), then their median. With one rank nothing is communicated:
+// no fraction of it, no ratio.
+struct ModeFigures {
+  double step = 0, comm = 0, compute = 0, blocked = 0, ran = 0;
+  std::optional<double> hidden, ratio, bound, overlappable, saving;
+};
+ModeFigures FiguresOf(const ModeResult& r, int p, const ModeResult* tp_mode) {
+  ModeFigures f;
+  f.step = Median(r.step);
+  f.comm = Median(r.comm);
+  f.compute = Median(r.compute);
+  f.blocked = Median(r.blocked);
+  f.ran = Median(r.ran);
+  const bool communicates = r.closed_form > 0;
+  const bool rings = r.mode == Mode::kOverlap && communicates;
+  std::vector<double> hiddens, ratios, bounds, overlappables;
+  for (size_t i = 0; communicates && i < r.step.size(); ++i) {
+    if (const auto h = Quotient(r.comm[i] + r.compute[i] - r.step[i], r.comm[i])) {
+      hiddens.push_back(std::clamp(*h, 0.0, 1.0));
+    }
+    if (const auto q = Quotient(r.comm[i], r.compute[i])) ratios.push_back(*q);
+    // What the rings can hide at most: P - 1 hops, each overlapping one block's GEMM, so
+    // (P - 1) / P of the split GEMMs; the rest of the computation runs with no hop in flight.
+    if (!rings) continue;
+    overlappables.push_back(r.ring_gemms[i] * (p - 1) / p);
+    if (const auto b = Quotient(overlappables.back(), r.comm[i])) {
+      bounds.push_back(std::min(*b, 1.0));
+    }
   }
+  f.hidden = MedianIfAny(hiddens);
+  f.ratio = MedianIfAny(ratios);
+  f.bound = MedianIfAny(bounds);
+  f.overlappable = MedianIfAny(overlappables);
+  if (tp_mode != nullptr) {
+    f.saving = Quotient(static_cast<double>(tp_mode->regions.norm_residual),
+                        static_cast<double>(r.regions.norm_residual));
+  }
+  return f;
+}
+
+void PrintModeJson(const BenchTpOptions& o, int p, int cores, const ModeResult& r,
+                   const ModeFigures& f) {
+  PrintJsonLine(
+      {{"op", "tp"},
+       {"tp", p},
+       {"mode", ModeName(r.mode)},
+       {"collectives", ModeCollectives(r.mode)},
+       {"tokens", o.tokens},
+       {"model_dim", o.model_dim},
+       {"hidden_dim", o.hidden_dim},
+       {"activation", o.activation},
+       {"iters", o.loop.iters},
+       {"cores", cores},
+       {"gemm_threads_per_rank", 1},
+       {"oversubscribed", p > cores},
+       {"emulation", o.link.Json()},
+       {"step_median_ms", f.step * 1e3},
+       {"step_min_ms", SummarizeTimes(r.step).min_s * 1e3},
+       {"comm_alone_ms", f.comm * 1e3},
+       {"compute_alone_ms", f.compute * 1e3},
+       {"comm_over_compute", JsonOf(f.ratio)},
+       {"hidden_fraction", JsonOf(f.hidden)},
+       {"overlappable_compute_ms", JsonOf(f.overlappable ? *f.overlappable * 1e3 : f.overlappable)},
+       {"hidden_fraction_bound", JsonOf(f.bound)},
+       {"blocked_ms", f.blocked * 1e3},
+       {"collectives_ran_ms", f.ran * 1e3},
+       {"bytes_per_rank_step", r.bytes_max},
+       {"bytes_per_rank_step_min", r.bytes_min},
+       {"closed_form_bytes", r.closed_form},
+       {"closed_form", ClosedFormText(r.mode)},
+       {"bytes_agree", r.bytes_agree},
+       {"norm_region_activation_bytes", r.regions.norm_residual},
+       {"tp_region_activation_bytes", r.regions.tensor_parallel},
+       {"norm_region_saving", JsonOf(f.saving)}});
+}
+
+void PrintModeRow(const ModeResult& r, const ModeFigures& f) {
+  TpTable().PrintRow(
+      {ModeName(r.mode), fmt::format("{:.1f}", f.step * 1e3), fmt::format("{:.1f}", f.comm * 1e3),
+       fmt::format("{:.1f}", f.compute * 1e3), Fixed2(f.ratio), Percent(f.hidden), Percent(f.bound),
+       fmt::format("{:.1f}", f.blocked * 1e3), fmt::format("{:.1f}", f.ran * 1e3),
+       fmt::format("{:.3f}", static_cast<double>(r.bytes_max) / 1e6),
+       fmt::format("{:.3f}", r.closed_form / 1e6),
+       r.bytes_agree && r.bytes_max == r.bytes_min ? "yes" : "NO",
+       fmt::format("{:.1f}", static_cast<double>(r.regions.norm_residual) / 1024),
+       fmt::format("{:.1f}", static_cast<double>(r.regions.tensor_parallel) / 1024)});
+}
+
+// Under sp and overlap, the norm/residual region's activation memory against tp's.
+void PrintNormRegionSavings(const std::vector<ModeResult>& results, const ModeResult* tp_mode,
+                            int p) {
+  for (const ModeResult& r : results) {
+    if (r.mode == Mode::kTensor || tp_mode == nullptr) continue;
+    fmt::print(
+        "  {}: the norm/residual region keeps {:.1f} KiB per rank for backward against {:.1f} "
+        "KiB without sequence parallelism: 1/{} (tp {})\n",
+        ModeName(r.mode), static_cast<double>(r.regions.norm_residual) / 1024,
+        static_cast<double>(tp_mode->regions.norm_residual) / 1024,
+        Fixed2(Quotient(static_cast<double>(tp_mode->regions.norm_residual),
+                        static_cast<double>(r.regions.norm_residual))),
+        p);
+  }
+}
+
+int RunBenchTp(const BenchTpOptions& o) {
+  std::vector<Mode> modes;
+  for (const std::string& name : o.modes) {
+    const Mode m = ModeFromName(name);
+    if (std::find(modes.begin(), modes.end(), m) == modes.end()) modes.push_back(m);
+  }
+  RequireTpSizes(o, modes.size());
+  const int cores = PrepareOneThreadPerRank();
+  if (!o.loop.json) PrintTpPreamble(o, cores);
   for (int p : o.tp) {
     const std::vector<ModeResult> results = RunTp(o, p, modes);
     const ModeResult* tp_mode = nullptr;
     for (const ModeResult& r : results) {
       if (r.mode == Mode::kTensor) tp_mode = &r;
     }
-    const bool oversubscribed = p > cores;
-    if (!o.json) {
+    if (!o.loop.json) {
       fmt::print("\ntp {}{}\n", p,
-                 oversubscribed
-                     ? fmt::format(" ({} ranks on {} cores: the ranks' computation time-shares "
-                                   "the cores, so compute and step are ~{:.0f}x one rank's)",
-                                   p, cores, static_cast<double>(p) / cores)
-                     : std::string());
-      fmt::print(
-          "  {:<8} {:>8} {:>8} {:>10} {:>8} {:>7} {:>6} {:>7} {:>7} {:>9} {:>11} {:>6} {:>9} "
-          "{:>9}\n",
-          "mode", "step ms", "comm ms", "compute ms", "comm/cmp", "hidden", "bound", "blocked",
-          "ran", "MB/step", "closed form", "agree", "norm KiB", "tp-reg KiB");
+                 OversubscribedNote(
+                     p, cores,
+                     fmt::format("the ranks' computation time-shares the cores, so compute and "
+                                 "step are ~{:.0f}x one rank's",
+                                 static_cast<double>(p) / cores)));
+      TpTable().PrintHeader();
     }
     for (const ModeResult& r : results) {
-      const double step = SummarizeTimes(r.step).median_s, comm = SummarizeTimes(r.comm).median_s,
-                   compute = SummarizeTimes(r.compute).median_s,
-                   blocked = SummarizeTimes(r.blocked).median_s,
-                   ran = SummarizeTimes(r.ran).median_s;
-      // Per iteration (its step, comm and compute were measured back to back, so a drift of the
-      // machine's speed between iterations cancels), then the median. With one rank nothing is
-      // communicated: no fraction of it, no ratio.
-      const bool communicates = r.closed_form > 0;
-      const bool rings = r.mode == Mode::kOverlap && communicates;
-      std::vector<double> hiddens, ratios, bounds, overlappables;
-      for (size_t i = 0; communicates && i < r.step.size(); ++i) {
-        if (const auto h = Quotient(r.comm[i] + r.compute[i] - r.step[i], r.comm[i])) {
-          hiddens.push_back(std::clamp(*h, 0.0, 1.0));
-        }
-        if (const auto q = Quotient(r.comm[i], r.compute[i])) ratios.push_back(*q);
-        // What the rings can hide at most: P - 1 hops, each overlapping one block's GEMM, so
-        // (P - 1) / P of the split GEMMs; the rest of the computation runs with no hop in flight.
-        if (!rings) continue;
-        overlappables.push_back(r.ring_gemms[i] * (p - 1) / p);
-        if (const auto b = Quotient(overlappables.back(), r.comm[i])) {
-          bounds.push_back(std::min(*b, 1.0));
-        }
-      }
-      const std::optional<double> hidden = MedianIfAny(hiddens), ratio = MedianIfAny(ratios),
-                                  bound = MedianIfAny(bounds),
-                                  overlappable = MedianIfAny(overlappables);
-      const std::optional<double> saving =
-          tp_mode != nullptr ? Quotient(static_cast<double>(tp_mode->regions.norm_residual),
-                                        static_cast<double>(r.regions.norm_residual))
-                             : std::nullopt;
-      if (o.json) {
-        nlohmann::json j = {
-            {"op", "tp"},
-            {"tp", p},
-            {"mode", ModeName(r.mode)},
-            {"collectives", ModeCollectives(r.mode)},
-            {"tokens", o.tokens},
-            {"model_dim", o.model_dim},
-            {"hidden_dim", o.hidden_dim},
-            {"activation", o.activation},
-            {"iters", o.iters},
-            {"cores", cores},
-            {"gemm_threads_per_rank", 1},
-            {"oversubscribed", oversubscribed},
-            {"emulation", {{"latency_us", o.latency_us}, {"gbps", o.gbps}}},
-            {"step_median_ms", step * 1e3},
-            {"step_min_ms", SummarizeTimes(r.step).min_s * 1e3},
-            {"comm_alone_ms", comm * 1e3},
-            {"compute_alone_ms", compute * 1e3},
-            {"comm_over_compute", JsonOf(ratio)},
-            {"hidden_fraction", JsonOf(hidden)},
-            {"overlappable_compute_ms", JsonOf(overlappable ? *overlappable * 1e3 : overlappable)},
-            {"hidden_fraction_bound", JsonOf(bound)},
-            {"blocked_ms", blocked * 1e3},
-            {"collectives_ran_ms", ran * 1e3},
-            {"bytes_per_rank_step", r.bytes_max},
-            {"bytes_per_rank_step_min", r.bytes_min},
-            {"closed_form_bytes", r.closed_form},
-            {"closed_form", ClosedFormText(r.mode)},
-            {"bytes_agree", r.bytes_agree},
-            {"norm_region_activation_bytes", r.regions.norm_residual},
-            {"tp_region_activation_bytes", r.regions.tensor_parallel},
-            {"norm_region_saving", JsonOf(saving)}};
-        fmt::print("{}\n", j.dump());
-        continue;
-      }
-      fmt::print(
-          "  {:<8} {:>8.1f} {:>8.1f} {:>10.1f} {:>8} {:>7} {:>6} {:>7.1f} {:>7.1f} {:>9.3f} "
-          "{:>11.3f} {:>6} {:>9.1f} {:>9.1f}\n",
-          ModeName(r.mode), step * 1e3, comm * 1e3, compute * 1e3, Fixed2(ratio), Percent(hidden),
-          Percent(bound), blocked * 1e3, ran * 1e3, static_cast<double>(r.bytes_max) / 1e6,
-          r.closed_form / 1e6, r.bytes_agree && r.bytes_max == r.bytes_min ? "yes" : "NO",
-          static_cast<double>(r.regions.norm_residual) / 1024,
-          static_cast<double>(r.regions.tensor_parallel) / 1024);
-    }
-    if (!o.json) {
-      for (const ModeResult& r : results) {
-        if (r.mode == Mode::kTensor || tp_mode == nullptr) continue;
-        fmt::print(
-            "  {}: the norm/residual region keeps {:.1f} KiB per rank for backward against {:.1f} "
-            "KiB without sequence parallelism: 1/{} (tp {})\n",
-            ModeName(r.mode), static_cast<double>(r.regions.norm_residual) / 1024,
-            static_cast<double>(tp_mode->regions.norm_residual) / 1024,
-            Fixed2(Quotient(static_cast<double>(tp_mode->regions.norm_residual),
-                            static_cast<double>(r.regions.norm_residual))),
-            p);
+      const ModeFigures f = FiguresOf(r, p, tp_mode);
+      if (o.loop.json) {
+        PrintModeJson(o, p, cores, r, f);
+      } else {
+        PrintModeRow(r, f);
       }
     }
+    if (!o.loop.json) PrintNormRegionSavings(results, tp_mode, p);
   }
-  if (!o.json) {
+  if (!o.loop.json) {
     fmt::print(
         "\nbytes: per rank per step (CommStats, Traffic::kTensor), closed form with P = tp, N "
         "tokens, d model dim: tp {}, sp/overlap {} (docs/tensor_parallel.md)\n",
@@ -570,17 +595,8 @@ SY_REGISTER_COMMAND(Command{
                    "the MLP's hidden size (divisible by every tp)");
       app.add_option("--activation", o->activation, "relu, gelu or silu")
           ->check(CLI::IsMember({"relu", "gelu", "silu"}));
-      AddIntOption(app, "--iters", &o->iters, 1, 10000, "timed iterations");
-      AddIntOption(app, "--warmup", &o->warmup, 0, 1000, "untimed iterations");
-      app.add_option("--intra-latency-us", o->latency_us,
-                     "emulated latency per message between the tp ranks, microseconds")
-          ->check(FiniteIn(0, 1e9));
-      app.add_option("--intra-gbps", o->gbps,
-                     "emulated bandwidth between the tp ranks, GB/s (0 = unlimited)")
-          ->check(FiniteIn(0, 1e9));
-      AddIntOption(app, "--timeout-ms", &o->timeout_ms, int64_t{1}, int64_t{86400000},
-                   "deadline of every collective");
-      app.add_flag("--json", o->json, "one JSON line per tp and mode");
+      AddBenchLoopFlags(app, &o->loop, {.json_help = "one JSON line per tp and mode"});
+      AddUniformLinkFlags(app, &o->link, "the tp ranks");
       return [o] { return RunBenchTp(*o); };
     }});
 

@@ -12,6 +12,7 @@
 #include "cli/command.h"
 #include "cli/flags.h"
 #include "cli/launch.h"
+#include "cli/layout_flags.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/safetensors.h"
@@ -37,22 +38,13 @@ struct LayerOptions {
   // Expert parallelism (docs/parallel.md): W ranks as threads, or this process's MPI world.
   int ranks = 1;
   bool ranks_given = false;  // under MPI without --ranks: the world size
-  int ep = 0, tp = 1, etp = 1;
-  std::string arrangement = "deepspeed";
-  std::string dispatch = "alltoall";
-  std::string adaptive_r = "default";
-  int hierarchical = 0;
-  std::string transport = "auto";  // auto: mpi when started by mpirun, else inproc
-  std::string scope = "global";
-  bool no_tp_dedup = false;
-  // Overlap and scheduling (docs/overlap.md): the same outputs for every schedule.
-  int overlap_degree = 1;
-  std::string smart = "off";
-  std::string shadow = "none";
-  std::string trace_path;  // Chrome trace-event JSON of the parallel run
+  // The layout and overlap schedules (docs/overlap.md): the same outputs for every schedule.
+  MoeLayoutFlags layout;
 };
 
-std::string ResolvedTransport(const LayerOptions& o) { return ResolveTransport(o.transport); }
+std::string ResolvedTransport(const LayerOptions& o) {
+  return ResolveTransport(o.layout.transport);
+}
 
 // The layer on o.ranks ranks (parallel/driver.h); the same outputs as the single-rank layer.
 // Returns false on MPI ranks other than 0, which write nothing.
@@ -68,19 +60,7 @@ bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config, bool tra
                "processes or pass --ranks {}",
                o.ranks, launcher->world_size(), o.ranks, launcher->world_size());
   }
-  d.parallel.mesh.world_size = launcher->world_size();
-  d.parallel.mesh.tp = o.tp;
-  d.parallel.mesh.ep = o.ep;
-  d.parallel.mesh.etp = o.etp;
-  d.parallel.mesh.arrangement = parallel::ArrangementFromName(o.arrangement);
-  d.parallel.dispatch = parallel::DispatchKindFromName(o.dispatch);
-  d.parallel.adaptive_r = parallel::AdaptiveRFromString(o.adaptive_r);
-  d.parallel.hierarchical_ranks_per_node = o.hierarchical;
-  d.parallel.tp_dedup = !o.no_tp_dedup;
-  d.parallel.batch_scope = parallel::BatchScopeFromName(o.scope);
-  d.parallel.overlap_degree = o.overlap_degree;
-  d.parallel.smart_group = parallel::SmartGroupFromString(o.smart);
-  d.parallel.shadow = parallel::ShadowFromString(o.shadow);
+  d.parallel = o.layout.Options(launcher->world_size());
   d.threads = o.threads;
   // The process-wide BLAS budget of each rank, set here at the program's edge.
   kernels::SetBlasThreads(o.threads > 0
@@ -90,25 +70,26 @@ bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config, bool tra
   d.training = training;
   d.step = o.step;
   parallel::Tracer tracer;
-  if (!o.trace_path.empty()) d.tracer = &tracer;
+  if (!o.layout.trace_path.empty()) d.tracer = &tracer;
   parallel::LayerRunResult run = parallel::RunLayerOnRanks(*launcher, config, params, x, dy, d);
   if (!run.is_root) return false;
-  if (!o.trace_path.empty()) tracer.WriteJson(o.trace_path);
+  if (!o.layout.trace_path.empty()) tracer.WriteJson(o.layout.trace_path);
   *out = run.output;
   grads->x = run.grad_x;
   grads->params = run.grads;
   if (!o.quiet) {
-    fmt::print("layer: {} ranks ({}), {} arrangement, dispatch {}, adaptive r {}{}, scope {}\n",
-               run.ranks.size(), transport, o.arrangement, o.dispatch, run.adaptive_r,
-               o.hierarchical > 0 ? fmt::format(", 2DH {} ranks/node", o.hierarchical) : "",
-               o.scope);
+    fmt::print(
+        "layer: {} ranks ({}), {} arrangement, dispatch {}, adaptive r {}{}, scope {}\n",
+        run.ranks.size(), transport, o.layout.arrangement, o.layout.dispatch, run.adaptive_r,
+        o.layout.hierarchical > 0 ? fmt::format(", 2DH {} ranks/node", o.layout.hierarchical) : "",
+        o.layout.scope);
     // The adaptive-r volume model's prediction for the r used (docs/parallel.md), as `bench
     // layer-parallel` reports it: the driver's predicted_volume (elements per rank per step; MB as
     // float32).
     fmt::print(
         "layer: volume model for r = {}{}: predicted volume {} elements ({:.3g} MB as float32) per "
         "rank per step\n",
-        run.adaptive_r, o.adaptive_r == "auto" ? " (auto)" : "", run.predicted_volume,
+        run.adaptive_r, o.layout.adaptive_r == "auto" ? " (auto)" : "", run.predicted_volume,
         run.predicted_volume * sizeof(float) / 1e6);
     if (run.overlap_degree > 1 || run.smart_group > 0 || !run.shadowed.empty()) {
       fmt::print("layer: overlap degree {}, smart schedule {}, shadowed experts {}\n",
@@ -116,7 +97,8 @@ bool RunParallel(const LayerOptions& o, const moe::LayerConfig& config, bool tra
                  run.smart_group > 0 ? fmt::format("g = {}", run.smart_group) : "off",
                  run.shadowed.empty() ? "none" : fmt::format("{}", fmt::join(run.shadowed, ",")));
     }
-    if (!o.trace_path.empty()) fmt::print("layer: trace written to {}\n", o.trace_path);
+    if (!o.layout.trace_path.empty())
+      fmt::print("layer: trace written to {}\n", o.layout.trace_path);
   }
   return true;
 }
@@ -146,17 +128,17 @@ void RequireKnownTensors(const LayerOptions& o, const moe::LayerConfig& config,
 
 int RunLayer(const LayerOptions& o) {
   // Outputs never overwrite inputs (nor each other), whatever spelling names the same file.
-  RequireDistinctOutput(
-      {"--out", o.out_path},
-      {{"--tensors", o.tensors_path}, {"--config", o.config_path}, {"--trace", o.trace_path}});
-  RequireDistinctOutput({"--trace", o.trace_path},
+  RequireDistinctOutput({"--out", o.out_path}, {{"--tensors", o.tensors_path},
+                                                {"--config", o.config_path},
+                                                {"--trace", o.layout.trace_path}});
+  RequireDistinctOutput({"--trace", o.layout.trace_path},
                         {{"--tensors", o.tensors_path}, {"--config", o.config_path}});
   // And are writable kinds of path (not a directory, FIFO or device), before any work is done.
   // Under MPI only rank 0 writes, perhaps on another file system than this rank: it checks when
   // it writes.
   if (ResolvedTransport(o) != "mpi") {
     CheckOutputPath(o.out_path);
-    if (!o.trace_path.empty()) CheckOutputPath(o.trace_path);
+    if (!o.layout.trace_path.empty()) CheckOutputPath(o.layout.trace_path);
   }
   moe::LayerConfig config;
   bool training = true;  // the file's "training" key: the mode of the calls
@@ -196,8 +178,9 @@ int RunLayer(const LayerOptions& o) {
   fo.save_for_backward = dy_it != in.end();
   moe::LayerOutput out;
   moe::LayerGradients parallel_grads;
-  const bool parallel = o.ranks > 1 || ResolvedTransport(o) != "inproc" || !o.trace_path.empty() ||
-                        o.overlap_degree > 1 || o.smart != "off" || o.shadow != "none";
+  const bool parallel = o.ranks > 1 || ResolvedTransport(o) != "inproc" ||
+                        !o.layout.trace_path.empty() || o.layout.overlap_degree > 1 ||
+                        o.layout.smart != "off" || o.layout.shadow != "none";
   try {
     if (parallel) {
       if (!RunParallel(o, config, training, params, x, dy_it != in.end() ? dy_it->second : Tensor(),
@@ -269,31 +252,8 @@ SY_REGISTER_COMMAND(Command{
       CLI::Option* ranks =
           AddIntOption(app, "--ranks", &o->ranks, 1, 4096,
                        "run on W ranks (threads; under mpirun: the MPI world, its size if unset)");
-      AddIntOption(app, "--ep", &o->ep, 0, 4096,
-                   "expert-parallel size (default: as large as possible)");
-      AddIntOption(app, "--tp", &o->tp, 1, 4096, "dense tensor-parallel degree");
-      AddIntOption(app, "--etp", &o->etp, 1, 4096, "expert tensor parallel (Megatron arrangement)");
-      app.add_option("--arrangement", o->arrangement, "deepspeed | megatron")
-          ->check(CLI::IsMember({"deepspeed", "megatron"}));
-      app.add_option("--dispatch", o->dispatch, "alltoall | alltoallv | allgather")
-          ->check(CLI::IsMember({"alltoall", "alltoallv", "allgather"}));
-      app.add_option("--adaptive-r", o->adaptive_r, "R (0 or a divisor of the H shards) or auto");
-      AddIntOption(app, "--2dh", &o->hierarchical, 0, 4096,
-                   "hierarchical all-to-all, RANKS_PER_NODE");
-      app.add_option("--transport", o->transport,
-                     "auto (mpi when started by mpirun) | inproc | mpi")
-          ->check(CLI::IsMember({"auto", "inproc", "mpi"}));
-      app.add_option("--scope", o->scope,
-                     "global (equals the single-rank run) | per_rank (Tutel/DeepSpeed default)")
-          ->check(CLI::IsMember({"global", "per_rank"}));
-      app.add_flag("--no-tp-dedup", o->no_tp_dedup, "DeepSpeed arrangement: no TP de-duplication");
-      AddIntOption(app, "--overlap-degree", &o->overlap_degree, 1, 1024,
-                   "Tutel's a2a-FFN overlap: pipeline the token all-to-alls in D chunks");
-      app.add_option("--smart-schedule", o->smart,
-                     "FasterMoE's pair-wise schedule: off | auto | group size g");
-      app.add_option("--shadow", o->shadow, "FasterMoE's shadow experts: none | auto | E1,E2,...");
-      app.add_option("--trace", o->trace_path,
-                     "write the parallel run's timeline as a Chrome trace-event JSON file");
+      AddMoeLayoutFlags(app, &o->layout,
+                        "write the parallel run's timeline as a Chrome trace-event JSON file");
       return [o, ranks] {
         o->ranks_given = ranks->count() > 0;
         return RunLayer(*o);

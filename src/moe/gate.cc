@@ -97,82 +97,101 @@ uint64_t StepSeed(uint64_t seed, uint64_t step) {
   return (static_cast<uint64_t>(r[1]) << 32) | r[0];
 }
 
-GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate_weight,
-                       const Tensor& expert_bias, const GateOptions& options) {
-  const int64_t m_dim = c.model_dim, e_num = c.num_experts;
-  ExpectDType("x", x, DType::kFloat32);
-  ExpectShape("x", x, {kAnySize, m_dim});
-  ExpectDType("gate.weight", gate_weight, DType::kFloat32);
-  ExpectShape("gate.weight", gate_weight, {e_num, m_dim});
-  if (c.expert_bias) {
-    ExpectDType("gate.expert_bias", expert_bias, DType::kFloat32);
-    ExpectShape("gate.expert_bias", expert_bias, {e_num});
-  }
-  const int64_t t_num = x.size(0);
-  CheckTokenIndex(options.token_index, t_num);
-  const int64_t k = EffectiveTopK(c);
-  const uint64_t key = StepSeed(c.seed, options.step);
-  auto global = [&](int64_t t) {
-    return static_cast<uint64_t>(
-        GlobalTokenIndex(options.token_index, options.global_token_offset, t));
-  };
+namespace {
 
-  GateResult r;
-  r.num_tokens = t_num;
-  r.num_experts = e_num;
-  r.top_k = k;
+// The global index of local token t (keys every random draw of the gate).
+uint64_t GlobalIndex(const GateOptions& o, int64_t t) {
+  return static_cast<uint64_t>(GlobalTokenIndex(o.token_index, o.global_token_offset, t));
+}
 
-  // Gate input and logits, float32.
+// The gate input (x, or x times the jitter), the logits [T, E] and the noisy logits (the logits
+// plus Tutel's normal noise, or the logits themselves), float32.
+void GateLogits(const LayerConfig& c, const Tensor& x, const Tensor& gate_weight, uint64_t key,
+                const GateOptions& options, GateResult* r) {
+  const int64_t m_dim = c.model_dim, e_num = c.num_experts, t_num = x.size(0);
   Tensor gate_input = x;
   if (HasJitter(c, options.training)) {
-    r.jitter = JitterFactors(c, key, options, t_num);
+    r->jitter = JitterFactors(c, key, options, t_num);
     gate_input = Tensor::Empty({t_num, m_dim});
     const float* xp = x.data<float>();
-    const float* jp = r.jitter.data<float>();
+    const float* jp = r->jitter.data<float>();
     float* gp = gate_input.data<float>();
     for (int64_t i = 0; i < t_num * m_dim; ++i) gp[i] = xp[i] * jp[i];
   }
-  r.logits = Tensor::Empty({t_num, e_num});
+  r->logits = Tensor::Empty({t_num, e_num});
   kernels::Gemm(Trans::kNo, Trans::kYes, t_num, e_num, m_dim, 1.0f, gate_input.data<float>(), m_dim,
-                gate_weight.data<float>(), m_dim, 0.0f, r.logits.data<float>(), e_num);
-  r.noisy_logits = r.logits;
+                gate_weight.data<float>(), m_dim, 0.0f, r->logits.data<float>(), e_num);
+  r->noisy_logits = r->logits;
   if (HasTutelNoise(c, options.training)) {
-    r.noisy_logits = r.logits.Clone();
-    float* nl = r.noisy_logits.data<float>();
+    r->noisy_logits = r->logits.Clone();
+    float* nl = r->noisy_logits.data<float>();
     CounterRng rng(key, kStreamGateNoise);
     float scale = c.noise_std / static_cast<float>(e_num);
     for (int64_t t = 0; t < t_num; ++t) {
-      const uint64_t g = global(t);
+      const uint64_t g = GlobalIndex(options, t);
       for (int64_t e = 0; e < e_num; ++e) {
         nl[t * e_num + e] +=
             scale * rng.Normal(g * static_cast<uint64_t>(e_num) + static_cast<uint64_t>(e));
       }
     }
   }
+}
 
-  // Scores.
-  const float* nl = r.noisy_logits.data<float>();
-  r.scores = Tensor::Empty({t_num, e_num});
-  float* sc = r.scores.data<float>();
-  // Scores, and the log-sum-exp of the noise-free logits for the z-loss (a by-product of the
-  // softmax when there is no additive noise).
-  r.lse.resize(static_cast<size_t>(t_num));
-  const bool noisy = !r.noisy_logits.SharesStorageWith(r.logits);
+// Scores, and the log-sum-exp of the noise-free logits for the z-loss (a by-product of the
+// softmax when there is no additive noise).
+void GateScores(const LayerConfig& c, GateResult* r) {
+  const int64_t t_num = r->num_tokens, e_num = r->num_experts;
+  const float* nl = r->noisy_logits.data<float>();
+  r->scores = Tensor::Empty({t_num, e_num});
+  float* sc = r->scores.data<float>();
+  r->lse.resize(static_cast<size_t>(t_num));
+  const bool noisy = !r->noisy_logits.SharesStorageWith(r->logits);
   if (c.score_function == ScoreFunction::kSigmoid) {
     for (int64_t i = 0; i < t_num * e_num; ++i) sc[i] = 1.0f / (1.0f + std::exp(-nl[i]));
-    SoftmaxLseRows(r.logits.data<float>(), nullptr, r.lse.data(), t_num, e_num);
+    SoftmaxLseRows(r->logits.data<float>(), nullptr, r->lse.data(), t_num, e_num);
   } else if (!noisy) {
-    SoftmaxLseRows(nl, sc, r.lse.data(), t_num, e_num);
+    SoftmaxLseRows(nl, sc, r->lse.data(), t_num, e_num);
   } else {
     std::vector<float> noisy_lse(static_cast<size_t>(t_num));
     SoftmaxLseRows(nl, sc, noisy_lse.data(), t_num, e_num);
-    SoftmaxLseRows(r.logits.data<float>(), nullptr, r.lse.data(), t_num, e_num);
+    SoftmaxLseRows(r->logits.data<float>(), nullptr, r->lse.data(), t_num, e_num);
   }
+}
 
-  // Selection: top-k of scores (softmax, sigmoid) or of logits (softmax_after_topk), plus the
-  // expert bias, which affects the choice only.
+// The second to k-th choices of GShard's Gumbel routing: the top-(k-1) of logits + Gumbel noise
+// with the first choice (`first`, per token) masked out.
+void GumbelChoices(uint64_t key, const GateOptions& options, const std::vector<int32_t>& first,
+                   GateResult* r) {
+  const int64_t t_num = r->num_tokens, e_num = r->num_experts, k = r->top_k;
+  const float* nl = r->noisy_logits.data<float>();
+  CounterRng rng(key, kStreamGumbel);
+  std::vector<float> row(static_cast<size_t>(e_num));
+  std::vector<int32_t> idx(static_cast<size_t>(k - 1));
+  std::vector<float> val(static_cast<size_t>(k - 1));
+  for (int64_t t = 0; t < t_num; ++t) {
+    const uint64_t g = GlobalIndex(options, t);
+    for (int64_t e = 0; e < e_num; ++e) {
+      row[static_cast<size_t>(e)] =
+          nl[t * e_num + e] +
+          rng.Gumbel(g * static_cast<uint64_t>(e_num) + static_cast<uint64_t>(e));
+    }
+    row[static_cast<size_t>(first[static_cast<size_t>(t)])] =
+        -std::numeric_limits<float>::infinity();
+    kernels::TopK(row.data(), 1, e_num, k - 1, idx.data(), val.data());
+    r->experts[static_cast<size_t>(t * k)] = first[static_cast<size_t>(t)];
+    for (int64_t j = 1; j < k; ++j) {
+      r->experts[static_cast<size_t>(t * k + j)] = idx[static_cast<size_t>(j - 1)];
+    }
+  }
+}
+
+// Selection: top-k of scores (softmax, sigmoid) or of logits (softmax_after_topk), plus the
+// expert bias, which affects the choice only.
+void SelectExperts(const LayerConfig& c, const Tensor& expert_bias, uint64_t key,
+                   const GateOptions& options, GateResult* r) {
+  const int64_t t_num = r->num_tokens, e_num = r->num_experts, k = r->top_k;
   const bool satk = c.score_function == ScoreFunction::kSoftmaxAfterTopK;
-  const float* select_src = satk ? nl : sc;
+  const float* select_src = satk ? r->noisy_logits.data<float>() : r->scores.data<float>();
   std::vector<float> select;
   if (c.expert_bias) {
     select.assign(select_src, select_src + t_num * e_num);
@@ -183,43 +202,32 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
     select_src = select.data();
   }
   const size_t tk = static_cast<size_t>(t_num * k);
-  r.experts.resize(tk);
+  r->experts.resize(tk);
   std::vector<float> topv(tk);
   if (HasGumbel(c, options.training, k)) {
     // 1st choice as usual; the others are the top-(k-1) of logits + Gumbel, 1st masked out.
     std::vector<int32_t> first(static_cast<size_t>(t_num));
     std::vector<float> firstv(static_cast<size_t>(t_num));
     if (t_num > 0) kernels::TopK(select_src, t_num, e_num, 1, first.data(), firstv.data());
-    CounterRng rng(key, kStreamGumbel);
-    std::vector<float> row(static_cast<size_t>(e_num));
-    std::vector<int32_t> idx(static_cast<size_t>(k - 1));
-    std::vector<float> val(static_cast<size_t>(k - 1));
-    for (int64_t t = 0; t < t_num; ++t) {
-      const uint64_t g = global(t);
-      for (int64_t e = 0; e < e_num; ++e) {
-        row[static_cast<size_t>(e)] =
-            nl[t * e_num + e] +
-            rng.Gumbel(g * static_cast<uint64_t>(e_num) + static_cast<uint64_t>(e));
-      }
-      row[static_cast<size_t>(first[static_cast<size_t>(t)])] =
-          -std::numeric_limits<float>::infinity();
-      kernels::TopK(row.data(), 1, e_num, k - 1, idx.data(), val.data());
-      r.experts[static_cast<size_t>(t * k)] = first[static_cast<size_t>(t)];
-      for (int64_t j = 1; j < k; ++j) {
-        r.experts[static_cast<size_t>(t * k + j)] = idx[static_cast<size_t>(j - 1)];
-      }
-    }
+    GumbelChoices(key, options, first, r);
   } else if (GroupLimited(c)) {
-    GroupLimitedTopK(c, select_src, t_num, k, r.experts.data());
+    GroupLimitedTopK(c, select_src, t_num, k, r->experts.data());
   } else if (t_num > 0) {
-    kernels::TopK(select_src, t_num, e_num, k, r.experts.data(), topv.data());
+    kernels::TopK(select_src, t_num, e_num, k, r->experts.data(), topv.data());
   }
+}
 
-  // Gate values.
-  r.choice_scores.resize(tk);
+// Gate values: the chosen experts' scores (softmax_after_topk: the softmax over the k chosen
+// logits), normalized over the k choices when the config says so.
+void GateValues(const LayerConfig& c, GateResult* r) {
+  const int64_t t_num = r->num_tokens, e_num = r->num_experts, k = r->top_k;
+  const bool satk = c.score_function == ScoreFunction::kSoftmaxAfterTopK;
+  const float* nl = r->noisy_logits.data<float>();
+  const float* sc = r->scores.data<float>();
+  r->choice_scores.resize(static_cast<size_t>(t_num * k));
   for (int64_t t = 0; t < t_num; ++t) {
-    float* s = r.choice_scores.data() + t * k;
-    const int32_t* ex = r.experts.data() + t * k;
+    float* s = r->choice_scores.data() + t * k;
+    const int32_t* ex = r->experts.data() + t * k;
     if (satk) {
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < k; ++j) mx = std::max(mx, nl[t * e_num + ex[j]]);
@@ -233,45 +241,80 @@ GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate
       for (int64_t j = 0; j < k; ++j) s[j] = sc[t * e_num + ex[j]];
     }
   }
-  r.gates = r.choice_scores;
+  r->gates = r->choice_scores;
   if (c.normalize_gate && k > 1 && !satk) {
     for (int64_t t = 0; t < t_num; ++t) {
-      float* g = r.gates.data() + t * k;
+      float* g = r->gates.data() + t * k;
       float sum = 0;
       for (int64_t j = 0; j < k; ++j) sum += g[j];
       float denom = std::max(sum, kGateEps);
       for (int64_t j = 0; j < k; ++j) g[j] /= denom;
     }
   }
+}
 
+// What routing needs besides the choices: GShard's random routing of the 2nd choice, the routed
+// scaling, the sequence of each token (sequence-wise aux loss) and each token's priority (its
+// largest score).
+void RoutingExtras(const LayerConfig& c, uint64_t key, const GateOptions& options, GateResult* r) {
+  const int64_t t_num = r->num_tokens, e_num = r->num_experts, k = r->top_k;
   // GShard random routing: keep the 2nd choice only if 2 * g_2 > U(0, 1).
-  r.routed.assign(tk, 1);
+  r->routed.assign(static_cast<size_t>(t_num * k), 1);
   if (c.random_routing && options.training && k >= 2) {
     CounterRng rng(key, kStreamRandomRouting);
     for (int64_t t = 0; t < t_num; ++t) {
-      float u = rng.Uniform(global(t));
-      if (!(2.0f * r.gates[static_cast<size_t>(t * k + 1)] > u)) {
-        r.routed[static_cast<size_t>(t * k + 1)] = 0;
+      float u = rng.Uniform(GlobalIndex(options, t));
+      if (!(2.0f * r->gates[static_cast<size_t>(t * k + 1)] > u)) {
+        r->routed[static_cast<size_t>(t * k + 1)] = 0;
       }
     }
   }
   // DeepSeek-V3's routed scaling, after normalization (as Megatron-Core applies it).
   if (c.topk_scaling_factor != 1.0f) {
-    for (float& g : r.gates) g *= c.topk_scaling_factor;
+    for (float& g : r->gates) g *= c.topk_scaling_factor;
   }
   if (c.aux_loss == AuxLoss::kSequence) {
-    r.sequence.resize(static_cast<size_t>(t_num));
+    r->sequence.resize(static_cast<size_t>(t_num));
     for (int64_t t = 0; t < t_num; ++t) {
-      r.sequence[static_cast<size_t>(t)] = static_cast<int64_t>(global(t)) / c.sequence_length;
+      r->sequence[static_cast<size_t>(t)] =
+          static_cast<int64_t>(GlobalIndex(options, t)) / c.sequence_length;
     }
   }
-
-  r.priority.resize(static_cast<size_t>(t_num));
+  const float* sc = r->scores.data<float>();
+  r->priority.resize(static_cast<size_t>(t_num));
   for (int64_t t = 0; t < t_num; ++t) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t e = 0; e < e_num; ++e) mx = std::max(mx, sc[t * e_num + e]);
-    r.priority[static_cast<size_t>(t)] = mx;
+    r->priority[static_cast<size_t>(t)] = mx;
   }
+}
+
+}  // namespace
+
+GateResult GateForward(const LayerConfig& c, const Tensor& x, const Tensor& gate_weight,
+                       const Tensor& expert_bias, const GateOptions& options) {
+  const int64_t m_dim = c.model_dim, e_num = c.num_experts;
+  ExpectDType("x", x, DType::kFloat32);
+  ExpectShape("x", x, {kAnySize, m_dim});
+  ExpectDType("gate.weight", gate_weight, DType::kFloat32);
+  ExpectShape("gate.weight", gate_weight, {e_num, m_dim});
+  if (c.expert_bias) {
+    ExpectDType("gate.expert_bias", expert_bias, DType::kFloat32);
+    ExpectShape("gate.expert_bias", expert_bias, {e_num});
+  }
+  const int64_t t_num = x.size(0);
+  CheckTokenIndex(options.token_index, t_num);
+  const uint64_t key = StepSeed(c.seed, options.step);
+
+  GateResult r;
+  r.num_tokens = t_num;
+  r.num_experts = e_num;
+  r.top_k = EffectiveTopK(c);
+  GateLogits(c, x, gate_weight, key, options, &r);
+  GateScores(c, &r);
+  SelectExperts(c, expert_bias, key, options, &r);
+  GateValues(c, &r);
+  RoutingExtras(c, key, options, &r);
   return r;
 }
 

@@ -10,31 +10,12 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/parse_flags.h"
 #include "cli/flags.h"
 #include "switchyard/core/error.h"
 
 namespace switchyard::cli {
 namespace {
-
-// Parses `args` (after the program name) with `setup` under the flag conventions; returns the
-// error message ("" when it parsed).
-std::string Parse(const std::function<void(CLI::App&)>& setup, std::vector<std::string> args) {
-  Command command{"", "probe", "", [&](CLI::App& app) -> Action {
-                    setup(app);
-                    return [] { return 0; };
-                  }};
-  CLI::App app;
-  WithFlagConventions(command).setup(app);
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
-  try {
-    app.parse(reversed);
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  } catch (const CLI::ParseError& e) {
-    return e.what();
-  }
-  return "";
-}
 
 TEST(AddIntOption, ChecksTheWholeValueBeforeNarrowing) {
   int ranks = 7;
