@@ -108,7 +108,6 @@ json LayoutJson(const PlanOptions& o, const plan::Layout& l) {
             {"dp", Ms(p.dp_comm_s)},
             {"pp", Ms(p.pp_comm_s)}}},
           {"bubble_ms", Ms(p.bubble_s)},
-          {"core_bound_ms", Ms(p.core_bound_s)},
           {"memory",
            {{"parameters_mib", MiB(static_cast<double>(p.memory.parameter_bytes))},
             {"optimizer_mib", MiB(static_cast<double>(p.memory.optimizer_bytes))},

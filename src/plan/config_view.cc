@@ -5,7 +5,6 @@
 
 #include "switchyard/parallel/mesh.h"
 #include "switchyard/train/distributed.h"
-#include "switchyard/train/memory_estimate.h"
 
 namespace switchyard::plan::internal {
 
@@ -27,10 +26,8 @@ ModelView ReadModel(const train::TrainConfig& config) {
   m.capacity_factor = j.at("capacity_factor").get<double>();
   m.batch_size = j.at("batch_size").get<int64_t>();
   m.tied_head = j.at("tied_head").get<bool>();
-  m.recompute = j.at("recompute").get<std::string>();
   m.precision = j.at("precision").get<std::string>();
   m.moe_blocks = train::NumMoeBlocks(config.model);
-  m.attention_core = train::ResolvedAttentionCore(config);
   return m;
 }
 
@@ -57,6 +54,7 @@ LayoutView ReadLayout(const train::TrainConfig& config) {
   l.dispatch = j.at("dispatch").get<std::string>();
   l.a2a_algo = j.at("a2a_algo").get<std::string>();
   l.adaptive_r = j.at("adaptive_r").get<std::string>();
+  l.recompute = j.at("recompute").get<std::string>();
   return l;
 }
 
@@ -83,6 +81,7 @@ LayoutView LayoutWithFlags(LayoutView l,
                         : key == "dispatch"          ? &l.dispatch
                         : key == "a2a_algo"          ? &l.a2a_algo
                         : key == "adaptive_r"        ? &l.adaptive_r
+                        : key == "recompute"         ? &l.recompute
                                                      : nullptr;
     if (number != nullptr) {
       *number = std::stoll(text);

@@ -17,9 +17,7 @@ struct ModelView {
   int64_t batch_size = 0;
   double capacity_factor = 1;
   bool tied_head = true;
-  std::string recompute;       // none | full | selective
-  std::string precision;       // fp32 | bf16
-  std::string attention_core;  // softmax | flash (resolved)
+  std::string precision;  // fp32 | bf16
 };
 
 struct LayoutView {
@@ -28,6 +26,7 @@ struct LayoutView {
   bool sequence_parallel = false, tp_comm_overlap = false, overlap_grad_reduce = true;
   bool megatron = false;  // the arrangement resolved
   std::string cp_algo, pipeline_schedule, dispatch, a2a_algo, adaptive_r;
+  std::string recompute;  // none | full | selective
 };
 
 ModelView ReadModel(const train::TrainConfig& config);

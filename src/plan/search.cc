@@ -255,10 +255,6 @@ std::string WhyFirstWins(const Layout& first, const Layout& second) {
     reasons += fmt::format("{}{} {} {:.3g} ms", reasons.empty() ? "" : ", ", p.name,
                            p.delta > 0 ? "saves" : "costs", 1e3 * std::abs(p.delta));
   }
-  if (a.core_bound_s > 0 && a.core_bound_s >= a.step_s) {
-    reasons += std::string(reasons.empty() ? "" : "; ") +
-               "the step is bound by the shared cores (every rank's compute over them)";
-  }
   return reasons.empty() ? text : text + ": " + reasons;
 }
 

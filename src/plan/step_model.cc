@@ -148,13 +148,16 @@ StepPrediction internal::PredictStepOf(const train::TrainConfig& config, const M
   SY_REQUIRE(l.ranks <= cluster.devices(), InvalidArgument,
              "plan: {} ranks but the cluster '{}' has {} devices ({} nodes x {})", l.ranks,
              cluster.name, cluster.devices(), cluster.nodes, cluster.devices_per_node);
-  // Shared cores: a rank computes on max(1, cores / ranks) threads (core/threading.h).
+  // Shared cores: a rank computes on max(1, cores / ranks) threads (core/threading.h); with
+  // more ranks than cores, the ranks' compute phases share them (the collectives keep the ranks
+  // in step, so they compute at the same times).
   Cluster c = cluster;
-  double threads = 1;
   if (c.shared_cores > 0) {
-    threads = std::max<double>(1, static_cast<double>(c.shared_cores / l.ranks));
-    c.gemm_tflops *= threads;
-    c.memory_bandwidth_gbps *= threads;
+    const double share = l.ranks <= c.shared_cores
+                             ? static_cast<double>(c.shared_cores / l.ranks)
+                             : static_cast<double>(c.shared_cores) / static_cast<double>(l.ranks);
+    c.gemm_tflops *= share;
+    c.memory_bandwidth_gbps *= share;
   }
   StepPrediction p;
   p.memory = train::EstimateRankMemory(config);
@@ -195,9 +198,9 @@ StepPrediction internal::PredictStepOf(const train::TrainConfig& config, const M
   const double expert_gemm = GemmSeconds(c, expert_flops, slots / experts_held);
   const double core = GemmSeconds(c, core_flops, S / static_cast<double>(l.cp));
   double recompute_forward = 0;  // forward work run again in backward
-  if (m.recompute == "full") {
+  if (l.recompute == "full") {
     recompute_forward = dense_gemm - GemmSeconds(c, head_flops, T) + expert_gemm + core;
-  } else if (m.recompute == "selective") {
+  } else if (l.recompute == "selective") {
     recompute_forward = core;
   }
   const double bw = c.memory_bandwidth_gbps * 1e9;
@@ -324,12 +327,6 @@ StepPrediction internal::PredictStepOf(const train::TrainConfig& config, const M
   p.cp_exposed_s = mbs * cpc.seconds;
   p.ep_exposed_s = mbs * (epc.seconds - ep_hidden);
   p.step_s = pipe + p.dp_exposed_s + p.optimizer_s;
-  if (c.shared_cores > 0) {
-    // Ranks as threads: every rank's compute shares the cores; a rank waiting on a link frees
-    // its core for another.
-    p.core_bound_s = p.compute_s() * threads * static_cast<double>(l.ranks) / c.shared_cores;
-    p.step_s = std::max(p.step_s, p.core_bound_s);
-  }
   return p;
 }
 

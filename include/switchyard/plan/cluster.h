@@ -32,9 +32,9 @@ struct Cluster {
   // The achieved share of the link bandwidth per collective ("allreduce", "allgather",
   // "reduce_scatter", "alltoall", "sendrecv"), each in (0, 1]; missing: 1.
   std::map<std::string, double> collective_efficiency;
-  // Ranks sharing `shared_cores` CPU cores (this machine: ranks as threads): 0 = every device
-  // computes on its own. When > 0, a step takes at least every rank's compute divided by the
-  // cores (docs/planner.md, "Shared cores").
+  // The devices are ranks sharing `shared_cores` CPU cores (this machine: ranks as threads);
+  // 0 = every device computes on its own. With more ranks than cores a rank computes at
+  // cores / ranks of the rate (docs/planner.md, "Shared cores").
   int shared_cores = 0;
   std::string source;  // where the numbers come from (free text)
 

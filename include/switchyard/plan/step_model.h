@@ -42,8 +42,7 @@ struct StepPrediction {
   // Communication per step as issued (before overlap) and what is left exposed after it, by kind.
   double tp_comm_s = 0, cp_comm_s = 0, ep_comm_s = 0, dp_comm_s = 0, pp_comm_s = 0;
   double tp_exposed_s = 0, cp_exposed_s = 0, ep_exposed_s = 0, dp_exposed_s = 0, pp_exposed_s = 0;
-  double bubble_s = 0;      // idle pipeline time of the stage (schedule simulator)
-  double core_bound_s = 0;  // shared cores: every rank's compute over the cores (0: not shared)
+  double bubble_s = 0;  // idle pipeline time of the stage (schedule simulator)
   double step_s = 0;
   train::RankMemoryEstimate memory;  // train::EstimateRankMemory
   double compute_s() const { return gemm_s + attention_s + elementwise_s + optimizer_s; }
