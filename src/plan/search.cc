@@ -247,8 +247,14 @@ std::string WhyFirstWins(const Layout& first, const Layout& second) {
   };
   std::sort(parts.begin(), parts.end(),
             [](const Part& x, const Part& y) { return std::abs(x.delta) > std::abs(y.delta); });
-  std::string text = fmt::format("{:.3g} ms faster than the runner-up ({})",
-                                 1e3 * (b.step_s - a.step_s), FlagsText(second.flags));
+  const std::string text =
+      b.step_s > a.step_s
+          ? fmt::format("{:.3g} ms faster than the runner-up ({})", 1e3 * (b.step_s - a.step_s),
+                        FlagsText(second.flags))
+          : fmt::format(
+                "predicted as fast as the runner-up ({}), and first by less memory or by "
+                "the order of its flags",
+                FlagsText(second.flags));
   std::string reasons;
   for (const Part& p : parts) {
     if (std::abs(p.delta) < 1e-3 * std::max(a.step_s, 1e-12) || reasons.size() > 200) continue;
