@@ -1,11 +1,13 @@
-# The layer rule: core <- kernels <- comm <- moe <- parallel <- train <- cli.
+# The layer rule: core <- kernels <- comm <- moe <- parallel <- train <- plan <- cli.
+# (plan: the layout planner, `switchyard plan`; it reads train's config, validation and memory
+# estimate and parallel's schedule simulator.)
 # sy_add_layer(NAME SOURCES... DEPENDS lower_layer) creates the static library sy_<NAME>.
 # A layer links only the layer directly below it (and so, transitively, all lower ones);
 # tests/check_layering.cmake rejects any #include of a higher layer's header.
 # Each layer is also installed (cmake/SwitchyardInstall.cmake): as switchyard::<NAME> for users of
 # the installed package, and under the same alias name inside this build.
 include(GNUInstallDirs)
-set(SY_LAYER_ORDER core kernels comm moe parallel train cli CACHE INTERNAL "")
+set(SY_LAYER_ORDER core kernels comm moe parallel train plan cli CACHE INTERNAL "")
 
 function(sy_add_layer name)
   cmake_parse_arguments(ARG "" "" "SOURCES;DEPENDS;PRIVATE_LIBS" ${ARGN})

@@ -1,4 +1,4 @@
-# Fails if a file of layer L includes a header of a layer above L, or if parallel/ or train/
+# Fails if a file of layer L includes a header of a layer above L, or if parallel/, train/ or plan/
 # include a concrete transport (comm/inprocess.h, comm/mpi.h).
 # Usage: cmake -DROOT=<source dir> -DLAYERS="core;kernels;..." -P check_layering.cmake
 set(violations "")
@@ -24,7 +24,7 @@ foreach(i RANGE ${last})
 endforeach()
 # The transport is the program's choice: library layers above comm use the abstract Communicator
 # and Launcher, never a concrete transport's header.
-foreach(layer IN ITEMS parallel train)
+foreach(layer IN ITEMS parallel train plan)
   file(GLOB_RECURSE files ${ROOT}/src/${layer}/*.h ${ROOT}/src/${layer}/*.cc
                           ${ROOT}/include/switchyard/${layer}/*.h)
   foreach(f IN LISTS files)

@@ -129,29 +129,8 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
         MoeFeedForwardFactory([c](int64_t block) { return MoeBlockLayerConfig(c, block); });
   }
   const TensorParallelContext tp = hooks_->tensor_parallel();
-  // Every data-parallel rank's part of every micro-batch: at least one row, and with sequence
-  // parallelism tokens that split evenly over the tensor-parallel ranks.
-  {
-    const int64_t shards = hooks_->data_size(), rows = c.batch_size / c.microbatches;
-    SY_REQUIRE(rows >= shards, InvalidArgument,
-               "config: a micro-batch of batch_size {} / microbatches {} = {} rows cannot be split "
-               "over {} data-parallel ranks",
-               c.batch_size, c.microbatches, rows, shards);
-    const int64_t p = tp.group != nullptr ? tp.group->size() : 1;
-    // With context parallelism a rank holds seq_len / cp positions of each sequence.
-    const int64_t positions = c.model.seq_len / std::max<int64_t>(1, c.cp);
-    for (int64_t d = 0; tp.options.sequence_parallel && d < shards; ++d) {
-      const int64_t mine = rows * (d + 1) / shards - rows * d / shards;
-      SY_REQUIRE(mine * positions % p == 0, InvalidArgument,
-                 "config: sequence parallelism splits each data-parallel rank's tokens over 'tp' "
-                 "{} ranks, but data-parallel rank {} has {} rows x seq_len {}{} = {} tokens per "
-                 "micro-batch: choose batch_size (split over {} micro-batches and {} "
-                 "data-parallel ranks) and seq_len so that they divide",
-                 p, d, mine, c.model.seq_len,
-                 c.cp > 1 ? fmt::format(" / cp {}", c.cp) : std::string(), mine * positions,
-                 c.microbatches, shards);
-    }
-  }
+  ValidateBatchSplit(c, hooks_->data_size(), tp.group != nullptr ? tp.group->size() : 1,
+                     tp.options.sequence_parallel);
   ModelPartition partition;
   if (hooks_->pipeline_stages() > 1) {
     SY_REQUIRE(hooks_->pipeline_group() != nullptr, InvalidArgument,

@@ -88,6 +88,12 @@ struct ResolvedLayout {
 // the ranks": InvalidArgument naming the keys otherwise ("config: 'tp' 3 must divide 'ranks'
 // 4 ..."). The arrangement and the attention core do not depend on world_size.
 ResolvedLayout ResolveLayout(const TrainConfig& config, int world_size);
+// The batch's split over a layout, as the trainer checks it before the first step: every one of
+// `data_shards` data-parallel ranks gets at least one row of every micro-batch, and with
+// `sequence_parallel` its tokens of a micro-batch divide by `tp_size`. InvalidArgument naming
+// the sizes otherwise.
+void ValidateBatchSplit(const TrainConfig& config, int64_t data_shards, int64_t tp_size,
+                        bool sequence_parallel);
 
 // The MoE layer options of the config's MoE blocks (model_dim, hidden_dim = expert_hidden_dim or
 // hidden_dim, num_experts, top_k, capacity_factor, coefficients, activation, seed), on top of

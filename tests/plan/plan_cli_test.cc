@@ -1,0 +1,92 @@
+// `switchyard plan` from the command line: the JSON the issue's scripts read, clear errors, and
+// the first layout it prints for this machine run by `switchyard train` as given.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "cli/run_switchyard.h"
+
+namespace switchyard::plan {
+namespace {
+
+using switchyard::testing::RunSwitchyard;
+
+const std::string kModel =
+    "--model-dim 32 --num-layers 4 --num-heads 2 --hidden-dim 64 --seq-len 16 --batch-size 8 "
+    "--moe-every 2 --num-experts 4";
+
+std::string Example(const char* name) {
+  return std::string(SY_SOURCE_DIR) + "/examples/clusters/" + name;
+}
+
+TEST(PlanCliTest, JsonListsLayoutsBestFirst) {
+  const auto r = RunSwitchyard(
+      fmt::format("plan --cluster {} --json --top 5 {}", Example("h100_2x8_ib.json"), kModel));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j.at("layouts").size(), 5u);
+  double previous = 0;
+  for (const nlohmann::json& l : j.at("layouts")) {
+    const std::string flags = l.at("train_flags").get<std::string>();
+    EXPECT_NE(flags.find("--ranks 16"), std::string::npos) << flags;
+    EXPECT_NE(flags.find("--model-dim 32"), std::string::npos) << flags;
+    EXPECT_GE(l.at("step_ms").get<double>(), previous);
+    previous = l.at("step_ms").get<double>();
+    EXPECT_GT(l.at("memory_mib").get<double>(), 0);
+    EXPECT_TRUE(l.at("exposed_comm_ms").contains("ep"));
+  }
+  EXPECT_TRUE(j.contains("why_first"));
+}
+
+TEST(PlanCliTest, ItsFirstLayoutTrains) {
+  const std::string dir = ::testing::TempDir() + "/plan_cli_trains";
+  std::filesystem::remove_all(dir);
+  const auto r = RunSwitchyard(fmt::format(
+      "plan --cluster this --ranks 2 --json --top 1 {} --steps 2 --log-every 1", kModel));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j.at("layouts").size(), 1u);
+  EXPECT_EQ(j.at("cluster").at("devices_per_node"), 2);
+  const std::string flags = j.at("layouts")[0].at("train_flags").get<std::string>();
+  EXPECT_NE(flags.find("--steps 2"), std::string::npos) << flags;
+  const auto t = RunSwitchyard(
+      fmt::format("train {} --out {} --plain --sample-tokens 0 --eval-every 0 --checkpoint-every 0",
+                  flags, dir));
+  EXPECT_EQ(t.exit_code, 0) << flags << "\n" << t.err;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/metrics.jsonl")) << t.out;
+}
+
+TEST(PlanCliTest, ClearErrors) {
+  const std::string bad = ::testing::TempDir() + "/plan_bad_cluster.json";
+  std::ofstream(bad) << R"({"nodes": 1, "devices_per_node": 2,
+    "device": {"gemm_tflops": 1, "memory_gib": 1, "memory_bandwidth_gbps": 1},
+    "intra_node": {"bandwidth_gbps": -5, "latency_us": 1}})";
+  struct Case {
+    std::string args, needle;
+    int exit_code = 2;  // bad input; 1: an input that cannot be read (docs/errors.md)
+  };
+  const Case cases[] = {
+      {"plan --cluster " + bad, "'intra_node.bandwidth_gbps' must be a finite number > 0"},
+      {"plan --cluster /nonexistent/c.json", "cannot read '/nonexistent/c.json'", 1},
+      {fmt::format("plan --cluster {} --ranks 32", Example("h100_8_nvlink.json")),
+       "32 ranks requested but the cluster"},
+      {fmt::format("plan --cluster {} --tp 2", Example("h100_8_nvlink.json")),
+       "'tp' (--tp) is a layout key"},
+      {fmt::format("plan --cluster {} --memory-limit-mib 0.001", Example("h100_8_nvlink.json")),
+       "no layout fits the memory limit"},
+      {fmt::format("plan --cluster {} --validate 2", Example("h100_8_nvlink.json")),
+       "--validate runs the layouts on this machine"},
+  };
+  for (const Case& c : cases) {
+    const auto r = RunSwitchyard(c.args);
+    EXPECT_EQ(r.exit_code, c.exit_code) << c.args << "\n" << r.err;
+    EXPECT_NE(r.err.find(c.needle), std::string::npos) << c.args << "\n" << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace switchyard::plan

@@ -1,0 +1,313 @@
+// The planner's pieces: cluster files and their errors, collective costs and the step model
+// against hand-computed values, the search against train's validation, the ranking.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "switchyard/core/error.h"
+#include "switchyard/plan/cluster.h"
+#include "switchyard/plan/search.h"
+#include "switchyard/plan/step_model.h"
+#include "switchyard/train/memory_estimate.h"
+
+namespace switchyard::plan {
+namespace {
+
+constexpr const char* kCluster = R"({
+  "name": "test", "nodes": 1, "devices_per_node": 4,
+  "device": {"gemm_tflops": 0.1, "memory_gib": 8, "memory_bandwidth_gbps": 10},
+  "intra_node": {"bandwidth_gbps": 10, "latency_us": 2}
+})";
+
+Cluster TestCluster() { return ParseCluster(kCluster, "test"); }
+
+// ---- cluster files ----
+
+TEST(ClusterTest, ParsesAndRoundTrips) {
+  const Cluster c = TestCluster();
+  EXPECT_EQ(c.devices(), 4);
+  EXPECT_DOUBLE_EQ(c.gemm_tflops, 0.1);
+  EXPECT_DOUBLE_EQ(c.intra_node.latency_us, 2);
+  EXPECT_DOUBLE_EQ(c.inter_node.bandwidth_gbps, 10);  // one node: the intra-node link
+  EXPECT_DOUBLE_EQ(c.efficiency("alltoall"), 1.0);
+  const Cluster back = ParseCluster(ClusterToJson(c), "round trip");
+  EXPECT_EQ(ClusterToJson(back), ClusterToJson(c));
+}
+
+// Replaces the first occurrence of `from` in the test cluster's text.
+std::string Edited(const std::string& from, const std::string& to) {
+  std::string text = kCluster;
+  const size_t at = text.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  return text.replace(at, from.size(), to);
+}
+
+TEST(ClusterTest, BadFilesNameTheKey) {
+  struct Case {
+    std::string text, needle;
+  };
+  const Case cases[] = {
+      {Edited(R"("nodes": 1, )", ""), "missing key 'nodes'"},
+      {Edited(R"("bandwidth_gbps": 10)", R"("bandwidth_gbps": -1)"),
+       "'intra_node.bandwidth_gbps' must be a finite number > 0"},
+      {Edited(R"("bandwidth_gbps": 10)", R"("bandwidth_gbps": 0)"), "intra_node.bandwidth_gbps"},
+      {Edited(R"("latency_us": 2)", R"("latency_us": -3)"), "'intra_node.latency_us'"},
+      {Edited(R"("gemm_tflops": 0.1)", R"("gemm_tflops": "fast")"),
+       "'device.gemm_tflops' must be a number"},
+      {Edited(R"("memory_gib": 8, )", ""), "missing key 'device.memory_gib'"},
+      {Edited(R"("devices_per_node": 4)", R"("devices_per_node": 0)"), "'devices_per_node'"},
+      {Edited(R"("devices_per_node": 4)", R"("devices_per_node": 2.5)"), "whole number"},
+      {Edited(R"("nodes": 1)", R"("nodes": 2)"), "missing key 'inter_node'"},
+      {Edited(R"("name": "test")", R"("name": "test", "nodez": 3)"), "unknown key 'nodez'"},
+      {Edited(R"("name": "test")", R"("name": "t", "collective_efficiency": {"alltoall": 1.5})"),
+       "'collective_efficiency.alltoall'"},
+      {Edited(R"("name": "test")", R"("name": "t", "collective_efficiency": {"bcast": 0.5})"),
+       "unknown key 'collective_efficiency.bcast'"},
+      {"[1, 2]", "expected a JSON object"},
+      {"{", "not valid JSON"},
+  };
+  for (const Case& c : cases) {
+    try {
+      ParseCluster(c.text, "cluster file x.json");
+      ADD_FAILURE() << "accepted: " << c.text;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(c.needle), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("cluster file x.json"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(ClusterTest, ExampleFilesParse) {
+  for (const char* name : {"h100_8_nvlink.json", "h100_2x8_ib.json", "cpu_4x2_ethernet.json"}) {
+    const Cluster c = LoadClusterFile(std::string(SY_SOURCE_DIR) + "/examples/clusters/" + name);
+    EXPECT_GT(c.devices(), 1) << name;
+    EXPECT_FALSE(c.source.empty()) << name;
+  }
+}
+
+// ---- collective costs (docs/algorithms.md's table) ----
+
+TEST(CollectiveCostTest, HandComputed) {
+  const LinkSpec link{.bandwidth_gbps = 10, .latency_us = 2};
+  // Ring all-reduce of 1 MiB over 4: 2(W-1) = 6 messages, 2 N (W-1) / W = 1.5 MiB.
+  CollectiveCost c = CostOfCollective(Collective::kAllReduce, 1 << 20, 4, link, 1.0);
+  EXPECT_EQ(c.algorithm, "ring");
+  EXPECT_EQ(c.messages, 6);
+  EXPECT_DOUBLE_EQ(c.bytes_sent, 1.5 * (1 << 20));
+  EXPECT_NEAR(c.seconds, 6 * 2e-6 + 1.5 * (1 << 20) / 1e10, 1e-12);
+  // Half the efficiency: twice the bandwidth term, same latency.
+  const CollectiveCost half = CostOfCollective(Collective::kAllReduce, 1 << 20, 4, link, 0.5);
+  EXPECT_NEAR(half.seconds, 6 * 2e-6 + 2 * 1.5 * (1 << 20) / 1e10, 1e-12);
+  // Below 32 KiB the tree: 2 log2 W messages.
+  c = CostOfCollective(Collective::kAllReduce, 1024, 4, link, 1.0);
+  EXPECT_EQ(c.algorithm, "tree");
+  EXPECT_EQ(c.messages, 4);
+  // All-gather of a 4 MiB buffer over 4 (linear): W-1 messages of N / W.
+  c = CostOfCollective(Collective::kAllGather, 4 << 20, 4, link, 1.0);
+  EXPECT_EQ(c.algorithm, "linear");
+  EXPECT_EQ(c.messages, 3);
+  EXPECT_DOUBLE_EQ(c.bytes_sent, 3 << 20);
+  c = CostOfCollective(Collective::kReduceScatter, 4 << 20, 4, link, 1.0);
+  EXPECT_EQ(c.algorithm, "ring");
+  EXPECT_DOUBLE_EQ(c.bytes_sent, 3 << 20);
+  // All-to-all: blocks of 16 MiB go pairwise, small ones linear; over 2 nodes x 4 with 1 KiB
+  // blocks the hierarchical one: (L-1) + (M-1) = 4 messages, B M (L-1) + B L (M-1) bytes.
+  EXPECT_EQ(CostOfCollective(Collective::kAllToAll, 64 << 20, 4, link, 1.0).algorithm, "pairwise");
+  EXPECT_EQ(CostOfCollective(Collective::kAllToAll, 64 << 10, 4, link, 1.0).algorithm, "linear");
+  c = CostOfCollective(Collective::kAllToAll, 8 << 10, 8, link, 1.0, 2);
+  EXPECT_EQ(c.algorithm, "hierarchical");
+  EXPECT_EQ(c.messages, 4);
+  EXPECT_DOUBLE_EQ(c.bytes_sent, 1024.0 * 2 * 3 + 1024.0 * 4 * 1);
+  c = CostOfCollective(Collective::kSendRecv, 1e6, 2, link, 1.0);
+  EXPECT_EQ(c.messages, 1);
+  EXPECT_NEAR(c.seconds, 2e-6 + 1e6 / 1e10, 1e-12);
+  EXPECT_EQ(CostOfCollective(Collective::kAllReduce, 1 << 20, 1, link, 1.0).seconds, 0);
+}
+
+TEST(GemmSecondsTest, RateByRows) {
+  Cluster c = TestCluster();
+  EXPECT_DOUBLE_EQ(GemmSeconds(c, 1e11, 10), 1.0);  // 0.1 TFLOP/s at every shape
+  c.gemm_half_rows = 64;
+  EXPECT_DOUBLE_EQ(GemmSeconds(c, 1e11, 64), 2.0);  // half the rate at half_rows rows
+  EXPECT_NEAR(GemmSeconds(c, 1e11, 64e6), 1.0, 1e-5);
+}
+
+// ---- the step model ----
+
+train::TrainConfig DenseModel() {
+  train::TrainConfig c;
+  c.model.vocab_size = 256;
+  c.model.seq_len = 16;
+  c.model.model_dim = 32;
+  c.model.num_layers = 2;
+  c.model.num_heads = 2;
+  c.model.hidden_dim = 64;
+  c.model.moe_every = 0;
+  c.batch_size = 4;
+  c.ranks = 1;
+  return c;
+}
+
+TEST(StepModelTest, OneRankComputeByHand) {
+  const train::TrainConfig c = DenseModel();
+  const Cluster cluster = TestCluster();
+  const StepPrediction p = PredictStep(c, cluster);
+  const double d = 32, h = 64, v = 256, s = 16, layers = 2, tokens = 4 * 16, rate = 0.1e12;
+  // Forward GEMMs per token: q, k, v, o (8 d^2), the MLP (4 d h), the head (2 d V); backward 2x.
+  const double gemm = 3 * tokens * (layers * (8 * d * d + 4 * d * h) + 2 * d * v) / rate;
+  EXPECT_NEAR(p.gemm_s, gemm, 1e-12);
+  // The attention products: 4 s d per token and layer forward.
+  EXPECT_NEAR(p.attention_s, 3 * tokens * layers * 4 * s * d / rate, 1e-12);
+  EXPECT_GT(p.elementwise_s, 0);
+  EXPECT_GT(p.optimizer_s, 0);
+  EXPECT_EQ(p.exposed_comm_s(), 0);
+  EXPECT_EQ(p.bubble_s, 0);
+  EXPECT_NEAR(p.step_s, p.compute_s(), 1e-15);
+  // Memory is train's own estimate.
+  EXPECT_EQ(p.memory.total(), train::EstimateRankMemory(c).total());
+  // Full recompute runs the blocks' forward again: GEMMs grow by their forward share.
+  train::TrainConfig full = c;
+  full.model.recompute = train::Recompute::kFull;
+  const StepPrediction pf = PredictStep(full, cluster);
+  EXPECT_NEAR(pf.gemm_s - p.gemm_s,
+              tokens * layers * (8 * d * d + 4 * d * h) / rate + tokens * layers * 4 * s * d / rate,
+              1e-12);
+}
+
+TEST(StepModelTest, GradientAllReduceOverDataParallelRanks) {
+  train::TrainConfig c = DenseModel();
+  c.ranks = 2;
+  const Cluster cluster = TestCluster();
+  c.overlap_grad_reduce = false;
+  const StepPrediction p = PredictStep(c, cluster);
+  const double d = 32, h = 64, v = 256, s = 16, layers = 2;
+  const double params = layers * (4 * d * d + 8 * d) + layers * 2 * d * h + v * d + s * d;
+  const CollectiveCost ar =
+      CostOfCollective(Collective::kAllReduce, params * 4, 2, cluster.intra_node, 1.0);
+  EXPECT_NEAR(p.dp_comm_s, ar.seconds, 1e-12);
+  EXPECT_NEAR(p.dp_exposed_s, ar.seconds, 1e-12);
+  c.overlap_grad_reduce = true;  // buckets reduced during the backward hide part of it
+  const StepPrediction q = PredictStep(c, cluster);
+  EXPECT_NEAR(q.dp_comm_s, ar.seconds, 1e-12);
+  EXPECT_LT(q.dp_exposed_s, ar.seconds);
+  // ZeRO 1: reduce-scatter and all-gather instead of the all-reduce.
+  c.zero_stage = 1;
+  c.overlap_grad_reduce = false;
+  const StepPrediction z = PredictStep(c, cluster);
+  EXPECT_NEAR(
+      z.dp_comm_s,
+      CostOfCollective(Collective::kReduceScatter, params * 4, 2, cluster.intra_node, 1).seconds +
+          CostOfCollective(Collective::kAllGather, params * 4, 2, cluster.intra_node, 1).seconds,
+      1e-12);
+}
+
+TEST(StepModelTest, OneFOneBBubbleIsStagesMinusOneMicrobatches) {
+  train::TrainConfig c = DenseModel();
+  c.ranks = 2;
+  c.pp = 2;
+  c.microbatches = 4;
+  Cluster cluster = TestCluster();
+  const StepPrediction p = PredictStep(c, cluster);
+  // 1F1B: makespan (m + p - 1)(F + B), so the bubble is (p - 1) / m of the stage's compute.
+  const double work = p.gemm_s + p.attention_s + p.elementwise_s;
+  EXPECT_NEAR(p.bubble_s, (2 - 1) / 4.0 * work, 1e-9 * work);
+  EXPECT_GT(p.pp_comm_s, 0);
+}
+
+TEST(StepModelTest, MoreRanksThanDevicesIsAnError) {
+  train::TrainConfig c = DenseModel();
+  c.ranks = 8;
+  EXPECT_THROW(PredictStep(c, TestCluster()), InvalidArgument);
+}
+
+// ---- the search ----
+
+train::ResolvedTrainConfig MoeBase() {
+  train::ResolvedTrainConfig r;
+  r.config = DenseModel();
+  r.config.model.moe_every = 2;
+  r.config.num_experts = 4;
+  r.config.model.num_layers = 4;
+  r.config.batch_size = 8;
+  return r;
+}
+
+// Every valid layout of MoeBase on 4 ranks (computed once for the tests below).
+const PlanResult& AllLayouts() {
+  static const PlanResult all =
+      PlanLayouts(MoeBase(), TestCluster(), {.ranks = 4, .top = 100000, .run = {}});
+  return all;
+}
+
+TEST(SearchTest, EveryLayoutItEmitsTrainAccepts) {
+  const train::ResolvedTrainConfig base = MoeBase();
+  const SearchOptions options{.ranks = 4, .top = 100000, .run = {}};
+  const PlanResult& r = AllLayouts();
+  ASSERT_GT(r.layouts.size(), 50u);
+  EXPECT_GT(r.rejected, 0);  // some candidates are refused (microbatches 16 of 8 rows, ...)
+  EXPECT_EQ(static_cast<int64_t>(r.layouts.size()) + r.rejected + r.over_memory, r.enumerated);
+  for (const Layout& l : r.layouts) {
+    EXPECT_NO_THROW(CheckLayout(ApplyLayout(base, l.flags), options.run)) << FlagsText(l.flags);
+    EXPECT_LE(static_cast<double>(l.prediction.memory.total()), r.memory_limit_bytes);
+  }
+  for (size_t i = 1; i < r.layouts.size(); ++i) {
+    EXPECT_LE(r.layouts[i - 1].prediction.step_s, r.layouts[i].prediction.step_s);
+  }
+}
+
+TEST(SearchTest, TrainRefusesWhatThePlannerLeavesOut) {
+  const train::ResolvedTrainConfig base = MoeBase();
+  const LayoutFlags refused[] = {
+      {{"ranks", "4"}, {"tp", "3"}},  // tp does not divide ranks
+      {{"ranks", "4"}, {"ep", "3"}},  // nor ep
+      {{"ranks", "4"}, {"tp", "4"}, {"ep", "4"}, {"microbatches", "16"}},  // batch 8
+      {{"ranks", "4"}, {"pp", "2"}, {"microbatches", "1"}},                // stages in turn
+      {{"ranks", "4"}, {"cp", "2"}, {"recompute", "selective"}},           // cp recomputes already
+      {{"ranks", "4"}, {"overlap_degree", "2"}, {"ep", "1"}},              // nothing exchanged
+  };
+  const PlanResult& r = AllLayouts();
+  for (const LayoutFlags& flags : refused) {
+    EXPECT_THROW(CheckLayout(ApplyLayout(base, flags), {}), InvalidArgument) << FlagsText(flags);
+    for (const Layout& l : r.layouts) EXPECT_NE(l.flags, flags);
+  }
+}
+
+TEST(SearchTest, RankingIsStable) {
+  const train::ResolvedTrainConfig base = MoeBase();
+  const PlanResult a = PlanLayouts(base, TestCluster(), {.ranks = 4, .top = 20, .run = {}});
+  const PlanResult b = PlanLayouts(base, TestCluster(), {.ranks = 4, .top = 20, .run = {}});
+  ASSERT_EQ(a.layouts.size(), 20u);
+  ASSERT_EQ(a.layouts.size(), b.layouts.size());
+  for (size_t i = 0; i < a.layouts.size(); ++i) EXPECT_EQ(a.layouts[i].flags, b.layouts[i].flags);
+  EXPECT_FALSE(WhyFirstWins(a.layouts[0], a.layouts[1]).empty());
+}
+
+TEST(SearchTest, MemoryLimitAndTooManyRanks) {
+  const train::ResolvedTrainConfig base = MoeBase();
+  const PlanResult& all = AllLayouts();
+  double least = 1e300, most = 0;
+  for (const Layout& l : all.layouts) {
+    least = std::min(least, static_cast<double>(l.prediction.memory.total()));
+    most = std::max(most, static_cast<double>(l.prediction.memory.total()));
+  }
+  ASSERT_LT(least, most);
+  const double limit = (least + most) / 2;
+  const PlanResult some = PlanLayouts(
+      base, TestCluster(), {.ranks = 4, .top = 100000, .memory_limit_bytes = limit, .run = {}});
+  EXPECT_GT(some.over_memory, 0);
+  EXPECT_LT(some.layouts.size(), all.layouts.size());
+  for (const Layout& l : some.layouts) {
+    EXPECT_LE(static_cast<double>(l.prediction.memory.total()), limit);
+  }
+  const PlanResult none = PlanLayouts(
+      base, TestCluster(), {.ranks = 4, .top = 10, .memory_limit_bytes = least / 2, .run = {}});
+  EXPECT_TRUE(none.layouts.empty());
+  ASSERT_EQ(none.smallest_over_limit.size(), 1u);
+  EXPECT_DOUBLE_EQ(static_cast<double>(none.smallest_over_limit[0].prediction.memory.total()),
+                   least);
+  EXPECT_THROW(PlanLayouts(base, TestCluster(), {.ranks = 8, .run = {}}), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace switchyard::plan
