@@ -14,6 +14,7 @@
 #include "switchyard/train/layers.h"
 #include "switchyard/train/tensor_parallel.h"
 #include "testing/random.h"
+#include "train/grad_check.h"
 
 namespace switchyard::train {
 namespace {
