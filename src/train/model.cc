@@ -612,8 +612,8 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
   if (has_targets) {
     Tensor* dlogits = options.save_for_backward ? &state->dlogits : nullptr;
     const CrossEntropyResult ce =
-        VocabParallelCrossEntropy(*tp_.group, logits, targets.Reshape({n}), c.vocab_size, dlogits,
-                                  1.0f, options.threads, &tp_stats_);
+        VocabParallelLoss(*tp_.group, logits, targets.Reshape({n}), c.vocab_size, dlogits, 1.0f,
+                          options.threads, &tp_stats_);
     out.ce_loss = ce.loss;
     out.count = ce.count;
   }

@@ -684,8 +684,6 @@ CrossEntropyResult VocabParallelCrossEntropy(comm::Communicator& group, const Te
                                              Tensor* dlogits, float scale, int threads,
                                              CommStats* stats) {
   const int64_t lv = Split("vocab-parallel cross-entropy", "vocab_size", vocab_size, group);
-  // One rank holds the whole vocabulary: the plain loss (the same bits).
-  if (group.size() == 1) return SoftmaxCrossEntropy(logits, targets, dlogits, scale, threads);
   const int64_t n = Rows("vocab-parallel cross-entropy logits", logits, lv);
   ExpectShape("vocab-parallel cross-entropy targets", targets, {n});
   ExpectDType("vocab-parallel cross-entropy targets", targets, DType::kInt32);
@@ -750,6 +748,17 @@ CrossEntropyResult VocabParallelCrossEntropy(comm::Communicator& group, const Te
     }
   });
   return r;
+}
+
+CrossEntropyResult VocabParallelLoss(comm::Communicator& group, const Tensor& logits,
+                                     const Tensor& targets, int64_t vocab_size, Tensor* dlogits,
+                                     float scale, int threads, CommStats* stats) {
+  if (group.size() > 1) {
+    return VocabParallelCrossEntropy(group, logits, targets, vocab_size, dlogits, scale, threads,
+                                     stats);
+  }
+  ExpectShape("cross-entropy logits", logits, {kAnySize, vocab_size});
+  return SoftmaxCrossEntropy(logits, targets, dlogits, scale, threads);  // one rank: every column
 }
 
 // ---- Attention and MLP ----

@@ -135,7 +135,7 @@ TEST(TensorParallelOneRank, VocabParallelLossIsTheSoftmaxCrossEntropy) {
     for (const int threads : {1, 3}) {
       Tensor d, ref_d;
       const CrossEntropyResult got =
-          VocabParallelCrossEntropy(group, logits, targets, vocab, &d, 0.5f, threads);
+          VocabParallelLoss(group, logits, targets, vocab, &d, 0.5f, threads);
       const CrossEntropyResult want = SoftmaxCrossEntropy(logits, targets, &ref_d, 0.5f, threads);
       EXPECT_EQ(got.loss, want.loss) << threads << " threads";  // the same double, exactly
       EXPECT_EQ(got.count, want.count);

@@ -22,7 +22,8 @@
 //   one, the vocabulary) are checked at construction: InvalidArgument naming the layer.
 // - With a one-rank group every layer here is the single-rank layer of train/layers.h bit for bit
 //   (same arithmetic, float32 and bfloat16): the pairs return their argument, a parameter is the
-//   whole tensor (Parameter::tp_shard stays kReplicated) and the loss is SoftmaxCrossEntropy.
+//   whole tensor (Parameter::tp_shard stays kReplicated) and VocabParallelLoss is
+//   SoftmaxCrossEntropy.
 //   train/model.h builds its model only from these layers, over a one-rank group at tp 1.
 // - Mixed precision (Precision::kBFloat16, mixed_precision.h) as the single-rank layers: the
 //   GEMMs take bfloat16 operands and accumulate in float32; the communicated tensors stay
@@ -248,11 +249,18 @@ class VocabParallelEmbedding {
 // an all-reduce (max) of the row maxima and one all-reduce (sum) of the sums of exponentials and
 // the target logits. The result is equal on every rank. With `dlogits` non-null it is set to this
 // rank's columns of scale * d(loss)/d(logits) ([num_tokens, V / P]; no communication).
-// With one rank it is SoftmaxCrossEntropy (the kernels' log-sum-exp and softmax: the same bits).
 CrossEntropyResult VocabParallelCrossEntropy(comm::Communicator& group, const Tensor& logits,
                                              const Tensor& targets, int64_t vocab_size,
                                              Tensor* dlogits, float scale = 1.0f, int threads = 1,
                                              parallel::CommStats* stats = nullptr);
+// The loss of the vocab-parallel output head (the model's): VocabParallelCrossEntropy over P > 1
+// ranks, and over one rank SoftmaxCrossEntropy itself (its kernels compute the log-sum-exp and the
+// softmax in another order than the per-token scalars above: this keeps the plain loss's bits).
+// Arguments and result as VocabParallelCrossEntropy.
+CrossEntropyResult VocabParallelLoss(comm::Communicator& group, const Tensor& logits,
+                                     const Tensor& targets, int64_t vocab_size, Tensor* dlogits,
+                                     float scale = 1.0f, int threads = 1,
+                                     parallel::CommStats* stats = nullptr);
 
 // Causal self-attention with its heads split over the group (Megatron-LM): QKV column-parallel
 // with fused_parts 3 (rank r holds q | k | v of heads [r * H / P, (r + 1) * H / P)), the attention
