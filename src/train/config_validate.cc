@@ -174,10 +174,13 @@ void ValidateTrainConfig(const TrainConfig& c) {
                "ranks: 'num_heads' {} does not divide by 'tp' {} x 'cp' {} = {}",
                c.model.num_heads, c.tp, c.cp, c.tp * c.cp);
   }
-  SY_REQUIRE(c.model.precision == Precision::kFloat32 || (c.tp == 1 && c.cp == 1), InvalidArgument,
-             "config: 'precision' bf16 is not supported with 'tp' {} / 'cp' {} yet (tensor- and "
-             "context-parallel layers compute in float32): use 'precision' fp32",
-             c.tp, c.cp);
+  SY_REQUIRE(c.model.precision == Precision::kFloat32 || c.cp == 1, InvalidArgument,
+             "config: 'precision' bf16 is not supported with 'cp' {} yet (the context-parallel "
+             "attention core computes in float32): use 'precision' fp32",
+             c.cp);
+  SY_REQUIRE(c.model.precision == Precision::kFloat32 || !c.tp_comm_overlap, InvalidArgument,
+             "config: 'precision' bf16 with 'tp_comm_overlap': the overlap rings run float32 "
+             "GEMMs only; use 'precision' fp32 or 'tp_comm_overlap' false");
   SY_REQUIRE(c.model.recompute != Recompute::kSelective || c.cp == 1, InvalidArgument,
              "config: 'recompute' selective with 'cp' {}: the context-parallel attention core "
              "already recomputes its probabilities in backward; use 'recompute' none or full",

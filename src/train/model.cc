@@ -5,6 +5,7 @@
 #include <optional>
 #include <utility>
 
+#include "switchyard/comm/inprocess.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/train/weight_grad.h"
 #include "train/parallel_for.h"
@@ -75,24 +76,20 @@ bool IsMoeBlock(const ModelConfig& c, int64_t i) {
 
 Block::Block(ParameterSet& params, const std::string& prefix, const ModelConfig& c,
              const std::function<std::unique_ptr<FeedForward>()>& make_ffn, uint64_t seed,
-             const TensorParallelContext* tp, parallel::CommStats* tp_stats,
+             const TensorParallelContext& tp, parallel::CommStats* tp_stats,
              const ContextParallelContext* cp)
     : recompute_(c.recompute),
       precision_(c.precision),
       norm1_(params, prefix + "norm1.", c.model_dim, c.norm),
       cp_(cp != nullptr && (cp->group != nullptr || cp->flash) ? cp : nullptr),
-      stats_(tp_stats),
-      num_heads_(c.num_heads) {
+      stats_(tp_stats) {
+  SY_CHECK(tp.group != nullptr, "{}: a block needs its tensor-parallel group (one rank at tp 1)",
+           prefix);
   // Registered in module order: norm1, attn, norm2, then the FFN.
   const float proj_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
-  if (tp != nullptr && tp->group != nullptr && tp->group->size() > 1) {
-    tp_attn_ = std::make_unique<TensorParallelAttention>(params, prefix + "attn.", c.model_dim,
-                                                         c.num_heads, c.init_std, proj_std, seed,
-                                                         *tp->group, tp->options, tp_stats);
-  } else {
-    attn_ = std::make_unique<CausalSelfAttention>(params, prefix + "attn.", c.model_dim,
-                                                  c.num_heads, c.init_std, proj_std, seed);
-  }
+  attn_ = std::make_unique<TensorParallelAttention>(params, prefix + "attn.", c.model_dim,
+                                                    c.num_heads, c.init_std, proj_std, seed,
+                                                    *tp.group, tp.options, tp_stats);
   norm2_ = std::make_unique<Norm>(params, prefix + "norm2.", c.model_dim, c.norm);
   ffn_ = make_ffn();
   SY_CHECK(ffn_ != nullptr, "{}: no FFN", prefix);
@@ -114,7 +111,7 @@ ContextParallelAttention Block::Core(int64_t rows, int64_t batch_size) const {
   // rows: this rank's tokens of batch_size sequences (all of them on one rank).
   const int p = cp_->group != nullptr ? cp_->group->size() : 1;
   const int64_t seq = rows / batch_size * p;
-  const int64_t heads = tp_attn_ ? tp_attn_->local_heads() : num_heads_;
+  const int64_t heads = attn_->local_heads();
   ContextParallelOptions options = cp_->options;
   // One rank holds the sequence in order under either split; the plain one takes any length.
   if (p == 1 && seq % SequenceSplit::Multiple(options.split, 1) != 0) {
@@ -134,21 +131,18 @@ Tensor Block::ForwardAll(const Tensor& x, int64_t batch_size, const FeedForwardC
   AttentionCache* ac = save ? &cache->attn : nullptr;
   Tensor h;
   if (cp_ != nullptr) {
-    // The projections on this rank's tokens (tensor parallel: its heads, the tokens gathered
-    // over the tp group with sequence parallelism), the core across the context-parallel group.
+    // The projections on this rank's tokens (its heads, the tokens gathered over the tp group
+    // with sequence parallelism), the core across the context-parallel group.
     ColumnParallelCache qc;
-    const Tensor qkv = tp_attn_ ? tp_attn_->qkv().Forward(n1, &qc, threads, tp_attn_->stats())
-                                : attn_->qkv().Forward(n1, threads);
+    const Tensor qkv = attn_->qkv().Forward(n1, &qc, threads, attn_->stats());
     const ContextParallelAttention core = Core(qkv.size(0), batch_size);
     ContextParallelCache scratch;  // the core fills one even when nothing is kept
     Tensor att = core.Forward(qkv, batch_size, save ? &cache->cp_attn : &scratch, threads, stats_);
-    h = tp_attn_ ? tp_attn_->proj().Forward(att, nullptr, threads, tp_attn_->stats())
-                 : attn_->proj().Forward(att, threads);
+    h = attn_->proj().Forward(att, nullptr, threads, attn_->stats());
     // The core keeps what it needs of qkv itself.
-    if (save) *ac = AttentionCache{tp_attn_ ? qc.x : n1, Tensor(), Tensor(), att, batch_size};
+    if (save) *ac = AttentionCache{qc.x, Tensor(), Tensor(), att, batch_size};
   } else {
-    h = attn_ ? attn_->Forward(n1, batch_size, threads, ac, precision_)
-              : tp_attn_->Forward(n1, batch_size, threads, ac);
+    h = attn_->Forward(n1, batch_size, threads, ac, precision_);
   }
   AddInPlace(h, x, threads);  // h = x + attn(norm1(x))
   Tensor n2 = norm2_->Forward(h, save ? &cache->norm2 : nullptr, threads);
@@ -169,19 +163,13 @@ Tensor Block::BackwardAll(const BlockCache& cache, const Tensor& dy, float loss_
   if (cp_ != nullptr) {
     const AttentionCache& a = cache.attn;
     const ContextParallelAttention core = Core(a.att.size(0), a.batch_size);
-    if (tp_attn_) {
-      parallel::CommStats* tp_stats = tp_attn_->stats();
-      const Tensor datt = tp_attn_->proj().Backward(RowParallelCache{a.att}, dh, threads, tp_stats);
-      da = tp_attn_->qkv().Backward(ColumnParallelCache{a.x},
-                                    core.Backward(cache.cp_attn, datt, threads, stats_), threads,
-                                    tp_stats);
-    } else {
-      const Tensor datt = attn_->proj().Backward(a.att, dh, threads);
-      da = attn_->qkv().Backward(a.x, core.Backward(cache.cp_attn, datt, threads, stats_), threads);
-    }
+    parallel::CommStats* tp_stats = attn_->stats();
+    const Tensor datt = attn_->proj().Backward(RowParallelCache{a.att}, dh, threads, tp_stats);
+    da = attn_->qkv().Backward(ColumnParallelCache{a.x},
+                               core.Backward(cache.cp_attn, datt, threads, stats_), threads,
+                               tp_stats);
   } else {
-    da = attn_ ? attn_->Backward(cache.attn, dh, threads)
-               : tp_attn_->Backward(cache.attn, dh, threads);
+    da = attn_->Backward(cache.attn, dh, threads);
   }
   Tensor dx = norm1_.Backward(cache.norm1, da, threads);
   AddInPlace(dx, dh, threads);
@@ -220,8 +208,7 @@ Tensor Block::Forward(const Tensor& x, int64_t batch_size, const FeedForwardCont
 }
 
 void Block::RecomputeAttentionCore(AttentionCache& a, int threads) const {
-  const int64_t heads = attn_ ? num_heads_ : tp_attn_->local_heads();
-  Tensor att = CausalAttentionForward(a.qkv, a.batch_size, heads, threads, &a.probs);
+  Tensor att = CausalAttentionForward(a.qkv, a.batch_size, attn_->local_heads(), threads, &a.probs);
   a.att = a.qkv.dtype() == DType::kBFloat16 ? ToBFloat16(att, threads) : att;
 }
 
@@ -305,6 +292,14 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
     : config_(std::move(config)), tp_(tp), cp_(cp) {
   const ModelConfig& c = config_;
   ValidateModelConfig(c);
+  if (tp_.group == nullptr) {
+    // tp 1: the same layers over a one-rank group (their pairs return their arguments).
+    comm::InProcessOptions one_rank;
+    one_rank.name = "tp (one rank)";
+    own_tp_group_ = std::move(comm::CreateInProcessWorld(1, one_rank).front());
+    tp_.group = own_tp_group_.get();
+  }
+  if (tp_.group->size() == 1) tp_.options = {};  // nothing to shard or overlap
   if (context_parallel()) {
     core_ = cp_;
     SY_REQUIRE(cp_.options.algorithm != CpAlgorithm::kUlysses ||
@@ -318,11 +313,14 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
     core_ = ContextParallelContext{
         nullptr, {CpAlgorithm::kRing, SequenceSplitKind::kZigzag, /*causal=*/true}, true};
   }
-  SY_REQUIRE(c.precision == Precision::kFloat32 || (!tensor_parallel() && !context_parallel()),
-             InvalidArgument,
-             "'precision' bf16 is not supported with tensor or context parallelism yet (tp {}, "
-             "cp {}): use 'precision' fp32 there",
-             tp_size(), context_parallel() ? cp_.group->size() : 1);
+  SY_REQUIRE(c.precision == Precision::kFloat32 || !context_parallel(), InvalidArgument,
+             "'precision' bf16 is not supported with context parallelism yet (cp {}): use "
+             "'precision' fp32 there",
+             cp_size());
+  SY_REQUIRE(c.precision == Precision::kFloat32 || !tp_.options.comm_overlap, InvalidArgument,
+             "'precision' bf16 with tp_comm_overlap (tp {}): the overlap rings run float32 "
+             "GEMMs only; use 'precision' fp32 or turn tp_comm_overlap off",
+             tp_size());
   SY_REQUIRE(c.recompute != Recompute::kSelective || !context_parallel(), InvalidArgument,
              "'recompute' selective with context parallelism (cp {}): the context-parallel "
              "attention core already recomputes its probabilities in backward; use 'recompute' "
@@ -334,15 +332,9 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
     has_embedding |= chunk_has_embedding(i);
     has_head |= chunk_has_head(i);
   }
-  const bool split = tensor_parallel();
   if (has_embedding) {
-    if (split) {
-      vp_embed_ = std::make_unique<VocabParallelEmbedding>(
-          params_, "embed.", c.vocab_size, c.model_dim, c.init_std, seed, *tp_.group, tp_.options);
-    } else {
-      embed_ = std::make_unique<Embedding>(params_, "embed.", c.vocab_size, c.model_dim, c.init_std,
-                                           seed);
-    }
+    embed_ = std::make_unique<VocabParallelEmbedding>(params_, "embed.", c.vocab_size, c.model_dim,
+                                                      c.init_std, seed, *tp_.group, tp_.options);
     pos_embed_ = std::make_unique<Embedding>(params_, "pos_embed.", c.seq_len, c.model_dim,
                                              c.init_std * 0.5f, seed);
   }
@@ -357,14 +349,9 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
     std::string prefix = fmt::format("blocks.{}.", i);
     auto make_ffn = [&]() -> std::unique_ptr<FeedForward> {
       if (!IsMoeBlock(c, i)) {
-        if (split) {
-          return std::make_unique<TensorParallelFeedForward>(
-              params_, prefix + "mlp.", c.model_dim, c.hidden_dim, c.activation, c.init_std,
-              out_std, seed, *tp_.group, tp_.options, &tp_stats_);
-        }
-        return std::make_unique<DenseFeedForward>(params_, prefix + "mlp.", c.model_dim,
-                                                  c.hidden_dim, c.activation, c.init_std, out_std,
-                                                  seed);
+        return std::make_unique<TensorParallelFeedForward>(
+            params_, prefix + "mlp.", c.model_dim, c.hidden_dim, c.activation, c.init_std, out_std,
+            seed, *tp_.group, tp_.options, &tp_stats_);
       }
       SY_REQUIRE(moe_factory != nullptr, InvalidArgument,
                  "block {} is an MoE block (moe_every {}) but no MoE FFN factory was given", i,
@@ -373,26 +360,27 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
       SY_CHECK(ffn != nullptr && ffn->is_moe(), "MoE factory returned no MoE FFN for block {}", i);
       return ffn;
     };
-    blocks_[static_cast<size_t>(i)] = std::make_unique<Block>(
-        params_, prefix, c, make_ffn, seed, split ? &tp_ : nullptr, &tp_stats_,
-        core_.group != nullptr || core_.flash ? &core_ : nullptr);
+    blocks_[static_cast<size_t>(i)] =
+        std::make_unique<Block>(params_, prefix, c, make_ffn, seed, tp_, &tp_stats_,
+                                core_.group != nullptr || core_.flash ? &core_ : nullptr);
   }
   if (!has_head) return;
   final_norm_ = std::make_unique<Norm>(params_, "final_norm.", c.model_dim, c.norm);
   const TpShard rows{TpShard::Dim::kRows};
-  // The head's weight, drawn as the single-rank tensor and cut to this rank's vocabulary rows.
+  // The head's weight, drawn as the single-rank tensor and cut to this rank's vocabulary rows
+  // (one rank: the whole tensor, not marked as a shard).
   auto add_head = [&](const std::string& name, float std) -> Parameter& {
     Tensor w = Tensor::Empty({c.vocab_size, c.model_dim});
     InitNormal(w, std, seed, name);
-    if (split) w = ShardOf(name, w, rows, tp_.group->rank(), tp_.group->size());
+    w = ShardOf(name, w, rows, tp_.group->rank(), tp_.group->size());
     Parameter& p = params_.Add(name, w, {.weight_decay = true});
-    if (split) p.tp_shard = rows;
+    p.tp_shard = tp_size() > 1 ? rows : TpShard{};
     return p;
   };
   if (!c.tied_head) {
     head_ = &add_head("head.weight", c.init_std);
   } else if (has_embedding) {
-    head_ = split ? &vp_embed_->weight() : &embed_->weight();
+    head_ = &embed_->weight();
   } else {
     head_ = &add_head("embed.weight", c.init_std);  // the embedding's initial value (Embedding)
     head_->tied_copy = true;
@@ -466,7 +454,7 @@ int64_t TransformerLm::ActivationRows(const Tensor& tokens) const {
     const int64_t multiple = SequenceSplit::Multiple(cp_.options.split, cp_size());
     seq = (seq + multiple - 1) / multiple * multiple / cp_size();
   }
-  if (!tensor_parallel() || !tp_.options.sequence_parallel) return batch * seq;
+  if (!tp_.options.sequence_parallel) return batch * seq;
   while ((batch * seq) % p != 0) ++batch;
   return batch * seq / p;
 }
@@ -493,8 +481,7 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
   }
   SY_REQUIRE(!options.save_for_backward || !last || has_targets, InvalidArgument,
              "Forward: save_for_backward needs targets");
-  const bool split = tensor_parallel();
-  const bool sp = split && tp_.options.sequence_parallel;
+  const bool sp = tp_.options.sequence_parallel;  // false at tp 1
   const int64_t p = tp_size();
   Tensor tokens = tokens_in, targets = targets_in;
   int64_t batch = real_batch;
@@ -569,7 +556,7 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
           cp_split ? cp_split->Position((row_begin + i) % local_seq) : (row_begin + i) % seq;
       state->positions.data<int32_t>()[i] = static_cast<int32_t>(position);
     }
-    x = split ? vp_embed_->Forward(state->tokens, &tp_stats_) : embed_->Forward(state->tokens);
+    x = embed_->Forward(state->tokens, &tp_stats_);
     AddInPlace(x, pos_embed_->Forward(state->positions), options.threads);
   } else {
     ExpectShape("chunk input activation", x_in, {rows, c.model_dim});
@@ -619,20 +606,20 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
   }
   Tensor h = final_norm_->Forward(x, options.save_for_backward ? &state->final_norm : nullptr,
                                   options.threads);
-  if (sp) h = GatherSequence(*tp_.group, h, &tp_stats_);
+  // The head is column-parallel over the vocabulary: h enters the tensor-parallel region.
+  h = EnterTensorParallel(*tp_.group, tp_.options, h, &tp_stats_);
   Tensor logits = Logits(h, options.threads);  // this rank's vocabulary columns
   if (has_targets) {
     Tensor* dlogits = options.save_for_backward ? &state->dlogits : nullptr;
-    CrossEntropyResult ce =
-        split ? VocabParallelCrossEntropy(*tp_.group, logits, targets.Reshape({n}), c.vocab_size,
-                                          dlogits, 1.0f, options.threads, &tp_stats_)
-              : SoftmaxCrossEntropy(logits, targets.Reshape({n}), dlogits, 1.0f, options.threads);
+    const CrossEntropyResult ce =
+        VocabParallelLoss(*tp_.group, logits, targets.Reshape({n}), c.vocab_size, dlogits, 1.0f,
+                          options.threads, &tp_stats_);
     out.ce_loss = ce.loss;
     out.count = ce.count;
   }
   out.loss = out.ce_loss + ffn_loss;
   if (keep_logits || !has_targets) {
-    if (split) logits = GatherColumns(*tp_.group, logits, &tp_stats_);
+    logits = GatherColumns(*tp_.group, logits, &tp_stats_);
     if (cp_split) {
       // Every rank's positions back into sequence order, then without the padding.
       const int cps = cp_size();
@@ -745,13 +732,7 @@ Tensor TransformerLm::BackwardChunk(const LmOutput& forward, const Tensor& dy, f
                      h.data<float>(), d, 1.0f, head->grad.data<float>(), d, threads);
       });
     }
-    if (tensor_parallel()) {
-      if (tp_.options.sequence_parallel) {
-        dh = ReduceScatterSequence("output head dh", *tp_.group, dh, &tp_stats_);
-      } else {
-        AllReduceTensor(*tp_.group, dh, &tp_stats_);
-      }
-    }
+    dh = EnterTensorParallelBackward(*tp_.group, tp_.options, dh, &tp_stats_);
     dx = final_norm_->Backward(s.final_norm, dh, threads);
   } else {
     SY_REQUIRE(dy.defined(), InvalidArgument,
@@ -766,11 +747,7 @@ Tensor TransformerLm::BackwardChunk(const LmOutput& forward, const Tensor& dy, f
     if (observer_ != nullptr) observer_->AfterBlock(i, /*backward=*/true);
   }
   if (!chunk_has_embedding(s.chunk)) return dx;
-  if (tensor_parallel()) {
-    vp_embed_->Backward(s.tokens, dx, &tp_stats_);
-  } else {
-    embed_->Backward(s.tokens, dx);
-  }
+  embed_->Backward(s.tokens, dx, &tp_stats_);
   pos_embed_->Backward(s.positions, dx);
   return Tensor();
 }

@@ -130,6 +130,20 @@ void CheckOptions(std::string_view layer, const TensorParallelOptions& o) {
              layer);
 }
 
+void CheckPrecision(std::string_view layer, const TensorParallelOptions& o, Precision precision) {
+  SY_REQUIRE(precision == Precision::kFloat32 || !o.comm_overlap, InvalidArgument,
+             "{}: the communication-GEMM overlap rings run float32 GEMMs only; 'precision' bf16 "
+             "needs tp_comm_overlap off",
+             layer);
+}
+
+// Marks the layer's parameters as split over the group; with one rank each is the whole tensor
+// and stays kReplicated (reduced and checkpointed as a plain parameter).
+void MarkShards(const std::vector<TpParameter>& params, const comm::Communicator& g) {
+  if (g.size() == 1) return;
+  for (const TpParameter& p : params) p.param->tp_shard = p.shard;
+}
+
 // The single-rank initial weight [rows, cols] for (seed, name).
 Tensor FullInit(int64_t rows, int64_t cols, float init_std, uint64_t seed,
                 const std::string& name) {
@@ -226,9 +240,22 @@ void AllReduceTensor(comm::Communicator& group, const Tensor& t, CommStats* stat
   AllReduceInPlace(group, t, stats);
 }
 
+Tensor EnterTensorParallel(comm::Communicator& group, const TensorParallelOptions& options,
+                           const Tensor& x, CommStats* stats) {
+  return options.sequence_parallel ? GatherFromSp::Forward(group, x, stats)
+                                   : CopyToTp::Forward(group, x, stats);
+}
+
+Tensor EnterTensorParallelBackward(comm::Communicator& group, const TensorParallelOptions& options,
+                                   const Tensor& dy, CommStats* stats) {
+  return options.sequence_parallel ? GatherFromSp::Backward(group, dy, stats)
+                                   : CopyToTp::Backward(group, dy, stats);
+}
+
 Tensor GatherColumns(comm::Communicator& group, const Tensor& local, CommStats* stats) {
   const int64_t n = Rows("column all-gather", local, kAnySize), c = local.size(1);
   const int64_t p = group.size();
+  if (p == 1) return local;
   Tensor blocks = GatherSequence(group, local, stats);  // [P * n, c], block q = rank q's columns
   Tensor out = Tensor::Empty({n, p * c});
   const float* src = blocks.data<float>();
@@ -397,7 +424,7 @@ ColumnParallelLinear::ColumnParallelLinear(ParameterSet& params, const std::stri
   local_.weight().value.CopyFrom(
       ShardOf(prefix + "weight", FullInit(out_dim, in_dim, init_std, seed, prefix + "weight"),
               {TpShard::Dim::kRows, fused_parts}, group.rank(), group.size()));
-  for (const TpParameter& p : parameters()) p.param->tp_shard = p.shard;
+  MarkShards(parameters(), group);
 }
 
 std::vector<TpParameter> ColumnParallelLinear::parameters() const {
@@ -407,15 +434,17 @@ std::vector<TpParameter> ColumnParallelLinear::parameters() const {
 }
 
 Tensor ColumnParallelLinear::Forward(const Tensor& x, ColumnParallelCache* cache, int threads,
-                                     CommStats* stats) const {
+                                     CommStats* stats, Precision precision) const {
   const int64_t in = in_dim(), lo = local_out_dim();
   const int64_t n = Rows("column-parallel linear x", x, in);
+  CheckPrecision("column-parallel linear", options_, precision);
   Tensor input;
   Tensor y;
   if (!options_.comm_overlap) {
     // f: x enters the tensor-parallel region (with sequence parallelism: gathered over tokens).
-    input = options_.sequence_parallel ? GatherFromSp::Forward(group_, x, stats)
-                                       : CopyToTp::Forward(group_, x, stats);
+    input = EnterTensorParallel(group_, options_, x, stats);
+    // Mixed precision: the GEMM's operand, kept for backward (bfloat16 values either way).
+    if (precision == Precision::kBFloat16) input = ToBFloat16(input, threads);
     y = local_.Forward(input, threads);
   } else {
     const int64_t p = group_.size();
@@ -442,13 +471,13 @@ Tensor ColumnParallelLinear::Forward(const Tensor& x, ColumnParallelCache* cache
 Tensor ColumnParallelLinear::Backward(const ColumnParallelCache& cache, const Tensor& dy,
                                       int threads, CommStats* stats) const {
   const int64_t in = in_dim(), lo = local_out_dim();
-  const int64_t n = Rows("column-parallel linear cache.x", cache.x, in);
+  ExpectShape("column-parallel linear cache.x", cache.x, {kAnySize, in});
+  const int64_t n = cache.x.size(0);
   ExpectShape("column-parallel linear dy", dy, {n, lo});
   ExpectDType("column-parallel linear dy", dy, DType::kFloat32);
   if (!options_.comm_overlap) {
     Tensor dx = local_.Backward(cache.x, dy, threads);  // partial over the output columns
-    return options_.sequence_parallel ? GatherFromSp::Backward(group_, dx, stats)
-                                      : CopyToTp::Backward(group_, dx, stats);
+    return EnterTensorParallelBackward(group_, options_, dx, stats);
   }
   const int64_t p = group_.size(), part = n / p;
   Tensor dx = Tensor::Empty({part, in});
@@ -480,13 +509,14 @@ RowParallelLinear::RowParallelLinear(ParameterSet& params, const std::string& pr
       options_(options),
       in_dim_(in_dim),
       local_(params, prefix, Split(prefix + " row-parallel linear", "in_dim", in_dim, group),
-             out_dim, /*bias=*/false, init_std, seed) {
+             out_dim, /*bias=*/bias && group.size() == 1, init_std, seed) {
   CheckOptions(prefix + " row-parallel linear", options);
   local_.weight().value.CopyFrom(
       ShardOf(prefix + "weight", FullInit(out_dim, in_dim, init_std, seed, prefix + "weight"),
               {TpShard::Dim::kColumns}, group.rank(), group.size()));
-  if (bias) bias_ = &params.Add(prefix + "bias", Tensor::Zeros({out_dim}));
-  for (const TpParameter& p : parameters()) p.param->tp_shard = p.shard;
+  bias_ = local_.bias();
+  if (bias && bias_ == nullptr) bias_ = &params.Add(prefix + "bias", Tensor::Zeros({out_dim}));
+  MarkShards(parameters(), group);
 }
 
 std::vector<TpParameter> RowParallelLinear::parameters() const {
@@ -496,14 +526,17 @@ std::vector<TpParameter> RowParallelLinear::parameters() const {
 }
 
 Tensor RowParallelLinear::Forward(const Tensor& x, RowParallelCache* cache, int threads,
-                                  CommStats* stats) const {
+                                  CommStats* stats, Precision precision) const {
   const int64_t li = local_in_dim(), out = out_dim();
-  const int64_t n = Rows("row-parallel linear x", x, li);
+  ExpectShape("row-parallel linear x", x, {kAnySize, li});
+  const int64_t n = x.size(0);
   if (options_.sequence_parallel) RequireTokensDivide("row-parallel linear x", n, group_);
+  CheckPrecision("row-parallel linear", options_,
+                 x.dtype() == DType::kBFloat16 ? Precision::kBFloat16 : precision);
   Tensor y;
   if (!options_.comm_overlap) {
     // g: the partial sums leave the tensor-parallel region (sequence parallelism: scattered).
-    Tensor partial = local_.Forward(x, threads);
+    Tensor partial = local_.Forward(x, threads, precision);
     y = options_.sequence_parallel ? ReduceScatterToSp::Forward(group_, partial, stats)
                                    : ReduceFromTp::Forward(group_, partial, stats);
   } else {
@@ -519,7 +552,7 @@ Tensor RowParallelLinear::Forward(const Tensor& x, RowParallelCache* cache, int 
         },
         stats);
   }
-  if (bias_ != nullptr) {
+  if (bias_after_reduce() || (options_.comm_overlap && bias_ != nullptr)) {
     const float* b = bias_->value.data<float>();
     float* yp = y.data<float>();
     for (int64_t i = 0; i < y.size(0); ++i) {
@@ -533,12 +566,16 @@ Tensor RowParallelLinear::Forward(const Tensor& x, RowParallelCache* cache, int 
 Tensor RowParallelLinear::Backward(const RowParallelCache& cache, const Tensor& dy, int threads,
                                    CommStats* stats) const {
   const int64_t li = local_in_dim(), out = out_dim();
-  const int64_t n = Rows("row-parallel linear cache.x", cache.x, li);
+  ExpectShape("row-parallel linear cache.x", cache.x, {kAnySize, li});
+  const int64_t n = cache.x.size(0);
   const int64_t p = group_.size();
   const int64_t dy_rows = options_.sequence_parallel ? n / p : n;
   ExpectShape("row-parallel linear dy", dy, {dy_rows, out});
   ExpectDType("row-parallel linear dy", dy, DType::kFloat32);
-  if (bias_ != nullptr) AddColumnSums(dy, *bias_);
+  // With one rank local_ holds the bias and its Backward adds the gradient (as Linear).
+  if (bias_after_reduce() || (options_.comm_overlap && bias_ != nullptr)) {
+    AddColumnSums(dy, *bias_);
+  }
   if (!options_.comm_overlap) {
     const Tensor full = options_.sequence_parallel ? ReduceScatterToSp::Backward(group_, dy, stats)
                                                    : ReduceFromTp::Backward(group_, dy, stats);
@@ -581,7 +618,7 @@ VocabParallelEmbedding::VocabParallelEmbedding(ParameterSet& params, const std::
       ShardOf(prefix + "weight", FullInit(num_embeddings, dim, init_std, seed, prefix + "weight"),
               {TpShard::Dim::kRows}, group.rank(), group.size()),
       {.weight_decay = true});
-  weight_->tp_shard = {TpShard::Dim::kRows};
+  MarkShards(parameters(), group);
 }
 
 std::vector<TpParameter> VocabParallelEmbedding::parameters() const {
@@ -713,6 +750,17 @@ CrossEntropyResult VocabParallelCrossEntropy(comm::Communicator& group, const Te
   return r;
 }
 
+CrossEntropyResult VocabParallelLoss(comm::Communicator& group, const Tensor& logits,
+                                     const Tensor& targets, int64_t vocab_size, Tensor* dlogits,
+                                     float scale, int threads, CommStats* stats) {
+  if (group.size() > 1) {
+    return VocabParallelCrossEntropy(group, logits, targets, vocab_size, dlogits, scale, threads,
+                                     stats);
+  }
+  ExpectShape("cross-entropy logits", logits, {kAnySize, vocab_size});
+  return SoftmaxCrossEntropy(logits, targets, dlogits, scale, threads);  // one rank: every column
+}
+
 // ---- Attention and MLP ----
 
 namespace {
@@ -745,14 +793,19 @@ TensorParallelAttention::TensorParallelAttention(ParameterSet& params, const std
       stats_(stats) {}
 
 Tensor TensorParallelAttention::Forward(const Tensor& x, int64_t batch_size, int threads,
-                                        AttentionCache* cache) const {
+                                        AttentionCache* cache, Precision precision) const {
+  // Mixed precision: every tensor kept for backward is bfloat16 (CausalSelfAttention's roundings).
+  const bool bf16 = precision == Precision::kBFloat16;
   ColumnParallelCache qc;
-  Tensor qkv = qkv_.Forward(x, &qc, threads, stats_);
+  Tensor qkv = qkv_.Forward(x, &qc, threads, stats_, precision);
+  if (bf16) qkv = ToBFloat16(qkv, threads);
   SY_REQUIRE(batch_size > 0 && qkv.size(0) % batch_size == 0, InvalidArgument,
              "tensor-parallel attention: {} tokens are not batch_size {} whole sequences",
              qkv.size(0), batch_size);
   Tensor probs;
-  Tensor att = CausalAttentionForward(qkv, batch_size, local_heads_, threads, &probs);
+  Tensor att = CausalAttentionForward(qkv, batch_size, local_heads_, threads,
+                                      cache != nullptr ? &probs : nullptr);
+  if (bf16) att = ToBFloat16(att, threads);
   Tensor y = proj_.Forward(att, nullptr, threads, stats_);
   if (cache != nullptr) *cache = AttentionCache{qc.x, qkv, probs, att, batch_size};
   return y;
@@ -788,17 +841,20 @@ TensorParallelFeedForward::TensorParallelFeedForward(
 
 FeedForwardOutput TensorParallelFeedForward::Forward(const Tensor& x,
                                                      const FeedForwardContext& context) {
+  // Mixed precision as DenseFeedForward: bfloat16 GEMM operands, kept as bfloat16.
+  const bool bf16 = context.precision == Precision::kBFloat16;
   auto state = std::make_shared<TensorParallelMlpState>();
-  Tensor h = fc1_.Forward(x, &state->fc1, context.threads, stats_);
+  Tensor h = fc1_.Forward(x, &state->fc1, context.threads, stats_, context.precision);
   Tensor a = Tensor::Empty(h.shape());
   ParallelFor(h.numel(), context.threads, [&](int64_t begin, int64_t end) {
     kernels::ActivationForward(activation_, h.data<float>() + begin, a.data<float>() + begin,
                                end - begin);
   });
+  if (bf16) a = ToBFloat16(a, context.threads);
   FeedForwardOutput out;
   out.y = fc2_.Forward(a, &state->fc2, context.threads, stats_);
   if (context.save_for_backward) {
-    state->h = h;
+    state->h = bf16 ? ToBFloat16(h, context.threads) : h;
     out.state = state;
   }
   return out;
@@ -809,11 +865,19 @@ Tensor TensorParallelFeedForward::Backward(const FeedForwardOutput& forward, con
   SY_CHECK(forward.state != nullptr, "TensorParallelFeedForward::Backward needs save_for_backward");
   const auto& s = *static_cast<const TensorParallelMlpState*>(forward.state.get());
   Tensor da = fc2_.Backward(s.fc2, dy, threads, stats_);
+  const Tensor h = ToFloat32(s.h, threads);
   ParallelFor(da.numel(), threads, [&](int64_t begin, int64_t end) {
     float* d = da.data<float>() + begin;
-    kernels::ActivationBackward(activation_, s.h.data<float>() + begin, d, d, end - begin);
+    kernels::ActivationBackward(activation_, h.data<float>() + begin, d, d, end - begin);
   });
   return fc1_.Backward(s.fc1, da, threads, stats_);
+}
+
+void TensorParallelFeedForward::SavedTensors(const FeedForwardOutput& forward,
+                                             std::vector<Tensor>* out) const {
+  if (forward.state == nullptr) return;
+  const auto& s = *static_cast<const TensorParallelMlpState*>(forward.state.get());
+  out->insert(out->end(), {s.fc1.x, s.h, s.fc2.x});
 }
 
 void AllReduceGrads(comm::Communicator& group, std::span<Parameter* const> params,

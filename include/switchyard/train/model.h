@@ -74,14 +74,18 @@ double TrainingFlopsPerToken(const ModelConfig& config, int64_t num_experts = 0,
                              int64_t expert_hidden_dim = 0);
 bool IsMoeBlock(const ModelConfig& config, int64_t block_index);
 
-// The tensor-parallel layout of a model (docs/tensor_parallel.md): with a group of P > 1 ranks the
-// embedding and the output head are vocab-parallel (the loss VocabParallelCrossEntropy), each
-// block's attention TensorParallelAttention and its dense MLP TensorParallelFeedForward; the
-// norms, the position embedding and the residual stream are replicated, or sharded along tokens
-// with options.sequence_parallel. Every rank of the group passes the same tokens and targets.
-// Parameters keep their single-rank names with the shapes of their shards (Parameter::tp_shard).
+// The tensor-parallel layout of a model (docs/tensor_parallel.md). The model is built from the
+// tensor-parallel layers only, whatever P: the embedding and the output head are vocab-parallel
+// (the loss VocabParallelCrossEntropy), each block's attention TensorParallelAttention and its
+// dense MLP TensorParallelFeedForward; the norms, the position embedding and the residual stream
+// are replicated, or sharded along tokens with options.sequence_parallel. Over one rank those
+// layers are the single-rank layers bit for bit. Every rank of the group passes the same tokens
+// and targets. Parameters keep their single-rank names with the shapes of their shards
+// (Parameter::tp_shard, set for P > 1).
 struct TensorParallelContext {
-  comm::Communicator* group = nullptr;  // the tp group; null or one rank: no tensor parallelism
+  // The tp group; null: the model builds its layers over a one-rank group of its own. With one
+  // rank the options are ignored (nothing to shard or overlap).
+  comm::Communicator* group = nullptr;
   TensorParallelOptions options;
 };
 
@@ -117,10 +121,11 @@ struct BlockCache {
 // parameters are registered in module order.
 class Block {
  public:
-  // `tp` (may be null: one rank) splits the attention over its group.
+  // `tp` splits the attention over its group (a group is needed: one rank at tp 1); it must
+  // outlive the block.
   Block(ParameterSet& params, const std::string& prefix, const ModelConfig& config,
         const std::function<std::unique_ptr<FeedForward>()>& make_ffn, uint64_t seed,
-        const TensorParallelContext* tp = nullptr, parallel::CommStats* tp_stats = nullptr,
+        const TensorParallelContext& tp, parallel::CommStats* tp_stats = nullptr,
         const ContextParallelContext* cp = nullptr);
 
   FeedForward& ffn() const { return *ffn_; }
@@ -148,14 +153,12 @@ class Block {
   Recompute recompute_ = Recompute::kNone;
   Precision precision_ = Precision::kFloat32;
   Norm norm1_;
-  std::unique_ptr<CausalSelfAttention> attn_;         // one rank
-  std::unique_ptr<TensorParallelAttention> tp_attn_;  // tensor parallel
-  // The core of context_parallel.h over cp_->group between the projections (attn_'s or
-  // tp_attn_'s); null: the projections' own softmax core.
+  std::unique_ptr<TensorParallelAttention> attn_;
+  // The core of context_parallel.h over cp_->group between attn_'s projections; null: the
+  // projections' own softmax core.
   const ContextParallelContext* cp_ = nullptr;
   parallel::CommStats* stats_ = nullptr;  // the core's bytes (Traffic::kContext)
   ContextParallelAttention Core(int64_t rows, int64_t batch_size) const;
-  int64_t num_heads_ = 0;
   std::unique_ptr<Norm> norm2_;
   std::unique_ptr<FeedForward> ffn_;
 };
@@ -273,7 +276,7 @@ class TransformerLm {
   FeedForwardTimes TakeMoeTimes();
   // Tensor-parallel size (1 without a group) and the bytes the tensor- and context-parallel
   // layers moved since the last call (Traffic::kTensor, Traffic::kContext), then restarts.
-  int tp_size() const { return tp_.group != nullptr ? tp_.group->size() : 1; }
+  int tp_size() const { return tp_.group->size(); }
   int cp_size() const { return context_parallel() ? cp_.group->size() : 1; }
   parallel::CommStats TakeTensorParallelStats();
   // Calls `observer` around every block's forward and backward from now on (null: none). It
@@ -281,13 +284,13 @@ class TransformerLm {
   void SetBlockObserver(BlockObserver* observer) { observer_ = observer; }
 
  private:
-  bool tensor_parallel() const { return tp_size() > 1; }
   bool context_parallel() const { return cp_.group != nullptr && cp_.group->size() > 1; }
   Tensor Logits(const Tensor& h_full, int threads) const;
   const BlockRange& Chunk(int chunk) const;
 
   ModelConfig config_;
-  TensorParallelContext tp_;
+  std::unique_ptr<comm::Communicator> own_tp_group_;  // tp 1 without a group given: one rank
+  TensorParallelContext tp_;                          // group never null
   ContextParallelContext cp_;
   // The attention core the blocks run: cp_, or with cp_.flash and no context parallelism the
   // core on this rank alone (no group); none (group null, flash false): the softmax core.
@@ -295,8 +298,7 @@ class TransformerLm {
   parallel::CommStats tp_stats_;
   ModelPartition partition_;
   ParameterSet params_;
-  std::unique_ptr<VocabParallelEmbedding> vp_embed_;  // tensor parallel
-  std::unique_ptr<Embedding> embed_;
+  std::unique_ptr<VocabParallelEmbedding> embed_;
   std::unique_ptr<Embedding> pos_embed_;
   std::vector<std::unique_ptr<Block>> blocks_;  // [num_layers], null for blocks not held
   std::unique_ptr<Norm> final_norm_;

@@ -20,6 +20,14 @@
 //   parallel/comm_stats.h; the per-call formulas are in docs/tensor_parallel.md.
 // - Dimensions that must divide by P (out_dim of a column-parallel layer, in_dim of a row-parallel
 //   one, the vocabulary) are checked at construction: InvalidArgument naming the layer.
+// - With a one-rank group every layer here is the single-rank layer of train/layers.h bit for bit
+//   (same arithmetic, float32 and bfloat16): the pairs return their argument, a parameter is the
+//   whole tensor (Parameter::tp_shard stays kReplicated) and VocabParallelLoss is
+//   SoftmaxCrossEntropy.
+//   train/model.h builds its model only from these layers, over a one-rank group at tp 1.
+// - Mixed precision (Precision::kBFloat16, mixed_precision.h) as the single-rank layers: the
+//   GEMMs take bfloat16 operands and accumulate in float32; the communicated tensors stay
+//   float32. Not with comm_overlap (InvalidArgument naming the layer).
 // Thread-safety: the calls run collectives on `group`, so the calls of all the layers sharing a
 // group must be made in the same order on every rank, one at a time; Forward does not write the
 // layer and Backward writes the shared gradients (one Backward at a time per layer).
@@ -63,10 +71,22 @@ Tensor GatherSequence(comm::Communicator& group, const Tensor& part,
 // over ranks of block r. InvalidArgument naming `what` unless the rows divide by P.
 Tensor ReduceScatterSequence(std::string_view what, comm::Communicator& group, const Tensor& full,
                              parallel::CommStats* stats = nullptr);
+// The f of the options' layout, on the way into a column-parallel GEMM (or the output head):
+// CopyToTp (forward identity, backward all-reduce), or with sequence_parallel GatherFromSp
+// (forward all-gather of the tokens, backward reduce-scatter). x replicated [num_tokens, dim] or
+// sharded [num_tokens / P, dim]; the forward returns [num_tokens, dim] and the backward takes the
+// per-rank gradient [num_tokens, dim] and returns it in x's layout. One rank: both return their
+// argument.
+Tensor EnterTensorParallel(comm::Communicator& group, const TensorParallelOptions& options,
+                           const Tensor& x, parallel::CommStats* stats = nullptr);
+Tensor EnterTensorParallelBackward(comm::Communicator& group, const TensorParallelOptions& options,
+                                   const Tensor& dy, parallel::CommStats* stats = nullptr);
+
 // Sums t over the group in place (float32).
 void AllReduceTensor(comm::Communicator& group, const Tensor& t,
                      parallel::CommStats* stats = nullptr);
 // All-gather along columns: local [n, c] (this rank's columns [r * c, (r + 1) * c)) -> [n, P * c].
+// One rank: returns `local`.
 Tensor GatherColumns(comm::Communicator& group, const Tensor& local,
                      parallel::CommStats* stats = nullptr);
 
@@ -113,6 +133,8 @@ struct ColumnParallelCache {
 // y: [num_tokens, out_dim / P] (this rank's output columns, all tokens).
 // Backward(dy [num_tokens, out_dim / P]) returns dx in x's layout: all-reduced over the group, or
 // reduce-scattered along tokens with sequence_parallel.
+// Forward with Precision::kBFloat16 (as Linear::Forward): the gathered input is kept as bfloat16
+// in the cache and Backward runs the bfloat16 products.
 class ColumnParallelLinear {
  public:
   ColumnParallelLinear(ParameterSet& params, const std::string& prefix, int64_t in_dim,
@@ -128,7 +150,8 @@ class ColumnParallelLinear {
   std::vector<TpParameter> parameters() const;
 
   Tensor Forward(const Tensor& x, ColumnParallelCache* cache, int threads = 1,
-                 parallel::CommStats* stats = nullptr) const;
+                 parallel::CommStats* stats = nullptr,
+                 Precision precision = Precision::kFloat32) const;
   Tensor Backward(const ColumnParallelCache& cache, const Tensor& dy, int threads = 1,
                   parallel::CommStats* stats = nullptr) const;
 
@@ -153,6 +176,9 @@ struct RowParallelCache {
 // Backward(dy in y's layout) returns dx [num_tokens, in_dim / P]. The bias gradient is complete on
 // every rank without sequence_parallel; with it, it is this rank's tokens' part, to be summed over
 // the group (AllReduceGrads) as for every parameter of the sequence-parallel region.
+// With one rank there is nothing to reduce and the bias enters the GEMM as in Linear (the same
+// arithmetic: the plain layer bit for bit). x may be bfloat16, or Forward given
+// Precision::kBFloat16 (as Linear).
 class RowParallelLinear {
  public:
   RowParallelLinear(ParameterSet& params, const std::string& prefix, int64_t in_dim,
@@ -168,15 +194,19 @@ class RowParallelLinear {
   std::vector<TpParameter> parameters() const;
 
   Tensor Forward(const Tensor& x, RowParallelCache* cache, int threads = 1,
-                 parallel::CommStats* stats = nullptr) const;
+                 parallel::CommStats* stats = nullptr,
+                 Precision precision = Precision::kFloat32) const;
   Tensor Backward(const RowParallelCache& cache, const Tensor& dy, int threads = 1,
                   parallel::CommStats* stats = nullptr) const;
 
  private:
+  // The bias is added after the reduction (not by local_): more than one rank.
+  bool bias_after_reduce() const { return bias_ != nullptr && local_.bias() == nullptr; }
+
   comm::Communicator& group_;
   TensorParallelOptions options_;
   int64_t in_dim_;
-  Linear local_;  // no bias: the bias is added after the reduction
+  Linear local_;  // holds the bias only with one rank
   Parameter* bias_ = nullptr;
 };
 
@@ -223,6 +253,14 @@ CrossEntropyResult VocabParallelCrossEntropy(comm::Communicator& group, const Te
                                              const Tensor& targets, int64_t vocab_size,
                                              Tensor* dlogits, float scale = 1.0f, int threads = 1,
                                              parallel::CommStats* stats = nullptr);
+// The loss of the vocab-parallel output head (the model's): VocabParallelCrossEntropy over P > 1
+// ranks, and over one rank SoftmaxCrossEntropy itself (its kernels compute the log-sum-exp and the
+// softmax in another order than the per-token scalars above: this keeps the plain loss's bits).
+// Arguments and result as VocabParallelCrossEntropy.
+CrossEntropyResult VocabParallelLoss(comm::Communicator& group, const Tensor& logits,
+                                     const Tensor& targets, int64_t vocab_size, Tensor* dlogits,
+                                     float scale = 1.0f, int threads = 1,
+                                     parallel::CommStats* stats = nullptr);
 
 // Causal self-attention with its heads split over the group (Megatron-LM): QKV column-parallel
 // with fused_parts 3 (rank r holds q | k | v of heads [r * H / P, (r + 1) * H / P)), the attention
@@ -232,7 +270,8 @@ CrossEntropyResult VocabParallelCrossEntropy(comm::Communicator& group, const Te
 // num_heads must divide by P (InvalidArgument naming the layer). x and y in the options' layout:
 // replicated [batch_size * seq_len, d], or [batch_size * seq_len / P, d] with sequence_parallel
 // (batch_size counts whole sequences either way). The cache holds the gathered input (x), this
-// rank's qkv, probs and att.
+// rank's qkv, probs and att; with Precision::kBFloat16 all four as bfloat16, as
+// CausalSelfAttention keeps them (the same products and roundings).
 class TensorParallelAttention {
  public:
   TensorParallelAttention(ParameterSet& params, const std::string& prefix, int64_t model_dim,
@@ -246,7 +285,8 @@ class TensorParallelAttention {
   const ColumnParallelLinear& qkv() const { return qkv_; }
   const RowParallelLinear& proj() const { return proj_; }
   parallel::CommStats* stats() const { return stats_; }
-  Tensor Forward(const Tensor& x, int64_t batch_size, int threads, AttentionCache* cache) const;
+  Tensor Forward(const Tensor& x, int64_t batch_size, int threads, AttentionCache* cache,
+                 Precision precision = Precision::kFloat32) const;
   Tensor Backward(const AttentionCache& cache, const Tensor& dy, int threads) const;
 
  private:
@@ -259,6 +299,7 @@ class TensorParallelAttention {
 // The dense MLP of DenseFeedForward with fc1 column-parallel and fc2 row-parallel: the hidden
 // activation stays on its rank ([num_tokens, hidden_dim / P]). Same parameter names, shards of
 // the same initial values. x and y in the options' layout (as TensorParallelAttention).
+// context.precision bf16 keeps bfloat16 activations as DenseFeedForward does.
 class TensorParallelFeedForward : public FeedForward {
  public:
   TensorParallelFeedForward(ParameterSet& params, const std::string& prefix, int64_t model_dim,
@@ -270,6 +311,7 @@ class TensorParallelFeedForward : public FeedForward {
   FeedForwardOutput Forward(const Tensor& x, const FeedForwardContext& context) override;
   Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
                   int threads) override;
+  void SavedTensors(const FeedForwardOutput& forward, std::vector<Tensor>* out) const override;
 
  private:
   kernels::Activation activation_;
