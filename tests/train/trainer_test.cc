@@ -431,11 +431,10 @@ class SharedMemoryDataParallel : public TrainHooks {
   SharedMemoryDataParallel(Shared& shared, int rank) : shared_(shared), rank_(rank) {}
   // Where the rank sits: data parallelism over every rank.
   ParallelContext context() const {
-    return ParallelContext{.rank = rank_,
-                           .world_size = shared_.world,
-                           .ranks_in_process = shared_.world,
-                           .data_rank = rank_,
-                           .data_size = shared_.world};
+    ParallelContext c;
+    c.rank = c.data_rank = rank_;
+    c.world_size = c.ranks_in_process = c.data_size = shared_.world;
+    return c;
   }
 
   void ReduceGradients(ParameterSet& params) override {
