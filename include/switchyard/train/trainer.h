@@ -1,9 +1,11 @@
 // The training loop on one rank, structured for the parallel layouts to plug in:
 //   data (rows [rank * B / W, (rank + 1) * B / W) of step s's global batch)
-//   -> forward/backward -> hooks.ReduceGradients -> global-norm clip (norm reduced through the
-//   hooks) -> hooks.OptimizerStep (AdamW; ZeRO shards it) -> metrics.
-// TrainHooks' defaults are the single-rank behaviour; data parallelism / ZeRO / expert
-// parallelism implement them with a comm::Communicator in the layers above.
+//   -> the micro-batches' forward/backward through the pipeline executor (one stage: F then B per
+//   micro-batch) -> hooks.ReduceGradients -> global-norm clip (norm reduced through the hooks)
+//   -> hooks.OptimizerStep (AdamW; ZeRO shards it) -> metrics (StepSums, one reduction).
+// Where the rank sits is a ParallelContext (parallel_context.h; default: one rank). TrainHooks'
+// defaults are the single-rank behaviour; DistributedHooks (distributed.h) implements them with
+// the rank's ParamGradBuffer and CheckpointLayout.
 //
 // Trainer::Run adds the run directory: config.json, metrics.jsonl, loss.svg, expert_load.svg
 // (MoE models), checkpoints/, sample.txt, summary.json, and the progress bar.
