@@ -22,6 +22,8 @@
 #include "switchyard/parallel/expert_shard.h"
 #include "switchyard/train/data.h"
 #include "switchyard/train/moe_feed_forward.h"
+#include "switchyard/train/parallel_context.h"
+#include "switchyard/train/pipeline.h"
 #include "switchyard/train/run_dir.h"
 #include "switchyard/train/zero.h"
 #include "train/step_trace.h"
@@ -29,27 +31,8 @@
 namespace switchyard::train {
 namespace {
 
-// The expert tensors of an MoE block by their name after "experts." and their ExpertWeights slot.
-struct ExpertField {
-  const char* name;
-  Tensor moe::ExpertWeights::*member;
-};
-constexpr ExpertField kExpertFields[] = {
-    {"fc1.weight", &moe::ExpertWeights::fc1_weight}, {"fc1.bias", &moe::ExpertWeights::fc1_bias},
-    {"fc2.weight", &moe::ExpertWeights::fc2_weight}, {"fc2.bias", &moe::ExpertWeights::fc2_bias},
-    {"fc3.weight", &moe::ExpertWeights::fc3_weight},
-};
-
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-Shape FullShape(const moe::LayerConfig& config, const std::string& name) {
-  for (const auto& [n, shape] : moe::ParamShapes(config)) {
-    if (n == name) return shape;
-  }
-  SY_CHECK(false, "no parameter '{}' in the MoE layer", name);
-  return {};
 }
 
 void Scale(const Tensor& t, float factor) {
@@ -263,50 +246,22 @@ void ParallelMoeFeedForward::EndStep(std::span<const int64_t> global_expert_load
 // ---- DistributedHooks ----
 
 DistributedHooks::DistributedHooks(std::shared_ptr<parallel::ProcessGroups> groups, int zero_stage,
-                                   int ranks_in_process, const ZeroOptions& zero,
-                                   parallel::GroupKind expert_sync, TensorParallelOptions tp)
+                                   const ZeroOptions& zero, parallel::GroupKind expert_sync)
     : groups_(std::move(groups)),
-      world_(groups_->world()),
-      mesh_(groups_->mesh()),
-      zero_stage_(zero_stage),
-      ranks_in_process_(ranks_in_process),
-      zero_options_(zero),
-      tp_group_(groups_->Get(parallel::GroupKind::kTensor)),
-      // The replicas of a tensor-parallel shard: the same tp rank over dp and cp (each cp rank
-      // holds other tokens; with cp 1 the data-parallel group).
-      data_(groups_->Get(parallel::GroupKind::kDataContext)),
-      tokens_(groups_->Get(parallel::GroupKind::kTokens)),
-      expert_data_(groups_->Get(expert_sync)),
-      tp_options_(tp),
-      coords_(mesh_.Coords(world_.rank())) {
-  SY_REQUIRE(zero_stage >= 0 && zero_stage <= 3, InvalidArgument,
-             "config: 'zero_stage' must be 0, 1, 2 or 3, got {}", zero_stage);
-  SY_REQUIRE(expert_sync == parallel::GroupKind::kExpertData ||
-                 expert_sync == parallel::GroupKind::kExpertHolders,
-             InvalidArgument,
-             "DistributedHooks: experts synchronize over ep_dp or "
-             "expert_holders");
-  SY_REQUIRE(tp.sequence_parallel == mesh_.sequence_parallel() || mesh_.tp() == 1, InvalidArgument,
-             "DistributedHooks: the model's sequence parallelism ({}) is not the mesh's ({})",
-             tp.sequence_parallel, mesh_.sequence_parallel());
-}
+      buffer_(groups_, zero_stage, zero, expert_sync),
+      layout_(groups_, nullptr) {}
 
 DistributedHooks::~DistributedHooks() = default;
 
 void DistributedHooks::SetPipeline(std::unique_ptr<comm::Communicator> stage, bool tied_embedding) {
-  stage_owned_ = std::move(stage);
-  stage_ = stage_owned_.get();
-  tied_embedding_ = tied_embedding && mesh_.pp() > 1;
+  stage_ = std::move(stage);
+  layout_.set_stage(stage_.get());
+  buffer_.SetTiedEmbedding(tied_embedding);
 }
-
-void DistributedHooks::AddMoeBlock(const std::string& prefix, const moe::LayerConfig& config) {
-  moe_blocks_.push_back({prefix, config});
-}
-
-int DistributedHooks::rank() const { return world_.rank(); }
 
 void DistributedHooks::SetStepTrace(int64_t step, const std::string& path) {
-  trace_ = step > 0 ? std::make_unique<internal::StepTrace>(world_, step, path) : nullptr;
+  trace_ = step > 0 ? std::make_unique<internal::StepTrace>(groups_->world(), step, path) : nullptr;
+  buffer_.SetTrace(trace_.get());
 }
 
 void DistributedHooks::AddTracedLayer(parallel::ParallelMoeLayer* layer) {
@@ -321,501 +276,36 @@ void DistributedHooks::StepEnds(int64_t step) {
   if (trace_) trace_->End(step);
 }
 
-int DistributedHooks::world_size() const { return world_.size(); }
-int DistributedHooks::data_rank() const { return coords_.dp_rank; }
-int DistributedHooks::data_size() const { return mesh_.dp(); }
-bool DistributedHooks::reports_loss() const { return coords_.tp_rank == 0; }
-bool DistributedHooks::reports_routing() const {
-  return coords_.tp_rank == 0 || mesh_.sequence_parallel();
-}
-
-ContextParallelContext DistributedHooks::context_parallel() {
-  if (mesh_.cp() == 1) return {};
-  return ContextParallelContext{&groups_->Get(parallel::GroupKind::kContext), cp_options_};
-}
-
-comm::Communicator* DistributedHooks::pipeline_group() {
-  return mesh_.pp() > 1 ? &groups_->Get(parallel::GroupKind::kPipeline) : nullptr;
-}
-
-TensorParallelContext DistributedHooks::tensor_parallel() {
-  if (mesh_.tp() == 1) return {};
-  return TensorParallelContext{&tp_group_, tp_options_};
-}
-
-int64_t DistributedHooks::optimizer_state_elements() const {
-  int64_t n = 0;
-  for (const auto* o : {split_opt_.get(), dense_opt_.get(), expert_opt_.get()}) {
-    n += o != nullptr ? o->state_elements() : 0;
-  }
-  return n;
-}
-
-void DistributedHooks::Prepare(ParameterSet& params, const AdamW& optimizer) {
-  if (dense_opt_) return;
-  std::vector<Parameter*> split, dense, experts, copies;
-  for (Parameter& p : params.all()) {
-    if (!p.options.trainable) continue;
-    if (p.tied_copy) {
-      copies.push_back(&p);
-    } else if (p.options.group == ParamGroup::kExpert) {
-      experts.push_back(&p);
-    } else {
-      (p.tp_shard.split() ? split : dense).push_back(&p);
-    }
-  }
-  auto count = [](const std::vector<Parameter*>& ps) {
-    int64_t n = 0;
-    for (const Parameter* p : ps) n += p->value.numel();
-    return n;
-  };
-  for (const auto* list : {&split, &dense, &experts, &copies}) {
-    for (Parameter* p : *list) owned_by_optimizer_.insert(p);
-  }
-  split_elements_ = count(split);
-  dense_elements_ = count(dense);
-  expert_elements_ = count(experts);
-  ZeroOptions zero = zero_options_;
-  zero.bucket_per_block = true;
-  zero.meter = &meter_;
-  // A tied copy is reduced like the parameter it copies (a tensor-parallel shard or not).
-  SY_CHECK(copies.size() <= 1, "more than one tied copy");
-  copy_opt_ = std::make_unique<ShardedAdamW>(
-      copies, !copies.empty() && copies[0]->tp_shard.split() ? data_ : tokens_, zero_stage_,
-      optimizer.options(), zero);
-  split_opt_ = std::make_unique<ShardedAdamW>(split, data_, zero_stage_, optimizer.options(), zero);
-  dense_opt_ =
-      std::make_unique<ShardedAdamW>(dense, tokens_, zero_stage_, optimizer.options(), zero);
-  expert_opt_ =
-      std::make_unique<ShardedAdamW>(experts, expert_data_, zero_stage_, optimizer.options(), zero);
-}
-
-std::vector<ShardedAdamW*> DistributedHooks::Optimizers() const {
-  if (!dense_opt_) return {};
-  return {copy_opt_.get(), split_opt_.get(), dense_opt_.get(), expert_opt_.get()};
-}
-
-void DistributedHooks::BeginStep(ParameterSet& params) {
-  SY_CHECK(dense_opt_ != nullptr, "DistributedHooks: Prepare() was not called");
-  in_step_ = true;
-  last_microbatch_ = true;
-  ++steps_;
-  if (zero_stage_ == 3) {
-    // The blocks are gathered one at a time by BeforeBlock; the rest for the whole step.
-    for (ShardedAdamW* o : Optimizers()) o->ReleaseParameters();
-    const internal::StepTrace::Span span(trace_.get(), "parameter all-gather", "sync",
-                                         parallel::TraceStream::kComm);
-    for (ShardedAdamW* o : Optimizers()) o->PrefetchUnit(-1);
-    for (ShardedAdamW* o : Optimizers()) o->GatherUnit(-1);
-    gathered_ = false;
-  }
-  for (ShardedAdamW* o : Optimizers()) o->ZeroGradients();
-  if (steps_ == 1) {
-    // The peak is that of the training steps: the model was built with every value on every
-    // rank and the gradients committed; from here on each stage holds what it keeps.
-    meter_.Reset();
-    meter_.Sample();
-  }
-  // Trainable parameters outside the optimizers (none today) still start from zero.
-  for (Parameter& p : params.all()) {
-    if (p.options.trainable && p.grad.defined() && p.grad.numel() > 0 &&
-        !owned_by_optimizer_.contains(&p)) {
-      p.grad.SetZero();
-    }
-  }
-}
-
-void DistributedHooks::BeforeBlock(int64_t block, bool backward) {
-  if (!in_step_ || zero_stage_ != 3) return;
-  {
-    const internal::StepTrace::Span span(trace_.get(), "block parameter all-gather", "sync",
-                                         parallel::TraceStream::kComm);
-    for (ShardedAdamW* o : Optimizers()) o->PrefetchUnit(block);
-    for (ShardedAdamW* o : Optimizers()) o->GatherUnit(block);
-  }
-  // The block that runs next on this rank (one pipeline stage: every block is this rank's).
-  const int64_t next = backward ? block - 1 : block + 1;
-  if (mesh_.pp() == 1) {
-    for (ShardedAdamW* o : Optimizers()) {
-      if (o->HasUnit(next)) o->PrefetchUnit(next);
-    }
-  }
-}
-
-void DistributedHooks::AfterBlock(int64_t block, bool backward) {
-  if (!in_step_) return;
-  if (zero_stage_ == 3) {
-    for (ShardedAdamW* o : Optimizers()) o->ReleaseUnit(block);
-  }
-  if (backward && overlap_ && last_microbatch_ && mesh_.pp() == 1) {
-    for (ShardedAdamW* o : Optimizers()) o->LaunchUnitReduction(block);
-    const float inv = 1.0f / static_cast<float>(mesh_.dp() * mesh_.cp());
-    for (ShardedAdamW* o : Optimizers()) o->FinishUnitReduction(block + 1, inv);
-  }
-}
-
-ReductionTimes DistributedHooks::TakeReductionTimes() {
-  ReductionTimes sum;
-  for (ShardedAdamW* o : Optimizers()) {
-    ReductionTimes t = o->TakeReductionTimes();
-    sum.reduce_seconds += t.reduce_seconds;
-    sum.blocked_seconds += t.blocked_seconds;
-    sum.buckets += t.buckets;
-    sum.overlapped += t.overlapped;
-  }
-  return sum;
-}
-
-int64_t DistributedHooks::FormulaBytes() const {
-  int64_t bytes = 0;
-  for (ShardedAdamW* o : Optimizers()) {
-    const int64_t n = o->num_elements(), own = o->owned_elements();
-    bytes += 4 * (zero_stage_ >= 3 ? own : n);  // parameters
-    bytes += 4 * (zero_stage_ >= 2 ? own : n);  // gradients
-    bytes += 8 * (zero_stage_ >= 1 ? own : n);  // exp_avg, exp_avg_sq
-  }
-  return bytes;
-}
-
-void DistributedHooks::FillSummary(RunSummary* summary) {
-  const ReductionTimes t = TakeReductionTimes();
-  run_times_.reduce_seconds += t.reduce_seconds;
-  run_times_.blocked_seconds += t.blocked_seconds;
-  run_times_.buckets += t.buckets;
-  run_times_.overlapped += t.overlapped;
-  // Per rank: the peak and its parts, the formula, the reduction times (one-hot rows, summed).
-  const ZeroMemory& peak = meter_.peak();
-  constexpr size_t kRow = 8;
-  const size_t w = static_cast<size_t>(world_.size());
-  std::vector<double> rows(kRow * w, 0.0);
-  double* mine = rows.data() + kRow * static_cast<size_t>(world_.rank());
-  mine[0] = static_cast<double>(peak.total());
-  mine[1] = static_cast<double>(peak.values);
-  mine[2] = static_cast<double>(peak.gradients);
-  mine[3] = static_cast<double>(peak.state);
-  mine[4] = static_cast<double>(peak.scratch);
-  mine[5] = static_cast<double>(FormulaBytes());
-  mine[6] = run_times_.reduce_seconds;
-  mine[7] = run_times_.blocked_seconds;
-  AllReduceSum(rows);
-  size_t top = 0;
-  double reduce = 0, blocked = 0;
-  for (size_t q = 0; q < w; ++q) {
-    if (rows[kRow * q] > rows[kRow * top]) top = q;
-    reduce += rows[kRow * q + 6];
-    blocked += rows[kRow * q + 7];
-  }
-  const double* r = rows.data() + kRow * top;
-  summary->zero_peak_bytes = static_cast<int64_t>(r[0]);
-  summary->zero_peak_values = static_cast<int64_t>(r[1]);
-  summary->zero_peak_gradients = static_cast<int64_t>(r[2]);
-  summary->zero_peak_state = static_cast<int64_t>(r[3]);
-  summary->zero_peak_scratch = static_cast<int64_t>(r[4]);
-  summary->zero_formula_bytes = static_cast<int64_t>(r[5]);
-  if (steps_ > 0) {
-    const double per = static_cast<double>(w) * static_cast<double>(steps_);
-    summary->grad_reduce_s = reduce / per;
-    summary->grad_reduce_blocked_s = blocked / per;
-  }
-}
-
-void DistributedHooks::ReduceGradients(ParameterSet& params) {
-  SY_CHECK(dense_opt_ != nullptr, "DistributedHooks: Prepare() was not called");
-  if (trace_) {
-    trace_->Add("forward + backward", "step", parallel::TraceStream::kCompute,
-                trace_->step_begin_s(), internal::StepTrace::Now());
-  }
-  const internal::StepTrace::Span span(trace_.get(), "gradient reduce", "sync",
-                                       parallel::TraceStream::kComm);
-  // Every rank's gradients are those of its data shard's mean loss (the MoE blocks scale theirs
-  // alike): summed over the holders of the same values, divided by the number of data shards.
-  const float inv = 1.0f / static_cast<float>(mesh_.dp() * mesh_.cp());
-  if (tied_embedding_ && groups_->Has(parallel::GroupKind::kEmbedding)) {
-    // The first stage's embedding and the last stage's copy: each gets the sum of both.
-    Parameter* tied = nullptr;
-    for (Parameter& p : params.all()) tied = p.name == "embed.weight" ? &p : tied;
-    SY_CHECK(tied != nullptr, "a stage of the embedding group holds no embed.weight");
-    AllReduceTensor(groups_->Get(parallel::GroupKind::kEmbedding), tied->grad);
-  }
-  copy_opt_->ReduceGradients(inv);
-  split_opt_->ReduceGradients(inv);
-  dense_opt_->ReduceGradients(inv);
-  expert_opt_->ReduceGradients(inv);
-}
-
-// A group kind with G groups whose members share out D distinct sets of values holds G / D copies
-// of each element (within a group, each rank owns its range of the set).
-// Pipeline stages hold distinct values (the tied copy is left out of counts and norms).
-double DistributedHooks::CopiesSplit() const {
-  return static_cast<double>(world_.size()) / data_.size() / mesh_.tp() / mesh_.pp();
-}
-double DistributedHooks::CopiesDense() const {
-  return static_cast<double>(world_.size()) / tokens_.size() / mesh_.pp();
-}
-double DistributedHooks::CopiesExperts() const {
-  return static_cast<double>(world_.size()) / expert_data_.size() / mesh_.expert_group_size() /
-         mesh_.pp();
-}
-
-double DistributedHooks::GradSquaredNorm(const ParameterSet& params) {
-  const internal::StepTrace::Span span(trace_.get(), "gradient norm", "sync",
-                                       parallel::TraceStream::kComm);
-  // Each rank's own ranges, weighted so that every distinct element counts once over the world.
-  double own[1] = {split_opt_->OwnGradSquaredNorm() / CopiesSplit() +
-                   dense_opt_->OwnGradSquaredNorm() / CopiesDense() +
-                   expert_opt_->OwnGradSquaredNorm() / CopiesExperts()};
-  AllReduceSum(own);
-  return own[0];
-}
-
-std::string DistributedHooks::LayoutDescription() const {
-  std::string tp = fmt::format("tp {}", mesh_.tp());
-  if (mesh_.tp() > 1 && tp_options_.sequence_parallel) {
-    tp += tp_options_.comm_overlap ? " (sequence parallel, comm-GEMM overlap)"
-                                   : " (sequence parallel)";
-  }
-  std::string experts;
-  if (!moe_blocks_.empty()) {
-    experts = fmt::format(
-        "; experts: ep {}{} ({} arrangement), ZeRO stage {}", mesh_.ep(),
-        mesh_.shards() > 1 ? fmt::format(" x {} H-shards", mesh_.shards()) : std::string(),
-        mesh_.arrangement() == parallel::Arrangement::kMegatron ? "megatron" : "deepspeed",
-        zero_stage_);
-  } else {
-    experts = fmt::format("; ZeRO stage {}", zero_stage_);
-  }
-  std::string pp = mesh_.pp() > 1 ? fmt::format(" x pp {}", mesh_.pp()) : std::string();
-  if (mesh_.cp() > 1) {
-    pp += fmt::format(" x cp {} ({})", mesh_.cp(),
-                      cp_options_.algorithm == CpAlgorithm::kUlysses ? "ulysses" : "ring");
-  }
-  return fmt::format("{} rank{} = {} x dp {}{}{}", world_.size(), world_.size() == 1 ? "" : "s", tp,
-                     mesh_.dp(), pp, experts);
-}
-
-int64_t DistributedHooks::ModelParameterCount(const ParameterSet& params) {
-  // Every rank holds each of its sets whole: a set is held by (group size x copies) ranks.
-  double share[1] = {static_cast<double>(split_elements_) / (CopiesSplit() * data_.size()) +
-                     static_cast<double>(dense_elements_) / (CopiesDense() * tokens_.size()) +
-                     static_cast<double>(expert_elements_) /
-                         (CopiesExperts() * expert_data_.size())};
-  AllReduceSum(share);
-  return static_cast<int64_t>(std::llround(share[0]));
-}
-
-void DistributedHooks::ScaleGradients(ParameterSet& params, float factor) {
-  if (factor == 1.0f) return;
-  copy_opt_->ScaleGradients(factor);
-  split_opt_->ScaleGradients(factor);
-  dense_opt_->ScaleGradients(factor);
-  expert_opt_->ScaleGradients(factor);
-}
-
-void DistributedHooks::OptimizerStep(AdamW& optimizer, ParameterSet& params, float lr) {
-  const internal::StepTrace::Span span(trace_.get(), "optimizer step", "optimizer",
-                                       parallel::TraceStream::kCompute);
-  copy_opt_->Step(lr);
-  split_opt_->Step(lr);
-  dense_opt_->Step(lr);
-  expert_opt_->Step(lr);
-  gathered_ = zero_stage_ < 3;
-}
-
-int64_t DistributedHooks::OptimizerStepCount(const AdamW& optimizer) {
-  return dense_opt_ ? dense_opt_->step() : optimizer.step();
-}
-
-void DistributedHooks::GatherParameters(ParameterSet& params) {
-  if (gathered_) return;
-  const internal::StepTrace::Span span(trace_.get(), "parameter all-gather", "sync",
-                                       parallel::TraceStream::kComm);
-  copy_opt_->GatherParameters();
-  split_opt_->GatherParameters();
-  dense_opt_->GatherParameters();
-  expert_opt_->GatherParameters();
-  gathered_ = true;
-}
-
-void DistributedHooks::ReleaseParameters(ParameterSet& params) {
-  in_step_ = false;
-  const ReductionTimes t = TakeReductionTimes();
-  run_times_.reduce_seconds += t.reduce_seconds;
-  run_times_.blocked_seconds += t.blocked_seconds;
-  run_times_.buckets += t.buckets;
-  run_times_.overlapped += t.overlapped;
-  if (zero_stage_ < 3) return;
-  copy_opt_->ReleaseParameters();
-  split_opt_->ReleaseParameters();
-  dense_opt_->ReleaseParameters();
-  expert_opt_->ReleaseParameters();
-  gathered_ = false;
-}
-
-void DistributedHooks::AllReduceSum(std::span<double> values) {
-  // The transports reduce float32/bfloat16/int32/int64, not float64: all-gather the doubles'
-  // bits and add them up in rank order, which also gives every rank the same bits.
-  const size_t n = values.size();
-  if (n == 0) return;
-  std::vector<double> all(n * static_cast<size_t>(world_.size()));
-  world_.AllGather(values.data(), all.data(), n, DType::kInt64).Wait();
-  for (size_t i = 0; i < n; ++i) {
-    double s = 0;
-    for (int r = 0; r < world_.size(); ++r) s += all[static_cast<size_t>(r) * n + i];
-    values[i] = s;
-  }
-}
-
-parallel::Mesh DistributedHooks::BlockMesh(const MoeBlock& block) const {
-  // The run's mesh with this block's experts (blocks may hold different numbers,
-  // experts_per_block).
-  return parallel::Mesh(mesh_.config(), block.config.num_experts, block.config.hidden_dim);
-}
-
-void DistributedHooks::GatherExperts(TensorMap& map, const std::string& suffix) {
-  // Over the ranks of this stage (the stages hold different MoE blocks), in world-rank order.
-  comm::Communicator& stage = stage_ != nullptr ? *stage_ : world_;
-  const int w = stage.size();
-  std::vector<int> members;
-  for (int r = 0; r < world_.size(); ++r) {
-    if (mesh_.Coords(r).pp_rank == coords_.pp_rank) members.push_back(r);
-  }
-  SY_CHECK(static_cast<int>(members.size()) == w, "stage group of {} ranks, mesh says {}", w,
-           members.size());
-  for (const MoeBlock& block : moe_blocks_) {
-    const parallel::Mesh mesh = BlockMesh(block);
-    for (const ExpertField& f : kExpertFields) {
-      const std::string key = block.prefix + "experts." + f.name + suffix;
-      auto it = map.find(key);
-      if (it == map.end()) continue;
-      const Tensor local = it->second;
-      const int64_t n = local.numel();
-      Tensor all = Tensor::Empty({w * n}, DType::kFloat32);
-      stage
-          .AllGather(local.data<float>(), all.data<float>(), static_cast<size_t>(n),
-                     DType::kFloat32)
-          .Wait();
-      moe::ExpertWeights full;
-      full.*f.member = Tensor::Zeros(FullShape(block.config, std::string("experts.") + f.name));
-      for (int r = 0; r < w; ++r) {
-        moe::ExpertWeights shard;
-        shard.*f.member = all.Slice(r * n, (r + 1) * n).Reshape(local.shape());
-        parallel::PlaceShard(
-            shard, parallel::ShardOf(mesh, members[static_cast<size_t>(r)], block.config.model_dim),
-            &full);
-      }
-      it->second = full.*f.member;
-    }
-  }
-}
-
-void DistributedHooks::SliceExperts(TensorMap& map, const std::string& suffix) const {
-  for (const MoeBlock& block : moe_blocks_) {
-    const parallel::ShardSpec spec =
-        parallel::ShardOf(BlockMesh(block), world_.rank(), block.config.model_dim);
-    for (const ExpertField& f : kExpertFields) {
-      const std::string key = block.prefix + "experts." + f.name + suffix;
-      auto it = map.find(key);
-      if (it == map.end()) continue;
-      ExpectShape(key, it->second, FullShape(block.config, std::string("experts.") + f.name));
-      moe::ExpertWeights full;
-      full.*f.member =
-          it->second.dtype() == DType::kFloat32 ? it->second : it->second.To(DType::kFloat32);
-      it->second = parallel::ShardExperts(full, spec).*f.member;
-    }
-  }
-}
-
-void DistributedHooks::GatherTensorParallel(ParameterSet& params, TensorMap& map,
-                                            const std::string& suffix) {
-  if (mesh_.tp() == 1) return;
-  for (const Parameter& p : params.all()) {  // the same order on every rank of the group
-    if (!p.tp_shard.split()) continue;
-    auto it = map.find(p.name + suffix);
-    if (it == map.end()) continue;
-    it->second = GatherFull(tp_group_, it->second, p.tp_shard);
-  }
-}
-
-void DistributedHooks::SliceTensorParallel(ParameterSet& params, TensorMap& map,
-                                           const std::string& suffix) const {
-  if (mesh_.tp() == 1) return;
-  for (const Parameter& p : params.all()) {
-    if (!p.tp_shard.split()) continue;
-    auto it = map.find(p.name + suffix);
-    if (it == map.end()) continue;
-    const Tensor full =
-        it->second.dtype() == DType::kFloat32 ? it->second : it->second.To(DType::kFloat32);
-    it->second =
-        ShardOf(it->first, full, p.tp_shard, tp_group_.rank(), static_cast<int>(tp_group_.size()));
-  }
-}
-
-void DistributedHooks::GatherStages(TensorMap& map) {
-  if (mesh_.pp() == 1) return;
-  comm::Communicator& pipeline = groups_->Get(parallel::GroupKind::kPipeline);
-  TensorMap all;
-  for (int s = 0; s < pipeline.size(); ++s) {
-    std::vector<std::byte> bytes;
-    if (s == pipeline.rank()) bytes = SerializeSafetensors(map);
-    int64_t size[1] = {static_cast<int64_t>(bytes.size())};
-    pipeline.Broadcast(size, 1, DType::kInt64, {.root = s}).Wait();
-    // As int32 words (the transports move typed elements), then the exact size again.
-    const size_t words = (static_cast<size_t>(size[0]) + 3) / 4;
-    bytes.resize(words * 4);
-    pipeline.Broadcast(bytes.data(), words, DType::kInt32, {.root = s}).Wait();
-    bytes.resize(static_cast<size_t>(size[0]));
-    for (auto& [name, t] : ParseSafetensors(bytes, fmt::format("pipeline stage {}", s))) {
-      all[name] = t;
-    }
-  }
-  map = std::move(all);
-}
-
 TensorMap DistributedHooks::ModelValuesForCheckpoint(ParameterSet& params) {
   TensorMap values;
   for (const Parameter& p : params.all()) {
     if (!p.tied_copy) values.emplace(p.name, p.value);
   }
-  GatherExperts(values, "");
-  GatherTensorParallel(params, values, "");
-  GatherStages(values);
+  layout_.Gather(params, values, {""});
   return values;
 }
 
 TensorMap DistributedHooks::OptimizerStateForCheckpoint(const AdamW& optimizer,
                                                         ParameterSet& params) {
-  if (!dense_opt_ || dense_opt_->step() == 0) return {};
-  TensorMap state = dense_opt_->FullState();
-  for (auto& [name, t] : split_opt_->FullState()) state[name] = t;
-  for (auto& [name, t] : expert_opt_->FullState()) state[name] = t;
-  GatherExperts(state, ".exp_avg");
-  GatherExperts(state, ".exp_avg_sq");
-  GatherTensorParallel(params, state, ".exp_avg");
-  GatherTensorParallel(params, state, ".exp_avg_sq");
-  GatherStages(state);
+  TensorMap state = buffer_.FullState();
+  if (state.empty()) return state;  // before the first step
+  layout_.Gather(params, state, {".exp_avg", ".exp_avg_sq"});
   return state;
 }
 
 void DistributedHooks::LoadModelValues(ParameterSet& params, const TensorMap& values) {
   TensorMap mine = values;
-  SliceExperts(mine, "");
-  SliceTensorParallel(params, mine, "");
-  params.LoadValues(mine, /*allow_extra=*/mesh_.pp() > 1);  // other stages' parameters
+  layout_.Slice(params, mine, {""});
+  params.LoadValues(mine, /*allow_extra=*/groups_->mesh().pp() > 1);  // other stages' parameters
 }
 
 void DistributedHooks::LoadOptimizerState(AdamW& optimizer, const TensorMap& state, int64_t step,
                                           ParameterSet& params) {
-  Prepare(params, optimizer);
+  buffer_.Prepare(params, optimizer);
   if (step == 0 && state.empty()) return;
   TensorMap mine = state;
-  SliceExperts(mine, ".exp_avg");
-  SliceExperts(mine, ".exp_avg_sq");
-  SliceTensorParallel(params, mine, ".exp_avg");
-  SliceTensorParallel(params, mine, ".exp_avg_sq");
-  copy_opt_->LoadFullState(mine, step);
-  split_opt_->LoadFullState(mine, step);
-  dense_opt_->LoadFullState(mine, step);
-  expert_opt_->LoadFullState(mine, step);
+  layout_.Slice(params, mine, {".exp_avg", ".exp_avg_sq"});
+  buffer_.LoadFullState(mine, step);
 }
 
 // ---- RankTrainer ----
@@ -845,8 +335,8 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
   ZeroOptions buckets = zero;
   buckets.bucket_elements = static_cast<int64_t>(config.bucket_mb * 1024 * 1024 / sizeof(float));
   hooks_ = std::make_unique<DistributedHooks>(
-      groups_, static_cast<int>(config.zero_stage), ranks_in_process, buckets,
-      dedup ? parallel::GroupKind::kExpertHolders : parallel::GroupKind::kExpertData, tp);
+      groups_, static_cast<int>(config.zero_stage), buckets,
+      dedup ? parallel::GroupKind::kExpertHolders : parallel::GroupKind::kExpertData);
   hooks_->SetOverlapGradReduce(config.overlap_grad_reduce);
   hooks_->SetStepTrace(config.trace_step, config.out + "/trace.json");
   if (config.model.moe_every > 0) {
@@ -864,10 +354,24 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
                  config.adaptive_r, r, shards);
     }
   }
+  ContextParallelOptions cp;
   if (config.cp > 1) {
-    hooks_->SetContextParallel(ContextParallelOptions{
-        .algorithm = config.cp_algo, .split = SequenceSplitKind::kZigzag, .causal = true});
+    cp = ContextParallelOptions{
+        .algorithm = config.cp_algo, .split = SequenceSplitKind::kZigzag, .causal = true};
   }
+  // The header names the expert layout when this rank's stage holds MoE blocks.
+  bool experts = NumMoeBlocks(config.model) > 0;
+  if (config.pp > 1) {
+    experts = false;
+    for (const BlockRange& chunk : PipelinePartition(config, groups_->coords().pp_rank).chunks) {
+      for (int64_t b = chunk.begin; b < chunk.end; ++b) {
+        experts = experts || IsMoeBlock(config.model, b);
+      }
+    }
+  }
+  ParallelContext context = MakeParallelContext(
+      *groups_, ranks_in_process, tp, cp,
+      LayoutNotes{.zero_stage = static_cast<int>(config.zero_stage), .experts = experts});
   if (config.pp > 1) {
     // Every rank of this stage (collective over the world): checkpoints gather the experts of
     // the stage's MoE blocks over it.
@@ -889,7 +393,7 @@ RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, i
       return ffn;
     };
   }
-  trainer_ = std::make_unique<Trainer>(config, std::move(factory), hooks);
+  trainer_ = std::make_unique<Trainer>(config, std::move(factory), hooks, std::move(context));
   hooks_->Prepare(trainer_->model().parameters(), trainer_->optimizer());
 }
 

@@ -429,9 +429,13 @@ class SharedMemoryDataParallel : public TrainHooks {
     std::vector<std::vector<double>> slots;
   };
   SharedMemoryDataParallel(Shared& shared, int rank) : shared_(shared), rank_(rank) {}
-  int rank() const override { return rank_; }
-  int world_size() const override { return shared_.world; }
-  int ranks_in_process() const override { return shared_.world; }
+  // Where the rank sits: data parallelism over every rank.
+  ParallelContext context() const {
+    ParallelContext c;
+    c.rank = c.data_rank = rank_;
+    c.world_size = c.ranks_in_process = c.data_size = shared_.world;
+    return c;
+  }
 
   void ReduceGradients(ParameterSet& params) override {
     std::vector<double> flat;
@@ -481,7 +485,7 @@ TEST(TrainerTest, DataParallelHooksMatchOneRank) {
     for (int r = 0; r < 2; ++r) {
       ranks.emplace_back([&, r] {
         SharedMemoryDataParallel hooks(shared, r);
-        Trainer t(c, nullptr, &hooks);
+        Trainer t(c, nullptr, &hooks, hooks.context());
         for (int i = 0; i < 4; ++i) dp[r].push_back(t.Step().ce_loss);
         dp[r].push_back(t.Evaluate());
       });

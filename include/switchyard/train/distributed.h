@@ -33,14 +33,15 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <unordered_set>
 #include <vector>
 
 #include "switchyard/comm/communicator.h"
 #include "switchyard/comm/launcher.h"
 #include "switchyard/parallel/mesh.h"
 #include "switchyard/parallel/moe_parallel.h"
+#include "switchyard/train/checkpoint_layout.h"
 #include "switchyard/train/config.h"
+#include "switchyard/train/param_grad_buffer.h"
 #include "switchyard/train/trainer.h"
 #include "switchyard/train/zero.h"
 
@@ -101,95 +102,63 @@ class ParallelMoeFeedForward : public FeedForward {
   FeedForwardTimes times_;
 };
 
-// Data parallelism, ZeRO and expert-parallel checkpoints as TrainHooks (trainer.h).
-//
-// Buckets, overlap and ZeRO-3 per block (docs/training.md, "Memory and overlap"): the optimizers
-// cut their parameters into buckets per transformer block (and by ZeroOptions::bucket_elements).
-// As the block observer of the model, the hooks, during a training step: at stage 3 gather a
-// block's values just before its forward and its backward, give them back after, and start the
-// gather of the block that runs next (prefetch); with overlap_grad_reduce and one pipeline stage,
-// start the reduction of a block's buckets as soon as its backward on the step's last
-// micro-batch is done. Every rank runs the same blocks in the same order, so the collectives are
-// issued in the same order on every rank.
+// The TrainHooks (trainer.h) of a distributed run: the rank's parameter-and-gradient buffer
+// (param_grad_buffer.h: data-parallel reduction, ZeRO 1-3, overlap), its checkpoint layout
+// (checkpoint_layout.h) and its step trace, each owned here and called at the trainer's points.
+// It is the model's block observer (the buffer's ZeRO-3 gathers and overlapped reductions).
 class DistributedHooks : public TrainHooks, public BlockObserver {
  public:
-  // `groups`: the run's process groups, those of the MoE blocks (every block the same mesh).
-  // Gradients are summed over the ranks holding the same values and divided by the data-parallel
-  // size (the loss shards, dp x cp): tensor-parallel shards over the dp x cp group, other dense
-  // parameters over the token group (with sequence parallelism each tp rank has its tokens'
-  // part), experts over `expert_sync` (the expert-data-parallel group, or with DeepSpeed's TP
-  // de-duplication the expert holders over tp too). Not collective. `zero` holds ShardedAdamW's
-  // checking options (poison_non_owned). `tp` is the model's tensor-parallel options.
+  // `groups`: the run's process groups, those of the MoE blocks (every block the same mesh);
+  // `zero_stage`, `zero`, `expert_sync`: the buffer's (ParamGradBuffer). Not collective.
   DistributedHooks(std::shared_ptr<parallel::ProcessGroups> groups, int zero_stage,
-                   int ranks_in_process, const ZeroOptions& zero,
-                   parallel::GroupKind expert_sync = parallel::GroupKind::kExpertData,
-                   TensorParallelOptions tp = {});
+                   const ZeroOptions& zero,
+                   parallel::GroupKind expert_sync = parallel::GroupKind::kExpertData);
   ~DistributedHooks() override;
 
+  ParamGradBuffer& buffer() { return buffer_; }
+  CheckpointLayout& layout() { return layout_; }
+
   // Pipeline parallelism: `stage` is the group of every rank of this rank's stage (world ranks in
-  // order; null: the world, pp 1), `tied_embedding` whether the first and last stage hold copies
-  // of the tied embedding (their gradients are summed over the embedding group).
+  // order), `tied_embedding` whether the first and last stage hold copies of the tied embedding.
   void SetPipeline(std::unique_ptr<comm::Communicator> stage, bool tied_embedding);
-  // Reduction of gradient buckets during the backward (see the class comment).
-  void SetOverlapGradReduce(bool overlap) { overlap_ = overlap; }
-  // The peak memory of this rank's optimizer buffers during the training steps (MemoryMeter).
-  const ZeroMemory& peak_memory() const { return meter_.peak(); }
-  // The formula bytes for this rank: parameters + gradients + optimizer state as ZeRO shards
-  // them (4 bytes per parameter and gradient element, 8 of state), summed over the optimizers.
-  int64_t FormulaBytes() const;
-  // Reduction times of the optimizers since the last call, summed.
-  ReductionTimes TakeReductionTimes();
-  // Reduction times and bucket counts summed over the steps so far.
-  const ReductionTimes& run_reduction_times() const { return run_times_; }
+  void SetOverlapGradReduce(bool overlap) { buffer_.SetOverlapGradReduce(overlap); }
+  const ZeroMemory& peak_memory() const { return buffer_.peak_memory(); }
+  const ReductionTimes& run_reduction_times() const { return buffer_.run_reduction_times(); }
+  int zero_stage() const { return buffer_.zero_stage(); }
+  int64_t optimizer_state_elements() const { return buffer_.optimizer_state_elements(); }
 
   // Traces step `step` (1-based) of every rank into `path` (written by world rank 0); the MoE
   // layers given to AddTracedLayer record into it.
   void SetStepTrace(int64_t step, const std::string& path);
   void AddTracedLayer(parallel::ParallelMoeLayer* layer);
-  // Records an MoE block built by the factory (its parameter prefix and layer config), for
-  // gathering and slicing its experts in checkpoints.
-  void AddMoeBlock(const std::string& prefix, const moe::LayerConfig& config);
-  // Builds the sharded optimizers over the model's trainable parameters (dense: over the world,
-  // experts: over their expert-data-parallel group) with `optimizer`'s options. Call once, after
-  // the model is built and before the first step (RankTrainer does). Idempotent.
-  void Prepare(ParameterSet& params, const AdamW& optimizer);
+  // Records an MoE block built by the factory, for its experts in checkpoints (CheckpointLayout).
+  void AddMoeBlock(const std::string& prefix, const moe::LayerConfig& config) {
+    layout_.AddMoeBlock(prefix, config);
+  }
+  // ParamGradBuffer::Prepare (RankTrainer calls it once the model is built).
+  void Prepare(ParameterSet& params, const AdamW& optimizer) { buffer_.Prepare(params, optimizer); }
 
-  int rank() const override;
   void StepBegins(int64_t step) override;
   void StepEnds(int64_t step) override;
-  int world_size() const override;
-  int data_rank() const override;
-  int data_size() const override;
-  bool reports_loss() const override;
-  bool reports_routing() const override;
-  TensorParallelContext tensor_parallel() override;
-  ContextParallelContext context_parallel() override;
-  void SetContextParallel(const ContextParallelOptions& options) { cp_options_ = options; }
-  int pipeline_rank() const override { return coords_.pp_rank; }
-  int pipeline_stages() const override { return mesh_.pp(); }
-  comm::Communicator* pipeline_group() override;
-  int routing_replicas() const override { return mesh_.data_shards(); }
-  int64_t ModelParameterCount(const ParameterSet& params) override;
-  std::string LayoutDescription() const override;
-  int ranks_in_process() const override { return ranks_in_process_; }
-  int zero_stage() const { return zero_stage_; }
-  // Optimizer-state floats held by this rank (shows ZeRO's sharding); 0 before the first step.
-  int64_t optimizer_state_elements() const;
-
-  void BeginStep(ParameterSet& params) override;
-  void BeginMicrobatch(int64_t k, int64_t m) override { last_microbatch_ = k + 1 == m; }
+  int64_t ModelParameterCount(const ParameterSet&) override {
+    return buffer_.ModelParameterCount();
+  }
+  void BeginStep(ParameterSet& params) override { buffer_.BeginStep(params); }
+  void BeginMicrobatch(int64_t k, int64_t m) override { buffer_.BeginMicrobatch(k, m); }
   BlockObserver* block_observer() override { return this; }
-  void BeforeBlock(int64_t block, bool backward) override;
-  void AfterBlock(int64_t block, bool backward) override;
-  void FillSummary(RunSummary* summary) override;
-  void ReduceGradients(ParameterSet& params) override;
-  double GradSquaredNorm(const ParameterSet& params) override;
-  void ScaleGradients(ParameterSet& params, float factor) override;
-  void OptimizerStep(AdamW& optimizer, ParameterSet& params, float lr) override;
-  int64_t OptimizerStepCount(const AdamW& optimizer) override;
-  void GatherParameters(ParameterSet& params) override;
-  void ReleaseParameters(ParameterSet& params) override;
-  void AllReduceSum(std::span<double> values) override;
+  void BeforeBlock(int64_t block, bool backward) override { buffer_.BeforeBlock(block, backward); }
+  void AfterBlock(int64_t block, bool backward) override { buffer_.AfterBlock(block, backward); }
+  void FillSummary(RunSummary* summary) override { buffer_.FillSummary(summary); }
+  void ReduceGradients(ParameterSet& params) override { buffer_.ReduceGradients(params); }
+  double GradSquaredNorm(const ParameterSet&) override { return buffer_.GradSquaredNorm(); }
+  void ScaleGradients(ParameterSet&, float factor) override { buffer_.ScaleGradients(factor); }
+  void OptimizerStep(AdamW&, ParameterSet&, float lr) override { buffer_.Step(lr); }
+  int64_t OptimizerStepCount(const AdamW& optimizer) override {
+    return buffer_.StepCount(optimizer);
+  }
+  void GatherParameters(ParameterSet&) override { buffer_.GatherParameters(); }
+  void ReleaseParameters(ParameterSet&) override { buffer_.ReleaseParameters(); }
+  void AllReduceSum(std::span<double> values) override { buffer_.AllReduceSum(values); }
   TensorMap ModelValuesForCheckpoint(ParameterSet& params) override;
   TensorMap OptimizerStateForCheckpoint(const AdamW& optimizer, ParameterSet& params) override;
   void LoadModelValues(ParameterSet& params, const TensorMap& values) override;
@@ -197,59 +166,10 @@ class DistributedHooks : public TrainHooks, public BlockObserver {
                           ParameterSet& params) override;
 
  private:
-  struct MoeBlock {
-    std::string prefix;
-    moe::LayerConfig config;
-  };
-  // Full expert tensors out of every rank's shards (collective), or this rank's shard out of
-  // full tensors, for the names "<prefix>experts.<t><suffix>" of every MoE block in `map`.
-  void GatherExperts(TensorMap& map, const std::string& suffix);
-  void SliceExperts(TensorMap& map, const std::string& suffix) const;
-  parallel::Mesh BlockMesh(const MoeBlock& block) const;
-  // Every stage's part of a checkpoint map, on every rank (pp > 1: broadcast over the pipeline
-  // group, stage by stage). Collective.
-  void GatherStages(TensorMap& map);
-  // The single-rank tensors of the tensor-parallel shards in `map` ("<name><suffix>"; all-gather
-  // over tp, collective), or this rank's shards of them.
-  void GatherTensorParallel(ParameterSet& params, TensorMap& map, const std::string& suffix);
-  void SliceTensorParallel(ParameterSet& params, TensorMap& map, const std::string& suffix) const;
-
   std::shared_ptr<parallel::ProcessGroups> groups_;
-  comm::Communicator& world_;
-  const parallel::Mesh& mesh_;
-  int zero_stage_;
-  int ranks_in_process_;
-  ZeroOptions zero_options_;  // poison_non_owned, buckets (the meter is meter_)
-  MemoryMeter meter_;
-  bool overlap_ = true;
-  bool last_microbatch_ = true;
-  bool in_step_ = false;
-  int64_t steps_ = 0;
-  ReductionTimes run_times_;  // summed over the run's steps
-  // The optimizers, in the order every rank calls them (null before Prepare).
-  std::vector<ShardedAdamW*> Optimizers() const;
-  std::unordered_set<const Parameter*> owned_by_optimizer_;
-  comm::Communicator& tp_group_;     // the tensor-parallel group
-  comm::Communicator& data_;         // same tp rank (dp x cp): the tensor-parallel shards' replicas
-  comm::Communicator& tokens_;       // every rank with tokens of its own (replicated dense)
-  comm::Communicator& expert_data_;  // ranks holding the same expert shard (expert_sync)
-  TensorParallelOptions tp_options_;
-  ContextParallelOptions cp_options_;
-  parallel::RankCoords coords_;
-  std::vector<MoeBlock> moe_blocks_;
-  // How many ranks hold a copy of each element of the three optimizers' parameters.
-  double CopiesSplit() const;
-  double CopiesDense() const;
-  double CopiesExperts() const;
-  int64_t split_elements_ = 0, dense_elements_ = 0, expert_elements_ = 0;  // this rank's
-  std::unique_ptr<comm::Communicator> stage_owned_;
-  comm::Communicator* stage_ = nullptr;  // every rank of this stage (the world with pp 1)
-  bool tied_embedding_ = false;
-  std::unique_ptr<ShardedAdamW> copy_opt_;    // tied copies (the head stage's embed.weight)
-  std::unique_ptr<ShardedAdamW> split_opt_;   // tensor-parallel shards, over data_
-  std::unique_ptr<ShardedAdamW> dense_opt_;   // other dense parameters, over tokens_
-  std::unique_ptr<ShardedAdamW> expert_opt_;  // over expert_data_
-  bool gathered_ = true;
+  std::unique_ptr<comm::Communicator> stage_;  // every rank of this stage (null: pp 1)
+  ParamGradBuffer buffer_;
+  CheckpointLayout layout_;
   std::unique_ptr<internal::StepTrace> trace_;  // null: no step traced
 };
 

@@ -1,9 +1,11 @@
 // The training loop on one rank, structured for the parallel layouts to plug in:
 //   data (rows [rank * B / W, (rank + 1) * B / W) of step s's global batch)
-//   -> forward/backward -> hooks.ReduceGradients -> global-norm clip (norm reduced through the
-//   hooks) -> hooks.OptimizerStep (AdamW; ZeRO shards it) -> metrics.
-// TrainHooks' defaults are the single-rank behaviour; data parallelism / ZeRO / expert
-// parallelism implement them with a comm::Communicator in the layers above.
+//   -> the micro-batches' forward/backward through the pipeline executor (one stage: F then B per
+//   micro-batch) -> hooks.ReduceGradients -> global-norm clip (norm reduced through the hooks)
+//   -> hooks.OptimizerStep (AdamW; ZeRO shards it) -> metrics (StepSums, one reduction).
+// Where the rank sits is a ParallelContext (parallel_context.h; default: one rank). TrainHooks'
+// defaults are the single-rank behaviour; DistributedHooks (distributed.h) implements them with
+// the rank's ParamGradBuffer and CheckpointLayout.
 //
 // Trainer::Run adds the run directory: config.json, metrics.jsonl, loss.svg, expert_load.svg
 // (MoE models), checkpoints/, sample.txt, summary.json, and the progress bar.
@@ -18,6 +20,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <memory>
 #include <span>
 #include <string>
@@ -32,49 +35,29 @@
 #include "switchyard/train/metrics.h"
 #include "switchyard/train/model.h"
 #include "switchyard/train/optimizer.h"
+#include "switchyard/train/parallel_context.h"
 
 namespace switchyard::train {
 
 struct RunSummary;
+namespace internal {
+struct StepSums;  // src/train/step_sums.h
+}  // namespace internal
 
-// Where data parallelism, ZeRO and expert parallelism plug in. The defaults are one rank.
+// Where data parallelism, ZeRO and expert parallelism plug in: the operations on the parameters,
+// gradients and optimizer that depend on the layout (where this rank sits is the trainer's
+// ParallelContext, parallel_context.h). The defaults are one rank.
 class TrainHooks {
  public:
   virtual ~TrainHooks() = default;
 
-  virtual int rank() const { return 0; }
   // Around every training step (`step` 1-based, as StepMetrics::step): for the step trace.
   virtual void StepBegins(int64_t step) {}
   virtual void StepEnds(int64_t step) {}
-  virtual int world_size() const { return 1; }
-  // Ranks sharing this process's cores (ranks as threads), for the threading policy.
-  virtual int ranks_in_process() const { return 1; }
-  // The data-parallel coordinate: the batch's rows are split over data_size() shards and this
-  // rank trains rows of shard data_rank() (the ranks of a tensor-parallel group share theirs).
-  virtual int data_rank() const { return rank(); }
-  virtual int data_size() const { return world_size(); }
-  // Whether this rank's loss and token count, and its routing statistics, enter the global sums
-  // (once per group of ranks that compute the same ones: the tensor-parallel ranks share the
-  // loss, and without sequence parallelism the routing too).
-  virtual bool reports_loss() const { return true; }
-  virtual bool reports_routing() const { return true; }
   // Trainable elements of the whole model (not only this rank's shards). Collective.
   virtual int64_t ModelParameterCount(const ParameterSet& params) {
     return params.NumTrainableElements();
   }
-  // Pipeline parallelism: this rank's stage, the number of stages and the pipeline group (one
-  // rank of each stage with the same tp and data-parallel coordinates; null without pipelining).
-  virtual int pipeline_rank() const { return 0; }
-  virtual int pipeline_stages() const { return 1; }
-  virtual comm::Communicator* pipeline_group() { return nullptr; }
-  // Ranks of a stage that report routing statistics (reports_routing) for each MoE block it
-  // holds: the token shards of a stage.
-  virtual int routing_replicas() const { return 1; }
-  // One line naming the parallel layout for the run's header ("" for one rank).
-  virtual std::string LayoutDescription() const { return ""; }
-  // The tensor- and context-parallel layouts the model is built with (none by default).
-  virtual TensorParallelContext tensor_parallel() { return {}; }
-  virtual ContextParallelContext context_parallel() { return {}; }
 
   // After backward: turn this rank's gradients into the global batch's (average over the
   // data-parallel group for dense parameters, over ep_dp for experts; ZeRO-2 reduce-scatters).
@@ -98,7 +81,7 @@ class TrainHooks {
     GatherParameters(params);
     params.ZeroGrad();
   }
-  // Before micro-batch k of m of a step (pipeline_stages() == 1 only).
+  // Before micro-batch k of m of a step (one pipeline stage only).
   virtual void BeginMicrobatch(int64_t k, int64_t m) {}
   // At the end of a run: fills the summary's ZeRO memory and reduction figures. Collective.
   virtual void FillSummary(RunSummary* summary) {}
@@ -126,8 +109,6 @@ class TrainHooks {
                                   ParameterSet& params) {
     optimizer.LoadState(state, step, params);
   }
-  // Only one rank writes the run directory.
-  virtual bool writes_run_directory() const { return rank() == 0; }
 };
 
 // The identity of a corpus for checkpoints: its files (absolute paths), its bytes (training
@@ -221,13 +202,15 @@ class Trainer {
  public:
   // Loads the corpus and builds the model and optimizer. `moe_factory` builds the MoE FFNs
   // (null: single-rank MoeFeedForward layers of MoeLayerConfig(config)); `hooks` may be null
-  // (one rank) and must outlive the trainer. Runs BLAS single-threaded (one rank per process:
-  // sets it) and splits its work over `threads()` compute threads itself.
-  Trainer(TrainConfig config, FeedForwardFactory moe_factory = nullptr,
-          TrainHooks* hooks = nullptr);
+  // (one rank) and must outlive the trainer; `context` is where this rank sits in the layout
+  // (default: one rank), its communicators must outlive the trainer. Runs BLAS single-threaded (one
+  // rank per process: sets it) and splits its work over `threads()` compute threads itself.
+  Trainer(TrainConfig config, FeedForwardFactory moe_factory = nullptr, TrainHooks* hooks = nullptr,
+          ParallelContext context = {});
   ~Trainer();
 
   const TrainConfig& config() const { return config_; }
+  const ParallelContext& context() const { return ctx_; }
   TransformerLm& model() { return *model_; }
   AdamW& optimizer() { return optimizer_; }
   const Corpus& corpus() const { return corpus_; }
@@ -278,14 +261,44 @@ class Trainer {
   struct StepTotals;
   void RunMicrobatches(const std::vector<Batch>& batches, const std::vector<int64_t>& row_begins,
                        const ForwardOptions& options, StepTotals* totals);
+  // This step's figures summed over the ranks (collective): each loss and routing statistic
+  // counted once per group of ranks that share it and by the stage that computes it.
+  internal::StepSums SumOverRanks(const StepTotals& totals, const FeedForwardTimes& moe_times,
+                                  const parallel::CommStats& tp_stats, double t0);
   // A forward of `tokens` through every stage (pipeline ranks pass activations on); the head's
   // stage returns its output (others an empty one). Collective over the pipeline group.
   LmOutput PipelineForward(const Tensor& tokens, const Tensor& targets,
                            const ForwardOptions& options, bool keep_logits);
-  // The end of a run on the writer: sample.txt, summary.json and the final lines.
+  // The phases of Run (trainer_run.cc), over the state they share.
+  struct RunState;
+  // Takes the run directory (resuming from options.resume) and prints the run's header.
+  void BeginRun(RunState& r);
+  void OpenRunDirectory(RunState& r);
+  // After step `m`: its metrics line, evaluation, progress and checkpoint. False: a signal
+  // asked the run to stop (the step was saved).
+  bool RecordStep(RunState& r, const StepMetrics& m);
+  // The writer's records of a step (the evaluation line, metrics.jsonl, the figures).
+  void WriteStepRecords(RunState& r, const StepMetrics& m, double val, bool log_line,
+                        bool evaluate);
+  // The summary's figures and the run-end files, at the last step.
+  void FinishRun(RunState& r);
+  // After a failure: saves the last completed step when every rank can take part; returns the
+  // note for the error's message.
+  std::string SaveAfterFailure(RunState& r, const std::exception_ptr& error);
+  // Whether any rank failed (collective): only the writer's own work can fail on one rank
+  // without the others noticing; this makes every rank stop at the same point.
+  bool AnyFailed(const std::exception_ptr& error);
+  // Throws (`error`, or on the other ranks that the writer failed) when AnyFailed.
+  void StopIfAnyFailed(RunState& r, const std::exception_ptr& error);
+  // The stop signal some rank received (0: none), the same on every rank (collective).
+  int AgreedStop(const RunOptions& options);
+  void WriteFigures(const RunState& r) const;
+  // The end of a run on the writer: sample.txt, summary.json and the final lines
+  // (trainer_run_end.cc).
   void WriteRunEnd(const RunSummary& summary, bool moe) const;
 
   TrainConfig config_;
+  ParallelContext ctx_;
   std::FILE* run_out_ = stdout;  // Run's output stream
   TrainHooks default_hooks_;
   TrainHooks* hooks_;
@@ -302,7 +315,11 @@ class Trainer {
   std::unique_ptr<TransformerLm> model_;
   AdamW optimizer_;
   LrSchedule schedule_;
-  parallel::Schedule pipeline_;  // the pipeline schedule (pp > 1)
+  // The schedule every step runs (one stage: F then B per micro-batch) and the group it runs on
+  // (the context's pipeline group, or a one-rank group of the trainer's own).
+  parallel::Schedule pipeline_;
+  comm::Communicator* pipeline_group_ = nullptr;
+  std::unique_ptr<comm::Communicator> own_group_;
   int64_t step_ = 0;
 };
 
