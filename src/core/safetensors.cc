@@ -82,9 +82,13 @@ uint64_t NonNegativeInteger(const Json& v, const Where& where, std::string_view 
   where.Fail("{} holds {}: expected a non-negative integer", field, Abbreviated(v));
 }
 
-DType ParseDType(const Json& v, const Where& where) {
+DType ParseDType(const Json& v, const Where& where, bool accept_float16, bool* float16) {
   if (!v.is_string()) where.Fail("dtype is {}: expected a string such as \"F32\"", Abbreviated(v));
   const auto& name = v.get_ref<const std::string&>();
+  if (accept_float16 && name == "F16") {
+    *float16 = true;
+    return DType::kBFloat16;  // the same element size; SafetensorsEntry::float16 says which
+  }
   for (const auto& e : kSupportedDTypes) {
     if (e.name == name) return e.dtype;
   }
@@ -97,7 +101,7 @@ DType ParseDType(const Json& v, const Where& where) {
 }
 
 SafetensorsEntry ParseEntry(const std::string& name, const Json& info, uint64_t data_size,
-                            std::string_view what) {
+                            std::string_view what, bool accept_float16) {
   Where where(what, name);
   if (!info.is_object()) {
     where.Fail("entry is {}: expected an object with dtype, shape and data_offsets",
@@ -111,7 +115,7 @@ SafetensorsEntry ParseEntry(const std::string& name, const Json& info, uint64_t 
     return *it;
   };
 
-  entry.dtype = ParseDType(field("dtype"), where);
+  entry.dtype = ParseDType(field("dtype"), where, accept_float16, &entry.float16);
 
   const Json& shape = field("shape");
   if (!shape.is_array()) where.Fail("shape is {}: expected an array of sizes", Abbreviated(shape));
@@ -159,8 +163,8 @@ SafetensorsEntry ParseEntry(const std::string& name, const Json& info, uint64_t 
 }
 
 // Parses and validates the JSON header. `data_size` is the size of the data section after it.
-SafetensorsHeader ParseHeaderText(std::string_view text, uint64_t data_size,
-                                  std::string_view what) {
+SafetensorsHeader ParseHeaderText(std::string_view text, uint64_t data_size, std::string_view what,
+                                  bool accept_float16 = false) {
   SY_REQUIRE(!text.empty(), IoError, "{}: the safetensors header is empty", what);
   SY_REQUIRE(text.front() == '{', IoError,
              "{}: the safetensors header does not start with '{{' (byte 0x{:02x}): not a "
@@ -227,7 +231,7 @@ SafetensorsHeader ParseHeaderText(std::string_view text, uint64_t data_size,
       }
       continue;
     }
-    header.tensors.push_back(ParseEntry(key, value, data_size, what));
+    header.tensors.push_back(ParseEntry(key, value, data_size, what, accept_float16));
   }
 
   // The data section must be covered exactly: sorted by offsets, each tensor starts where the
@@ -350,13 +354,14 @@ std::span<const std::byte> TensorBytes(const Tensor& t) {
   return {static_cast<const std::byte*>(t.raw()), t.nbytes()};
 }
 
-SafetensorsHeader ReadHeader(const RandomAccessFile& file) {
+SafetensorsHeader ReadHeader(const RandomAccessFile& file, bool accept_float16 = false) {
   std::array<std::byte, 8> prefix{};
   if (file.size() >= 8) file.ReadAt(0, prefix);
   uint64_t n = HeaderLength(prefix, file.size(), file.path());
   std::string text(n, '\0');
   file.ReadAt(8, std::as_writable_bytes(std::span<char>(text.data(), text.size())));
-  SafetensorsHeader header = ParseHeaderText(text, file.size() - 8 - n, file.path());
+  SafetensorsHeader header =
+      ParseHeaderText(text, file.size() - 8 - n, file.path(), accept_float16);
   header.data_start = 8 + n;
   return header;
 }
@@ -399,9 +404,9 @@ TensorMap ReadSafetensors(const std::string& path) {
   return out;
 }
 
-SafetensorsHeader ReadSafetensorsHeader(const std::string& path) {
+SafetensorsHeader ReadSafetensorsHeader(const std::string& path, bool accept_float16) {
   RandomAccessFile file(path);
-  return ReadHeader(file);
+  return ReadHeader(file, accept_float16);
 }
 
 std::map<std::string, std::string> ReadSafetensorsMetadata(const std::string& path) {

@@ -162,9 +162,11 @@ std::string_view NormKindName(NormKind kind) {
   return kind == NormKind::kLayerNorm ? "layernorm" : "rmsnorm";
 }
 
-Norm::Norm(ParameterSet& params, const std::string& prefix, int64_t dim, NormKind kind)
-    : dim_(dim), kind_(kind) {
+Norm::Norm(ParameterSet& params, const std::string& prefix, int64_t dim, NormKind kind, float eps)
+    : dim_(dim), kind_(kind), eps_(eps) {
   SY_REQUIRE(dim > 0, InvalidArgument, "{}: Norm dim must be positive, got {}", prefix, dim);
+  SY_REQUIRE(eps > 0 && std::isfinite(eps), InvalidArgument,
+             "{}: Norm eps must be a positive finite number, got {}", prefix, eps);
   weight_ = &params.Add(prefix + "weight", Tensor::Full({dim}, 1.0));
   if (kind == NormKind::kLayerNorm) bias_ = &params.Add(prefix + "bias", Tensor::Zeros({dim}));
 }
@@ -191,7 +193,7 @@ Tensor Norm::Forward(const Tensor& x, NormCache* cache, int threads) const {
         mp[i] = mu;
       }
       const float ss = kernels::SumSquaredDeviation(xr, mu, dim_);
-      float rs = 1.0f / std::sqrt(ss / static_cast<float>(dim_) + kEps);
+      float rs = 1.0f / std::sqrt(ss / static_cast<float>(dim_) + eps_);
       rp[i] = rs;
       if (b != nullptr) {
         for (int64_t j = 0; j < dim_; ++j) yr[j] = (xr[j] - mu) * rs * w[j] + b[j];

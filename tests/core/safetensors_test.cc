@@ -143,6 +143,29 @@ TEST(Safetensors, MetadataAndHeader) {
 }
 
 // Byte vectors from the reference (Rust) implementation's own serialization tests.
+// F16 is refused everywhere except a header read that asks for it (the Hugging Face weights
+// reader, which converts the values itself): then the entry says float16, with the element size
+// of bfloat16, and the layout checks hold as for any entry.
+TEST(Safetensors, HeaderReadAcceptsFloat16OnlyWhenAsked) {
+  TempDir dir;
+  const std::string path = dir.File("h.safetensors");
+  WriteFileAtomic(path, MakeFile(R"({"h":{"dtype":"F16","shape":[3],"data_offsets":[0,6]},)"
+                                 R"("f":{"dtype":"F32","shape":[1],"data_offsets":[6,10]}})",
+                                 ZeroBytes(10)));
+  EXPECT_THROW(ReadSafetensorsHeader(path), IoError);
+  EXPECT_THROW(ReadSafetensors(path), IoError);
+  SafetensorsHeader h = ReadSafetensorsHeader(path, /*accept_float16=*/true);
+  ASSERT_EQ(h.tensors.size(), 2u);
+  EXPECT_EQ(h.tensors[0].name, "h");
+  EXPECT_TRUE(h.tensors[0].float16);
+  EXPECT_EQ(h.tensors[0].data_end, 6u);
+  EXPECT_FALSE(h.tensors[1].float16);
+  // 3 halves need 6 bytes, not 8: still checked.
+  WriteFileAtomic(
+      path, MakeFile(R"({"h":{"dtype":"F16","shape":[3],"data_offsets":[0,8]}})", ZeroBytes(8)));
+  EXPECT_THROW(ReadSafetensorsHeader(path, true), IoError);
+}
+
 TEST(Safetensors, ByteExactWithTheReferenceImplementation) {
   TensorMap one{{"attn.0", Tensor::FromVector<float>({0, 1, 2, 3, 4, 5}, {1, 2, 3})}};
   EXPECT_EQ(SerializeSafetensors(one),

@@ -48,6 +48,10 @@ struct SafetensorsEntry {
   Shape shape;
   uint64_t data_begin = 0;  // byte offsets relative to the start of the data section
   uint64_t data_end = 0;
+  // "F16" (IEEE half), only from ReadSafetensorsHeader(path, accept_float16 = true): switchyard
+  // holds no float16 tensors, so `dtype` is then kBFloat16 (the same element size) and the caller
+  // converts the raw bytes itself (the Hugging Face reader converts them to float32).
+  bool float16 = false;
 };
 
 // A validated header.
@@ -72,8 +76,9 @@ TensorMap ParseSafetensors(std::span<const std::byte> bytes, std::string_view wh
 // it against the file size like ReadSafetensors.
 std::map<std::string, std::string> ReadSafetensorsMetadata(const std::string& path);
 
-// Names, dtypes, shapes and offsets of a file's tensors, without reading their data.
-SafetensorsHeader ReadSafetensorsHeader(const std::string& path);
+// Names, dtypes, shapes and offsets of a file's tensors, without reading their data. With
+// accept_float16, "F16" entries are accepted too (SafetensorsEntry::float16).
+SafetensorsHeader ReadSafetensorsHeader(const std::string& path, bool accept_float16 = false);
 
 // Writes `tensors` (and `metadata`, omitted when empty) to `path` atomically: on any error the
 // previous file at `path` is left intact. Throws InvalidArgument for an undefined tensor, a

@@ -91,13 +91,16 @@ struct NormCache {
 };
 
 // Normalization over the last dimension. "<prefix>weight" [dim] = 1, and for LayerNorm
-// "<prefix>bias" [dim] = 0 (no weight decay on either).
+// "<prefix>bias" [dim] = 0 (no weight decay on either). `eps` is added to the variance (mean
+// square for RMSNorm): kEps by default, the model's `rms_norm_eps` for the Hugging Face families.
 class Norm {
  public:
   static constexpr float kEps = 1e-5f;
 
-  Norm(ParameterSet& params, const std::string& prefix, int64_t dim, NormKind kind);
+  Norm(ParameterSet& params, const std::string& prefix, int64_t dim, NormKind kind,
+       float eps = kEps);
 
+  float eps() const { return eps_; }
   NormKind kind() const { return kind_; }
   Tensor Forward(const Tensor& x, NormCache* cache, int threads = 1) const;
   Tensor Backward(const NormCache& cache, const Tensor& dy, int threads = 1) const;
@@ -105,6 +108,7 @@ class Norm {
  private:
   int64_t dim_;
   NormKind kind_;
+  float eps_;
   Parameter* weight_;
   Parameter* bias_ = nullptr;
 };
