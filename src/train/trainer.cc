@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "switchyard/comm/inprocess.h"
+#include "switchyard/comm/self.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/limits.h"
 #include "switchyard/core/threading.h"
@@ -137,9 +137,7 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
     pipeline_ = parallel::MakeSchedule(PipelineScheduleConfig(c));
   } else {
     if (pipeline_group_ == nullptr || pipeline_group_->size() != 1) {
-      comm::InProcessOptions one;
-      one.name = "pipeline";
-      own_group_ = std::move(comm::CreateInProcessWorld(1, one).front());
+      own_group_ = comm::CreateSelfCommunicator("pipeline");
       pipeline_group_ = own_group_.get();
     }
     pipeline_ = parallel::MakeSchedule(
