@@ -5,7 +5,7 @@
 #include <optional>
 #include <utility>
 
-#include "switchyard/comm/inprocess.h"
+#include "switchyard/comm/self.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/train/weight_grad.h"
 #include "train/parallel_for.h"
@@ -294,9 +294,7 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
   ValidateModelConfig(c);
   if (tp_.group == nullptr) {
     // tp 1: the same layers over a one-rank group (their pairs return their arguments).
-    comm::InProcessOptions one_rank;
-    one_rank.name = "tp (one rank)";
-    own_tp_group_ = std::move(comm::CreateInProcessWorld(1, one_rank).front());
+    own_tp_group_ = comm::CreateSelfCommunicator("tp (one rank)");
     tp_.group = own_tp_group_.get();
   }
   if (tp_.group->size() == 1) tp_.options = {};  // nothing to shard or overlap
