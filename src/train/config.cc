@@ -267,7 +267,11 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"moe_layer_config", "layer.json with the other MoE options (preset, drop policy, ...)"},
       {"check_finite", "MoE blocks reject non-finite inputs (true | false)"},
       {"routing_scope", "MoE capacity, drops and balancing losses over: global | per_rank"},
-      {"data", "training text: files and directories, comma-separated (default: fortunes)"},
+      {"data",
+       "training data: text files and directories, comma-separated (default: fortunes), or a "
+       "blend \"W1 SOURCE1 W2 SOURCE2 ...\" of text, Megatron prefixes, nanoGPT/llm.c .bin files"},
+      {"data_format", "format of the data sources: auto | text | megatron | nanogpt | llmc"},
+      {"tokenizer", "bytes (vocabulary 256) | a SentencePiece PREFIX.model (its vocabulary)"},
       {"val_data", "held-out text for the validation loss, as data (default: val_fraction)"},
       {"val_fraction", "fraction of records held out for the validation loss"},
       {"steps", "training steps"},
@@ -335,7 +339,8 @@ std::vector<ConfigKey> TrainConfigKeys() {
                        : std::is_same_v<T, bool>               ? "BOOL"
                        : std::is_integral_v<T>                 ? "INT"
                        : std::is_floating_point_v<T>           ? "FLOAT"
-                       : k == "data" || k == "val_data" || k == "out" || k == "moe_layer_config"
+                       : k == "data" || k == "val_data" || k == "out" || k == "moe_layer_config" ||
+                               k == "tokenizer"
                            ? "PATH"
                            : "NAME";
     keys.push_back({key, it->second, type});

@@ -31,6 +31,8 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("check_finite", c.check_finite);
   fn("routing_scope", c.routing_scope);
   fn("data", c.data);
+  fn("data_format", c.data_format);
+  fn("tokenizer", c.tokenizer);
   fn("val_data", c.val_data);
   fn("val_fraction", c.val_fraction);
   fn("steps", c.steps);

@@ -42,10 +42,17 @@ struct TrainConfig {
   // parallel rank's own tokens; W data-parallel ranks equal one rank with microbatches = W).
   std::string routing_scope = "global";
 
-  // Data.
-  // Training text: files and directories (every regular file in a directory, sorted; ".dat"
-  // indexes and symlinks skipped), comma-separated; "" = the fortunes corpus (kFortunesDir).
+  // Data (docs/data.md, "Training on it").
+  // Training data: text files and directories (every regular file in a directory, sorted; ".dat"
+  // indexes and symlinks skipped), comma-separated; "" = the fortunes corpus (kFortunesDir). Or a
+  // weighted blend "W1 SOURCE1 W2 SOURCE2 ..." (Megatron's --data-path), each source a text file
+  // or directory, a Megatron prefix or a nanoGPT / llm.c .bin, as `data_format` says.
   std::string data;
+  // auto | text | megatron | nanogpt | llmc (auto: by suffix and header).
+  std::string data_format = "auto";
+  // "bytes" (vocabulary 256) or a SentencePiece model file (PREFIX.model): the model's vocabulary
+  // is the tokenizer's, text data is encoded with it, samples decode through it.
+  std::string tokenizer = "bytes";
   // Held-out text for the validation loss, in the same form; "" = every k-th record of `data`
   // (val_fraction). When set, all of `data` trains and val_fraction is not used.
   std::string val_data;
