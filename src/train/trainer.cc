@@ -20,6 +20,7 @@
 #include "switchyard/kernels/cpu_features.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/gemm_backend.h"
+#include "switchyard/train/dataset/metrics.h"
 #include "switchyard/train/generate.h"
 #include "switchyard/train/memory_estimate.h"
 #include "switchyard/train/moe_feed_forward.h"
@@ -39,24 +40,6 @@ double Now() {
 }
 
 }  // namespace
-
-std::string DataIdentityJson(const Corpus& corpus) {
-  std::vector<std::string> files;
-  for (const std::string& f : corpus.files) {
-    std::error_code ec;
-    const std::filesystem::path p = std::filesystem::absolute(f, ec);
-    files.push_back(ec ? f : p.lexically_normal().string());
-  }
-  // The hash of train then held-out bytes, without copying the corpus.
-  const uint64_t hash = Fnv1a64(std::as_bytes(std::span(corpus.val)),
-                                Fnv1a64(std::as_bytes(std::span(corpus.train))));
-  json names = json::array();
-  for (const std::string& f : files) names.push_back(json::parse(StringToJsonValue(f)));
-  json j = {{"files", names},
-            {"bytes", corpus.train.size() + corpus.val.size()},
-            {"fnv1a64", fmt::format("{:016x}", hash)}};
-  return j.dump();
-}
 
 uint64_t TrainingMemoryBytes(const TrainConfig& c, int ranks_in_process) {
   // Every rank of the process holds its layout's share (memory_estimate.h).
@@ -91,12 +74,6 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
 
   // Everything the run will need is checked here, before the first step: the sizes and memory,
   // the data and its held-out split, the MoE layer's options, text generation.
-  SY_REQUIRE(c.model.vocab_size >= 256, InvalidArgument,
-             "config: byte-level data needs vocab_size >= 256, got {}", c.model.vocab_size);
-  SY_REQUIRE(c.sample_tokens == 0 || c.model.vocab_size == 256, InvalidArgument,
-             "config: 'sample_tokens' {} generates bytes, which needs vocab_size 256, got {}: "
-             "set 'sample_tokens' to 0 to train without the final sample",
-             c.sample_tokens, c.model.vocab_size);
   SY_REQUIRE(c.eval_tokens == 0 || c.eval_tokens >= c.model.seq_len, InvalidArgument,
              "config: 'eval_tokens' {} is less than one evaluation window of seq_len {} tokens "
              "(0: all held-out tokens)",
@@ -109,20 +86,14 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
   check_finite_ = c.model.moe_every > 0 && moe_layer.check_finite;
   if (NumMoeBlocks(c.model) > 0) moe_layer_json_ = moe::ToJson(moe_layer);
 
-  corpus_ = LoadRunCorpus(c.data, c.val_data, c.val_fraction, &corpus_note_);
-  data_json_ = DataIdentityJson(corpus_);
-  unigram_entropy_ = UnigramEntropy(corpus_.train);
-  sampler_ = std::make_unique<BatchSampler>(corpus_.train, c.model.seq_len, c.seed);
-  eval_batches_ = EvaluationBatches(corpus_.val, c.model.seq_len, c.batch_size, c.eval_tokens,
-                                    hooks_->data_size());
-  SY_REQUIRE((c.val_data.empty() && c.val_fraction == 0) || !eval_batches_.empty(), InvalidArgument,
-             "data: the held-out text ({} bytes, {}) is shorter than one evaluation window of "
-             "seq_len + 1 = {} tokens: use a longer text, a larger val_fraction or a smaller "
-             "seq_len, or val_fraction 0 to train without a validation loss",
-             corpus_.val.size(),
-             c.val_data.empty() ? fmt::format("val_fraction {}", c.val_fraction)
-                                : fmt::format("val_data {}", c.val_data),
-             c.model.seq_len + 1);
+  data_ = std::make_unique<TrainingData>(TrainingDataOptionsOf(c, hooks_->data_size()));
+  SY_REQUIRE(c.sample_tokens == 0 || c.model.vocab_size == data_->tokenizer().vocab_size(),
+             InvalidArgument,
+             "config: 'sample_tokens' {} generates text through the tokenizer {} (vocabulary {}), "
+             "which needs vocab_size {}, got {}: set 'sample_tokens' to 0 to train without the "
+             "final sample",
+             c.sample_tokens, data_->tokenizer().name(), data_->tokenizer().vocab_size(),
+             data_->tokenizer().vocab_size(), c.model.vocab_size);
 
   if (moe_factory == nullptr && c.model.moe_every > 0) {
     moe_factory =
@@ -286,9 +257,10 @@ StepMetrics Trainer::Step() {
   for (int64_t k = 0; k < m; ++k) {
     const int64_t begin = k * rows + rows * shard / shards;
     const int64_t end = k * rows + rows * (shard + 1) / shards;
-    batches.push_back(sampler_->Sample(step_, c.batch_size, begin, end));
+    batches.push_back(data_->Sample(step_, c.batch_size, begin, end));
     row_begins.push_back(begin);
   }
+  if (batch_observer_) batch_observer_(step_, row_begins, batches);
 
   ParameterSet& params = model_->parameters();
   model_->TakeMoeTimes();  // drop what evaluation or sampling spent in the MoE layers
@@ -458,7 +430,7 @@ double Trainer::Evaluate() {
   fo.step = static_cast<uint64_t>(step_);
   fo.threads = threads_;
   std::vector<double> sums = {0, 0};
-  for (const Batch& whole : eval_batches_) {
+  for (const Batch& whole : data_->eval_batches()) {
     const int64_t rows = whole.tokens.size(0);
     const int64_t begin = rows * rank / world, end = rows * (rank + 1) / world;
     Batch b{whole.tokens.Slice(begin, end), whole.targets.Slice(begin, end)};
@@ -481,7 +453,7 @@ CheckpointData Trainer::Snapshot() {
   d.seed = config_.seed;
   d.global_batch = config_.batch_size;
   d.config_json = TrainConfigToJson(config_);
-  d.data_json = data_json_;
+  d.data_json = data_->identity_json();
   d.moe_layer_json = moe_layer_json_;
   d.model = hooks_->ModelValuesForCheckpoint(params);
   d.optimizer = hooks_->OptimizerStateForCheckpoint(optimizer_, params);
@@ -535,11 +507,11 @@ void Trainer::Restore(const CheckpointData& data, const std::string& source) {
              "leave them out on the command line): {}",
              differences.size(), fmt::join(differences, "; "));
   if (!data.data_json.empty()) {
-    const json a = json::parse(data.data_json), b = json::parse(data_json_);
+    const json a = json::parse(data.data_json), b = json::parse(data_->identity_json());
     SY_REQUIRE(a.at("bytes") == b.at("bytes") && a.at("fnv1a64") == b.at("fnv1a64"),
                InvalidArgument,
                "resume: the checkpoint was trained on {} ({} bytes, fnv1a64 {}), this run's data "
-               "is {} ({} bytes, fnv1a64 {}): set 'data' to the checkpoint's text",
+               "is {} ({} bytes, fnv1a64 {}): set 'data' (and 'tokenizer') to the checkpoint's",
                a.at("files").dump(), a.at("bytes").dump(), a.at("fnv1a64").dump(),
                b.at("files").dump(), b.at("bytes").dump(), b.at("fnv1a64").dump());
   }
@@ -569,25 +541,28 @@ std::string Trainer::Sample(int64_t tokens, const std::string& prompt) {
   o.seed = config_.seed;
   o.threads = threads_;
   hooks_->GatherParameters(model_->parameters());
-  if (hooks_->pipeline_stages() == 1) return GenerateText(*model_, o);
   // Pipelined: every step's logits come from the head's stage, broadcast to the others, so that
   // every rank draws the same tokens.
   ForwardOptions fo;
   fo.training = false;
   fo.save_for_backward = false;
   fo.threads = threads_;
-  comm::Communicator& group = *hooks_->pipeline_group();
-  return GenerateText(
-      config_.model,
-      [&](const Tensor& window) {
-        LmOutput out = PipelineForward(window, Tensor(), fo, true);
-        Tensor logits = out.logits.defined()
-                            ? out.logits.Clone()
-                            : Tensor::Empty({window.numel(), config_.model.vocab_size});
-        group.Broadcast(logits, {.root = group.size() - 1}).Wait();
-        return logits;
-      },
-      o);
+  const LogitsFunction logits = [&](const Tensor& window) {
+    if (hooks_->pipeline_stages() == 1) return model_->Forward(window, Tensor(), fo).logits;
+    comm::Communicator& group = *hooks_->pipeline_group();
+    LmOutput out = PipelineForward(window, Tensor(), fo, true);
+    Tensor l = out.logits.defined() ? out.logits.Clone()
+                                    : Tensor::Empty({window.numel(), config_.model.vocab_size});
+    group.Broadcast(l, {.root = group.size() - 1}).Wait();
+    return l;
+  };
+  const dataset::Tokenizer& tokenizer = data_->tokenizer();
+  if (tokenizer.name() == "bytes") return GenerateText(config_.model, logits, o);
+  // Through the tokenizer: the prompt encoded (empty: the end-of-document id, as after a
+  // document), the ids generated decoded.
+  std::vector<int32_t> ids = tokenizer.Encode(prompt);
+  if (ids.empty()) ids.push_back(tokenizer.eod_id().value_or(0));
+  return tokenizer.Decode(GenerateTokens(config_.model, logits, o, std::move(ids)));
 }
 
 namespace {
@@ -691,14 +666,17 @@ RunSummary Trainer::Run(const RunOptions& options) {
   if (writer) {
     fmt::print(out,
                "model: {} parameters, {} layer(s), model_dim {}, {} heads, seq_len {}{}\n"
-               "data: {} ({} train / {} held-out bytes), unigram entropy {:.3f} nats/byte\n"
+               "data: {}{}\n"
                "run: {} steps x {} sequences ({} tokens/step), {} compute thread(s), out {}\n",
                params, c.model.num_layers, c.model.model_dim, c.model.num_heads, c.model.seq_len,
                moe ? fmt::format(", MoE every {} blocks", c.model.moe_every) : "",
-               c.data.empty() ? std::string("fortunes corpus") : EscapeForTerminal(c.data),
-               corpus_.train.size(), corpus_.val.size(), unigram_entropy_, c.steps, c.batch_size,
-               c.batch_size * c.model.seq_len, threads_, EscapeForTerminal(run_dir));
-    if (!corpus_note_.empty()) fmt::print(out, "{}\n", corpus_note_);
+               EscapeForTerminal(data_->Description()),
+               std::isfinite(data_->unigram_entropy())
+                   ? fmt::format(", unigram entropy {:.3f} nats/byte", data_->unigram_entropy())
+                   : "",
+               c.steps, c.batch_size, c.batch_size * c.model.seq_len, threads_,
+               EscapeForTerminal(run_dir));
+    if (!data_->note().empty()) fmt::print(out, "{}\n", data_->note());
     const std::string layout = hooks_->LayoutDescription();
     if (!layout.empty()) fmt::print(out, "layout: {}\n", layout);
   }
@@ -713,7 +691,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
       c.model.model_dim, c.data.empty() ? std::string("fortunes") : EscapeForTerminal(c.data));
   auto write_figures = [&] {
     if (!writer) return;
-    WriteLossSvg(run_dir + "/loss.svg", history, unigram_entropy_, title);
+    WriteLossSvg(run_dir + "/loss.svg", history, data_->unigram_entropy(), title);
     if (moe) {
       WriteExpertLoadSvg(run_dir + "/expert_load.svg", history,
                          fmt::format("tokens routed to each expert per {} steps", c.log_every));
@@ -722,7 +700,8 @@ RunSummary Trainer::Run(const RunOptions& options) {
 
   RunSummary summary;
   summary.run_dir = run_dir;
-  summary.unigram_entropy = unigram_entropy_;
+  summary.unigram_entropy = data_->unigram_entropy();
+  summary.bytes_per_token = data_->bytes_per_token();
   summary.parameters = params;
   summary.flops_per_token =
       TrainingFlopsPerToken(c.model, moe ? c.num_experts : 0, c.top_k, c.expert_hidden_dim);
@@ -822,8 +801,8 @@ RunSummary Trainer::Run(const RunOptions& options) {
       }
       double val = NAN;
       const bool last = step_ == c.steps;
-      const bool evaluate =
-          !eval_batches_.empty() && ((c.eval_every > 0 && step_ % c.eval_every == 0) || last);
+      const bool evaluate = !data_->eval_batches().empty() &&
+                            ((c.eval_every > 0 && step_ % c.eval_every == 0) || last);
       if (evaluate) {
         val = Evaluate();
         last_val = val;
@@ -834,10 +813,13 @@ RunSummary Trainer::Run(const RunOptions& options) {
       std::exception_ptr writer_error = Capture([&] {
         if (!writer) return;
         if (std::isfinite(val)) {
+          const double h = data_->unigram_entropy(), bpt = data_->bytes_per_token();
           bar.Print(fmt::format(
-              "step {}: val_ce_loss {:.4f}{}, unigram entropy {:.3f}", step_, val,
+              "step {}: val_ce_loss {:.4f}{}, {}", step_, val,
               acc_good > 0 ? fmt::format(" (train ce_loss {:.4f})", acc.ce_loss / good) : "",
-              unigram_entropy_));
+              std::isfinite(h)     ? fmt::format("unigram entropy {:.3f}", h)
+              : std::isfinite(bpt) ? fmt::format("{:.4f} bits/byte", dataset::BitsPerByte(val, bpt))
+                                   : std::string("bits/byte unknown")));
         }
         if (log_line) {
           StepMetrics line = acc;
@@ -858,6 +840,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
               acc_time > 0 ? static_cast<double>(c.batch_size * c.model.seq_len) * n / acc_time
                            : NAN;
           line.val_loss = val;
+          SetPerByteFigures(line, data_->bytes_per_token());
           metrics->Append(line);
           history.push_back(line);
           if (evaluate) write_figures();
@@ -1026,6 +1009,10 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
   const std::string& run_dir = summary.run_dir;
   std::FILE* out = run_out_;
   auto finite = [](double v) { return std::isfinite(v) ? json(v) : json(); };
+  auto bits_per_byte = [&](double loss) {
+    const double bpt = summary.bytes_per_token;
+    return std::isfinite(loss) && std::isfinite(bpt) ? dataset::BitsPerByte(loss, bpt) : NAN;
+  };
   json s = {{"steps", summary.steps},
             {"seconds", summary.seconds},
             {"parameters", summary.parameters},
@@ -1034,6 +1021,11 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
             {"tokens_per_s_median", finite(summary.tokens_per_s)},
             {"final_train_ce_loss", finite(summary.final_train_ce_loss)},
             {"final_val_ce_loss", finite(summary.final_val_ce_loss)},
+            {"final_train_perplexity", finite(std::exp(summary.final_train_ce_loss))},
+            {"final_val_perplexity", finite(std::exp(summary.final_val_ce_loss))},
+            {"bytes_per_token", finite(summary.bytes_per_token)},
+            {"final_train_bits_per_byte", finite(bits_per_byte(summary.final_train_ce_loss))},
+            {"final_val_bits_per_byte", finite(bits_per_byte(summary.final_val_ce_loss))},
             {"moe_time_share", finite(summary.moe_time_share)},
             {"moe_comm_share", finite(summary.moe_comm_share)},
             {"tp_bytes_per_step", finite(summary.tp_bytes_per_step)},
@@ -1084,10 +1076,21 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
         fmt::format("{}val_ce_loss {:.4f}", losses.empty() ? "" : ", ", summary.final_val_ce_loss);
   }
   if (!losses.empty()) {
-    fmt::print(out, "  {} nats/byte; unigram entropy {:.3f}", losses, summary.unigram_entropy);
-    if (std::isfinite(summary.final_val_ce_loss) && summary.unigram_entropy > 0) {
-      fmt::print(out, " (val at {:.0f}% of it)",
-                 100 * summary.final_val_ce_loss / summary.unigram_entropy);
+    if (std::isfinite(summary.unigram_entropy)) {  // byte-level text
+      fmt::print(out, "  {} nats/byte; unigram entropy {:.3f}", losses, summary.unigram_entropy);
+      if (std::isfinite(summary.final_val_ce_loss) && summary.unigram_entropy > 0) {
+        fmt::print(out, " (val at {:.0f}% of it)",
+                   100 * summary.final_val_ce_loss / summary.unigram_entropy);
+      }
+    } else {
+      const double bpb =
+          bits_per_byte(std::isfinite(summary.final_val_ce_loss) ? summary.final_val_ce_loss
+                                                                 : summary.final_train_ce_loss);
+      fmt::print(out, "  {} nats/token{}", losses,
+                 std::isfinite(bpb)
+                     ? fmt::format("; {} {:.4f} bits/byte",
+                                   std::isfinite(summary.final_val_ce_loss) ? "val" : "train", bpb)
+                     : "");
     }
     fmt::print(out, "\n");
   }
