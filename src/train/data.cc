@@ -319,6 +319,10 @@ namespace {
 
 using dataset::Format;
 
+// The most held-out tokens an evaluation set of tokenized data holds without 'eval_tokens'
+// (their batches take 8 bytes a token: 512 MiB).
+constexpr int64_t kMaxEvalTokens = int64_t{1} << 26;
+
 // Fields of a data key: its lines when it has several, else its space-separated words.
 std::vector<std::string> DataFields(const std::string& value) {
   std::vector<std::string> fields;
@@ -549,8 +553,9 @@ void TrainingData::OpenTokenized(const TrainingDataOptions& o) {
   for (const DataSource& s : SourcesOrDefault(o.data)) {
     auto source = open(s, "data");
     dataset::DocumentSplit split{{0, source->num_documents()}, {}};
-    if (val.empty())
+    if (val.empty()) {
       split = dataset::SplitDocuments(source->num_documents(), o.val_fraction, source->name());
+    }
     blend.push_back({s.weight, source, split.train});
     if (split.val.size() > 0) {
       held_out.push_back(std::make_unique<dataset::DatasetSamples>(*source, split.val, in_order));
@@ -569,6 +574,7 @@ void TrainingData::OpenTokenized(const TrainingDataOptions& o) {
   }
   // The held-out windows: each held-out set's consecutive windows, set after set.
   std::vector<std::pair<const dataset::DatasetSamples*, int64_t>> windows;  // (set, sample)
+  int64_t total_windows = 0;
   for (size_t i = 0; i < held_out.size(); ++i) {
     const auto& h = held_out[i];
     val_tokens_ += h->tokens_per_epoch();
@@ -577,11 +583,19 @@ void TrainingData::OpenTokenized(const TrainingDataOptions& o) {
                "of seq_len + 1 = {}: use more data, a larger val_fraction or a smaller seq_len, "
                "or val_fraction 0 to train without a validation loss",
                held_names[i], h->tokens_per_epoch(), o.seq_len + 1);
-    for (int64_t k = 0; k < h->samples_per_epoch(); ++k) windows.emplace_back(h.get(), k);
+    total_windows += h->samples_per_epoch();
   }
-  if (o.eval_tokens > 0) {
-    windows.resize(
-        std::min<size_t>(windows.size(), static_cast<size_t>(o.eval_tokens / o.seq_len)));
+  // The evaluation batches are held in memory: all of a large held-out set is refused.
+  SY_REQUIRE(o.eval_tokens > 0 || total_windows <= kMaxEvalTokens / o.seq_len, InvalidArgument,
+             "data: the held-out set holds {} windows of {} tokens, more than the {} tokens an "
+             "evaluation may hold in memory: set 'eval_tokens' to evaluate a part of it",
+             total_windows, o.seq_len, kMaxEvalTokens);
+  const int64_t limit = o.eval_tokens > 0 ? o.eval_tokens / o.seq_len : total_windows;
+  for (const auto& h : held_out) {
+    for (int64_t k = 0; k < h->samples_per_epoch(); ++k) {
+      if (static_cast<int64_t>(windows.size()) >= limit) break;
+      windows.emplace_back(h.get(), k);
+    }
   }
   RequireEvaluationShape(o.seq_len, o.batch_size, o.min_eval_rows);
   eval_batches_ = BatchWindows(static_cast<int64_t>(windows.size()), o.seq_len, o.batch_size,
