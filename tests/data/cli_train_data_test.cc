@@ -57,10 +57,12 @@ TEST(CliTrainData, BlendWithATokenizerReportsBitsPerByte) {
   for (int i = 0; i < 6000; ++i) Put<uint16_t>(flat, static_cast<uint16_t>(5 + i * 7 % 56));
   WriteBytes(dir.File("flat.bin"), flat);
   const std::string out = dir.File("run");
-  r = RunSwitchyard(
-      fmt::format("train {} --data 0.75 {} 0.25 {} --tokenizer {} --sample-tokens 8 "
-                  "--val-fraction 0.05 --out {}",
-                  kSmall, dir.File("mega"), dir.File("flat.bin"), dir.File("tok.model"), out));
+  // The flat file is one document (65,536 tokens each): held-out text comes from --val-data.
+  WriteTextFileAtomic(dir.File("val.txt"), Text(40));
+  r = RunSwitchyard(fmt::format(
+      "train {} --data 0.75 {} 0.25 {} --tokenizer {} --sample-tokens 8 --val-data {} --out {}",
+      kSmall, dir.File("mega"), dir.File("flat.bin"), dir.File("tok.model"), dir.File("val.txt"),
+      out));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("tokenizer sentencepiece:"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("bits/byte"), std::string::npos) << r.out;
