@@ -58,6 +58,8 @@ int RunTrain(const TrainOptions& o) {
                                                                    .config_file = o.config_file,
                                                                    .flags = o.values,
                                                                    .resume = o.resume});
+  // The model's vocabulary follows a SentencePiece tokenizer (and must match a checkpoint's).
+  train::ApplyTokenizerVocabulary(resolved);
   train::TrainConfig config = resolved.config;
   if (!resolved.out_given && !o.resume.empty()) {
     // A resumed run continues in its own run directory.

@@ -40,6 +40,8 @@ int RunTrainDense(const TrainDenseOptions& o) {
   // moe_layer_config file (train/config.h: ResolveTrainConfig).
   train::ResolvedTrainConfig resolved = train::ResolveTrainConfig(
       {.defaults = defaults, .config_file = o.config_file, .flags = o.values, .resume = o.resume});
+  // The model's vocabulary follows a SentencePiece tokenizer (and must match a checkpoint's).
+  train::ApplyTokenizerVocabulary(resolved);
   train::TrainConfig config = resolved.config;
   // A resumed run continues in its own run directory.
   if (!o.resume.empty() && !resolved.out_given) {

@@ -181,8 +181,23 @@ void AddTrainConfigFlags(CLI::App& app,
     for (size_t i = 2; i < flag.size(); ++i) {
       if (flag[i] == '_') flag[i] = '-';
     }
-    CLI::Option* opt = app.add_option_function<std::string>(
-        flag, [setter, name = key.name](const std::string& v) { (*setter)(name, v); }, key.help);
+    CLI::Option* opt = nullptr;
+    if (key.name == "data" || key.name == "val_data") {
+      // A blend takes several values (--data 0.7 A 0.3 B); they reach the key one a line, so
+      // that a path may hold spaces (train/data.h: ParseDataBlend).
+      opt = app.add_option_function<std::vector<std::string>>(
+          flag,
+          [setter, name = key.name](const std::vector<std::string>& v) {
+            std::string joined;
+            for (const std::string& part : v) joined += (joined.empty() ? "" : "\n") + part;
+            (*setter)(name, joined);
+          },
+          key.help);
+      opt->expected(1, -1);
+    } else {
+      opt = app.add_option_function<std::string>(
+          flag, [setter, name = key.name](const std::string& v) { (*setter)(name, v); }, key.help);
+    }
     opt->type_name(key.type);
     MarkIntegerChecked(opt);  // the text goes to train::ResolveTrainConfig
     // A yes/no key given alone means true (--sequence-parallel); "--key false" still works.

@@ -144,6 +144,14 @@ void ValidateTrainConfig(const TrainConfig& c) {
   SY_REQUIRE(c.temperature > 0, InvalidArgument, "config: 'temperature' must be > 0, got {}",
              c.temperature);
   SY_REQUIRE(c.out.empty() == false, InvalidArgument, "config: 'out' must not be empty");
+  SY_REQUIRE(c.data_format == "auto" || c.data_format == "text" || c.data_format == "megatron" ||
+                 c.data_format == "nanogpt" || c.data_format == "llmc",
+             InvalidArgument,
+             "config: 'data_format' must be \"auto\", \"text\", \"megatron\", \"nanogpt\" or "
+             "\"llmc\", got \"{}\"",
+             c.data_format);
+  SY_REQUIRE(!c.tokenizer.empty(), InvalidArgument,
+             "config: 'tokenizer' must be \"bytes\" or a SentencePiece model file, got \"\"");
   SY_REQUIRE(!c.tp_comm_overlap || c.sequence_parallel, InvalidArgument,
              "config: 'tp_comm_overlap' overlaps the sequence-parallel collectives: it needs "
              "'sequence_parallel' true");

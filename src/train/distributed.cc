@@ -63,7 +63,8 @@ comm::ConfigEntries AgreementEntries(const TrainConfig& config, const RunOptions
     }
     return all;
   };
-  entries.emplace_back("data (content)", digest(RunCorpusFiles(config.data, config.val_data)));
+  entries.emplace_back("data (content)",
+                       digest(RunCorpusFiles(config.data, config.val_data, config.data_format)));
   if (!config.moe_layer_config.empty()) {
     entries.emplace_back("moe_layer_config (content)", digest({config.moe_layer_config}));
   }

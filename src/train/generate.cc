@@ -21,29 +21,31 @@ std::string GenerateText(TransformerLm& model, const SampleOptions& o) {
       [&](const Tensor& tokens) { return model.Forward(tokens, Tensor(), fo).logits; }, o);
 }
 
-std::string GenerateText(const ModelConfig& c, const LogitsFunction& logits_of,
-                         const SampleOptions& o) {
-  SY_REQUIRE(c.vocab_size == 256, InvalidArgument,
-             "GenerateText: byte-level models only (vocab_size 256), got {}", c.vocab_size);
+std::vector<int32_t> GenerateTokens(const ModelConfig& c, const LogitsFunction& logits_of,
+                                    const SampleOptions& o, std::vector<int32_t> context) {
   SY_REQUIRE(o.temperature > 0, InvalidArgument, "temperature must be > 0, got {}", o.temperature);
   SY_REQUIRE(o.max_tokens >= 0 && o.top_k >= 0, InvalidArgument,
              "max_tokens ({}) and top_k ({}) must be >= 0", o.max_tokens, o.top_k);
-  std::vector<int32_t> context;
-  for (unsigned char ch : o.prompt.empty() ? std::string("\n") : o.prompt) context.push_back(ch);
+  SY_REQUIRE(!context.empty(), InvalidArgument, "GenerateTokens: the prompt holds no token");
+  const int64_t vocab = c.vocab_size;
+  for (int32_t id : context) {
+    SY_REQUIRE(id >= 0 && id < vocab, InvalidArgument,
+               "GenerateTokens: prompt id {} is outside the vocabulary [0, {})", id, vocab);
+  }
   CounterRng rng(o.seed, kStreamSample);
-  std::string out;
-  std::vector<double> p(256);
-  std::vector<int> order(256);
+  std::vector<int32_t> out;
+  std::vector<double> p(static_cast<size_t>(vocab));
+  std::vector<int> order(static_cast<size_t>(vocab));
   for (int64_t i = 0; i < o.max_tokens; ++i) {
     int64_t n = std::min<int64_t>(static_cast<int64_t>(context.size()), c.seq_len);
     std::vector<int32_t> window(context.end() - n, context.end());
     Tensor tokens = Tensor::FromVector(window, {1, n});
     Tensor logits = logits_of(tokens);
-    ExpectShape("GenerateText logits", logits, {n, 256});
-    const float* last = logits.data<float>() + (n - 1) * 256;
-    double mx = *std::max_element(last, last + 256);
-    for (int v = 0; v < 256; ++v) p[v] = std::exp((last[v] - mx) / o.temperature);
-    if (o.top_k > 0 && o.top_k < 256) {
+    ExpectShape("GenerateText logits", logits, {n, vocab});
+    const float* last = logits.data<float>() + (n - 1) * vocab;
+    double mx = *std::max_element(last, last + vocab);
+    for (int64_t v = 0; v < vocab; ++v) p[v] = std::exp((last[v] - mx) / o.temperature);
+    if (o.top_k > 0 && o.top_k < vocab) {
       std::iota(order.begin(), order.end(), 0);
       std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p[a] > p[b]; });
       for (size_t r = static_cast<size_t>(o.top_k); r < order.size(); ++r) p[order[r]] = 0;
@@ -51,7 +53,7 @@ std::string GenerateText(const ModelConfig& c, const LogitsFunction& logits_of,
     double total = std::accumulate(p.begin(), p.end(), 0.0);
     double u = rng.Uniform(static_cast<uint64_t>(i)) * total;
     int chosen = -1, last_possible = 0;
-    for (int v = 0; v < 256 && chosen < 0; ++v) {
+    for (int v = 0; v < vocab && chosen < 0; ++v) {
       if (p[v] <= 0) continue;
       last_possible = v;
       u -= p[v];
@@ -59,7 +61,20 @@ std::string GenerateText(const ModelConfig& c, const LogitsFunction& logits_of,
     }
     if (chosen < 0) chosen = last_possible;  // rounding left u slightly above 0
     context.push_back(chosen);
-    out.push_back(static_cast<char>(chosen));
+    out.push_back(chosen);
+  }
+  return out;
+}
+
+std::string GenerateText(const ModelConfig& c, const LogitsFunction& logits_of,
+                         const SampleOptions& o) {
+  SY_REQUIRE(c.vocab_size == 256, InvalidArgument,
+             "GenerateText: byte-level models only (vocab_size 256), got {}", c.vocab_size);
+  std::vector<int32_t> context;
+  for (unsigned char ch : o.prompt.empty() ? std::string("\n") : o.prompt) context.push_back(ch);
+  std::string out;
+  for (int32_t id : GenerateTokens(c, logits_of, o, std::move(context))) {
+    out.push_back(static_cast<char>(id));
   }
   return out;
 }

@@ -9,11 +9,22 @@
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
+#include "switchyard/train/dataset/metrics.h"
 #include "switchyard/train/svg.h"
 
 namespace switchyard::train {
 
 using nlohmann::json;
+
+void SetPerByteFigures(StepMetrics& m, double bytes_per_token) {
+  const bool per_byte = std::isfinite(bytes_per_token) && bytes_per_token > 0;
+  auto set = [&](double loss, double& ppl, double& bpb) {
+    ppl = std::isfinite(loss) ? dataset::Perplexity(loss) : NAN;
+    bpb = std::isfinite(loss) && per_byte ? dataset::BitsPerByte(loss, bytes_per_token) : NAN;
+  };
+  set(m.ce_loss, m.perplexity, m.bits_per_byte);
+  set(m.val_loss, m.val_perplexity, m.val_bits_per_byte);
+}
 
 std::string MetricsToJson(const StepMetrics& m) {
   json j;
@@ -32,6 +43,10 @@ std::string MetricsToJson(const StepMetrics& m) {
   put("moe_time_s", m.moe_time_s);
   put("moe_comm_s", m.moe_comm_s);
   put("val_ce_loss", m.val_loss);
+  put("perplexity", m.perplexity);
+  put("bits_per_byte", m.bits_per_byte);
+  put("val_perplexity", m.val_perplexity);
+  put("val_bits_per_byte", m.val_bits_per_byte);
   if (m.skipped_steps > 0) j["skipped_steps"] = m.skipped_steps;
   if (!m.expert_load.empty()) j["expert_load"] = m.expert_load;
   if (!m.drop_rate.empty()) j["drop_rate"] = m.drop_rate;
@@ -60,6 +75,10 @@ StepMetrics MetricsFromJson(const std::string& line, const std::string& what) {
     get("moe_comm_s", m.moe_comm_s);
     get("val_loss", m.val_loss);  // written before the rename to val_ce_loss
     get("val_ce_loss", m.val_loss);
+    get("perplexity", m.perplexity);
+    get("bits_per_byte", m.bits_per_byte);
+    get("val_perplexity", m.val_perplexity);
+    get("val_bits_per_byte", m.val_bits_per_byte);
     if (j.contains("skipped_steps")) m.skipped_steps = j.at("skipped_steps").get<int64_t>();
     if (j.contains("expert_load")) {
       m.expert_load = j.at("expert_load").get<std::vector<std::vector<int64_t>>>();

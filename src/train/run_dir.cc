@@ -162,7 +162,7 @@ void RequireRunInputsOutsideRunDirectory(const TrainConfig& c, const std::string
       at = comma + 1;
     }
   }
-  for (const std::string& f : RunCorpusFiles(c.data, c.val_data)) {
+  for (const std::string& f : RunCorpusFiles(c.data, c.val_data, c.data_format)) {
     inputs.push_back({"data file", f});  // also the files of data directories
   }
   inputs.push_back({"moe_layer_config", c.moe_layer_config});

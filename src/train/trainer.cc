@@ -32,24 +32,6 @@ double Now() {
 
 }  // namespace
 
-std::string DataIdentityJson(const Corpus& corpus) {
-  std::vector<std::string> files;
-  for (const std::string& f : corpus.files) {
-    std::error_code ec;
-    const std::filesystem::path p = std::filesystem::absolute(f, ec);
-    files.push_back(ec ? f : p.lexically_normal().string());
-  }
-  // The hash of train then held-out bytes, without copying the corpus.
-  const uint64_t hash = Fnv1a64(std::as_bytes(std::span(corpus.val)),
-                                Fnv1a64(std::as_bytes(std::span(corpus.train))));
-  json names = json::array();
-  for (const std::string& f : files) names.push_back(json::parse(StringToJsonValue(f)));
-  json j = {{"files", names},
-            {"bytes", corpus.train.size() + corpus.val.size()},
-            {"fnv1a64", fmt::format("{:016x}", hash)}};
-  return j.dump();
-}
-
 uint64_t TrainingMemoryBytes(const TrainConfig& c, int ranks_in_process) {
   // Every rank of the process holds its layout's share (memory_estimate.h).
   return static_cast<uint64_t>(
@@ -86,12 +68,6 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
 
   // Everything the run will need is checked here, before the first step: the sizes and memory,
   // the data and its held-out split, the MoE layer's options, text generation.
-  SY_REQUIRE(c.model.vocab_size >= 256, InvalidArgument,
-             "config: byte-level data needs vocab_size >= 256, got {}", c.model.vocab_size);
-  SY_REQUIRE(c.sample_tokens == 0 || c.model.vocab_size == 256, InvalidArgument,
-             "config: 'sample_tokens' {} generates bytes, which needs vocab_size 256, got {}: "
-             "set 'sample_tokens' to 0 to train without the final sample",
-             c.sample_tokens, c.model.vocab_size);
   SY_REQUIRE(c.eval_tokens == 0 || c.eval_tokens >= c.model.seq_len, InvalidArgument,
              "config: 'eval_tokens' {} is less than one evaluation window of seq_len {} tokens "
              "(0: all held-out tokens)",
@@ -104,20 +80,14 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
   check_finite_ = c.model.moe_every > 0 && moe_layer.check_finite;
   if (NumMoeBlocks(c.model) > 0) moe_layer_json_ = moe::ToJson(moe_layer);
 
-  corpus_ = LoadRunCorpus(c.data, c.val_data, c.val_fraction, &corpus_note_);
-  data_json_ = DataIdentityJson(corpus_);
-  unigram_entropy_ = UnigramEntropy(corpus_.train);
-  sampler_ = std::make_unique<BatchSampler>(corpus_.train, c.model.seq_len, c.seed);
-  eval_batches_ =
-      EvaluationBatches(corpus_.val, c.model.seq_len, c.batch_size, c.eval_tokens, ctx_.data_size);
-  SY_REQUIRE((c.val_data.empty() && c.val_fraction == 0) || !eval_batches_.empty(), InvalidArgument,
-             "data: the held-out text ({} bytes, {}) is shorter than one evaluation window of "
-             "seq_len + 1 = {} tokens: use a longer text, a larger val_fraction or a smaller "
-             "seq_len, or val_fraction 0 to train without a validation loss",
-             corpus_.val.size(),
-             c.val_data.empty() ? fmt::format("val_fraction {}", c.val_fraction)
-                                : fmt::format("val_data {}", c.val_data),
-             c.model.seq_len + 1);
+  data_ = std::make_unique<TrainingData>(TrainingDataOptionsOf(c, ctx_.data_size));
+  SY_REQUIRE(c.sample_tokens == 0 || c.model.vocab_size == data_->tokenizer().vocab_size(),
+             InvalidArgument,
+             "config: 'sample_tokens' {} generates text through the tokenizer {} (vocabulary {}), "
+             "which needs vocab_size {}, got {}: set 'sample_tokens' to 0 to train without the "
+             "final sample",
+             c.sample_tokens, data_->tokenizer().name(), data_->tokenizer().vocab_size(),
+             data_->tokenizer().vocab_size(), c.model.vocab_size);
 
   if (moe_factory == nullptr && c.model.moe_every > 0) {
     moe_factory =
@@ -304,9 +274,10 @@ StepMetrics Trainer::Step() {
   for (int64_t k = 0; k < m; ++k) {
     const int64_t begin = k * rows + rows * shard / shards;
     const int64_t end = k * rows + rows * (shard + 1) / shards;
-    batches.push_back(sampler_->Sample(step_, c.batch_size, begin, end));
+    batches.push_back(data_->Sample(step_, c.batch_size, begin, end));
     row_begins.push_back(begin);
   }
+  if (batch_observer_) batch_observer_(step_, row_begins, batches);
 
   ParameterSet& params = model_->parameters();
   model_->TakeMoeTimes();  // drop what evaluation or sampling spent in the MoE layers
@@ -445,7 +416,7 @@ double Trainer::Evaluate() {
   fo.step = static_cast<uint64_t>(step_);
   fo.threads = threads_;
   std::vector<double> sums = {0, 0};
-  for (const Batch& whole : eval_batches_) {
+  for (const Batch& whole : data_->eval_batches()) {
     const int64_t rows = whole.tokens.size(0);
     const int64_t begin = rows * rank / world, end = rows * (rank + 1) / world;
     Batch b{whole.tokens.Slice(begin, end), whole.targets.Slice(begin, end)};
@@ -467,25 +438,28 @@ std::string Trainer::Sample(int64_t tokens, const std::string& prompt) {
   o.seed = config_.seed;
   o.threads = threads_;
   hooks_->GatherParameters(model_->parameters());
-  if (ctx_.pp_size == 1) return GenerateText(*model_, o);
   // Pipelined: every step's logits come from the head's stage, broadcast to the others, so that
   // every rank draws the same tokens.
   ForwardOptions fo;
   fo.training = false;
   fo.save_for_backward = false;
   fo.threads = threads_;
-  comm::Communicator& group = *ctx_.pipeline;
-  return GenerateText(
-      config_.model,
-      [&](const Tensor& window) {
-        LmOutput out = PipelineForward(window, Tensor(), fo, true);
-        Tensor logits = out.logits.defined()
-                            ? out.logits.Clone()
-                            : Tensor::Empty({window.numel(), config_.model.vocab_size});
-        group.Broadcast(logits, {.root = group.size() - 1}).Wait();
-        return logits;
-      },
-      o);
+  const LogitsFunction logits = [&](const Tensor& window) {
+    if (ctx_.pp_size == 1) return model_->Forward(window, Tensor(), fo).logits;
+    comm::Communicator& group = *ctx_.pipeline;
+    LmOutput out = PipelineForward(window, Tensor(), fo, true);
+    Tensor l = out.logits.defined() ? out.logits.Clone()
+                                    : Tensor::Empty({window.numel(), config_.model.vocab_size});
+    group.Broadcast(l, {.root = group.size() - 1}).Wait();
+    return l;
+  };
+  const dataset::Tokenizer& tokenizer = data_->tokenizer();
+  if (tokenizer.name() == "bytes") return GenerateText(config_.model, logits, o);
+  // Through the tokenizer: the prompt encoded (empty: the end-of-document id, as after a
+  // document), the ids generated decoded.
+  std::vector<int32_t> ids = tokenizer.Encode(prompt);
+  if (ids.empty()) ids.push_back(tokenizer.eod_id().value_or(0));
+  return tokenizer.Decode(GenerateTokens(config_.model, logits, o, std::move(ids)));
 }
 
 }  // namespace switchyard::train

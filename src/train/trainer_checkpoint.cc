@@ -20,7 +20,7 @@ CheckpointData Trainer::Snapshot() {
   d.seed = config_.seed;
   d.global_batch = config_.batch_size;
   d.config_json = TrainConfigToJson(config_);
-  d.data_json = data_json_;
+  d.data_json = data_->identity_json();
   d.moe_layer_json = moe_layer_json_;
   d.model = hooks_->ModelValuesForCheckpoint(params);
   d.optimizer = hooks_->OptimizerStateForCheckpoint(optimizer_, params);
@@ -74,11 +74,11 @@ void Trainer::Restore(const CheckpointData& data, const std::string& source) {
              "leave them out on the command line): {}",
              differences.size(), fmt::join(differences, "; "));
   if (!data.data_json.empty()) {
-    const json a = json::parse(data.data_json), b = json::parse(data_json_);
+    const json a = json::parse(data.data_json), b = json::parse(data_->identity_json());
     SY_REQUIRE(a.at("bytes") == b.at("bytes") && a.at("fnv1a64") == b.at("fnv1a64"),
                InvalidArgument,
                "resume: the checkpoint was trained on {} ({} bytes, fnv1a64 {}), this run's data "
-               "is {} ({} bytes, fnv1a64 {}): set 'data' to the checkpoint's text",
+               "is {} ({} bytes, fnv1a64 {}): set 'data' (and 'tokenizer') to the checkpoint's",
                a.at("files").dump(), a.at("bytes").dump(), a.at("fnv1a64").dump(),
                b.at("files").dump(), b.at("bytes").dump(), b.at("fnv1a64").dump());
   }

@@ -12,6 +12,7 @@
 
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/memory_account.h"
+#include "switchyard/train/dataset/metrics.h"
 #include "switchyard/train/generate.h"
 #include "switchyard/train/memory_estimate.h"
 #include "switchyard/train/progress.h"
@@ -190,7 +191,7 @@ int Trainer::AgreedStop(const RunOptions& options) {
 
 void Trainer::WriteFigures(const RunState& r) const {
   if (!r.writer) return;
-  WriteLossSvg(r.run_dir + "/loss.svg", r.history, unigram_entropy_, r.title);
+  WriteLossSvg(r.run_dir + "/loss.svg", r.history, data_->unigram_entropy(), r.title);
   if (r.moe) {
     WriteExpertLoadSvg(r.run_dir + "/expert_load.svg", r.history,
                        fmt::format("tokens routed to each expert per {} steps", config_.log_every));
@@ -261,14 +262,17 @@ void Trainer::BeginRun(RunState& r) {
   if (r.writer) {
     fmt::print(r.out,
                "model: {} parameters, {} layer(s), model_dim {}, {} heads, seq_len {}{}\n"
-               "data: {} ({} train / {} held-out bytes), unigram entropy {:.3f} nats/byte\n"
+               "data: {}{}\n"
                "run: {} steps x {} sequences ({} tokens/step), {} compute thread(s), out {}\n",
                params, c.model.num_layers, c.model.model_dim, c.model.num_heads, c.model.seq_len,
                r.moe ? fmt::format(", MoE every {} blocks", c.model.moe_every) : "",
-               c.data.empty() ? std::string("fortunes corpus") : EscapeForTerminal(c.data),
-               corpus_.train.size(), corpus_.val.size(), unigram_entropy_, c.steps, c.batch_size,
-               c.batch_size * c.model.seq_len, threads_, EscapeForTerminal(r.run_dir));
-    if (!corpus_note_.empty()) fmt::print(r.out, "{}\n", corpus_note_);
+               EscapeForTerminal(data_->Description()),
+               std::isfinite(data_->unigram_entropy())
+                   ? fmt::format(", unigram entropy {:.3f} nats/byte", data_->unigram_entropy())
+                   : "",
+               c.steps, c.batch_size, c.batch_size * c.model.seq_len, threads_,
+               EscapeForTerminal(r.run_dir));
+    if (!data_->note().empty()) fmt::print(r.out, "{}\n", data_->note());
     if (!ctx_.description.empty()) fmt::print(r.out, "layout: {}\n", ctx_.description);
   }
   const bool interactive =
@@ -282,7 +286,8 @@ void Trainer::BeginRun(RunState& r) {
                         c.data.empty() ? std::string("fortunes") : EscapeForTerminal(c.data));
   RunSummary& summary = r.summary;
   summary.run_dir = r.run_dir;
-  summary.unigram_entropy = unigram_entropy_;
+  summary.unigram_entropy = data_->unigram_entropy();
+  summary.bytes_per_token = data_->bytes_per_token();
   summary.parameters = params;
   summary.flops_per_token =
       TrainingFlopsPerToken(c.model, r.moe ? c.num_experts : 0, c.top_k, c.expert_hidden_dim);
@@ -319,8 +324,8 @@ bool Trainer::RecordStep(RunState& r, const StepMetrics& m) {
   r.run_cp_comm += m.cp_comm_s;
   double val = NAN;
   const bool last = step_ == c.steps;
-  const bool evaluate =
-      !eval_batches_.empty() && ((c.eval_every > 0 && step_ % c.eval_every == 0) || last);
+  const bool evaluate = !data_->eval_batches().empty() &&
+                        ((c.eval_every > 0 && step_ % c.eval_every == 0) || last);
   if (evaluate) {
     val = Evaluate();
     r.last_val = val;
@@ -373,13 +378,17 @@ void Trainer::WriteStepRecords(RunState& r, const StepMetrics& m, double val, bo
                                bool evaluate) {
   const Interval& in = r.interval;
   if (std::isfinite(val)) {
-    r.bar->Print(fmt::format("step {}: val_ce_loss {:.4f}{}, unigram entropy {:.3f}", step_, val,
-                             in.good > 0 ? fmt::format(" (train ce_loss {:.4f})", in.MeanCe()) : "",
-                             unigram_entropy_));
+    const double h = data_->unigram_entropy(), bpt = data_->bytes_per_token();
+    r.bar->Print(fmt::format(
+        "step {}: val_ce_loss {:.4f}{}, {}", step_, val,
+        in.good > 0 ? fmt::format(" (train ce_loss {:.4f})", in.MeanCe()) : "",
+        std::isfinite(h)     ? fmt::format("unigram entropy {:.3f}", h)
+        : std::isfinite(bpt) ? fmt::format("{:.4f} bits/byte", dataset::BitsPerByte(val, bpt))
+                             : std::string("bits/byte unknown")));
   }
   if (!log_line) return;
-  const StepMetrics line =
-      in.Line(step_, m, val, r.moe, config_.batch_size * config_.model.seq_len);
+  StepMetrics line = in.Line(step_, m, val, r.moe, config_.batch_size * config_.model.seq_len);
+  SetPerByteFigures(line, data_->bytes_per_token());
   r.metrics->Append(line);
   r.history.push_back(line);
   if (evaluate) WriteFigures(r);

@@ -10,6 +10,7 @@
 #include "switchyard/core/limits.h"
 #include "switchyard/kernels/cpu_features.h"
 #include "switchyard/kernels/gemm_backend.h"
+#include "switchyard/train/dataset/metrics.h"
 #include "switchyard/train/generate.h"
 #include "switchyard/train/memory_estimate.h"
 #include "switchyard/train/progress.h"
@@ -25,6 +26,10 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
   const std::string& run_dir = summary.run_dir;
   std::FILE* out = run_out_;
   auto finite = [](double v) { return std::isfinite(v) ? json(v) : json(); };
+  auto bits_per_byte = [&](double loss) {
+    const double bpt = summary.bytes_per_token;
+    return std::isfinite(loss) && std::isfinite(bpt) ? dataset::BitsPerByte(loss, bpt) : NAN;
+  };
   json s = {{"steps", summary.steps},
             {"seconds", summary.seconds},
             {"parameters", summary.parameters},
@@ -33,6 +38,11 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
             {"tokens_per_s_median", finite(summary.tokens_per_s)},
             {"final_train_ce_loss", finite(summary.final_train_ce_loss)},
             {"final_val_ce_loss", finite(summary.final_val_ce_loss)},
+            {"final_train_perplexity", finite(std::exp(summary.final_train_ce_loss))},
+            {"final_val_perplexity", finite(std::exp(summary.final_val_ce_loss))},
+            {"bytes_per_token", finite(summary.bytes_per_token)},
+            {"final_train_bits_per_byte", finite(bits_per_byte(summary.final_train_ce_loss))},
+            {"final_val_bits_per_byte", finite(bits_per_byte(summary.final_val_ce_loss))},
             {"moe_time_share", finite(summary.moe_time_share)},
             {"moe_comm_share", finite(summary.moe_comm_share)},
             {"tp_bytes_per_step", finite(summary.tp_bytes_per_step)},
@@ -83,10 +93,21 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
         fmt::format("{}val_ce_loss {:.4f}", losses.empty() ? "" : ", ", summary.final_val_ce_loss);
   }
   if (!losses.empty()) {
-    fmt::print(out, "  {} nats/byte; unigram entropy {:.3f}", losses, summary.unigram_entropy);
-    if (std::isfinite(summary.final_val_ce_loss) && summary.unigram_entropy > 0) {
-      fmt::print(out, " (val at {:.0f}% of it)",
-                 100 * summary.final_val_ce_loss / summary.unigram_entropy);
+    if (std::isfinite(summary.unigram_entropy)) {  // byte-level text
+      fmt::print(out, "  {} nats/byte; unigram entropy {:.3f}", losses, summary.unigram_entropy);
+      if (std::isfinite(summary.final_val_ce_loss) && summary.unigram_entropy > 0) {
+        fmt::print(out, " (val at {:.0f}% of it)",
+                   100 * summary.final_val_ce_loss / summary.unigram_entropy);
+      }
+    } else {
+      const double bpb =
+          bits_per_byte(std::isfinite(summary.final_val_ce_loss) ? summary.final_val_ce_loss
+                                                                 : summary.final_train_ce_loss);
+      fmt::print(out, "  {} nats/token{}", losses,
+                 std::isfinite(bpb)
+                     ? fmt::format("; {} {:.4f} bits/byte",
+                                   std::isfinite(summary.final_val_ce_loss) ? "val" : "train", bpb)
+                     : "");
     }
     fmt::print(out, "\n");
   }

@@ -6,6 +6,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "switchyard/train/model.h"
 
@@ -32,6 +33,12 @@ std::string GenerateText(TransformerLm& model, const SampleOptions& options);
 using LogitsFunction = std::function<Tensor(const Tensor& tokens)>;
 std::string GenerateText(const ModelConfig& config, const LogitsFunction& logits,
                          const SampleOptions& options);
+
+// The ids a model of any vocabulary generates after the ids `prompt` (not empty, each in
+// [0, vocab_size)), drawn as GenerateText draws bytes; a tokenizer decodes them (the trainer's
+// samples with a SentencePiece tokenizer).
+std::vector<int32_t> GenerateTokens(const ModelConfig& config, const LogitsFunction& logits,
+                                    const SampleOptions& options, std::vector<int32_t> prompt);
 
 // `text` made safe to print on a terminal: newlines, tabs and well-formed UTF-8 are kept; every
 // other byte (control bytes, C1 controls, bytes of malformed or overlong UTF-8 sequences) becomes

@@ -5,11 +5,13 @@
 // "lr": 0.003, "grad_norm": 0.8, "tokens_per_s": 21000, "step_time_s": 0.1, "val_ce_loss": 2.2,
 // "expert_load": [[tokens per expert] per MoE layer], "drop_rate": [per MoE layer]}.
 // `loss` is the training objective (cross-entropy plus the MoE loss terms), `ce_loss` and
-// `val_ce_loss` are cross-entropies (train, held-out). "val_ce_loss" appears on evaluation steps
-// only ("val_loss" in files written before the rename is read as it); "expert_load" and
-// "drop_rate" for MoE models; "skipped_steps" when steps of the interval were skipped as
-// non-finite (their values are not in the means; every value of an interval of skipped steps
-// only is absent).
+// `val_ce_loss` are cross-entropies (train, held-out) in nats per token; "perplexity",
+// "bits_per_byte", "val_perplexity" and "val_bits_per_byte" restate them (bits per byte: per
+// UTF-8 byte of the text, so that runs with different tokenizers compare). "val_ce_loss" appears on
+// evaluation steps only ("val_loss" in files written before the rename is read as it);
+// "expert_load" and "drop_rate" for MoE models; "skipped_steps" when steps of the interval were
+// skipped as non-finite (their values are not in the means; every value of an interval of skipped
+// steps only is absent).
 //
 // Thread-safety: a MetricsWriter belongs to one thread.
 #pragma once
@@ -44,11 +46,21 @@ struct StepMetrics {
   // The same for the context-parallel attention (Traffic::kContext).
   double cp_bytes = 0;
   double cp_comm_s = 0;
-  double val_loss = NAN;      // held-out cross-entropy ("val_ce_loss"); NaN: not evaluated here
+  double val_loss = NAN;  // held-out cross-entropy ("val_ce_loss"); NaN: not evaluated here
+  // exp(ce_loss), ce_loss in bits per byte of text (docs/data.md, "Metrics"), and the same of
+  // val_loss ("perplexity", "bits_per_byte", "val_perplexity", "val_bits_per_byte"; NaN: unknown).
+  double perplexity = NAN;
+  double bits_per_byte = NAN;
+  double val_perplexity = NAN;
+  double val_bits_per_byte = NAN;
   int64_t skipped_steps = 0;  // steps of the interval skipped as non-finite (nonfinite = skip)
   std::vector<std::vector<int64_t>> expert_load;  // [moe layer][expert] routed pairs
   std::vector<double> drop_rate;                  // [moe layer] dropped / routed
 };
+
+// Sets the perplexities and bits per byte of `m` from its losses and the text's UTF-8 bytes per
+// token (NaN: bits per byte unknown).
+void SetPerByteFigures(StepMetrics& m, double bytes_per_token);
 
 // One line of JSON (no newline). NaN fields are omitted.
 std::string MetricsToJson(const StepMetrics& m);

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -111,10 +112,6 @@ class TrainHooks {
   }
 };
 
-// The identity of a corpus for checkpoints: its files (absolute paths), its bytes (training
-// then held-out) and their FNV-1a 64 checksum, as a JSON object.
-std::string DataIdentityJson(const Corpus& corpus);
-
 // An estimate of what training `config` allocates for `ranks_in_process` ranks of this
 // process: each rank's EstimateRankMemory (memory_estimate.h: its shard of the parameters,
 // gradients and AdamW state, its share of the activations). RequireTrainingMemory refuses
@@ -155,6 +152,9 @@ struct RunSummary {
   // its end.
   int stop_signal = 0;
   double unigram_entropy = NAN;
+  // UTF-8 bytes per token of the evaluated text (TrainingData::bytes_per_token): the losses in
+  // bits per byte are final_*_ce_loss / (ln 2 * bytes_per_token).
+  double bytes_per_token = NAN;
   double tokens_per_s = NAN;   // median over logged intervals
   double flops_per_token = 0;  // TrainingFlopsPerToken of the model
   int64_t parameters = 0;
@@ -213,11 +213,12 @@ class Trainer {
   const ParallelContext& context() const { return ctx_; }
   TransformerLm& model() { return *model_; }
   AdamW& optimizer() { return optimizer_; }
-  const Corpus& corpus() const { return corpus_; }
-  // {"files": [...], "bytes": N, "fnv1a64": "..."}: the training and held-out text (recorded in
-  // checkpoints; a resumed run must train on the same text).
-  const std::string& data_identity() const { return data_json_; }
-  double unigram_entropy() const { return unigram_entropy_; }
+  // The run's data: the batches it draws, the held-out set, the tokenizer.
+  const TrainingData& data() const { return *data_; }
+  // {"files": [...], "bytes": N, "fnv1a64": "..."}: the training and held-out data (recorded in
+  // checkpoints; a resumed run must train on the same data).
+  const std::string& data_identity() const { return data_->identity_json(); }
+  double unigram_entropy() const { return data_->unigram_entropy(); }
   int threads() const { return threads_; }
   // Steps completed.
   int64_t step() const { return step_; }
@@ -228,6 +229,12 @@ class Trainer {
   // before the update on every rank alike: nonfinite = "stop" (and check_finite always) throws
   // NonFiniteError naming the step; "skip" returns skipped_steps = 1 without applying the update.
   StepMetrics Step();
+  // Called by Step() with what this rank draws before it trains on it: the step (0-based), the
+  // global row of each micro-batch's first row and the batches (tests of the determinism rule,
+  // docs/data.md). None by default.
+  using BatchObserver = std::function<void(int64_t step, const std::vector<int64_t>& row_begins,
+                                           const std::vector<Batch>& batches)>;
+  void set_batch_observer(BatchObserver observer) { batch_observer_ = std::move(observer); }
   // Mean cross-entropy over the held-out windows (NaN when the held-out text is too short).
   double Evaluate();
 
@@ -304,13 +311,9 @@ class Trainer {
   TrainHooks* hooks_;
   int threads_ = 1;
   int64_t saved_activation_bytes_ = 0;  // the largest of the run's micro-batches
-  Corpus corpus_;
-  double unigram_entropy_ = NAN;
-  std::unique_ptr<BatchSampler> sampler_;
-  std::vector<Batch> eval_batches_;
-  std::string data_json_;
+  std::unique_ptr<TrainingData> data_;
+  BatchObserver batch_observer_;
   std::string moe_layer_json_;  // moe::ToJson of the MoE blocks' options ("" for a dense model)
-  std::string corpus_note_;     // DefaultCorpusNote of the default corpus, else ""
   bool check_finite_ = false;   // the MoE layers' check_finite
   std::unique_ptr<TransformerLm> model_;
   AdamW optimizer_;
