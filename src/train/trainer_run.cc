@@ -324,8 +324,8 @@ bool Trainer::RecordStep(RunState& r, const StepMetrics& m) {
   r.run_cp_comm += m.cp_comm_s;
   double val = NAN;
   const bool last = step_ == c.steps;
-  const bool evaluate = !data_->eval_batches().empty() &&
-                        ((c.eval_every > 0 && step_ % c.eval_every == 0) || last);
+  const bool evaluate =
+      !data_->eval_batches().empty() && ((c.eval_every > 0 && step_ % c.eval_every == 0) || last);
   if (evaluate) {
     val = Evaluate();
     r.last_val = val;
@@ -379,12 +379,12 @@ void Trainer::WriteStepRecords(RunState& r, const StepMetrics& m, double val, bo
   const Interval& in = r.interval;
   if (std::isfinite(val)) {
     const double h = data_->unigram_entropy(), bpt = data_->bytes_per_token();
-    r.bar->Print(fmt::format(
-        "step {}: val_ce_loss {:.4f}{}, {}", step_, val,
-        in.good > 0 ? fmt::format(" (train ce_loss {:.4f})", in.MeanCe()) : "",
-        std::isfinite(h)     ? fmt::format("unigram entropy {:.3f}", h)
-        : std::isfinite(bpt) ? fmt::format("{:.4f} bits/byte", dataset::BitsPerByte(val, bpt))
-                             : std::string("bits/byte unknown")));
+    r.bar->Print(fmt::format("step {}: val_ce_loss {:.4f}{}, {}", step_, val,
+                             in.good > 0 ? fmt::format(" (train ce_loss {:.4f})", in.MeanCe()) : "",
+                             std::isfinite(h) ? fmt::format("unigram entropy {:.3f}", h)
+                             : std::isfinite(bpt)
+                                 ? fmt::format("{:.4f} bits/byte", dataset::BitsPerByte(val, bpt))
+                                 : std::string("bits/byte unknown")));
   }
   if (!log_line) return;
   StepMetrics line = in.Line(step_, m, val, r.moe, config_.batch_size * config_.model.seq_len);

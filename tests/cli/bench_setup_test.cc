@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "cli/parse_flags.h"
 #include "cli/layout_flags.h"
+#include "cli/parse_flags.h"
 #include "switchyard/core/error.h"
 #include "switchyard/kernels/ops.h"
 

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "cli/parse_flags.h"
 #include "cli/flags.h"
+#include "cli/parse_flags.h"
 #include "switchyard/core/error.h"
 
 namespace switchyard::cli {
