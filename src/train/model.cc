@@ -284,6 +284,75 @@ ModelPartition CheckedPartition(ModelPartition partition, int64_t layers) {
   return partition;
 }
 
+// InvalidArgument unless `tokens` is int32 [batch_size >= 1, seq] with 1 <= seq <= seq_len and
+// `targets` (when defined) int32 of the same shape.
+void CheckChunkInputs(const Tensor& tokens, const Tensor& targets, int64_t seq_len) {
+  SY_REQUIRE(
+      tokens.defined() && tokens.dim() == 2 && tokens.size(1) >= 1 && tokens.size(1) <= seq_len,
+      InvalidArgument, "tokens: expected int32 [batch_size, seq] with 1 <= seq <= {}, got {}",
+      seq_len, tokens.defined() ? tokens.ToString() : "undefined");
+  ExpectDType("tokens", tokens, DType::kInt32);
+  SY_REQUIRE(tokens.size(0) >= 1, InvalidArgument, "tokens: batch_size must be >= 1, got {}",
+             tokens.size(0));
+  if (targets.defined()) {
+    ExpectShape("targets", targets, {tokens.size(0), tokens.size(1)});
+    ExpectDType("targets", targets, DType::kInt32);
+  }
+}
+
+// Each sequence of `tokens` / `targets` [batch, seq] padded at its end to `seq_used` positions
+// (token 0, target -1: ignored).
+void PadSequences(int64_t seq_used, bool has_targets, Tensor* tokens, Tensor* targets) {
+  const int64_t batch = tokens->size(0), seq = tokens->size(1);
+  Tensor t = Tensor::Zeros({batch, seq_used}, DType::kInt32);
+  Tensor g = Tensor::Empty({batch, seq_used}, DType::kInt32);
+  std::fill_n(g.data<int32_t>(), g.numel(), -1);
+  for (int64_t b = 0; b < batch; ++b) {
+    std::copy_n(tokens->data<int32_t>() + b * seq, seq, t.data<int32_t>() + b * seq_used);
+    if (has_targets) {
+      std::copy_n(targets->data<int32_t>() + b * seq, seq, g.data<int32_t>() + b * seq_used);
+    }
+  }
+  *tokens = t;
+  if (has_targets) *targets = g;
+}
+
+// `tokens` / `targets` [rows, seq] padded with whole sequences to `batch` rows (token 0,
+// target -1: ignored).
+void PadBatch(int64_t batch, bool has_targets, Tensor* tokens, Tensor* targets) {
+  const int64_t seq = tokens->size(1);
+  Tensor t = Tensor::Zeros({batch, seq}, DType::kInt32);
+  std::copy_n(tokens->data<int32_t>(), tokens->numel(), t.data<int32_t>());
+  *tokens = t;
+  if (has_targets) {
+    Tensor g = Tensor::Empty({batch, seq}, DType::kInt32);
+    std::fill_n(g.data<int32_t>(), g.numel(), -1);
+    std::copy_n(targets->data<int32_t>(), targets->numel(), g.data<int32_t>());
+    *targets = g;
+  }
+}
+
+// The logits [batch * seq, vocab] of every position in sequence order from each context-parallel
+// rank's `logits` [n, vocab] of its positions (sequences of `seq_used` positions, the padding
+// after `seq` dropped). Collective over `group`.
+Tensor UnshardLogits(comm::Communicator& group, SequenceSplitKind split, const Tensor& logits,
+                     int64_t batch, int64_t seq, int64_t seq_used) {
+  const int cps = group.size();
+  const int64_t n = logits.size(0), vocab = logits.size(1);
+  Tensor parts = Tensor::Empty({cps * n, vocab});
+  group.AllGather(logits, parts).Wait();
+  Tensor full = Tensor::Empty({batch * seq_used, vocab});
+  for (int q = 0; q < cps; ++q) {
+    SequenceSplit(split, seq_used, cps, q).Unshard(parts.Slice(q * n, (q + 1) * n), full, batch);
+  }
+  Tensor out = Tensor::Empty({batch * seq, vocab});
+  for (int64_t b = 0; b < batch; ++b) {
+    std::copy_n(full.data<float>() + b * seq_used * vocab, seq * vocab,
+                out.data<float>() + b * seq * vocab);
+  }
+  return out;
+}
+
 }  // namespace
 
 TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFactory moe_factory,
@@ -463,20 +532,9 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
   const ModelConfig& c = config_;
   const BlockRange range = Chunk(chunk);
   const bool first = chunk_has_embedding(chunk), last = chunk_has_head(chunk);
-  SY_REQUIRE(tokens_in.defined() && tokens_in.dim() == 2 && tokens_in.size(1) >= 1 &&
-                 tokens_in.size(1) <= c.seq_len,
-             InvalidArgument,
-             "tokens: expected int32 [batch_size, seq] with 1 <= seq <= {}, got {}", c.seq_len,
-             tokens_in.defined() ? tokens_in.ToString() : "undefined");
-  ExpectDType("tokens", tokens_in, DType::kInt32);
-  const int64_t real_batch = tokens_in.size(0), seq = tokens_in.size(1);
-  SY_REQUIRE(real_batch >= 1, InvalidArgument, "tokens: batch_size must be >= 1, got {}",
-             real_batch);
   const bool has_targets = last && targets_in.defined();
-  if (has_targets) {
-    ExpectShape("targets", targets_in, {real_batch, seq});
-    ExpectDType("targets", targets_in, DType::kInt32);
-  }
+  CheckChunkInputs(tokens_in, has_targets ? targets_in : Tensor(), c.seq_len);
+  const int64_t real_batch = tokens_in.size(0), seq = tokens_in.size(1);
   SY_REQUIRE(!options.save_for_backward || !last || has_targets, InvalidArgument,
              "Forward: save_for_backward needs targets");
   const bool sp = tp_.options.sequence_parallel;  // false at tp 1
@@ -494,17 +552,7 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
                  "multiple of {} is needed): choose seq_len accordingly",
                  seq, cp_size(), multiple);
       seq_used = (seq + multiple - 1) / multiple * multiple;
-      Tensor t = Tensor::Zeros({batch, seq_used}, DType::kInt32);
-      Tensor g = Tensor::Empty({batch, seq_used}, DType::kInt32);
-      std::fill_n(g.data<int32_t>(), g.numel(), -1);
-      for (int64_t b = 0; b < batch; ++b) {
-        std::copy_n(tokens.data<int32_t>() + b * seq, seq, t.data<int32_t>() + b * seq_used);
-        if (has_targets) {
-          std::copy_n(targets.data<int32_t>() + b * seq, seq, g.data<int32_t>() + b * seq_used);
-        }
-      }
-      tokens = t;
-      if (has_targets) targets = g;
+      PadSequences(seq_used, has_targets, &tokens, &targets);
     }
   }
   // Sequence parallelism splits the tokens this rank's tp group holds (with context parallelism
@@ -520,15 +568,7 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
                context_parallel() ? fmt::format(" / cp {}", cp_size()) : std::string(),
                real_batch * local_seq, p);
     while ((batch * local_seq) % p != 0) ++batch;
-    Tensor t = Tensor::Zeros({batch, seq_used}, DType::kInt32);
-    std::copy_n(tokens.data<int32_t>(), tokens.numel(), t.data<int32_t>());
-    tokens = t;
-    if (has_targets) {
-      Tensor g = Tensor::Empty({batch, seq_used}, DType::kInt32);
-      std::fill_n(g.data<int32_t>(), g.numel(), -1);
-      std::copy_n(targets.data<int32_t>(), targets.numel(), g.data<int32_t>());
-      targets = g;
-    }
+    PadBatch(batch, has_targets, &tokens, &targets);
   }
   // Context parallelism: this rank's positions of every sequence.
   std::optional<SequenceSplit> cp_split;
@@ -618,23 +658,8 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
   out.loss = out.ce_loss + ffn_loss;
   if (keep_logits || !has_targets) {
     logits = GatherColumns(*tp_.group, logits, &tp_stats_);
-    if (cp_split) {
-      // Every rank's positions back into sequence order, then without the padding.
-      const int cps = cp_size();
-      const int64_t vocab = logits.size(1);
-      Tensor parts = Tensor::Empty({cps * n, vocab});
-      cp_.group->AllGather(logits, parts).Wait();
-      Tensor full = Tensor::Empty({batch * seq_used, vocab});
-      for (int q = 0; q < cps; ++q) {
-        SequenceSplit(cp_.options.split, seq_used, cps, q)
-            .Unshard(parts.Slice(q * n, (q + 1) * n), full, batch);
-      }
-      logits = Tensor::Empty({batch * seq, vocab});
-      for (int64_t b = 0; b < batch; ++b) {
-        std::copy_n(full.data<float>() + b * seq_used * vocab, seq * vocab,
-                    logits.data<float>() + b * seq * vocab);
-      }
-    }
+    if (cp_split)
+      logits = UnshardLogits(*cp_.group, cp_.options.split, logits, batch, seq, seq_used);
     out.logits = batch == real_batch ? logits : logits.Slice(0, real_batch * seq);
   }
   if (options.save_for_backward) {
