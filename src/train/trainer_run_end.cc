@@ -21,15 +21,18 @@ namespace switchyard::train {
 
 using nlohmann::json;
 
-void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
-  const TrainConfig& c = config_;
-  const std::string& run_dir = summary.run_dir;
-  std::FILE* out = run_out_;
+namespace {
+
+// `loss` (nats/token) in bits per byte of the summary's data (NaN where unknown).
+double BitsPerByteOf(const RunSummary& summary, double loss) {
+  const double bpt = summary.bytes_per_token;
+  return std::isfinite(loss) && std::isfinite(bpt) ? dataset::BitsPerByte(loss, bpt) : NAN;
+}
+
+// summary.json: every figure of the run that is known (a value that is not is left out).
+json SummaryJson(const RunSummary& summary) {
   auto finite = [](double v) { return std::isfinite(v) ? json(v) : json(); };
-  auto bits_per_byte = [&](double loss) {
-    const double bpt = summary.bytes_per_token;
-    return std::isfinite(loss) && std::isfinite(bpt) ? dataset::BitsPerByte(loss, bpt) : NAN;
-  };
+  auto bits_per_byte = [&](double loss) { return BitsPerByteOf(summary, loss); };
   json s = {{"steps", summary.steps},
             {"seconds", summary.seconds},
             {"parameters", summary.parameters},
@@ -67,6 +70,17 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
   }
   // Only what is known: a value that is not (no step ran, a dense model) is left out.
   for (auto it = s.begin(); it != s.end();) it = it->is_null() ? s.erase(it) : std::next(it);
+  return s;
+}
+
+}  // namespace
+
+void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
+  const TrainConfig& c = config_;
+  const std::string& run_dir = summary.run_dir;
+  std::FILE* out = run_out_;
+  auto bits_per_byte = [&](double loss) { return BitsPerByteOf(summary, loss); };
+  const json s = SummaryJson(summary);
   if (c.sample_tokens > 0) WriteTextFileAtomic(run_dir + "/sample.txt", summary.sample);
   WriteTextFileAtomic(run_dir + "/summary.json", s.dump(2) + "\n");
   std::string done =
