@@ -138,6 +138,78 @@ StageParams LastStageParams(const ModelView& m, const LayoutView& l, double moe_
 
 }  // namespace
 
+namespace {
+
+// What the gradient reduction of a step depends on besides the model and the layout.
+struct GradientInputs {
+  double blocks = 0, moe_blocks = 0, dense_blocks = 0;  // of the last stage
+  double microbatches = 1;
+  double fwd_compute = 0, bwd_compute = 0;  // seconds per micro-batch
+};
+
+// The data-parallel gradient reduction and ZeRO's gathers of a step (p->dp_comm_s,
+// p->dp_exposed_s) and the optimizer's pass over this rank's shard (p->optimizer_s).
+void PredictGradients(const Cluster& c, const ModelView& m, const LayoutView& l,
+                      const GradientInputs& in, StepPrediction* p) {
+  const double blocks = in.blocks, mbs = in.microbatches;
+  const double fwd_compute = in.fwd_compute, bwd_compute = in.bwd_compute;
+  const int64_t stage_ranks = l.ranks / l.pp;
+  const StageParams params = LastStageParams(m, l, in.moe_blocks, in.dense_blocks);
+  const int64_t dense_group = l.dp * l.cp;
+  const int64_t expert_group =
+      std::max<int64_t>(1, stage_ranks / (l.ep * (l.megatron ? l.etp : l.tp)));
+  Traffic grads, gathers;
+  for (const auto& [count, group] :
+       {std::pair{params.dense, dense_group}, std::pair{params.expert, expert_group}}) {
+    const double bytes = count * 4;
+    if (l.zero_stage == 0) {
+      grads.Add(c, Collective::kAllReduce, bytes, group, stage_ranks, "allreduce");
+    } else {
+      grads.Add(c, Collective::kReduceScatter, bytes, group, stage_ranks, "reduce_scatter");
+      if (l.zero_stage < 3) {
+        grads.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather");
+      } else {
+        gathers.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather", 2 * mbs);
+      }
+    }
+  }
+  double grad_hidden = 0;
+  if (l.overlap_grad_reduce && l.pp == 1 && blocks > 1) {
+    grad_hidden = std::min(grads.seconds * (1.0 - 1.0 / blocks), bwd_compute);
+  }
+  p->dp_comm_s = grads.seconds + gathers.seconds;
+  p->dp_exposed_s = grads.seconds - grad_hidden +
+                    std::max(0.0, gathers.seconds - mbs * (fwd_compute + bwd_compute));
+  const double bw = c.memory_bandwidth_gbps * 1e9;
+  const double shards = l.zero_stage >= 1 ? static_cast<double>(dense_group) : 1.0;
+  p->optimizer_s = 28 * (params.dense + params.expert) / shards / bw;
+}
+
+// The makespan of a step's micro-batches (forward F, backward B seconds each on a stage; `send`
+// seconds per stage boundary crossing), and with pp > 1 the schedule's bubble and its exposed
+// sends (p->bubble_s, p->pp_comm_s, p->pp_exposed_s) from the schedule simulator.
+double PredictPipeline(const train::TrainConfig& config, const LayoutView& l, double F, double B,
+                       double send, StepPrediction* p) {
+  const double mbs = static_cast<double>(l.microbatches);
+  if (l.pp == 1) return mbs * (F + B);
+  const parallel::Schedule schedule = parallel::MakeSchedule(train::PipelineScheduleConfig(config));
+  const double v = static_cast<double>(l.virtual_stages);
+  parallel::ScheduleCosts costs{.forward = F / v,
+                                .backward = B / v,
+                                .backward_input = B / (2 * v),
+                                .backward_weight = B / (2 * v),
+                                .send = 0};
+  const double without_send = parallel::SimulateSchedule(schedule, costs).makespan;
+  costs.send = send;
+  const double pipe = parallel::SimulateSchedule(schedule, costs).makespan;
+  p->bubble_s = std::max(0.0, without_send - mbs * (F + B));
+  p->pp_comm_s = 2 * mbs * v * send;
+  p->pp_exposed_s = std::max(0.0, pipe - without_send);
+  return pipe;
+}
+
+}  // namespace
+
 StepPrediction PredictStep(const train::TrainConfig& config, const Cluster& cluster) {
   return internal::PredictStepOf(config, internal::ReadModel(config), internal::ReadLayout(config),
                                  cluster);
@@ -268,53 +340,17 @@ StepPrediction internal::PredictStepOf(const train::TrainConfig& config, const M
 
   // ---- the pipeline ----
   const double mbs = static_cast<double>(l.microbatches);
-  double pipe = mbs * (F + B);
-  if (l.pp > 1) {
-    const parallel::Schedule schedule =
-        parallel::MakeSchedule(train::PipelineScheduleConfig(config));
-    const double v = static_cast<double>(l.virtual_stages);
-    parallel::ScheduleCosts costs{.forward = F / v,
-                                  .backward = B / v,
-                                  .backward_input = B / (2 * v),
-                                  .backward_weight = B / (2 * v),
-                                  .send = 0};
-    const double without_send = parallel::SimulateSchedule(schedule, costs).makespan;
-    costs.send = ppc.seconds;
-    pipe = parallel::SimulateSchedule(schedule, costs).makespan;
-    p.bubble_s = std::max(0.0, without_send - mbs * (F + B));
-    p.pp_comm_s = 2 * mbs * v * ppc.seconds;
-    p.pp_exposed_s = std::max(0.0, pipe - without_send);
-  }
+  const double pipe = PredictPipeline(config, l, F, B, ppc.seconds, &p);
 
   // ---- data-parallel gradients and ZeRO, once per step ----
-  const StageParams params = LastStageParams(m, l, moe_blocks, dense_blocks);
-  const int64_t dense_group = l.dp * l.cp;
-  const int64_t expert_group =
-      std::max<int64_t>(1, stage_ranks / (l.ep * (l.megatron ? l.etp : l.tp)));
-  Traffic grads, gathers;
-  for (const auto& [count, group] :
-       {std::pair{params.dense, dense_group}, std::pair{params.expert, expert_group}}) {
-    const double bytes = count * 4;
-    if (l.zero_stage == 0) {
-      grads.Add(c, Collective::kAllReduce, bytes, group, stage_ranks, "allreduce");
-    } else {
-      grads.Add(c, Collective::kReduceScatter, bytes, group, stage_ranks, "reduce_scatter");
-      if (l.zero_stage < 3) {
-        grads.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather");
-      } else {
-        gathers.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather", 2 * mbs);
-      }
-    }
-  }
-  double grad_hidden = 0;
-  if (l.overlap_grad_reduce && l.pp == 1 && blocks > 1) {
-    grad_hidden = std::min(grads.seconds * (1.0 - 1.0 / blocks), bwd_compute);
-  }
-  p.dp_comm_s = grads.seconds + gathers.seconds;
-  p.dp_exposed_s = grads.seconds - grad_hidden +
-                   std::max(0.0, gathers.seconds - mbs * (fwd_compute + bwd_compute));
-  const double shards = l.zero_stage >= 1 ? static_cast<double>(dense_group) : 1.0;
-  p.optimizer_s = 28 * (params.dense + params.expert) / shards / bw;
+  PredictGradients(c, m, l,
+                   GradientInputs{.blocks = blocks,
+                                  .moe_blocks = moe_blocks,
+                                  .dense_blocks = dense_blocks,
+                                  .microbatches = mbs,
+                                  .fwd_compute = fwd_compute,
+                                  .bwd_compute = bwd_compute},
+                   &p);
 
   // ---- the breakdown ----
   p.gemm_s = mbs * (3 * (dense_gemm + expert_gemm) + recompute_forward);
