@@ -399,6 +399,10 @@ std::string AbsolutePath(const std::string& f) {
 
 }  // namespace
 
+std::string DataFileFingerprint(const std::string& path) {
+  return fmt::format("{:016x}", FileDigest(path, kFnv1a64Start));
+}
+
 std::vector<DataSource> ParseDataSources(const std::string& value, std::string_view key) {
   const std::vector<std::string> fields = DataFields(value);
   if (fields.empty()) return {};

@@ -46,7 +46,8 @@ struct ParallelMoeState {
 
 // What every rank of an MPI run must agree on (comm/agree.h): every key of the config but those
 // that may differ per rank ('out': only rank 0 writes the run directory; 'threads': this rank's
-// compute threads), the content of the training text and of the MoE layer file, the resume point.
+// compute threads), the training data (by DataFileFingerprint) and the content of the MoE layer
+// file, the resume point.
 comm::ConfigEntries AgreementEntries(const TrainConfig& config, const RunOptions& run) {
   comm::ConfigEntries entries;
   const nlohmann::json j = nlohmann::json::parse(TrainConfigToJson(config));
@@ -63,8 +64,12 @@ comm::ConfigEntries AgreementEntries(const TrainConfig& config, const RunOptions
     }
     return all;
   };
-  entries.emplace_back("data (content)",
-                       digest(RunCorpusFiles(config.data, config.val_data, config.data_format)));
+  // The data by fingerprint (a token file of many GB is not read whole to start a run).
+  std::string data;
+  for (const std::string& f : RunCorpusFiles(config.data, config.val_data, config.data_format)) {
+    data += (data.empty() ? "" : " ") + DataFileFingerprint(f);
+  }
+  entries.emplace_back("data (content)", data);
   if (!config.moe_layer_config.empty()) {
     entries.emplace_back("moe_layer_config (content)", digest({config.moe_layer_config}));
   }

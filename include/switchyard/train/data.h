@@ -72,6 +72,10 @@ Corpus CorpusFromText(std::string_view text, double val_fraction);
 // receives DefaultCorpusNote for the default corpus, else "".
 Corpus LoadRunCorpus(const std::string& data, const std::string& val_data, double val_fraction,
                      std::string* note = nullptr);
+// The fingerprint a run recognizes a data file by (16 hex digits of FNV-1a): all of its bytes up
+// to 64 MiB, else its size and its first and last MiB, so that a 20 GB dataset is not read whole
+// (checkpoints' data identity, the agreement of an MPI run's ranks). IoError if unreadable.
+std::string DataFileFingerprint(const std::string& path);
 // Every file a run reads (training, then held-out), as TrainingData would: text files, a
 // Megatron source's .bin and .idx, flat token files.
 std::vector<std::string> RunCorpusFiles(const std::string& data, const std::string& val_data,
