@@ -67,7 +67,8 @@ comm::ConfigEntries AgreementEntries(const TrainConfig& config, const RunOptions
   // The data by fingerprint (a token file of many GB is not read whole to start a run).
   std::string data;
   for (const std::string& f : RunCorpusFiles(config.data, config.val_data, config.data_format)) {
-    data += (data.empty() ? "" : " ") + DataFileFingerprint(f);
+    if (!data.empty()) data += ' ';
+    data += DataFileFingerprint(f);
   }
   entries.emplace_back("data (content)", data);
   if (!config.moe_layer_config.empty()) {

@@ -7,9 +7,13 @@
 #include <algorithm>
 #include <vector>
 
+#include "switchyard/kernels/vec_math.h"
 #include "switchyard/train/tensor_parallel.h"
+#include "train/parallel_for.h"
 
 namespace switchyard::train {
+
+using parallel::CommStats;
 
 // ---- Attention and MLP ----
 
