@@ -25,6 +25,7 @@
 #include "switchyard/train/moe_feed_forward.h"
 #include "switchyard/train/pipeline.h"
 #include "switchyard/train/progress.h"
+#include "switchyard/train/router_trace.h"
 #include "switchyard/train/run_dir.h"
 #include "switchyard/train/weight_grad.h"
 
@@ -203,12 +204,21 @@ struct Trainer::StepTotals {
       const RoutingStats& r = o.routing[i];
       if (acc.expert_loads.empty()) acc.expert_loads.assign(r.expert_loads.size(), 0);
       for (size_t e = 0; e < r.expert_loads.size(); ++e) acc.expert_loads[e] += r.expert_loads[e];
+      if (acc.expert_counts.empty()) acc.expert_counts.assign(r.expert_counts.size(), 0);
+      for (size_t e = 0; e < r.expert_counts.size(); ++e) {
+        acc.expert_counts[e] += r.expert_counts[e];
+      }
       acc.routed += r.routed;
       acc.dropped += r.dropped;
       nonfinite += r.nonfinite_inputs;
     }
   }
 };
+
+void Trainer::SetRouterTrace(std::shared_ptr<RouterTrace> trace) {
+  router_trace_ = std::move(trace);
+  model_->SetRouterTrace(router_trace_.get());
+}
 
 void Trainer::RunMicrobatches(const std::vector<Batch>& batches,
                               const std::vector<int64_t>& row_begins, const ForwardOptions& options,
@@ -336,10 +346,12 @@ StepMetrics Trainer::Step() {
     sums.push_back(r_on * static_cast<double>(r.routed));
     sums.push_back(r_on * static_cast<double>(r.dropped));
     const int64_t experts = BlockExperts(c, block);
-    for (int64_t e = 0; e < experts; ++e) {
-      sums.push_back(static_cast<size_t>(e) < r.expert_loads.size()
-                         ? r_on * static_cast<double>(r.expert_loads[static_cast<size_t>(e)])
-                         : 0.0);
+    for (const std::vector<int64_t>* v : {&r.expert_loads, &r.expert_counts}) {
+      for (int64_t e = 0; e < experts; ++e) {
+        sums.push_back(static_cast<size_t>(e) < v->size()
+                           ? r_on * static_cast<double>((*v)[static_cast<size_t>(e)])
+                           : 0.0);
+      }
     }
   }
   hooks_->AllReduceSum(sums);
@@ -388,24 +400,32 @@ StepMetrics Trainer::Step() {
   met.cp_bytes = sums[11] / static_cast<double>(world);
   met.cp_comm_s = sums[12] / static_cast<double>(world);
   size_t k = 13;
+  std::vector<std::vector<int64_t>> kept_counts;  // [moe block][expert] pairs kept in the step
   for (int64_t block = 0; block < c.model.num_layers; ++block) {
     if (!IsMoeBlock(c.model, block)) continue;
     double routed = sums[k], dropped = sums[k + 1];
     k += 2;
     met.drop_rate.push_back(routed > 0 ? dropped / routed : 0.0);
-    std::vector<int64_t> load;
+    std::vector<int64_t> load, kept;
     for (int64_t e = 0; e < BlockExperts(c, block); ++e) {
       load.push_back(CheckedToInt64(std::round(sums[k++]), "expert load", 0, INT64_MAX));
     }
+    for (int64_t e = 0; e < BlockExperts(c, block); ++e) {
+      kept.push_back(CheckedToInt64(std::round(sums[k++]), "expert count", 0, INT64_MAX));
+    }
     met.expert_load.push_back(std::move(load));
+    kept_counts.push_back(std::move(kept));
   }
-  if (!met.expert_load.empty() && finite) model_->EndStep(met.expert_load);
+  // The aux-loss-free bias follows Megatron-Core: the pairs each expert kept (after drops) in the
+  // whole step, every micro-batch and rank; a skipped step changes no state.
+  if (!kept_counts.empty() && finite) model_->EndStep(kept_counts);
   met.lr = lr;
   met.grad_norm = grad_norm;
   met.step_time_s = Now() - t0;
   if (met.step_time_s > 0) {
     met.tokens_per_s = static_cast<double>(c.batch_size * c.model.seq_len) / met.step_time_s;
   }
+  if (router_trace_ != nullptr) router_trace_->EndStep(met.step);
   hooks_->StepEnds(met.step);
   return met;
 }
