@@ -267,6 +267,15 @@ std::vector<ConfigKey> TrainConfigKeys() {
       {"moe_layer_config", "layer.json with the other MoE options (preset, drop policy, ...)"},
       {"check_finite", "MoE blocks reject non-finite inputs (true | false)"},
       {"routing_scope", "MoE capacity, drops and balancing losses over: global | per_rank"},
+      {"num_groups", "router expert groups (DeepSeek-V3 group-limited routing; 0: layer file's)"},
+      {"group_topk", "groups a token may use (0: off; -1: layer file's)"},
+      {"topk_scaling_factor", "routed scaling factor of the gate values (0: layer file's)"},
+      {"aux_loss",
+       "gshard | gshard_all_choices | importance_load | global | none (\"\": layer file's)"},
+      {"expert_bias_update_rate", "aux-loss-free expert bias rate (negative: layer file's)"},
+      {"router_trace", "record the MoE layers' routes into this directory"},
+      {"router_trace_steps", "steps recorded by router_trace: 1,100,1000 or every:N (default all)"},
+      {"router_replay", "force the MoE layers' routes recorded in this directory"},
       {"data", "training text: files and directories, comma-separated (default: fortunes)"},
       {"val_data", "held-out text for the validation loss, as data (default: val_fraction)"},
       {"val_fraction", "fraction of records held out for the validation loss"},
@@ -398,6 +407,11 @@ moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
   j["activation"] = std::string(kernels::ActivationName(c.model.activation));
   j["seed"] = c.seed;
   if (c.check_finite) j["check_finite"] = true;  // false keeps the file's value
+  if (c.num_groups > 0) j["num_groups"] = c.num_groups;
+  if (c.group_topk >= 0) j["group_topk"] = c.group_topk;
+  if (c.topk_scaling_factor > 0) j["topk_scaling_factor"] = c.topk_scaling_factor;
+  if (!c.aux_loss.empty()) j["aux_loss"] = c.aux_loss;
+  if (c.expert_bias_update_rate >= 0) j["expert_bias_update_rate"] = c.expert_bias_update_rate;
   return moe::LayerConfigFromJson(j.dump());
 }
 

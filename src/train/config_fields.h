@@ -30,6 +30,14 @@ void VisitFields(Config& c, Fn&& fn) {
   fn("moe_layer_config", c.moe_layer_config);
   fn("check_finite", c.check_finite);
   fn("routing_scope", c.routing_scope);
+  fn("num_groups", c.num_groups);
+  fn("group_topk", c.group_topk);
+  fn("topk_scaling_factor", c.topk_scaling_factor);
+  fn("aux_loss", c.aux_loss);
+  fn("expert_bias_update_rate", c.expert_bias_update_rate);
+  fn("router_trace", c.router_trace);
+  fn("router_trace_steps", c.router_trace_steps);
+  fn("router_replay", c.router_replay);
   fn("data", c.data);
   fn("val_data", c.val_data);
   fn("val_fraction", c.val_fraction);

@@ -14,6 +14,7 @@
 #include "switchyard/parallel/pipeline.h"
 #include "switchyard/train/config.h"
 #include "switchyard/train/distributed.h"
+#include "switchyard/train/router_trace.h"
 #include "train/config_fields.h"
 
 namespace switchyard::train {
@@ -58,6 +59,8 @@ constexpr IntRange kIntRanges[] = {
     {"microbatches", 1, int64_t{1} << 20},
     {"pp", 1, kMaxRanks},
     {"virtual_stages", 1, kMaxRanks},
+    {"num_groups", 0, int64_t{1} << 20},
+    {"group_topk", -1, int64_t{1} << 20},
 };
 
 // The range of every float key: finite, in [lo, hi] (hi exclusive when `open_hi`).
@@ -85,6 +88,8 @@ constexpr FloatRange kFloatRanges[] = {
     {"temperature", 0, kHuge},
     {"bucket_mb", 0, double{1 << 20}, false, " MiB"},
     {"memory_budget_mib", 0, double{1 << 30}, false, " MiB"},
+    {"topk_scaling_factor", 0, kHuge},
+    {"expert_bias_update_rate", -kHuge, kHuge},
 };
 
 void CheckRanges(const TrainConfig& config) {
@@ -138,6 +143,14 @@ void CheckRanges(const TrainConfig& config) {
 void ValidateTrainConfig(const TrainConfig& c) {
   ValidateModelConfig(c.model);
   CheckRanges(c);
+  // Before anything builds the MoE layer's config from these keys.
+  SY_REQUIRE(c.aux_loss.empty() || c.aux_loss == "gshard" || c.aux_loss == "gshard_all_choices" ||
+                 c.aux_loss == "importance_load" || c.aux_loss == "global" || c.aux_loss == "none",
+             InvalidArgument,
+             "config: 'aux_loss' must be \"gshard\", \"gshard_all_choices\", \"importance_load\", "
+             "\"global\" or \"none\", got \"{}\"",
+             c.aux_loss);
+  (void)RouterTraceOptionsFromConfig(c.router_trace, c.router_trace_steps, c.router_replay);
   if (!c.experts_per_block.empty()) {
     const int64_t blocks = NumMoeBlocks(c.model);
     SY_REQUIRE(static_cast<int64_t>(c.experts_per_block.size()) == blocks, InvalidArgument,

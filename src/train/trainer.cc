@@ -165,6 +165,11 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
   model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory), tp,
                                            std::move(partition), cp);
   model_->SetBlockObserver(hooks_->block_observer());
+  if (!c.router_trace.empty() || !c.router_replay.empty()) {
+    SetRouterTrace(std::make_shared<RouterTrace>(
+        RouterTraceOptionsFromConfig(c.router_trace, c.router_trace_steps, c.router_replay),
+        hooks_->rank()));
+  }
   optimizer_ = AdamW(AdamWOptions{.beta1 = static_cast<float>(c.beta1),
                                   .beta2 = static_cast<float>(c.beta2),
                                   .eps = static_cast<float>(c.adam_eps),

@@ -41,6 +41,18 @@ struct TrainConfig {
   // batch: W ranks equal one rank) or "per_rank" (Tutel's and DeepSpeed's: over each data-
   // parallel rank's own tokens; W data-parallel ranks equal one rank with microbatches = W).
   std::string routing_scope = "global";
+  // The Megatron-Core / DeepSeek-V3 router keys of the MoE layer (docs/moe.md), over the
+  // moe_layer_config file's values when set; unset (0, -1, "", negative) keeps the file's value or
+  // the layer's default.
+  int64_t num_groups = 0;               // experts in this many groups (0: unset)
+  int64_t group_topk = -1;              // the best groups a token may use (-1: unset; 0: off)
+  double topk_scaling_factor = 0;       // routed scaling (0: unset)
+  std::string aux_loss;                 // gshard | ... | global | none ("": unset)
+  double expert_bias_update_rate = -1;  // aux-loss-free bias rate (negative: unset)
+  // Router trace and replay (docs/observability.md); "": none.
+  std::string router_trace;        // record the MoE layers' routes into this directory
+  std::string router_trace_steps;  // steps to record: "1,100,1000" or "every:N"; "": every step
+  std::string router_replay;       // force the routes recorded in this directory
 
   // Data.
   // Training text: files and directories (every regular file in a directory, sorted; ".dat"
