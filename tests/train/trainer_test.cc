@@ -97,8 +97,10 @@ TEST(TrainConfigTest, JsonRoundTripAndErrors) {
   // microbatches, pp, pipeline_schedule, virtual_stages, pipeline_split, overlap_grad_reduce,
   // bucket_mb, check_finite, routing_scope, val_data, trace_step, adaptive_r, a2a_algo,
   // a2a_ranks_per_node, smart_schedule, shadow_experts; the model's recompute and precision;
-  // attention_core, memory_budget_mib; topk_scaling_factor (the MoE router's routed scaling).
-  EXPECT_EQ(TrainConfigKeys().size(), 75u);
+  // attention_core, memory_budget_mib; topk_scaling_factor (the MoE router's routed scaling);
+  // the router keys num_groups, group_topk, aux_loss, expert_bias_update_rate, router_trace,
+  // router_trace_steps, router_replay.
+  EXPECT_EQ(TrainConfigKeys().size(), 82u);
   s.batch_size = 0;
   EXPECT_THROW(ValidateTrainConfig(s), InvalidArgument);
 }
