@@ -116,8 +116,9 @@ TEST(StepSumsTest, PackPutsTheFieldsInWireOrderAndUnpackInvertsIt) {
         &s.nonfinite, &s.rank_time_s, &s.tp_bytes, &s.tp_comm_s, &s.cp_bytes, &s.cp_comm_s}) {
     *f = v++;
   }
-  s.routing.push_back({.routed = 20, .dropped = 21, .expert_loads = {22, 23}});
-  s.routing.push_back({.routed = 30, .dropped = 31, .expert_loads = {32, 33, 34}});
+  s.routing.push_back({.routed = 20, .dropped = 21, .expert_loads = {22, 23}, .expert_counts = {}});
+  s.routing.push_back(
+      {.routed = 30, .dropped = 31, .expert_loads = {32, 33, 34}, .expert_counts = {}});
   const std::vector<double> packed = s.Pack();
   const std::vector<double> expected = {1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11,
                                         12, 13, 20, 21, 22, 23, 30, 31, 32, 33, 34};

@@ -103,6 +103,9 @@ class RouterTrainTest : public ::testing::Test {
     WriteTextFileAtomic(dir_ / "layer.json",
                         R"({"expert_bias": true, "expert_bias_update_rate": 0.01})");
     c.moe_layer_config = dir_ / "layer.json";
+    // The run's key, as ResolveTrainConfig takes it from the file (MoeLayerConfig hands the
+    // run's value to the layer).
+    c.expert_bias_update_rate = 0.01;
     return c;
   }
   TempDir dir_;
@@ -174,11 +177,13 @@ TEST_F(RouterTrainTest, CountsAreThePairsKeptAfterDrops) {
 TEST_F(RouterTrainTest, GlobalAuxLossEveryLayoutEqualsOneRank) {
   TrainConfig c = Config(2, 4);
   WriteTextFileAtomic(dir_ / "layer.json", R"({"aux_loss": "global"})");
+  c.aux_loss = "global";  // as ResolveTrainConfig takes it from the file
   const int kSteps = 3;
   const testing::RunRecord want = testing::SingleRank(c, kSteps);
   TrainConfig per_mb = c;
   WriteTextFileAtomic(dir_ / "layer_all.json", R"({"aux_loss": "gshard_all_choices"})");
   per_mb.moe_layer_config = dir_ / "layer_all.json";
+  per_mb.aux_loss = "gshard_all_choices";
   const testing::RunRecord all_choices = testing::SingleRank(per_mb, 1);
   EXPECT_GT(want.aux_loss[0], 0.5);
   EXPECT_NE(want.aux_loss[0], all_choices.aux_loss[0]);  // the second micro-batch's mean counts
