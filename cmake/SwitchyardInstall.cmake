@@ -19,7 +19,7 @@ endforeach()
 install(TARGETS sy_all EXPORT switchyardTargets)
 
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/switchyard
-        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} FILES_MATCHING PATTERN "*.h")
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} FILES_MATCHING PATTERN "*.h" PATTERN "*.def")
 if(TARGET switchyard)
   install(TARGETS switchyard RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()

@@ -45,6 +45,7 @@ constexpr std::pair<std::string_view, AuxLoss> kAuxLosses[] = {
     {"gshard_all_choices", AuxLoss::kGShardAllChoices},
     {"importance_load", AuxLoss::kImportanceLoad},
     {"sequence", AuxLoss::kSequence},
+    {"global", AuxLoss::kGlobal},
     {"none", AuxLoss::kNone}};
 constexpr std::pair<std::string_view, kernels::Activation> kActivations[] = {
     {"relu", kernels::Activation::kRelu},

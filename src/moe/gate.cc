@@ -97,6 +97,26 @@ uint64_t StepSeed(uint64_t seed, uint64_t step) {
   return (static_cast<uint64_t>(r[1]) << 32) | r[0];
 }
 
+void CheckForcedExperts(std::span<const int32_t> forced, int64_t num_tokens, int64_t top_k,
+                        int64_t num_experts) {
+  SY_REQUIRE(static_cast<int64_t>(forced.size()) == num_tokens * top_k, InvalidArgument,
+             "forced_experts: expected [{}, {}] (tokens, top_k) = {} expert ids, got {}",
+             num_tokens, top_k, num_tokens * top_k, forced.size());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int32_t e = forced[static_cast<size_t>(t * top_k + j)];
+      SY_REQUIRE(e >= 0 && e < num_experts, InvalidArgument,
+                 "forced_experts: token {} choice {} is expert {}, expected one in [0, {})", t, j,
+                 e, num_experts);
+      for (int64_t i = 0; i < j; ++i) {
+        SY_REQUIRE(forced[static_cast<size_t>(t * top_k + i)] != e, InvalidArgument,
+                   "forced_experts: token {} chooses expert {} twice (choices {} and {})", t, e, i,
+                   j);
+      }
+    }
+  }
+}
+
 namespace {
 
 // The global index of local token t (keys every random draw of the gate).
@@ -204,7 +224,10 @@ void SelectExperts(const LayerConfig& c, const Tensor& expert_bias, uint64_t key
   const size_t tk = static_cast<size_t>(t_num * k);
   r->experts.resize(tk);
   std::vector<float> topv(tk);
-  if (HasGumbel(c, options.training, k)) {
+  if (!options.forced_experts.empty()) {
+    CheckForcedExperts(options.forced_experts, t_num, k, e_num);
+    r->experts.assign(options.forced_experts.begin(), options.forced_experts.end());
+  } else if (HasGumbel(c, options.training, k)) {
     // 1st choice as usual; the others are the top-(k-1) of logits + Gumbel, 1st masked out.
     std::vector<int32_t> first(static_cast<size_t>(t_num));
     std::vector<float> firstv(static_cast<size_t>(t_num));
@@ -427,14 +450,17 @@ void UpdateExpertBias(std::span<const int64_t> loads, float rate, const Tensor& 
   ExpectDType("gate.expert_bias", expert_bias, DType::kFloat32);
   ExpectShape("gate.expert_bias", expert_bias, {e_num});
   if (e_num == 0) return;
-  double mean = 0;
-  for (int64_t l : loads) mean += static_cast<double>(l);
-  mean /= static_cast<double>(e_num);
+  // Megatron-Core's get_updated_expert_bias in float32: the counts are a float32 tensor, so the
+  // mean is float32(sum) / E rounded once and compared with each float32 count. The sum is exact
+  // in double and then rounded as a float32 sum of integers below 2^24 would be.
+  double sum = 0;
+  for (int64_t l : loads) sum += static_cast<double>(l);
+  const float mean = static_cast<float>(sum) / static_cast<float>(e_num);
   float* b = expert_bias.data<float>();
   for (int64_t e = 0; e < e_num; ++e) {
-    double diff = mean - static_cast<double>(loads[static_cast<size_t>(e)]);
-    float sign = diff > 0 ? 1.0f : (diff < 0 ? -1.0f : 0.0f);
-    b[e] += rate * sign;
+    const float offset = mean - static_cast<float>(loads[static_cast<size_t>(e)]);
+    const float sign = offset > 0 ? 1.0f : (offset < 0 ? -1.0f : 0.0f);
+    b[e] += sign * rate;
   }
 }
 

@@ -13,6 +13,7 @@
 #include "switchyard/moe/gate.h"
 #include "switchyard/moe/losses.h"
 #include "switchyard/moe/plan.h"
+#include "switchyard/moe/router_stats.h"
 #include "switchyard/moe/variants.h"
 
 namespace switchyard::moe {
@@ -25,6 +26,8 @@ struct LayerState {
   Tensor expert_out;  // [num_rows, M]
   ExpertActivations experts;
   VariantState variants;  // residual_moe, shared experts
+  // aux_loss global: the loss sums with the running mean of the counts (the backward's batch).
+  std::optional<GateLossSums> loss_sums;
 };
 
 namespace {
@@ -234,10 +237,18 @@ LayerOutput MoeLayer::Forward(const LayerParams& params, const Tensor& x,
   LayerState& s = *state;
   s.x_dtype = x.dtype();
   s.x = ToFloat32(x, threads);
-  s.gate = GateForward(
-      c, s.x, params.gate_weight, params.expert_bias,
-      {options.global_token_offset, options.step, options.training, options.token_index});
-  GateLosses losses = ComputeGateLosses(c, s.gate);
+  s.gate = GateForward(c, s.x, params.gate_weight, params.expert_bias,
+                       {options.global_token_offset, options.step, options.training,
+                        options.token_index, options.forced_experts});
+  GateLossSums sums = ComputeGateLossSums(c, s.gate);
+  std::vector<double> aux_counts;
+  if (c.aux_loss == AuxLoss::kGlobal) {
+    aux_counts = sums.choices;
+    UseRunningMeanCounts(
+        c, options.aux_counts_so_far ? *options.aux_counts_so_far : AuxCountsSoFar{}, &sums);
+    s.loss_sums = sums;
+  }
+  const GateLosses losses = GateLossesFromSums(c, sums);
   s.plan = MakeDispatchPlan(
       c, s.gate,
       {options.global_token_offset, options.step, options.global_max_load, options.token_index});
@@ -261,6 +272,8 @@ LayerOutput MoeLayer::Forward(const LayerParams& params, const Tensor& x,
   out.expert_loads = s.plan.loads;
   out.expert_counts = s.plan.counts;
   out.dropped = s.plan.dropped;
+  out.aux_counts = std::move(aux_counts);
+  if (options.entropy) out.entropy_sum = RouterEntropySum(c, s.gate);
   if (options.save_for_backward) out.state = std::move(state);
   return out;
 }
@@ -296,8 +309,8 @@ LayerGradients MoeLayer::Backward(const LayerParams& params, const LayerOutput& 
   for (size_t i = 0; i < d_weights.size(); ++i) d_weights[i] += dg.weights[i];
   std::vector<float> d_gates = CombineWeightsBackward(c, s.gate, s.plan, d_weights);
   std::vector<float> d_scores = GateValuesBackward(c, s.gate, d_gates);
-  GateGradients gg =
-      GateBackward(c, s.gate, s.x, params.gate_weight, d_scores, c.aux_loss_coef, c.z_loss_coef);
+  GateGradients gg = GateBackward(c, s.gate, s.x, params.gate_weight, d_scores, c.aux_loss_coef,
+                                  c.z_loss_coef, s.loss_sums ? &*s.loss_sums : nullptr);
   AddInto(dx, gg.x);
   g.params.gate_weight = gg.gate_weight;
   g.x = FromFloat32(dx, s.x_dtype, threads);

@@ -96,15 +96,37 @@ bool NoiseFree(const GateResult& g) {
   return g.num_tokens == 0 || g.noisy_logits.SharesStorageWith(g.logits);
 }
 
-// Counted choices per expert (1st choice, or all k) and the loss scale:
+// The choices each token counts: all k (gshard_all_choices, global) or the 1st.
+int64_t CountedChoices(const LayerConfig& config, int64_t top_k) {
+  const bool all =
+      config.aux_loss == AuxLoss::kGShardAllChoices || config.aux_loss == AuxLoss::kGlobal;
+  return all ? top_k : 1;
+}
+
+// Megatron's aux routing map counted per expert: the top k of each token's scores (the top k of
+// P: P is the scores, or the sigmoid scores scaled by a positive factor per token), without the
+// expert bias, the group limit or drops. Adds into counts [E].
+void AuxMapCounts(const GateResult& g, double* counts) {
+  const int64_t t_num = g.num_tokens, e_num = g.num_experts, k = g.top_k;
+  if (t_num == 0) return;
+  std::vector<int32_t> top(static_cast<size_t>(t_num * k));
+  std::vector<float> val(static_cast<size_t>(t_num * k));
+  kernels::TopK(g.scores.data<float>(), t_num, e_num, k, top.data(), val.data());
+  for (int32_t e : top) counts[e] += 1.0;
+}
+
+// Counted choices per expert (1st choice, all k, or the aux routing map's) and the loss scale:
 // l_aux = scale * sum_e m_e * c_e with c_e = choices_e / T.
 double GShardScale(const LayerConfig& config, const GateResult& g) {
-  int64_t choices = config.aux_loss == AuxLoss::kGShardAllChoices ? g.top_k : 1;
-  return static_cast<double>(g.num_experts) / static_cast<double>(choices);
+  return static_cast<double>(g.num_experts) / static_cast<double>(CountedChoices(config, g.top_k));
 }
 std::vector<double> GShardChoices(const LayerConfig& config, const GateResult& g) {
   std::vector<double> c(static_cast<size_t>(g.num_experts), 0.0);
-  int64_t choices = config.aux_loss == AuxLoss::kGShardAllChoices ? g.top_k : 1;
+  if (config.aux_loss == AuxLoss::kGlobal) {
+    AuxMapCounts(g, c.data());
+    return c;
+  }
+  const int64_t choices = CountedChoices(config, g.top_k);
   for (int64_t t = 0; t < g.num_tokens; ++t) {
     for (int64_t j = 0; j < choices; ++j) {
       c[static_cast<size_t>(g.experts[static_cast<size_t>(t * g.top_k + j)])] += 1.0;
@@ -202,8 +224,11 @@ double LogSumExp(const float* l, int64_t e_num) {
   return mx + std::log(s);
 }
 
+// The losses of the form scale * sum_e (P_e / T) (choices_e / T): gshard, gshard_all_choices and
+// global (whose choices are the aux routing map's).
 bool IsGShard(const LayerConfig& config) {
-  return config.aux_loss == AuxLoss::kGShard || config.aux_loss == AuxLoss::kGShardAllChoices;
+  return config.aux_loss == AuxLoss::kGShard || config.aux_loss == AuxLoss::kGShardAllChoices ||
+         config.aux_loss == AuxLoss::kGlobal;
 }
 
 // The number of sequences of a batch of batch_tokens tokens (aux_loss sequence).
@@ -358,7 +383,7 @@ GateLosses GateLossesFromSums(const LayerConfig& config, const GateLossSums& s) 
   const int64_t e_num = config.num_experts;
   out.z_loss = static_cast<float>(s.z / s.num_tokens);
   if (IsGShard(config)) {
-    int64_t choices = config.aux_loss == AuxLoss::kGShardAllChoices ? EffectiveTopK(config) : 1;
+    const int64_t choices = CountedChoices(config, EffectiveTopK(config));
     double scale = static_cast<double>(e_num) / static_cast<double>(choices);
     double inv_t = 1.0 / s.num_tokens;
     double sum = 0;
@@ -380,6 +405,23 @@ GateLosses GateLossesFromSums(const LayerConfig& config, const GateLossSums& s) 
                            (static_cast<double>(EffectiveTopK(config)) * seq * seq * b_num));
   }
   return out;
+}
+
+void UseRunningMeanCounts(const LayerConfig& config, const AuxCountsSoFar& prior,
+                          GateLossSums* sums) {
+  const auto e_num = static_cast<size_t>(config.num_experts);
+  SY_REQUIRE(prior.counts.empty() || prior.counts.size() == e_num, InvalidArgument,
+             "aux_counts_so_far: expected the counts of {} experts (or none), got {}", e_num,
+             prior.counts.size());
+  SY_REQUIRE(prior.micro_batches >= 0, InvalidArgument,
+             "aux_counts_so_far: expected micro_batches >= 0, got {}", prior.micro_batches);
+  if (config.aux_loss != AuxLoss::kGlobal) return;
+  SY_CHECK(sums->choices.size() == e_num);
+  const auto n = static_cast<double>(prior.micro_batches + 1);
+  for (size_t e = 0; e < e_num; ++e) {
+    const double before = prior.counts.empty() ? 0.0 : prior.counts[e];
+    sums->choices[e] = (before + sums->choices[e]) / n;
+  }
 }
 
 GateLosses ComputeGateLosses(const LayerConfig& config, const GateResult& g) {

@@ -15,6 +15,7 @@
 #include "switchyard/moe/gate.h"
 #include "switchyard/moe/losses.h"
 #include "switchyard/moe/plan.h"
+#include "switchyard/moe/router_stats.h"
 #include "switchyard/moe/variants.h"
 
 namespace switchyard::parallel {
@@ -84,6 +85,10 @@ struct ParallelState {
   moe::DispatchPlan plan;
   bool has_batch_sums = false;
   moe::GateLossSums batch_sums;
+  // aux_loss global in the per-rank scope: the loss sums are the token group's, so the aux share
+  // is multiplied by the number of shards and the z-loss's by token-group / routing-group tokens.
+  float aux_coef_scale = 1.0f;
+  float z_coef_scale = 1.0f;
   int r = 1;
   moe::ExpertWeights weights;  // the compute weights (gathered, expert_weights.h)
   std::unique_ptr<internal::DispatchStep> step;
@@ -309,9 +314,9 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   // Gate.
   {
     internal::TraceSpan span("gate");
-    s.gate = moe::GateForward(
-        c, s.x, params.gate_weight, params.expert_bias,
-        {options.global_token_offset, options.step, options.training, options.token_index});
+    s.gate = moe::GateForward(c, s.x, params.gate_weight, params.expert_bias,
+                              {options.global_token_offset, options.step, options.training,
+                               options.token_index, options.forced_experts});
   }
   const int64_t k = s.gate.top_k;
 
@@ -323,14 +328,39 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
     internal::AllReduceSum(routing, v, Traffic::kRouting, st);
     batch_tokens = v[0];
   }
+  // aux_loss global is the loss of the micro-batch on every rank of the stage (the token group)
+  // in either scope. In the per-rank scope each shard's objective holds that loss whole, so the
+  // shards' gradient shares, summed, count it once per shard.
+  const bool global_aux = c.aux_loss == moe::AuxLoss::kGlobal;
+  comm::Communicator& loss_group = global_aux ? groups_->Get(GroupKind::kTokens) : routing;
   moe::GateLossSums sums = moe::ComputeGateLossSums(c, s.gate, batch_tokens);
-  if (shared) {
+  // The per-rank scope's z-loss stays the routing group's.
+  std::vector<double> route_z{sums.z, sums.num_tokens};
+  if (global_aux && !global && shared) {
+    internal::AllReduceSum(routing, route_z, Traffic::kRouting, st);
+  }
+  if (global_aux ? loss_group.size() > 1 : shared) {
     std::vector<double> v = sums.ToVector();
-    internal::AllReduceSum(routing, v, Traffic::kRouting, st);
-    s.batch_sums = moe::GateLossSums::FromVector(c, v);
+    internal::AllReduceSum(loss_group, v, Traffic::kRouting, st);
+    sums = moe::GateLossSums::FromVector(c, v);
     s.has_batch_sums = true;
   }
-  const moe::GateLosses losses = moe::GateLossesFromSums(c, shared ? s.batch_sums : sums);
+  std::vector<double> aux_counts;
+  if (global_aux) {
+    aux_counts = sums.choices;
+    moe::UseRunningMeanCounts(
+        c, options.aux_counts_so_far ? *options.aux_counts_so_far : moe::AuxCountsSoFar{}, &sums);
+    s.has_batch_sums = true;
+    if (!global) {
+      s.aux_coef_scale = static_cast<float>(loss_group.size() / routing.size());
+      if (route_z[1] > 0) s.z_coef_scale = static_cast<float>(sums.num_tokens / route_z[1]);
+    }
+  }
+  if (s.has_batch_sums) s.batch_sums = sums;
+  moe::GateLosses losses = moe::GateLossesFromSums(c, sums);
+  if (global_aux && !global) {
+    losses.z_loss = route_z[1] > 0 ? static_cast<float>(route_z[0] / route_z[1]) : 0.0f;
+  }
 
   // Route: capacity, slots, drops.
   moe::PlanOptions plan_options;
@@ -399,6 +429,8 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   lo.expert_loads = dec.loads;
   lo.expert_counts = s.plan.counts;
   lo.dropped = s.plan.dropped;
+  lo.aux_counts = std::move(aux_counts);
+  if (options.entropy) lo.entropy_sum = moe::RouterEntropySum(c, s.gate);
   if (options.save_for_backward) out.state = std::move(state);
   return out;
 }
@@ -447,9 +479,9 @@ ParallelGradients ParallelMoeLayer::Backward(const moe::LayerParams& params,
   internal::TraceSpan gate_span("gate backward");
   std::vector<float> d_gates = moe::CombineWeightsBackward(c, s.gate, s.plan, dg.weights);
   std::vector<float> d_scores = moe::GateValuesBackward(c, s.gate, d_gates);
-  moe::GateGradients gg =
-      moe::GateBackward(c, s.gate, s.x, params.gate_weight, d_scores, c.aux_loss_coef,
-                        c.z_loss_coef, s.has_batch_sums ? &s.batch_sums : nullptr);
+  moe::GateGradients gg = moe::GateBackward(
+      c, s.gate, s.x, params.gate_weight, d_scores, c.aux_loss_coef * s.aux_coef_scale,
+      c.z_loss_coef * s.z_coef_scale, s.has_batch_sums ? &s.batch_sums : nullptr);
   internal::AddInto(dx, gg.x);
   g.x = s.x_dtype == DType::kFloat32 ? dx : dx.To(s.x_dtype);
   g.params.gate_weight = gg.gate_weight;

@@ -15,6 +15,7 @@
 #include "switchyard/parallel/pipeline.h"
 #include "switchyard/train/config.h"
 #include "switchyard/train/distributed.h"
+#include "switchyard/train/router_trace.h"
 #include "train/config_fields.h"
 
 namespace switchyard::train {
@@ -126,6 +127,21 @@ ResolvedLayout ResolveLayout(const TrainConfig& c, int world_size) {
 void ValidateTrainConfig(const TrainConfig& c) {
   ValidateModelConfig(c.model);
   CheckRanges(c);
+  // Before anything builds the MoE layer's config from these keys.
+  // The layer computes the sequence-level loss from each token's global index; the trainer does
+  // not yet hand it a sequence_length that matches its batches, nor is that path tested.
+  SY_REQUIRE(c.aux_loss != "sequence", InvalidArgument,
+             "config: 'aux_loss' \"sequence\" (from the flags, the config or 'moe_layer_config' "
+             "{}) is run by `switchyard layer` and the library but `train` does not support it "
+             "yet; use another aux_loss",
+             c.moe_layer_config.empty() ? "(none)" : c.moe_layer_config);
+  SY_REQUIRE(c.aux_loss == "gshard" || c.aux_loss == "gshard_all_choices" ||
+                 c.aux_loss == "importance_load" || c.aux_loss == "global" || c.aux_loss == "none",
+             InvalidArgument,
+             "config: 'aux_loss' must be \"gshard\", \"gshard_all_choices\", \"importance_load\", "
+             "\"global\" or \"none\", got \"{}\"",
+             c.aux_loss);
+  (void)RouterTraceOptionsFromConfig(c.router_trace, c.router_trace_steps, c.router_replay);
   if (!c.experts_per_block.empty()) {
     const int64_t blocks = NumMoeBlocks(c.model);
     SY_REQUIRE(static_cast<int64_t>(c.experts_per_block.size()) == blocks, InvalidArgument,

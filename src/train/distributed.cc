@@ -24,6 +24,7 @@
 #include "switchyard/train/moe_feed_forward.h"
 #include "switchyard/train/parallel_context.h"
 #include "switchyard/train/pipeline.h"
+#include "switchyard/train/router_trace.h"
 #include "switchyard/train/run_dir.h"
 #include "switchyard/train/zero.h"
 #include "train/step_trace.h"
@@ -178,9 +179,18 @@ FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
     const float* p = x.data<float>();
     for (int64_t i = 0; i < x.numel(); ++i) nonfinite += std::isfinite(p[i]) ? 0 : 1;
   }
+  const bool global_aux = layer.config().aux_loss == moe::AuxLoss::kGlobal && context.training;
+  const int64_t key = MicroBatchKey(context.global_token_offset, context.token_index.get());
+  if (global_aux) o.aux_counts_so_far = aux_counts_.Before(context.step, key);
+  TracedForward traced(router_trace_, prefix_, context.step, context.training, x.size(0),
+                       context.global_token_offset, context.token_index.get(),
+                       moe::EffectiveTopK(layer.config()));
+  o.forced_experts = traced.forced;
   auto state = std::make_shared<ParallelMoeState>();
   RebindLayerParams(*params_, prefix_, &shard_);
   state->out = layer.Forward(shard_, x, o);
+  traced.Record(state->out.layer, context.save_for_backward);
+  if (global_aux) aux_counts_.Add(context.step, key, state->out.layer.aux_counts);
   const moe::LayerOutput& out = state->out.layer;
   const moe::LayerConfig& c = layer.config();
   FeedForwardOutput r;
@@ -243,11 +253,11 @@ FeedForwardTimes ParallelMoeFeedForward::TakeTimes() {
   return std::exchange(times_, FeedForwardTimes{});
 }
 
-void ParallelMoeFeedForward::EndStep(std::span<const int64_t> global_expert_loads) {
+void ParallelMoeFeedForward::EndStep(std::span<const int64_t> global_expert_counts) {
   const moe::LayerConfig& c = layer_.config();
   if (!c.expert_bias) return;
   RebindLayerParams(*params_, prefix_, &shard_);
-  moe::UpdateExpertBias(global_expert_loads, c.expert_bias_update_rate, shard_.expert_bias);
+  moe::UpdateExpertBias(global_expert_counts, c.expert_bias_update_rate, shard_.expert_bias);
 }
 
 // ---- DistributedHooks ----

@@ -716,6 +716,13 @@ void TransformerLm::EndStep(const std::vector<std::vector<int64_t>>& global_expe
   }
 }
 
+void TransformerLm::SetRouterTrace(RouterTrace* trace) {
+  for (int64_t i = 0; i < config_.num_layers; ++i) {
+    const auto& b = blocks_[static_cast<size_t>(i)];
+    if (IsMoeBlock(config_, i) && b != nullptr) b->ffn().SetRouterTrace(trace);
+  }
+}
+
 Tensor TransformerLm::BackwardChunk(const LmOutput& forward, const Tensor& dy, float loss_scale,
                                     int threads) {
   SY_REQUIRE(forward.state != nullptr, InvalidArgument,

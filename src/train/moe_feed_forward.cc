@@ -5,6 +5,7 @@
 
 #include "switchyard/core/rng.h"
 #include "switchyard/moe/gate.h"
+#include "switchyard/train/router_trace.h"
 
 namespace switchyard::train {
 namespace {
@@ -43,9 +44,17 @@ FeedForwardOutput MoeFeedForward::Forward(const Tensor& x, const FeedForwardCont
   o.save_for_backward = context.save_for_backward;
   o.training = context.training;
   const moe::MoeLayer& layer = layer_;
+  const bool global_aux = layer.config().aux_loss == moe::AuxLoss::kGlobal && context.training;
+  const int64_t key = MicroBatchKey(context.global_token_offset, context.token_index.get());
+  if (global_aux) o.aux_counts_so_far = aux_counts_.Before(context.step, key);
+  TracedForward traced(router_trace_, prefix_, context.step, context.training, x.size(0),
+                       context.global_token_offset, context.token_index.get(), layer.top_k());
+  o.forced_experts = traced.forced;
   auto state = std::make_shared<MoeState>();
   RebindLayerParams(*params_, prefix_, &layer_params_);
   state->out = layer.Forward(layer_params_, x, o);
+  traced.Record(state->out, context.save_for_backward);
+  if (global_aux) aux_counts_.Add(context.step, key, state->out.aux_counts);
   const moe::LayerOutput& out = state->out;
   const moe::LayerConfig& c = layer.config();
   FeedForwardOutput r;
@@ -99,11 +108,11 @@ Tensor MoeFeedForward::Backward(const FeedForwardOutput& forward, const Tensor& 
 
 FeedForwardTimes MoeFeedForward::TakeTimes() { return std::exchange(times_, FeedForwardTimes{}); }
 
-void MoeFeedForward::EndStep(std::span<const int64_t> global_expert_loads) {
+void MoeFeedForward::EndStep(std::span<const int64_t> global_expert_counts) {
   const moe::LayerConfig& c = layer_.config();
   if (!c.expert_bias) return;
   RebindLayerParams(*params_, prefix_, &layer_params_);
-  moe::UpdateExpertBias(global_expert_loads, c.expert_bias_update_rate, layer_params_.expert_bias);
+  moe::UpdateExpertBias(global_expert_counts, c.expert_bias_update_rate, layer_params_.expert_bias);
 }
 
 FeedForwardFactory MoeFeedForwardFactory(const moe::LayerConfig& config) {

@@ -17,6 +17,9 @@ struct StepSums {
     double routed = 0;
     double dropped = 0;
     std::vector<double> expert_loads;  // [num_experts of the block]
+    // [num_experts of the block] the (token, choice) pairs each expert kept (after capacity
+    // drops: the expert bias's counts), or empty in every block (not summed).
+    std::vector<double> expert_counts;
   };
 
   double ce_sum = 0;             // cross-entropy x tokens (the ranks that report the loss)
@@ -34,9 +37,11 @@ struct StepSums {
   double cp_comm_s = 0;          // blocked in context-parallel collectives
   std::vector<Routing> routing;  // per MoE block, in block order
 
-  // The fields in wire order: the 13 scalars, then per MoE block routed, dropped, loads.
+  // The fields in wire order: the 13 scalars, then per MoE block routed, dropped, loads, then
+  // (when the blocks have them) per MoE block the kept counts.
   std::vector<double> Pack() const;
-  // The inverse of Pack for blocks with `experts[b]` experts each (the routing's sizes).
+  // The inverse of Pack for blocks with `experts[b]` experts each (the routing's sizes); the
+  // kept counts are read when `values` holds them (their length tells).
   static StepSums Unpack(std::span<const double> values, std::span<const int64_t> experts);
 };
 

@@ -17,6 +17,7 @@
 #include "switchyard/train/memory_estimate.h"
 #include "switchyard/train/moe_feed_forward.h"
 #include "switchyard/train/pipeline.h"
+#include "switchyard/train/router_trace.h"
 #include "switchyard/train/weight_grad.h"
 #include "train/step_sums.h"
 
@@ -121,6 +122,11 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
   model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory), tp,
                                            std::move(partition), cp);
   model_->SetBlockObserver(hooks_->block_observer());
+  if (!c.router_trace.empty() || !c.router_replay.empty()) {
+    SetRouterTrace(std::make_shared<RouterTrace>(
+        RouterTraceOptionsFromConfig(c.router_trace, c.router_trace_steps, c.router_replay),
+        ctx_.rank));
+  }
   optimizer_ = AdamW(AdamWOptions{.beta1 = static_cast<float>(c.beta1),
                                   .beta2 = static_cast<float>(c.beta2),
                                   .eps = static_cast<float>(c.adam_eps),
@@ -160,12 +166,21 @@ struct Trainer::StepTotals {
       const RoutingStats& r = o.routing[i];
       if (acc.expert_loads.empty()) acc.expert_loads.assign(r.expert_loads.size(), 0);
       for (size_t e = 0; e < r.expert_loads.size(); ++e) acc.expert_loads[e] += r.expert_loads[e];
+      if (acc.expert_counts.empty()) acc.expert_counts.assign(r.expert_counts.size(), 0);
+      for (size_t e = 0; e < r.expert_counts.size(); ++e) {
+        acc.expert_counts[e] += r.expert_counts[e];
+      }
       acc.routed += r.routed;
       acc.dropped += r.dropped;
       nonfinite += r.nonfinite_inputs;
     }
   }
 };
+
+void Trainer::SetRouterTrace(std::shared_ptr<RouterTrace> trace) {
+  router_trace_ = std::move(trace);
+  model_->SetRouterTrace(router_trace_.get());
+}
 
 void Trainer::RunMicrobatches(const std::vector<Batch>& batches,
                               const std::vector<int64_t>& row_begins, const ForwardOptions& options,
@@ -252,6 +267,10 @@ internal::StepSums Trainer::SumOverRanks(const StepTotals& totals,
       sum.expert_loads.push_back(
           static_cast<size_t>(e) < r.expert_loads.size()
               ? r_on * static_cast<double>(r.expert_loads[static_cast<size_t>(e)])
+              : 0.0);
+      sum.expert_counts.push_back(
+          static_cast<size_t>(e) < r.expert_counts.size()
+              ? r_on * static_cast<double>(r.expert_counts[static_cast<size_t>(e)])
               : 0.0);
     }
   }
@@ -349,21 +368,29 @@ StepMetrics Trainer::Step() {
   met.tp_comm_s = sums.tp_comm_s / static_cast<double>(world);
   met.cp_bytes = sums.cp_bytes / static_cast<double>(world);
   met.cp_comm_s = sums.cp_comm_s / static_cast<double>(world);
+  std::vector<std::vector<int64_t>> kept_counts;  // [moe block][expert] pairs kept in the step
   for (const internal::StepSums::Routing& r : sums.routing) {
     met.drop_rate.push_back(r.routed > 0 ? r.dropped / r.routed : 0.0);
-    std::vector<int64_t> load;
+    std::vector<int64_t> load, kept;
     for (double l : r.expert_loads) {
       load.push_back(CheckedToInt64(std::round(l), "expert load", 0, INT64_MAX));
     }
+    for (double n : r.expert_counts) {
+      kept.push_back(CheckedToInt64(std::round(n), "expert count", 0, INT64_MAX));
+    }
     met.expert_load.push_back(std::move(load));
+    kept_counts.push_back(std::move(kept));
   }
-  if (!met.expert_load.empty() && finite) model_->EndStep(met.expert_load);
+  // The aux-loss-free bias follows Megatron-Core: the pairs each expert kept (after drops) in the
+  // whole step, every micro-batch and rank; a skipped step changes no state.
+  if (!kept_counts.empty() && finite) model_->EndStep(kept_counts);
   met.lr = lr;
   met.grad_norm = grad_norm;
   met.step_time_s = Now() - t0;
   if (met.step_time_s > 0) {
     met.tokens_per_s = static_cast<double>(c.batch_size * c.model.seq_len) / met.step_time_s;
   }
+  if (router_trace_ != nullptr) router_trace_->EndStep(met.step);
   hooks_->StepEnds(met.step);
   return met;
 }

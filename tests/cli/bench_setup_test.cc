@@ -96,7 +96,7 @@ TEST(TimeInterleaved, RunsEveryMeasurementOncePerRoundInOrder) {
   std::string order;
   const InterleavedTimes t =
       TimeInterleaved({[&] { order += 'a'; }, [&] { order += 'b'; },
-                       [&] { std::this_thread::sleep_for(std::chrono::milliseconds(2)); }},
+                       [&] { std::this_thread::sleep_for(std::chrono::milliseconds(20)); }},
                       /*warmup=*/2, /*iters=*/3, /*cpu_too=*/true);
   EXPECT_EQ(order, "ababababab");  // 2 warm-up and 3 timed rounds
   ASSERT_EQ(t.wall.size(), 3u);
@@ -105,8 +105,10 @@ TEST(TimeInterleaved, RunsEveryMeasurementOncePerRoundInOrder) {
     EXPECT_EQ(t.wall[m].size(), 3u);
     EXPECT_EQ(t.cpu[m].size(), 3u);
   }
-  for (double s : t.wall[2]) EXPECT_GE(s, 0.002);  // the sleep is in the wall time
-  EXPECT_LT(Median(t.cpu[2]), 0.002);              // and not in the CPU time
+  // The sleep is in the wall time and not in the CPU time (a margin of 10 for a loaded machine:
+  // what is checked is which clock counts the sleep, not how fast anything runs).
+  for (double s : t.wall[2]) EXPECT_GE(s, 0.020);
+  EXPECT_LT(Median(t.cpu[2]), 0.010);
   EXPECT_TRUE(TimeInterleaved({[] {}}, 0, 2).cpu.empty());
 }
 

@@ -228,6 +228,9 @@ TEST(RouterConfig, KeysAreReadAndWritten) {
   EXPECT_EQ(d.group_topk, 0);
   EXPECT_EQ(d.topk_scaling_factor, 1.0f);
   EXPECT_EQ(d.sequence_length, 0);
+  LayerConfig g = LayerConfigFromJson(kBase + R"(, "aux_loss": "global"})");
+  EXPECT_EQ(g.aux_loss, AuxLoss::kGlobal);
+  EXPECT_EQ(LayerConfigFromJson(ToJson(g)).aux_loss, AuxLoss::kGlobal);
 }
 
 TEST(RouterConfig, BadValuesNameTheKey) {
@@ -254,7 +257,7 @@ TEST(RouterConfig, BadValuesNameTheKey) {
        "topk_scaling_factor: 2 would be undone by renormalize_after_drop"},
       {kBase + R"(, "aux_loss": "sequence"})", "aux_loss: sequence needs sequence_length >= 1"},
       {kBase + R"(, "sequence_length": -1})", "key 'sequence_length'"},
-      {kBase + R"(, "aux_loss": "global"})", "key 'aux_loss'"},
+      {kBase + R"(, "aux_loss": "global_batch"})", "key 'aux_loss'"},  // global is a value
   };
   for (const Case& c : cases) {
     EXPECT_NE(ParseError(c.json).find(c.expected), std::string::npos)

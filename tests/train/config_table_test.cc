@@ -203,8 +203,18 @@ TEST(ConfigTableTest, LayerKeysReachTheMoeLayer) {
     ++layer_keys;
     const auto saved = field;
     MakeOther(field);
-    const TrainConfig changed = probe;
+    TrainConfig changed = probe;
     field = saved;
+    // Where MoeLayerConfig would refuse MakeOther's value: another value the layer accepts.
+    const std::string_view name = info.name;
+    if (name == "num_groups") {
+      changed.num_groups = 2;
+      changed.group_topk = 1;  // groups need group_topk
+    } else if (name == "group_topk") {
+      changed.group_topk = 1;
+    } else if (name == "aux_loss") {
+      changed.aux_loss = "global";
+    }
     const json layer = json::parse(moe::ToJson(MoeLayerConfig(changed)));
     const json want = json::parse(TrainConfigToJson(changed)).at(info.name);
     const json& got = layer.at(info.layer_key);
@@ -214,7 +224,7 @@ TEST(ConfigTableTest, LayerKeysReachTheMoeLayer) {
       EXPECT_EQ(got, want) << info.name;
     }
   });
-  EXPECT_EQ(layer_keys, 11);
+  EXPECT_EQ(layer_keys, 15);
   TrainConfig c;
   SetTrainConfigValue(c, "topk_scaling_factor", "2.5");
   EXPECT_EQ(MoeLayerConfig(c).topk_scaling_factor, 2.5f);

@@ -149,6 +149,7 @@ TEST(MoeTrainerTest, MetricsFiguresAndBitForBitResume) {
   WriteTextFileAtomic(dir / "layer.json",
                       R"({"expert_bias": true, "expert_bias_update_rate": 0.01})");
   c.moe_layer_config = dir / "layer.json";
+  c.expert_bias_update_rate = 0.01;  // as ResolveTrainConfig takes it from the file
   {
     Trainer t(c);
     EXPECT_TRUE(MoeLayerConfig(c).expert_bias);

@@ -116,8 +116,9 @@ TEST(StepSumsTest, PackPutsTheFieldsInWireOrderAndUnpackInvertsIt) {
         &s.nonfinite, &s.rank_time_s, &s.tp_bytes, &s.tp_comm_s, &s.cp_bytes, &s.cp_comm_s}) {
     *f = v++;
   }
-  s.routing.push_back({.routed = 20, .dropped = 21, .expert_loads = {22, 23}});
-  s.routing.push_back({.routed = 30, .dropped = 31, .expert_loads = {32, 33, 34}});
+  s.routing.push_back({.routed = 20, .dropped = 21, .expert_loads = {22, 23}, .expert_counts = {}});
+  s.routing.push_back(
+      {.routed = 30, .dropped = 31, .expert_loads = {32, 33, 34}, .expert_counts = {}});
   const std::vector<double> packed = s.Pack();
   const std::vector<double> expected = {1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11,
                                         12, 13, 20, 21, 22, 23, 30, 31, 32, 33, 34};
@@ -134,6 +135,26 @@ TEST(StepSumsTest, PackPutsTheFieldsInWireOrderAndUnpackInvertsIt) {
   internal::StepSums dense;
   dense.tokens = 5;
   EXPECT_EQ(internal::StepSums::Unpack(dense.Pack(), {}).tokens, 5);
+}
+
+// The kept counts go after every existing field (the wire order above unchanged).
+TEST(StepSumsTest, KeptCountsAreAppendedAfterTheOtherFields) {
+  internal::StepSums s;
+  s.tokens = 2;
+  s.cp_comm_s = 13;
+  s.routing.push_back(
+      {.routed = 20, .dropped = 21, .expert_loads = {22, 23}, .expert_counts = {40, 41}});
+  s.routing.push_back(
+      {.routed = 30, .dropped = 31, .expert_loads = {32, 33, 34}, .expert_counts = {50, 51, 52}});
+  const std::vector<double> packed = s.Pack();
+  const std::vector<double> expected = {0,  2,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  13, 20,
+                                        21, 22, 23, 30, 31, 32, 33, 34, 40, 41, 50, 51, 52};
+  EXPECT_EQ(packed, expected);
+  const internal::StepSums u = internal::StepSums::Unpack(packed, std::vector<int64_t>{2, 3});
+  EXPECT_EQ(u.Pack(), packed);
+  EXPECT_EQ(u.routing[0].expert_loads, (std::vector<double>{22, 23}));
+  EXPECT_EQ(u.routing[0].expert_counts, (std::vector<double>{40, 41}));
+  EXPECT_EQ(u.routing[1].expert_counts, (std::vector<double>{50, 51, 52}));
 }
 
 }  // namespace

@@ -43,7 +43,11 @@ enum class AuxLoss : uint8_t {
   kNone,
   // Megatron-Core's seq_aux_loss (DeepSeek-V3's sequence-wise loss): per sequence of
   // sequence_length rows, E / (k S^2) * sum_e P_e * N_e, averaged over the sequences
-  kSequence
+  kSequence,
+  // Megatron-Core's global_aux_loss: E / (k T^2) * sum_e P_e * Nbar_e over the micro-batch's
+  // tokens on every rank, Nbar the running mean of the counts over the step's micro-batches
+  // (ForwardOptions::aux_counts_so_far, losses.h)
+  kGlobal
 };
 
 struct LayerConfig {

@@ -32,12 +32,22 @@ struct GateOptions {
   // in the global order (context parallelism holds chunks of every sequence); empty: the identity
   // global_token_offset + t. It replaces the offset where given.
   std::span<const int64_t> token_index = {};
+  // [T, k] replay (Megatron-Core's RouterReplay): the experts each token chooses, instead of the
+  // top k (group limit, bias, Gumbel noise); the gate values are still those of the scores at
+  // these experts (normalized, scaled), so gradients flow as in the run that chose them. Each
+  // row holds k distinct experts in [0, E). Empty: the gate chooses.
+  std::span<const int32_t> forced_experts = {};
 };
 
 // The global index of local token t: token_index[t], or offset + t when token_index is empty.
 inline int64_t GlobalTokenIndex(std::span<const int64_t> token_index, int64_t offset, int64_t t) {
   return token_index.empty() ? offset + t : token_index[static_cast<size_t>(t)];
 }
+
+// Throws InvalidArgument unless `forced` holds num_tokens x top_k expert ids, each row k distinct
+// ids in [0, num_experts) (GateOptions::forced_experts).
+void CheckForcedExperts(std::span<const int32_t> forced, int64_t num_tokens, int64_t top_k,
+                        int64_t num_experts);
 
 // Throws InvalidArgument unless token_index is empty or holds num_tokens indices >= 0.
 void CheckTokenIndex(std::span<const int64_t> token_index, int64_t num_tokens);
@@ -100,9 +110,11 @@ GateGradients GateBackward(const LayerConfig& config, const GateResult& gate, co
                            float aux_coef, float z_coef,
                            const GateLossSums* batch_loss_sums = nullptr);
 
-// Aux-loss-free balancing (DeepSeek-V3): expert_bias[e] += rate * sign(mean_load - loads[e]).
-//   loads        [E] routed (token, choice) pairs per expert in this step, before drops (summed
-//                over the ranks of the EP group by the caller)
+// Aux-loss-free balancing (DeepSeek-V3), as Megatron-Core's get_updated_expert_bias:
+// expert_bias[e] += rate * sign(mean_load - loads[e]), mean and difference in float32.
+//   loads        [E] the (token, choice) pairs each expert kept in the whole step (after capacity
+//                drops, Megatron's routing_map; every micro-batch, summed over every rank that
+//                holds other tokens: the caller's all-reduce), the same on every rank
 //   expert_bias  [E] float32, updated in place
 void UpdateExpertBias(std::span<const int64_t> loads, float rate, const Tensor& expert_bias);
 

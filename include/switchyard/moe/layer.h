@@ -57,6 +57,8 @@ void CheckFinite(std::string_view name, const Tensor& t);
 // Random parameters: PyTorch Linear's default U(-1/sqrt(fan_in), 1/sqrt(fan_in)), keyed by seed.
 LayerParams InitParams(const LayerConfig& config, uint64_t seed);
 
+struct AuxCountsSoFar;  // losses.h
+
 struct ForwardOptions {
   int64_t global_token_offset = 0;         // global index of local token 0 (keys random draws)
   uint64_t step = 0;                       // training step (keys random draws with config.seed)
@@ -70,6 +72,14 @@ struct ForwardOptions {
   // in that order and keys every random draw by it, so rows given in another order (context
   // parallelism) route exactly as in the global order. Empty: global_token_offset + t.
   std::span<const int64_t> token_index = {};
+  // aux_loss global: the counts of the step's earlier micro-batches (losses.h); null: none (the
+  // first micro-batch, or one micro-batch per step). Read by no other loss.
+  const AuxCountsSoFar* aux_counts_so_far = nullptr;
+  // [T, k] replay: the experts each token chooses (GateOptions::forced_experts); empty: the gate
+  // chooses.
+  std::span<const int32_t> forced_experts = {};
+  // true: LayerOutput::entropy_sum is computed (T x E logarithms; router_stats.h).
+  bool entropy = false;
 };
 
 struct LayerState;  // what the backward needs (opaque)
@@ -83,9 +93,16 @@ struct LayerOutput {
   Tensor locations;        // [T, k] int32 slot within the expert, -1 where dropped
   Tensor gates;            // [T, k] float32 gate values g (after normalize_gate, before drops)
   Tensor combine_weights;  // [T, k] float32 weights used by combine (0 where dropped)
-  std::vector<int64_t> expert_loads;        // [E] routed pairs per expert, before drops
-  std::vector<int64_t> expert_counts;       // [E] kept pairs per expert
-  int64_t dropped = 0;                      // routed pairs dropped for capacity
+  std::vector<int64_t> expert_loads;   // [E] routed pairs per expert, before drops
+  std::vector<int64_t> expert_counts;  // [E] kept pairs per expert
+  int64_t dropped = 0;                 // routed pairs dropped for capacity
+  // aux_loss global: [E] N_e of this call's batch (Megatron's aux routing map counted per expert,
+  // over every rank's tokens in the parallel layer), for the next micro-batch's AuxCountsSoFar;
+  // empty for other losses.
+  std::vector<double> aux_counts;
+  // With ForwardOptions::entropy: the sum over this call's tokens of the router entropy
+  // -sum_e P log P (RouterEntropySum, router_stats.h); 0 otherwise.
+  double entropy_sum = 0;
   std::shared_ptr<const LayerState> state;  // for Backward; null with save_for_backward = false
 };
 

@@ -16,6 +16,13 @@
 //                       l_aux = 1/B sum_b E / (k S^2) sum_e P_be N_be, P_be = sum_{t in b} P[t, e],
 //                       N_be = the number of tokens of b whose top k of P holds e (Megatron's
 //                       aux routing map: no expert bias, no group limit). Gradient through P_be.
+//   global              Megatron-Core's global_aux_loss (Qiu et al. 2025, arXiv 2501.11873):
+//                       l_aux = E / (k T^2) sum_e P_e Nbar_e over the T tokens of the
+//                       micro-batch on every rank (P_e = sum_t P[t, e]), Nbar_e the running mean
+//                       over the step's micro-batches so far, this one included, of N_e, the
+//                       tokens whose top k of P holds e (Megatron's aux routing map). The counts
+//                       of earlier micro-batches come from the caller (AuxCountsSoFar). Gradient
+//                       through P only.
 //   z-loss              z = mean_t (logsumexp_e logits[t, e])^2 on the noise-free logits (ST-MoE).
 // P are the aux probabilities: the softmax over all E experts (score functions softmax and
 // softmax_after_topk), or the sigmoid scores normalized to sum 1 per token (Megatron-Core).
@@ -28,6 +35,14 @@
 #include "switchyard/moe/gate.h"
 
 namespace switchyard::moe {
+
+// aux_loss global: what the step's earlier micro-batches counted. The caller (the training loop)
+// adds up LayerOutput::aux_counts of each micro-batch of the step, starting from zero counts and
+// 0 micro-batches at each step; the layers already sum the counts over the ranks of the batch.
+struct AuxCountsSoFar {
+  std::vector<double> counts;  // [E] sum of N_e over the earlier micro-batches; empty: none
+  int64_t micro_batches = 0;   // how many there were
+};
 
 struct GateLosses {
   float l_aux = 0;   // per config.aux_loss (0 for none)
@@ -50,8 +65,9 @@ void GateLossesBackward(const LayerConfig& config, const GateResult& gate, float
 struct GateLossSums {
   double num_tokens = 0;
   double z = 0;                    // sum_t lse_t^2 of the noise-free logits
-  std::vector<double> probs;       // [E] sum_t P[t, e] (gshard, gshard_all_choices)
-  std::vector<double> choices;     // [E] counted choices per expert (1st, or all k)
+  std::vector<double> probs;       // [E] sum_t P[t, e] (gshard, gshard_all_choices, global)
+  std::vector<double> choices;     // [E] counted choices per expert (1st, or all k; global: the
+                                   //     aux routing map's, or Nbar after UseRunningMeanCounts)
   std::vector<double> importance;  // [E] importance_load: sum_t Pc[t, e]
   std::vector<double> load;        // [E] importance_load: sum_t Phi((Pc[t, e] - thr_t) / sigma)
   // aux_loss sequence, [B, E] per sequence b of the batch (slot: sequence index mod B):
@@ -73,6 +89,11 @@ struct GateLossSums {
 GateLossSums ComputeGateLossSums(const LayerConfig& config, const GateResult& gate,
                                  int64_t batch_tokens = 0);
 GateLosses GateLossesFromSums(const LayerConfig& config, const GateLossSums& sums);
+// aux_loss global: replaces sums->choices (this micro-batch's N over the whole batch) with the
+// running mean (prior.counts + N) / (prior.micro_batches + 1). Throws InvalidArgument when
+// prior.counts is neither empty nor [E], or prior.micro_batches < 0. Other losses: no change.
+void UseRunningMeanCounts(const LayerConfig& config, const AuxCountsSoFar& prior,
+                          GateLossSums* sums);
 // As GateLossesBackward, for the losses of the batch whose sums are `batch` (gate is this rank's
 // part of it).
 void GateLossesBackward(const LayerConfig& config, const GateResult& gate, float aux_coef,

@@ -45,6 +45,9 @@
 //             largest load over the expert group), parameter gradients summed. The ranks of a
 //             context-parallel group hold one shard together (parts of the same sequences): they
 //             route it as one batch, in global token order.
+// aux_loss global is the loss of the micro-batch on every rank of the stage (the token group) in
+// both scopes; in kPerRank each shard's objective holds it whole (the shards' gradients, summed,
+// hold it once per shard, as the mean over the shards that training takes holds it once).
 //
 // Backward returns this rank's contribution to the gradients; SyncGradients sums expert
 // gradients over the ranks holding the same shard and gate gradients over the token shards, after
@@ -141,6 +144,12 @@ struct ParallelForwardOptions {
   // ranks whose tokens are not a contiguous range of the batch (context parallelism). Routing
   // visits the batch in global order and keys every draw by it. Empty: global_token_offset + t.
   std::span<const int64_t> token_index = {};
+  // aux_loss global: as moe::ForwardOptions::aux_counts_so_far (the counts the layer returned in
+  // LayerOutput::aux_counts for the step's earlier micro-batches, already over every rank).
+  const moe::AuxCountsSoFar* aux_counts_so_far = nullptr;
+  bool entropy = false;  // as moe::ForwardOptions::entropy (this rank's tokens)
+  // [T, k] replay for this rank's tokens, as moe::ForwardOptions::forced_experts.
+  std::span<const int32_t> forced_experts = {};
 };
 
 struct ParallelState;  // what the backward needs (opaque)

@@ -39,6 +39,7 @@
 #include "switchyard/comm/launcher.h"
 #include "switchyard/parallel/mesh.h"
 #include "switchyard/parallel/moe_parallel.h"
+#include "switchyard/train/aux_counts.h"
 #include "switchyard/train/checkpoint_layout.h"
 #include "switchyard/train/config.h"
 #include "switchyard/train/param_grad_buffer.h"
@@ -86,7 +87,8 @@ class ParallelMoeFeedForward : public FeedForward {
   FeedForwardOutput Forward(const Tensor& x, const FeedForwardContext& context) override;
   Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
                   int threads) override;
-  void EndStep(std::span<const int64_t> global_expert_loads) override;
+  void EndStep(std::span<const int64_t> global_expert_counts) override;
+  void SetRouterTrace(RouterTrace* trace) override { router_trace_ = trace; }
   // Wall time in Forward/Backward; comm_seconds: blocked in the layer's collectives.
   FeedForwardTimes TakeTimes() override;
 
@@ -100,6 +102,8 @@ class ParallelMoeFeedForward : public FeedForward {
   int data_shards_ = 1;
   std::string adaptive_r_ = "default";
   FeedForwardTimes times_;
+  StepAuxCounts aux_counts_;  // aux_loss global
+  RouterTrace* router_trace_ = nullptr;
 };
 
 // The TrainHooks (trainer.h) of a distributed run: the rank's parameter-and-gradient buffer

@@ -74,6 +74,8 @@ struct FeedForwardOutput {
   std::shared_ptr<const void> state;  // what Backward needs (implementation-defined)
 };
 
+class RouterTrace;  // router_trace.h
+
 class FeedForward {
  public:
   virtual ~FeedForward() = default;
@@ -88,9 +90,13 @@ class FeedForward {
   // multiplies the gradient of the auxiliary loss term (the objective's weight on it).
   virtual Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
                           int threads) = 0;
-  // After the optimizer step, with the step's expert loads summed over all ranks ([num_experts]
-  // routed pairs): state updates that are not gradient steps (aux-loss-free expert bias).
-  virtual void EndStep(std::span<const int64_t> global_expert_loads) {}
+  // After the optimizer step, with the (token, choice) pairs each expert kept in the step
+  // ([num_experts], after capacity drops, summed over every micro-batch and every rank): state
+  // updates that are not gradient steps (aux-loss-free expert bias, Megatron-Core's rule).
+  virtual void EndStep(std::span<const int64_t> global_expert_counts) {}
+  // MoE FFNs: record or replay routes through `trace` (router_trace.h; null: neither). The trace
+  // must outlive the FFN's calls.
+  virtual void SetRouterTrace(RouterTrace* trace) {}
   // The time spent since the last call (zero for FFNs that do not measure it), then restarts.
   virtual FeedForwardTimes TakeTimes() { return {}; }
   // Appends the tensors `forward` keeps for Backward (for counting saved activation bytes);

@@ -263,10 +263,13 @@ class TransformerLm {
   // (undefined for the head's chunk, which starts from its loss, scaled by loss_scale). Returns
   // the gradient of its input x (undefined for the embedding's chunk).
   Tensor BackwardChunk(const LmOutput& forward, const Tensor& dy, float loss_scale, int threads);
-  // After the optimizer step: hands each MoE block its step's expert loads summed over all
-  // ranks (one vector per MoE block of the whole model, in block order, NumMoeBlocks of the
-  // config; a partitioned model uses its blocks' entries; see FeedForward::EndStep).
+  // After the optimizer step: hands each MoE block the pairs each expert kept in the step, summed
+  // over every micro-batch and rank (one vector per MoE block of the whole model, in block order,
+  // NumMoeBlocks of the config; a partitioned model uses its blocks' entries; see
+  // FeedForward::EndStep).
   void EndStep(const std::vector<std::vector<int64_t>>& global_expert_loads);
+  // Hands every MoE block of this rank the router trace (FeedForward::SetRouterTrace).
+  void SetRouterTrace(RouterTrace* trace);
   // Bytes of the activations `forward` keeps for Backward (each storage counted once): the
   // blocks' caches (a dense FFN's state; an MoE FFN's state is not visible here and not counted),
   // the final norm's, the head's input and d(loss)/d(logits). Deterministic for a config and

@@ -18,6 +18,7 @@
 
 #include "switchyard/moe/config.h"
 #include "switchyard/moe/layer.h"
+#include "switchyard/train/aux_counts.h"
 #include "switchyard/train/feed_forward.h"
 
 namespace switchyard::train {
@@ -36,7 +37,8 @@ class MoeFeedForward : public FeedForward {
   FeedForwardOutput Forward(const Tensor& x, const FeedForwardContext& context) override;
   Tensor Backward(const FeedForwardOutput& forward, const Tensor& dy, float loss_scale,
                   int threads) override;
-  void EndStep(std::span<const int64_t> global_expert_loads) override;
+  void EndStep(std::span<const int64_t> global_expert_counts) override;
+  void SetRouterTrace(RouterTrace* trace) override { router_trace_ = trace; }
   FeedForwardTimes TakeTimes() override;
 
  private:
@@ -45,6 +47,8 @@ class MoeFeedForward : public FeedForward {
   std::string prefix_;
   ParameterSet* params_;
   FeedForwardTimes times_;
+  StepAuxCounts aux_counts_;  // aux_loss global
+  RouterTrace* router_trace_ = nullptr;
 };
 
 // Builds MoeFeedForward FFNs from `config` (model_dim etc. as given; seed keys routing draws).

@@ -263,6 +263,10 @@ class Trainer {
   // inside a collective on some ranks only ends the run with the last periodic checkpoint.
   RunSummary Run(const RunOptions& options = {});
 
+  // Records or replays the MoE layers' routes (router_trace.h) from the next step on; each step
+  // ends with trace->EndStep. Null: neither.
+  void SetRouterTrace(std::shared_ptr<RouterTrace> trace);
+
  private:
   // This step's micro-batches through the model (pipelined with pp > 1), gradients accumulated.
   struct StepTotals;
@@ -314,7 +318,8 @@ class Trainer {
   std::unique_ptr<TrainingData> data_;
   BatchObserver batch_observer_;
   std::string moe_layer_json_;  // moe::ToJson of the MoE blocks' options ("" for a dense model)
-  bool check_finite_ = false;   // the MoE layers' check_finite
+  std::shared_ptr<RouterTrace> router_trace_;
+  bool check_finite_ = false;  // the MoE layers' check_finite
   std::unique_ptr<TransformerLm> model_;
   AdamW optimizer_;
   LrSchedule schedule_;
