@@ -69,6 +69,7 @@ comm::ConfigEntries AgreementEntries(const TrainConfig& config, const RunOptions
   std::string data;
   for (const std::string& f : RunCorpusFiles(config.data, config.val_data, config.data_format)) {
     if (!data.empty()) data += ' ';
+    data += "fnv1a64:";  // as comm::ContentDigest names its digests
     data += DataFileFingerprint(f);
   }
   entries.emplace_back("data (content)", data);
