@@ -136,6 +136,26 @@ double ExpertParamCount(const moe::LayerConfig& c) {
   return per * static_cast<double>(c.num_experts);
 }
 
+// The checks of a forward's inputs: x [T, model_dim] floating, the gate [E, model_dim], this rank's
+// expert shard, the variants' parameters, and with check_finite every value finite.
+void CheckForwardInputs(const moe::LayerConfig& c, const moe::LayerParams& params, const Tensor& x,
+                        const ShardSpec& spec, int64_t global_token_offset, int rank) {
+  ExpectFloating("x", x);
+  ExpectShape("x", x, {kAnySize, c.model_dim});
+  ExpectDType("gate.weight", params.gate_weight, DType::kFloat32);
+  ExpectShape("gate.weight", params.gate_weight, {c.num_experts, c.model_dim});
+  CheckShard(params.experts, spec, c.gated, c.fc_bias);
+  CheckVariants(c, params);
+  SY_REQUIRE(global_token_offset >= 0, InvalidArgument,
+             "global_token_offset: expected >= 0, got {}", global_token_offset);
+  if (c.check_finite) {
+    // As moe::MoeLayer does; a rank that throws here fails its peers' next collective.
+    moe::CheckFinite(fmt::format("x (rank {}, tokens from {})", rank, global_token_offset), x);
+    moe::CheckFinite("gate.weight", params.gate_weight);
+    moe::CheckFinite("gate.expert_bias", params.expert_bias);
+    CheckFiniteShard(params.experts, rank);
+  }
+}
 }  // namespace
 
 Mesh LayerMesh(const moe::LayerConfig& config, const ParallelOptions& options, int world_size) {
@@ -281,22 +301,7 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   CommStats* st = &out.stats;
   internal::ScopedTotal total(st);
   internal::ScopedTraceContext trace(tracer_, coords().rank, "forward");
-  ExpectFloating("x", x);
-  ExpectShape("x", x, {kAnySize, c.model_dim});
-  ExpectDType("gate.weight", params.gate_weight, DType::kFloat32);
-  ExpectShape("gate.weight", params.gate_weight, {c.num_experts, c.model_dim});
-  CheckShard(params.experts, spec_, c.gated, c.fc_bias);
-  CheckVariants(c, params);
-  SY_REQUIRE(options.global_token_offset >= 0, InvalidArgument,
-             "global_token_offset: expected >= 0, got {}", options.global_token_offset);
-  if (c.check_finite) {
-    // As moe::MoeLayer does; a rank that throws here fails its peers' next collective.
-    moe::CheckFinite(
-        fmt::format("x (rank {}, tokens from {})", coords().rank, options.global_token_offset), x);
-    moe::CheckFinite("gate.weight", params.gate_weight);
-    moe::CheckFinite("gate.expert_bias", params.expert_bias);
-    CheckFiniteShard(params.experts, coords().rank);
-  }
+  CheckForwardInputs(c, params, x, spec_, options.global_token_offset, coords().rank);
   const int threads = std::max(1, options.threads);
   const int64_t t_num = x.size(0), e_num = c.num_experts, m_dim = c.model_dim;
   const bool global = options_.batch_scope == BatchScope::kGlobal;
