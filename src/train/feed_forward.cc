@@ -26,11 +26,7 @@ FeedForwardOutput DenseFeedForward::Forward(const Tensor& x, const FeedForwardCo
   const bool bf16 = context.precision == Precision::kBFloat16;
   const Tensor x_in = bf16 ? ToBFloat16(x, context.threads) : x;
   Tensor h = fc1_.Forward(x_in, context.threads);
-  Tensor a = Tensor::Empty(h.shape());
-  ParallelFor(h.numel(), context.threads, [&](int64_t begin, int64_t end) {
-    kernels::ActivationForward(activation_, h.data<float>() + begin, a.data<float>() + begin,
-                               end - begin);
-  });
+  Tensor a = ActivationForwardParallel(activation_, h, context.threads);
   if (bf16) a = ToBFloat16(a, context.threads);
   FeedForwardOutput out;
   out.y = fc2_.Forward(a, context.threads);
@@ -47,10 +43,7 @@ Tensor DenseFeedForward::Backward(const FeedForwardOutput& forward, const Tensor
   const auto& s = *static_cast<const DenseState*>(forward.state.get());
   Tensor da = fc2_.Backward(s.a, dy, threads);
   const Tensor h = ToFloat32(s.h, threads);
-  ParallelFor(da.numel(), threads, [&](int64_t begin, int64_t end) {
-    float* d = da.data<float>() + begin;
-    kernels::ActivationBackward(activation_, h.data<float>() + begin, d, d, end - begin);
-  });
+  ActivationBackwardInPlace(activation_, h, da, threads);
   return fc1_.Backward(s.x, da, threads);
 }
 

@@ -26,4 +26,20 @@ void ParallelGemm(kernels::Trans trans_a, kernels::Trans trans_b, int64_t m, int
   });
 }
 
+Tensor ActivationForwardParallel(kernels::Activation act, const Tensor& h, int threads) {
+  Tensor a = Tensor::Empty(h.shape());
+  ParallelFor(h.numel(), threads, [&](int64_t begin, int64_t end) {
+    kernels::ActivationForward(act, h.data<float>() + begin, a.data<float>() + begin, end - begin);
+  });
+  return a;
+}
+
+void ActivationBackwardInPlace(kernels::Activation act, const Tensor& h, const Tensor& d,
+                               int threads) {
+  ParallelFor(d.numel(), threads, [&](int64_t begin, int64_t end) {
+    float* dp = d.data<float>() + begin;
+    kernels::ActivationBackward(act, h.data<float>() + begin, dp, dp, end - begin);
+  });
+}
+
 }  // namespace switchyard::train

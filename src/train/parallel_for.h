@@ -9,8 +9,10 @@
 #include <cstdint>
 #include <functional>
 
+#include "switchyard/core/tensor.h"
 #include "switchyard/core/thread_pool.h"
 #include "switchyard/kernels/gemm.h"
+#include "switchyard/kernels/ops.h"
 
 namespace switchyard::train {
 
@@ -28,5 +30,11 @@ inline void ParallelFor(int64_t n, int threads, const std::function<void(int64_t
 void ParallelGemm(kernels::Trans trans_a, kernels::Trans trans_b, int64_t m, int64_t n, int64_t k,
                   float alpha, const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
                   float* c, int64_t ldc, int threads);
+
+// act(h) elementwise over `threads` (h float32; a new tensor of its shape).
+Tensor ActivationForwardParallel(kernels::Activation act, const Tensor& h, int threads);
+// d *= act'(h) elementwise, in place over `threads` (both float32 of one shape).
+void ActivationBackwardInPlace(kernels::Activation act, const Tensor& h, const Tensor& d,
+                               int threads);
 
 }  // namespace switchyard::train

@@ -99,11 +99,7 @@ FeedForwardOutput TensorParallelFeedForward::Forward(const Tensor& x,
   const bool bf16 = context.precision == Precision::kBFloat16;
   auto state = std::make_shared<TensorParallelMlpState>();
   Tensor h = fc1_.Forward(x, &state->fc1, context.threads, stats_, context.precision);
-  Tensor a = Tensor::Empty(h.shape());
-  ParallelFor(h.numel(), context.threads, [&](int64_t begin, int64_t end) {
-    kernels::ActivationForward(activation_, h.data<float>() + begin, a.data<float>() + begin,
-                               end - begin);
-  });
+  Tensor a = ActivationForwardParallel(activation_, h, context.threads);
   if (bf16) a = ToBFloat16(a, context.threads);
   FeedForwardOutput out;
   out.y = fc2_.Forward(a, &state->fc2, context.threads, stats_);
@@ -120,10 +116,7 @@ Tensor TensorParallelFeedForward::Backward(const FeedForwardOutput& forward, con
   const auto& s = *static_cast<const TensorParallelMlpState*>(forward.state.get());
   Tensor da = fc2_.Backward(s.fc2, dy, threads, stats_);
   const Tensor h = ToFloat32(s.h, threads);
-  ParallelFor(da.numel(), threads, [&](int64_t begin, int64_t end) {
-    float* d = da.data<float>() + begin;
-    kernels::ActivationBackward(activation_, h.data<float>() + begin, d, d, end - begin);
-  });
+  ActivationBackwardInPlace(activation_, h, da, threads);
   return fc1_.Backward(s.fc1, da, threads, stats_);
 }
 
