@@ -62,6 +62,18 @@ RouterTraceOptions RouterTraceOptionsFromConfig(const std::string& trace, const 
              "config: 'router_trace' and 'router_replay' are the same directory {}: recording "
              "would overwrite the trace being replayed",
              trace);
+  // What fails only once a step runs is refused here, before anything is written.
+  std::error_code fs_error;
+  SY_REQUIRE(trace.empty() || !std::filesystem::exists(trace, fs_error) ||
+                 std::filesystem::is_directory(trace, fs_error),
+             InvalidArgument,
+             "config: 'router_trace' {} exists and is not a directory: expected a directory to "
+             "record the routes into (it is created when missing)",
+             trace);
+  SY_REQUIRE(replay.empty() || std::filesystem::is_directory(replay, fs_error), InvalidArgument,
+             "config: 'router_replay' {}: expected the directory of a router trace "
+             "('router_trace' of an earlier run), and there is no such directory",
+             replay);
   auto number = [&](const std::string& text) {
     int64_t v = 0;
     const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);

@@ -146,6 +146,13 @@ TEST(RouterKeysTest, MalformedValuesAreErrorsNamingTheKey) {
   c.router_trace = c.router_replay = dir / "t";
   EXPECT_NE(ErrorOf(c).find("would overwrite"), std::string::npos) << ErrorOf(c);
   c = base;
+  c.router_replay = dir / "missing";  // refused before a step runs, not inside step 1
+  EXPECT_NE(ErrorOf(c).find("'router_replay'"), std::string::npos) << ErrorOf(c);
+  c = base;
+  WriteTextFileAtomic(dir / "a_file", "x");
+  c.router_trace = dir / "a_file";
+  EXPECT_NE(ErrorOf(c).find("is not a directory"), std::string::npos) << ErrorOf(c);
+  c = base;
   c.group_topk = -2;
   EXPECT_NE(ErrorOf(c).find("'group_topk'"), std::string::npos) << ErrorOf(c);
   c = base;
