@@ -361,7 +361,20 @@ moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
     j[info.layer_key] = mine.at(info.name);
   }
   j["hidden_dim"] = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : c.model.hidden_dim;
-  return moe::LayerConfigFromJson(j.dump());
+  try {
+    return moe::LayerConfigFromJson(j.dump());
+  } catch (const InvalidArgument& e) {
+    // The layer's checks name "layer.json"; here the options come from the run's keys (and the
+    // moe_layer_config file when one is given): name those instead.
+    std::string message = e.what();
+    constexpr std::string_view kLayerFile = "layer.json: ";
+    if (message.starts_with(kLayerFile)) message.erase(0, kLayerFile.size());
+    throw InvalidArgument(fmt::format(
+        "config: the MoE layer options (the run's MoE keys{}): {}",
+        c.moe_layer_config.empty() ? std::string()
+                                   : fmt::format(" over 'moe_layer_config' {}", c.moe_layer_config),
+        message));
+  }
 }
 
 int AdaptiveRAtStep(std::string_view adaptive_r, int64_t step) {
