@@ -13,10 +13,9 @@
 
 namespace switchyard::train {
 
-std::string ResolvedAttentionCore(const TrainConfig& c) {
+AttentionCore ResolvedAttentionCore(const TrainConfig& c) {
   // The attention core does not depend on the world size: any world the layout divides.
-  const ResolvedLayout layout = ResolveLayout(c, static_cast<int>(c.tp * c.pp * c.cp));
-  return std::string(ChoiceTraits<AttentionCore>::Name(layout.attention_core));
+  return ResolveLayout(c, static_cast<int>(c.tp * c.pp * c.cp)).attention_core;
 }
 
 RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
@@ -56,7 +55,7 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const int64_t tokens = CheckedMul(CheckedMul(rows, s / cp, what), in_flight, what);
   const int64_t residual = c.sequence_parallel && tp > 1 ? 8 * d / tp : 8 * d;
   const int64_t heads = m.num_heads / tp;
-  const bool softmax = ResolvedAttentionCore(c) == "softmax";
+  const bool softmax = ResolvedAttentionCore(c) == AttentionCore::kSoftmax;
   const int64_t probs = softmax ? CheckedMul(heads, s, what) : 2 * heads;
   const int64_t moe_hidden =
       CheckedToInt64(std::ceil(2.0 * static_cast<double>(eh) * static_cast<double>(c.top_k) *
@@ -85,7 +84,7 @@ void RequireMemoryBudget(const TrainConfig& c) {
              FormatBytes(static_cast<uint64_t>(e.parameter_bytes)),
              FormatBytes(static_cast<uint64_t>(e.optimizer_bytes)),
              FormatBytes(static_cast<uint64_t>(e.activation_bytes)), c.cp, c.tp, c.pp,
-             ResolvedAttentionCore(c), c.memory_budget_mib,
+             ChoiceTraits<AttentionCore>::Name(ResolvedAttentionCore(c)), c.memory_budget_mib,
              FormatBytes(static_cast<uint64_t>(budget)));
 }
 

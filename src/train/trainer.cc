@@ -118,7 +118,7 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
                                  .kind = parallel::ScheduleKind::k1F1B});
   }
   ContextParallelContext cp = ctx_.context_parallel;
-  cp.flash = ResolvedAttentionCore(c) == "flash";
+  cp.flash = ResolvedAttentionCore(c) == AttentionCore::kFlash;
   model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory), tp,
                                            std::move(partition), cp);
   model_->SetBlockObserver(hooks_->block_observer());

@@ -183,9 +183,10 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                "in those collectives {:.0f}% of step time\n",
                c.cp, c.cp_algo, summary.cp_bytes_per_step / 1e6, 100 * summary.cp_comm_share);
   }
-  std::string memory = fmt::format(
-      "  memory per rank: estimate {} (attention_core {})",
-      FormatBytes(static_cast<uint64_t>(summary.memory_estimate_bytes)), ResolvedAttentionCore(c));
+  std::string memory =
+      fmt::format("  memory per rank: estimate {} (attention_core {})",
+                  FormatBytes(static_cast<uint64_t>(summary.memory_estimate_bytes)),
+                  ChoiceTraits<AttentionCore>::Name(ResolvedAttentionCore(c)));
   if (c.memory_budget_mib > 0) memory += fmt::format(", budget {} MiB", c.memory_budget_mib);
   if (std::isfinite(summary.memory_peak_bytes)) {
     memory += fmt::format("; measured peak of the tensors held {} (max over ranks; min {})",

@@ -28,8 +28,9 @@ struct RankMemoryEstimate {
 // refused (InvalidArgument).
 RankMemoryEstimate EstimateRankMemory(const TrainConfig& config);
 
-// "attention core" the layout runs: "softmax" or "flash" (attention_core auto: flash with cp > 1).
-std::string ResolvedAttentionCore(const TrainConfig& config);
+// The attention core the layout runs: kSoftmax or kFlash (attention_core auto: flash with cp > 1;
+// ResolveLayout's).
+AttentionCore ResolvedAttentionCore(const TrainConfig& config);
 
 // InvalidArgument when config.memory_budget_mib > 0 and the estimate exceeds it, naming the
 // estimate (and its parts), the budget and the layout keys that reduce it.
