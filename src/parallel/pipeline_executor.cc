@@ -127,7 +127,9 @@ PipelineRunStats RunSchedule(comm::Communicator& group, const Schedule& schedule
         Tensor out;
         timed([&] { out = cb.forward(op.microbatch, op.chunk, input); });
         if (st < last) outputs[key] = out;
-        stats.peak_in_flight = std::max(stats.peak_in_flight, ++in_flight);
+        if (c.kind != ScheduleKind::kForwardOnly) {  // keeps its activations for the backward
+          stats.peak_in_flight = std::max(stats.peak_in_flight, ++in_flight);
+        }
         break;
       }
       case OpKind::kBackward:

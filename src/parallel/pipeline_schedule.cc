@@ -1,4 +1,4 @@
-// Pipeline schedules as data (parallel/pipeline.h): the generators of the four kinds, the
+// Pipeline schedules as data (parallel/pipeline.h): the generators of the five kinds, the
 // validator and the simulator.
 #include <fmt/format.h>
 
@@ -21,17 +21,18 @@ std::string_view ScheduleKindName(ScheduleKind kind) {
     case ScheduleKind::k1F1B: return "1f1b";
     case ScheduleKind::kInterleaved1F1B: return "interleaved";
     case ScheduleKind::kZeroBubbleH1: return "zb-h1";
+    case ScheduleKind::kForwardOnly: return "forward";
   }
   return "?";
 }
 
 ScheduleKind ScheduleKindFromName(std::string_view name) {
   for (ScheduleKind k : {ScheduleKind::kFthenB, ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B,
-                         ScheduleKind::kZeroBubbleH1}) {
+                         ScheduleKind::kZeroBubbleH1, ScheduleKind::kForwardOnly}) {
     if (name == ScheduleKindName(k)) return k;
   }
-  throw InvalidArgument(
-      fmt::format("pipeline schedule \"{}\": expected fthenb, 1f1b, interleaved or zb-h1", name));
+  throw InvalidArgument(fmt::format(
+      "pipeline schedule \"{}\": expected fthenb, 1f1b, interleaved, zb-h1 or forward", name));
 }
 
 std::string_view OpKindName(OpKind kind) {
@@ -55,7 +56,9 @@ void ValidateScheduleConfig(const ScheduleConfig& c) {
              "pipeline schedule: microbatches must be >= 1, got {}", c.microbatches);
   SY_REQUIRE(c.virtual_stages >= 1, InvalidArgument,
              "pipeline schedule: virtual stages must be >= 1, got {}", c.virtual_stages);
-  SY_REQUIRE(c.virtual_stages == 1 || c.kind == ScheduleKind::kInterleaved1F1B, InvalidArgument,
+  SY_REQUIRE(c.virtual_stages == 1 || c.kind == ScheduleKind::kInterleaved1F1B ||
+                 c.kind == ScheduleKind::kForwardOnly,
+             InvalidArgument,
              "pipeline schedule {}: {} virtual stages need the interleaved schedule",
              ScheduleKindName(c.kind), c.virtual_stages);
   SY_REQUIRE(c.kind != ScheduleKind::kInterleaved1F1B || c.microbatches % c.stages == 0,
@@ -145,6 +148,16 @@ std::vector<PipelineOp> OneFOneB(const ScheduleConfig& c, int r, bool zero_bubbl
   return b.Take();
 }
 
+// Forward only: chunk by chunk, every micro-batch's forward (a rank's chunk c + 1 of micro-batch 0
+// waits for the other ranks' chunk c of it only when m < p).
+std::vector<PipelineOp> ForwardOnly(const ScheduleConfig& c, int r) {
+  RankBuilder b(c, r);
+  for (int chunk = 0; chunk < c.virtual_stages; ++chunk) {
+    for (int mb = 0; mb < c.microbatches; ++mb) b.Forward(mb, chunk);
+  }
+  return b.Take();
+}
+
 // Megatron-LM's interleaved 1F1B: forward k of this rank is chunk (k / p) % v of micro-batch
 // (k / (p v)) p + k % p; backwards run the chunks in reverse.
 std::vector<PipelineOp> Interleaved(const ScheduleConfig& c, int r) {
@@ -191,6 +204,7 @@ Schedule MakeSchedule(const ScheduleConfig& config) {
       case ScheduleKind::k1F1B: s.ops.push_back(OneFOneB(config, r, false)); break;
       case ScheduleKind::kZeroBubbleH1: s.ops.push_back(OneFOneB(config, r, true)); break;
       case ScheduleKind::kInterleaved1F1B: s.ops.push_back(Interleaved(config, r)); break;
+      case ScheduleKind::kForwardOnly: s.ops.push_back(ForwardOnly(config, r)); break;
     }
   }
   ValidateSchedule(s);
@@ -272,7 +286,7 @@ ScheduleSimulation Simulate(const Schedule& s, const ScheduleCosts& costs) {
           sim.timeline[static_cast<size_t>(r)].push_back({op, t, t + d});
           t += d;
           int& f = in_flight[static_cast<size_t>(r)];
-          if (op.kind == OpKind::kForward) ++f;
+          if (op.kind == OpKind::kForward && c.kind != ScheduleKind::kForwardOnly) ++f;
           if (op.kind == OpKind::kBackward || op.kind == OpKind::kBackwardWeight) --f;
           sim.peak_in_flight[static_cast<size_t>(r)] =
               std::max(sim.peak_in_flight[static_cast<size_t>(r)], f);
@@ -304,6 +318,7 @@ void ValidateSchedule(const Schedule& s) {
   const ScheduleConfig& c = s.config;
   ValidateScheduleConfig(c);
   const int p = c.stages, v = c.virtual_stages, m = c.microbatches, last = p * v - 1;
+  const bool backward = c.kind != ScheduleKind::kForwardOnly;
   SY_REQUIRE(static_cast<int>(s.ops.size()) == p, InvalidArgument,
              "pipeline schedule: {} ranks' lists for {} stages", s.ops.size(), p);
   // Per rank, in order: each op finds what it needs.
@@ -322,6 +337,9 @@ void ValidateSchedule(const Schedule& s) {
       auto need = [&](bool ok, const char* what) {
         SY_REQUIRE(ok, InvalidArgument, "pipeline schedule: {}: {}", At(r, i, op), what);
       };
+      need(backward || op.kind == OpKind::kForward || op.kind == OpKind::kSendActivation ||
+               op.kind == OpKind::kRecvActivation,
+           "a backward op in a forward-only schedule");
       switch (op.kind) {
         case OpKind::kForward:
           need(forwarded.insert(key).second, "a second forward");
@@ -372,15 +390,16 @@ void ValidateSchedule(const Schedule& s) {
             .push_back({r, i});
       }
     }
-    // Completeness: every (micro-batch, chunk) of this rank forward and backward (W after Bi),
-    // its activation and gradient sent on.
+    // Completeness: every (micro-batch, chunk) of this rank forward and backward (W after Bi;
+    // forward-only: no backward), its activation and gradient sent on.
     for (int mb = 0; mb < m; ++mb) {
       for (int ch = 0; ch < v; ++ch) {
         const std::pair<int, int> key{mb, ch};
         const int st = ch * p + r;
-        SY_REQUIRE(forwarded.count(key) && backwarded.count(key) &&
+        SY_REQUIRE(forwarded.count(key) && (!backward || backwarded.count(key)) &&
                        (!input_only.count(key) || weighted.count(key)) &&
-                       (st == last || sent_act.count(key)) && (st == 0 || sent_grad.count(key)),
+                       (st == last || sent_act.count(key)) &&
+                       (!backward || st == 0 || sent_grad.count(key)),
                    InvalidArgument,
                    "pipeline schedule: rank {} misses part of micro-batch {}, chunk {} (forward, "
                    "backward, W after Bi, or a send)",
@@ -418,6 +437,7 @@ double TheoreticalBubbleFraction(const ScheduleConfig& c) {
     case ScheduleKind::kInterleaved1F1B: return (p - 1) / (v * m + p - 1);
     // Bubble time (p - 1)(F + Bi - W) = (p - 1) units with F = Bi = W = 1, over 3m + p - 1.
     case ScheduleKind::kZeroBubbleH1: return (p - 1) / (3 * m + p - 1);
+    case ScheduleKind::kForwardOnly: return (p - 1) / (v * m + p - 1);
   }
   return 0;
 }

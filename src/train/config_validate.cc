@@ -209,6 +209,10 @@ void ValidateTrainConfig(const TrainConfig& c) {
              "config: 'recompute' selective with 'cp' {}: the context-parallel attention core "
              "already recomputes its probabilities in backward; use 'recompute' none or full",
              c.cp);
+  SY_REQUIRE(c.eval_tokens == 0 || c.eval_tokens >= c.model.seq_len, InvalidArgument,
+             "config: 'eval_tokens' {} is less than one evaluation window of seq_len {} tokens "
+             "(0: all held-out tokens)",
+             c.eval_tokens, c.model.seq_len);
   SY_REQUIRE(c.batch_size % c.microbatches == 0, InvalidArgument,
              "config: 'batch_size' {} does not divide into 'microbatches' {} equal micro-batches",
              c.batch_size, c.microbatches);
@@ -255,6 +259,9 @@ void ValidateBatchSplit(const TrainConfig& c, int64_t data_shards, int64_t tp_si
                         bool sequence_parallel) {
   // Every data-parallel rank's part of every micro-batch: at least one row, and with sequence
   // parallelism tokens that split evenly over the tensor-parallel ranks.
+  SY_REQUIRE(c.batch_size >= data_shards, InvalidArgument,
+             "config: batch_size {} must be >= the number of data-parallel ranks {}", c.batch_size,
+             data_shards);
   const int64_t shards = data_shards, rows = c.batch_size / c.microbatches;
   SY_REQUIRE(rows >= shards, InvalidArgument,
              "config: a micro-batch of batch_size {} / microbatches {} = {} rows cannot be split "

@@ -8,7 +8,6 @@
 #include <cmath>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <numeric>
 #include <optional>
 #include <utility>
 
@@ -27,7 +26,6 @@
 #include "switchyard/train/router_trace.h"
 #include "switchyard/train/run_dir.h"
 #include "switchyard/train/zero.h"
-#include "train/step_trace.h"
 
 namespace switchyard::train {
 namespace {
@@ -260,162 +258,6 @@ void ParallelMoeFeedForward::EndStep(std::span<const int64_t> global_expert_coun
   RebindLayerParams(*params_, prefix_, &shard_);
   moe::UpdateExpertBias(global_expert_counts, c.expert_bias_update_rate, shard_.expert_bias);
 }
-
-// ---- DistributedHooks ----
-
-DistributedHooks::DistributedHooks(std::shared_ptr<parallel::ProcessGroups> groups, int zero_stage,
-                                   const ZeroOptions& zero, parallel::GroupKind expert_sync)
-    : groups_(std::move(groups)),
-      buffer_(groups_, zero_stage, zero, expert_sync),
-      layout_(groups_, nullptr) {}
-
-DistributedHooks::~DistributedHooks() = default;
-
-void DistributedHooks::SetPipeline(std::unique_ptr<comm::Communicator> stage, bool tied_embedding) {
-  stage_ = std::move(stage);
-  layout_.set_stage(stage_.get());
-  buffer_.SetTiedEmbedding(tied_embedding);
-}
-
-void DistributedHooks::SetStepTrace(int64_t step, const std::string& path) {
-  trace_ = step > 0 ? std::make_unique<internal::StepTrace>(groups_->world(), step, path) : nullptr;
-  buffer_.SetTrace(trace_.get());
-}
-
-void DistributedHooks::AddTracedLayer(parallel::ParallelMoeLayer* layer) {
-  if (trace_) trace_->AddLayer(layer);
-}
-
-void DistributedHooks::StepBegins(int64_t step) {
-  if (trace_) trace_->Begin(step);
-}
-
-void DistributedHooks::StepEnds(int64_t step) {
-  if (trace_) trace_->End(step);
-}
-
-TensorMap DistributedHooks::ModelValuesForCheckpoint(ParameterSet& params) {
-  TensorMap values;
-  for (const Parameter& p : params.all()) {
-    if (!p.tied_copy) values.emplace(p.name, p.value);
-  }
-  layout_.Gather(params, values, {""});
-  return values;
-}
-
-TensorMap DistributedHooks::OptimizerStateForCheckpoint(const AdamW& optimizer,
-                                                        ParameterSet& params) {
-  TensorMap state = buffer_.FullState();
-  if (state.empty()) return state;  // before the first step
-  layout_.Gather(params, state, {".exp_avg", ".exp_avg_sq"});
-  return state;
-}
-
-void DistributedHooks::LoadModelValues(ParameterSet& params, const TensorMap& values) {
-  TensorMap mine = values;
-  layout_.Slice(params, mine, {""});
-  params.LoadValues(mine, /*allow_extra=*/groups_->mesh().pp() > 1);  // other stages' parameters
-}
-
-void DistributedHooks::LoadOptimizerState(AdamW& optimizer, const TensorMap& state, int64_t step,
-                                          ParameterSet& params) {
-  buffer_.Prepare(params, optimizer);
-  if (step == 0 && state.empty()) return;
-  TensorMap mine = state;
-  layout_.Slice(params, mine, {".exp_avg", ".exp_avg_sq"});
-  buffer_.LoadFullState(mine, step);
-}
-
-// ---- RankTrainer ----
-
-RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process)
-    : RankTrainer(config, world, ranks_in_process, ZeroOptions{}) {}
-
-RankTrainer::RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process,
-                         const ZeroOptions& zero) {
-  parallel::ParallelOptions options = TrainParallelOptions(config, world.size());
-  if (config.a2a_algo == A2aAlgo::k2dh && config.a2a_ranks_per_node == 0) {
-    // The launcher's node size, as far as it divides the expert group (the nodes of the 2DH
-    // all-to-all are consecutive ranks of the expert group).
-    options.hierarchical_ranks_per_node =
-        std::gcd(std::max(1, world.topology().ranks_per_node), options.mesh.ep);
-  }
-  // The run's process groups: built once, shared by every MoE block and the optimizer (every
-  // block's experts split over them alike, TrainParallelOptions checks).
-  const moe::LayerConfig first = MoeBlockLayerConfig(config, config.model.moe_every - 1);
-  groups_ = parallel::MakeLayerGroups(world, first, options);
-  // DeepSpeed's TP de-duplication (parallel::ParallelOptions::tp_dedup): each tp rank runs the
-  // experts on its share of the rows, so expert gradients are summed over tp too.
-  const bool dedup = options.tp_dedup && groups_->mesh().tp_duplicates_tokens() &&
-                     options.dispatch != parallel::DispatchKind::kAllGather;
-  const TensorParallelOptions tp{.sequence_parallel = config.tp > 1 && config.sequence_parallel,
-                                 .comm_overlap = config.tp > 1 && config.tp_comm_overlap};
-  ZeroOptions buckets = zero;
-  buckets.bucket_elements = static_cast<int64_t>(config.bucket_mb * 1024 * 1024 / sizeof(float));
-  hooks_ = std::make_unique<DistributedHooks>(
-      groups_, static_cast<int>(config.zero_stage), buckets,
-      dedup ? parallel::GroupKind::kExpertHolders : parallel::GroupKind::kExpertData);
-  hooks_->SetOverlapGradReduce(config.overlap_grad_reduce);
-  hooks_->SetStepTrace(config.trace_step, config.out + "/trace.json");
-  if (config.model.moe_every > 0) {
-    // Every adaptive r the run will use must suit the experts' H-shards (n = ep / E when the
-    // experts are fewer than the ep ranks, else 1): 0 or a divisor of n.
-    const int shards = groups_->mesh().shards();
-    const auto entries = static_cast<int64_t>(
-        std::count(config.adaptive_r.begin(), config.adaptive_r.end(), ',') + 1);
-    for (int64_t s = 0; s < entries; ++s) {
-      const int r = AdaptiveRAtStep(config.adaptive_r, s);
-      SY_REQUIRE(r < 0 || r == 0 || shards % r == 0, InvalidArgument,
-                 "config: 'adaptive_r' \"{}\": r = {} is neither 0 nor a divisor of the {} "
-                 "H-shard(s) of each expert (ep / num_experts when the experts are fewer than "
-                 "the ep ranks, else 1)",
-                 config.adaptive_r, r, shards);
-    }
-  }
-  ContextParallelOptions cp;
-  if (config.cp > 1) {
-    cp = ContextParallelOptions{
-        .algorithm = config.cp_algo, .split = SequenceSplitKind::kZigzag, .causal = true};
-  }
-  // The header names the expert layout when this rank's stage holds MoE blocks.
-  bool experts = NumMoeBlocks(config.model) > 0;
-  if (config.pp > 1) {
-    experts = false;
-    for (const BlockRange& chunk : PipelinePartition(config, groups_->coords().pp_rank).chunks) {
-      for (int64_t b = chunk.begin; b < chunk.end; ++b) {
-        experts = experts || IsMoeBlock(config.model, b);
-      }
-    }
-  }
-  ParallelContext context = MakeParallelContext(
-      *groups_, ranks_in_process, tp, cp,
-      LayoutNotes{.zero_stage = static_cast<int>(config.zero_stage), .experts = experts});
-  if (config.pp > 1) {
-    // Every rank of this stage (collective over the world): checkpoints gather the experts of
-    // the stage's MoE blocks over it.
-    const int stage = groups_->coords().pp_rank;
-    hooks_->SetPipeline(world.Split(stage, world.rank(), fmt::format("stage{}", stage)),
-                        config.model.tied_head);
-  }
-  DistributedHooks* hooks = hooks_.get();
-  FeedForwardFactory factory;
-  if (config.model.moe_every > 0) {
-    factory = [hooks, config, options, groups = groups_](int64_t block, const std::string& prefix,
-                                                         ParameterSet& params, uint64_t seed) {
-      const moe::LayerConfig layer = MoeBlockLayerConfig(config, block);
-      hooks->AddMoeBlock(prefix, layer);
-      auto ffn =
-          std::make_unique<ParallelMoeFeedForward>(params, prefix, layer, options, groups, seed);
-      ffn->set_adaptive_r(config.adaptive_r);
-      hooks->AddTracedLayer(&ffn->layer());
-      return ffn;
-    };
-  }
-  trainer_ = std::make_unique<Trainer>(config, std::move(factory), hooks, std::move(context));
-  hooks_->Prepare(trainer_->model().parameters(), trainer_->optimizer());
-}
-
-RankTrainer::~RankTrainer() = default;
 
 // ---- RunDistributedTraining ----
 

@@ -8,7 +8,6 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "switchyard/comm/self.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/limits.h"
 #include "switchyard/core/threading.h"
@@ -19,6 +18,7 @@
 #include "switchyard/train/pipeline.h"
 #include "switchyard/train/router_trace.h"
 #include "switchyard/train/weight_grad.h"
+#include "train/rank_objects.h"
 #include "train/step_sums.h"
 
 namespace switchyard::train {
@@ -50,17 +50,24 @@ void RequireTrainingMemory(const TrainConfig& c, int ranks_in_process) {
 
 // ---- Trainer ----
 
-Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks* hooks,
-                 ParallelContext context)
+Trainer::Trainer(TrainConfig config) : Trainer(std::move(config), nullptr, 1, ZeroOptions{}) {}
+
+Trainer::Trainer(TrainConfig config, comm::Communicator& world, int ranks_in_process,
+                 const ZeroOptions& zero)
+    : Trainer(std::move(config), &world, ranks_in_process, zero) {}
+
+Trainer::Trainer(TrainConfig config, comm::Communicator* world, int ranks_in_process,
+                 const ZeroOptions& zero)
     : config_(std::move(config)),
-      ctx_(std::move(context)),
-      hooks_(hooks ? hooks : &default_hooks_) {
+      rank_(internal::BuildRankObjects(config_, world, ranks_in_process, zero)),
+      buffer_(rank_->buffer.get()),
+      ctx_(rank_->context) {
   const TrainConfig& c = config_;
   ValidateTrainConfig(c);
   RequireMemoryBudget(c);
-  SY_REQUIRE(c.batch_size >= ctx_.data_size, InvalidArgument,
-             "config: batch_size {} must be >= the number of data-parallel ranks {}", c.batch_size,
-             ctx_.data_size);
+  const TensorParallelContext tp = ctx_.tensor_parallel;
+  ValidateBatchSplit(c, ctx_.data_size, tp.group != nullptr ? tp.group->size() : 1,
+                     tp.options.sequence_parallel);
   threads_ =
       c.threads > 0 ? c.threads : ComputeThreadsPerRank(ctx_.ranks_in_process, UsableCores());
   // The train layer runs its GEMMs split over its own blocking worker pool with single-threaded
@@ -69,10 +76,6 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
 
   // Everything the run will need is checked here, before the first step: the sizes and memory,
   // the data and its held-out split, the MoE layer's options, text generation.
-  SY_REQUIRE(c.eval_tokens == 0 || c.eval_tokens >= c.model.seq_len, InvalidArgument,
-             "config: 'eval_tokens' {} is less than one evaluation window of seq_len {} tokens "
-             "(0: all held-out tokens)",
-             c.eval_tokens, c.model.seq_len);
   if (ctx_.world_size == 1 && ctx_.ranks_in_process == 1) {
     RequireTrainingMemory(c, 1);  // distributed runs check all ranks of the process up front
   }
@@ -90,38 +93,35 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
              c.sample_tokens, data_->tokenizer().name(), data_->tokenizer().vocab_size(),
              data_->tokenizer().vocab_size(), c.model.vocab_size);
 
+  FeedForwardFactory moe_factory = std::move(rank_->moe_factory);
   if (moe_factory == nullptr && c.model.moe_every > 0) {
     moe_factory =
         MoeFeedForwardFactory([c](int64_t block) { return MoeBlockLayerConfig(c, block); });
   }
-  const TensorParallelContext tp = ctx_.tensor_parallel;
-  ValidateBatchSplit(c, ctx_.data_size, tp.group != nullptr ? tp.group->size() : 1,
-                     tp.options.sequence_parallel);
   // Every step runs its micro-batches through the pipeline executor: with one stage, each one's
   // forward then its backward (1F1B on one rank) on a one-rank group.
   ModelPartition partition;
-  pipeline_group_ = ctx_.pipeline;
   if (ctx_.pp_size > 1) {
-    SY_REQUIRE(ctx_.pipeline != nullptr && ctx_.pipeline->size() == ctx_.pp_size, InvalidArgument,
-               "pipeline parallelism needs the context's pipeline group");
     partition = PipelinePartition(c, ctx_.pp_rank);
     pipeline_ = parallel::MakeSchedule(PipelineScheduleConfig(c));
   } else {
-    if (pipeline_group_ == nullptr || pipeline_group_->size() != 1) {
-      own_group_ = comm::CreateSelfCommunicator("pipeline");
-      pipeline_group_ = own_group_.get();
-    }
     pipeline_ = parallel::MakeSchedule(
         parallel::ScheduleConfig{.stages = 1,
                                  .microbatches = static_cast<int>(c.microbatches),
                                  .virtual_stages = 1,
                                  .kind = parallel::ScheduleKind::k1F1B});
   }
+  // Evaluation and sampling: one micro-batch through every chunk, forward only.
+  forward_only_ = parallel::MakeSchedule(
+      parallel::ScheduleConfig{.stages = pipeline_.config.stages,
+                               .microbatches = 1,
+                               .virtual_stages = pipeline_.config.virtual_stages,
+                               .kind = parallel::ScheduleKind::kForwardOnly});
   ContextParallelContext cp = ctx_.context_parallel;
   cp.flash = ResolvedAttentionCore(c) == AttentionCore::kFlash;
   model_ = std::make_unique<TransformerLm>(c.model, c.seed, std::move(moe_factory), tp,
                                            std::move(partition), cp);
-  model_->SetBlockObserver(hooks_->block_observer());
+  model_->SetBlockObserver(buffer_);
   if (!c.router_trace.empty() || !c.router_replay.empty()) {
     SetRouterTrace(std::make_shared<RouterTrace>(
         RouterTraceOptionsFromConfig(c.router_trace, c.router_trace_steps, c.router_replay),
@@ -135,9 +135,16 @@ Trainer::Trainer(TrainConfig config, FeedForwardFactory moe_factory, TrainHooks*
                          .min_lr = static_cast<float>(c.min_lr),
                          .warmup_steps = c.warmup_steps,
                          .total_steps = c.steps};
+  buffer_->Prepare(model_->parameters(), optimizer_);
 }
 
 Trainer::~Trainer() = default;
+
+int64_t Trainer::optimizer_step() const { return buffer_->StepCount(optimizer_); }
+
+ParamGradBuffer& Trainer::buffer() { return *buffer_; }
+
+parallel::ProcessGroups& Trainer::groups() { return *rank_->groups; }
 
 // What one step's micro-batches give, summed (this rank's part).
 struct Trainer::StepTotals {
@@ -201,7 +208,7 @@ void Trainer::RunMicrobatches(const std::vector<Batch>& batches,
     const Batch& b = batches[static_cast<size_t>(mb)];
     ForwardOptions fo = options;
     fo.global_token_offset = row_begins[static_cast<size_t>(mb)] * seq;
-    if (ctx_.pp_size == 1) hooks_->BeginMicrobatch(mb, m);
+    if (ctx_.pp_size == 1) buffer_->BeginMicrobatch(mb, m);
     LmOutput o = model_->ForwardChunk(chunk, b.tokens, b.targets, input, fo);
     if (ctx_.pp_size == 1) {  // one micro-batch through the whole model
       saved_activation_bytes_ = std::max(saved_activation_bytes_, model_->SavedActivationBytes(o));
@@ -231,7 +238,7 @@ void Trainer::RunMicrobatches(const std::vector<Batch>& batches,
   cb.backward_weight = [&](int mb, int chunk) {
     deferred[static_cast<size_t>(mb)][static_cast<size_t>(chunk)].Run();
   };
-  parallel::RunSchedule(*pipeline_group_, pipeline_, cb);
+  parallel::RunSchedule(*ctx_.pipeline, pipeline_, cb);
 }
 
 internal::StepSums Trainer::SumOverRanks(const StepTotals& totals,
@@ -275,14 +282,14 @@ internal::StepSums Trainer::SumOverRanks(const StepTotals& totals,
     }
   }
   std::vector<double> packed = mine.Pack();
-  hooks_->AllReduceSum(packed);
+  buffer_->AllReduceSum(packed);
   return internal::StepSums::Unpack(packed, experts);
 }
 
 StepMetrics Trainer::Step() {
   const TrainConfig& c = config_;
   double t0 = Now();
-  hooks_->StepBegins(step_ + 1);
+  if (rank_->trace) rank_->trace->Begin(step_ + 1);
   const int64_t world = ctx_.world_size;
   const int64_t shards = ctx_.data_size, shard = ctx_.data_rank;
   // Micro-batch k is rows [k B / m, (k + 1) B / m) of the global batch; this data-parallel rank
@@ -301,7 +308,7 @@ StepMetrics Trainer::Step() {
   ParameterSet& params = model_->parameters();
   model_->TakeMoeTimes();  // drop what evaluation or sampling spent in the MoE layers
   model_->TakeTensorParallelStats();
-  hooks_->BeginStep(params);
+  buffer_->BeginStep(params);
   ForwardOptions fo;
   fo.training = true;
   fo.save_for_backward = true;
@@ -314,8 +321,8 @@ StepMetrics Trainer::Step() {
   const FeedForwardTimes moe_times = model_->TakeMoeTimes();
   const parallel::CommStats tp_stats = model_->TakeTensorParallelStats();
 
-  hooks_->ReduceGradients(params);
-  double grad_norm = std::sqrt(hooks_->GradSquaredNorm(params));
+  buffer_->ReduceGradients(params);
+  double grad_norm = std::sqrt(buffer_->GradSquaredNorm());
   const float lr = schedule_.At(step_);
 
   // Global metrics (token-weighted losses, summed routing statistics, non-finite MoE inputs)
@@ -353,12 +360,12 @@ StepMetrics Trainer::Step() {
   }
   if (finite) {
     const float factor = ClipFactor(grad_norm, static_cast<float>(c.grad_clip));
-    hooks_->ScaleGradients(params, factor);
-    hooks_->OptimizerStep(optimizer_, params, lr);
+    buffer_->ScaleGradients(factor);
+    buffer_->Step(lr);
   } else {
     met.skipped_steps = 1;
   }
-  hooks_->ReleaseParameters(params);
+  buffer_->ReleaseParameters();
   ++step_;
 
   // Each rank's MoE time is part of its own step time (other ranks wait for the writer between
@@ -391,44 +398,28 @@ StepMetrics Trainer::Step() {
     met.tokens_per_s = static_cast<double>(c.batch_size * c.model.seq_len) / met.step_time_s;
   }
   if (router_trace_ != nullptr) router_trace_->EndStep(met.step);
-  hooks_->StepEnds(met.step);
+  if (rank_->trace) rank_->trace->End(met.step);
   return met;
 }
 
 LmOutput Trainer::PipelineForward(const Tensor& tokens, const Tensor& targets,
                                   const ForwardOptions& options, bool keep_logits) {
-  if (ctx_.pp_size == 1) return model_->Forward(tokens, targets, options, keep_logits);
-  // Forward only: chunk c of pipeline rank r is virtual stage s = c p + r; it takes its input
-  // from the rank of stage s - 1 and passes its output to the rank of stage s + 1 (sends are
-  // asynchronous, receives block: every rank runs its chunks in order, which cannot deadlock).
-  comm::Communicator& group = *ctx_.pipeline;
-  const int p = group.size(), r = group.rank();
-  const int64_t last_stage = static_cast<int64_t>(p) * model_->num_chunks() - 1;
-  const Shape shape = {model_->ActivationRows(tokens), config_.model.model_dim};
-  constexpr uint32_t kTag = 0x5f0000;  // forward-only passes (no backward follows)
-  std::vector<comm::Work> sends;
-  std::vector<Tensor> keep;
+  // One micro-batch through the forward-only schedule: every chunk of every stage in order, the
+  // activations passed on by the executor.
   LmOutput result;
-  for (int chunk = 0; chunk < model_->num_chunks(); ++chunk) {
-    const int64_t stage = static_cast<int64_t>(chunk) * p + r;
-    Tensor x;
-    if (stage > 0) {
-      x = Tensor::Empty(shape);
-      group
-          .Recv(x.raw(), static_cast<size_t>(x.numel()), DType::kFloat32, (r + p - 1) % p,
-                {.tag = kTag})
-          .Wait();
-    }
-    LmOutput o = model_->ForwardChunk(chunk, tokens, targets, x, options, keep_logits);
-    if (stage == last_stage) {
+  parallel::PipelineStageCallbacks cb;
+  cb.input_shape = [&](int, int) -> Shape {
+    return {model_->ActivationRows(tokens), config_.model.model_dim};
+  };
+  cb.forward = [&](int, int chunk, const Tensor& input) {
+    LmOutput o = model_->ForwardChunk(chunk, tokens, targets, input, options, keep_logits);
+    if (model_->chunk_has_head(chunk)) {
       result = std::move(o);
-    } else {
-      keep.push_back(o.activation);
-      sends.push_back(group.Send(o.activation.raw(), static_cast<size_t>(o.activation.numel()),
-                                 DType::kFloat32, (r + 1) % p, {.tag = kTag}));
+      return Tensor();
     }
-  }
-  for (const comm::Work& w : sends) w.Wait();
+    return o.activation;
+  };
+  parallel::RunSchedule(*ctx_.pipeline, forward_only_, cb);
   return result;
 }
 
@@ -436,7 +427,7 @@ double Trainer::Evaluate() {
   // Every rank takes its rows of every held-out batch (as in training), so that all ranks make
   // the same sequence of (collective) forwards; the head's stage reports the loss.
   const int64_t world = ctx_.data_size, rank = ctx_.data_rank;
-  hooks_->GatherParameters(model_->parameters());
+  buffer_->GatherParameters();
   ForwardOptions fo;
   fo.training = false;
   fo.save_for_backward = false;
@@ -453,7 +444,7 @@ double Trainer::Evaluate() {
     sums[0] += out.ce_loss * static_cast<double>(out.count);
     sums[1] += static_cast<double>(out.count);
   }
-  hooks_->AllReduceSum(sums);
+  buffer_->AllReduceSum(sums);
   return sums[1] > 0 ? sums[0] / sums[1] : NAN;
 }
 
@@ -464,7 +455,7 @@ std::string Trainer::Sample(int64_t tokens, const std::string& prompt) {
   o.temperature = static_cast<float>(config_.temperature);
   o.seed = config_.seed;
   o.threads = threads_;
-  hooks_->GatherParameters(model_->parameters());
+  buffer_->GatherParameters();
   // Pipelined: every step's logits come from the head's stage, broadcast to the others, so that
   // every rank draws the same tokens.
   ForwardOptions fo;
@@ -472,9 +463,9 @@ std::string Trainer::Sample(int64_t tokens, const std::string& prompt) {
   fo.save_for_backward = false;
   fo.threads = threads_;
   const LogitsFunction logits = [&](const Tensor& window) {
-    if (ctx_.pp_size == 1) return model_->Forward(window, Tensor(), fo).logits;
-    comm::Communicator& group = *ctx_.pipeline;
     LmOutput out = PipelineForward(window, Tensor(), fo, true);
+    if (ctx_.pp_size == 1) return out.logits;
+    comm::Communicator& group = *ctx_.pipeline;
     Tensor l = out.logits.defined() ? out.logits.Clone()
                                     : Tensor::Empty({window.numel(), config_.model.vocab_size});
     group.Broadcast(l, {.root = group.size() - 1}).Wait();

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "switchyard/train/trainer.h"
+#include "train/rank_objects.h"
 
 namespace switchyard::train {
 
@@ -14,16 +15,23 @@ using nlohmann::json;
 CheckpointData Trainer::Snapshot() {
   CheckpointData d;
   ParameterSet& params = model_->parameters();
-  hooks_->GatherParameters(params);
+  buffer_->GatherParameters();
   d.step = step_;
-  d.optimizer_step = hooks_->OptimizerStepCount(optimizer_);
+  d.optimizer_step = optimizer_step();
   d.seed = config_.seed;
   d.global_batch = config_.batch_size;
   d.config_json = TrainConfigToJson(config_);
   d.data_json = data_->identity_json();
   d.moe_layer_json = moe_layer_json_;
-  d.model = hooks_->ModelValuesForCheckpoint(params);
-  d.optimizer = hooks_->OptimizerStateForCheckpoint(optimizer_, params);
+  // Layout-independent (checkpoint_layout.h): full tensors by name, experts by global id, every
+  // stage's part (collective; every rank calls it, the writer saves the result).
+  CheckpointLayout& layout = *rank_->checkpoint;
+  for (const Parameter& p : params.all()) {
+    if (!p.tied_copy) d.model.emplace(p.name, p.value);
+  }
+  layout.Gather(params, d.model, {""});
+  d.optimizer = buffer_->FullState();
+  if (!d.optimizer.empty()) layout.Gather(params, d.optimizer, {".exp_avg", ".exp_avg_sq"});
   return d;
 }
 
@@ -87,7 +95,10 @@ void Trainer::Restore(const CheckpointData& data, const std::string& source) {
                              config_.moe_layer_config);
   }
   try {
-    hooks_->LoadModelValues(model_->parameters(), data.model);
+    TensorMap values = data.model;
+    rank_->checkpoint->Slice(model_->parameters(), values, {""});
+    // Other stages' parameters stay in the map.
+    model_->parameters().LoadValues(values, /*allow_extra=*/ctx_.pp_size > 1);
   } catch (const Error& e) {
     if (!data.moe_layer_json.empty() || moe_layer_json_.empty()) throw;
     // A checkpoint from before the MoE layer options were recorded.
@@ -96,7 +107,11 @@ void Trainer::Restore(const CheckpointData& data, const std::string& source) {
         "options: check that 'moe_layer_config' ({}) has the ones it was trained with",
         source, e.what(), config_.moe_layer_config.empty() ? "none" : config_.moe_layer_config));
   }
-  hooks_->LoadOptimizerState(optimizer_, data.optimizer, data.optimizer_step, model_->parameters());
+  if (data.optimizer_step != 0 || !data.optimizer.empty()) {
+    TensorMap state = data.optimizer;
+    rank_->checkpoint->Slice(model_->parameters(), state, {".exp_avg", ".exp_avg_sq"});
+    buffer_->LoadFullState(state, data.optimizer_step);
+  }
   step_ = data.step;
 }
 

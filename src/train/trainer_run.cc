@@ -166,7 +166,7 @@ struct Trainer::RunState {
 bool Trainer::AnyFailed(const std::exception_ptr& error) {
   if (ctx_.world_size == 1) return error != nullptr;
   double failed[1] = {error ? 1.0 : 0.0};
-  hooks_->AllReduceSum(failed);
+  buffer_->AllReduceSum(failed);
   return failed[0] > 0;
 }
 
@@ -185,7 +185,7 @@ int Trainer::AgreedStop(const RunOptions& options) {
   const int mine = options.stop_signal->load();
   if (ctx_.world_size == 1) return mine;
   double stop[2] = {mine != 0 ? 1.0 : 0.0, static_cast<double>(mine)};
-  hooks_->AllReduceSum(stop);
+  buffer_->AllReduceSum(stop);
   return stop[0] > 0 ? static_cast<int>(std::lround(stop[1] / stop[0])) : 0;
 }
 
@@ -258,7 +258,7 @@ void Trainer::BeginRun(RunState& r) {
   r.writer = ctx_.writes_run_directory();
   OpenRunDirectory(r);
   r.moe = model_->num_moe_blocks() > 0;
-  const int64_t params = hooks_->ModelParameterCount(model_->parameters());
+  const int64_t params = buffer_->ModelParameterCount();
   if (r.writer) {
     fmt::print(r.out,
                "model: {} parameters, {} layer(s), model_dim {}, {} heads, seq_len {}{}\n"
@@ -414,7 +414,7 @@ void Trainer::FinishRun(RunState& r) {
     // Every rank's peak so far (the training steps and evaluations), in rank order.
     std::vector<double> peaks(static_cast<size_t>(ctx_.world_size), 0.0);
     peaks[static_cast<size_t>(ctx_.rank)] = static_cast<double>(account->peak_bytes());
-    hooks_->AllReduceSum(peaks);
+    buffer_->AllReduceSum(peaks);
     summary.memory_peak_bytes = *std::max_element(peaks.begin(), peaks.end());
     summary.memory_peak_min_bytes = *std::min_element(peaks.begin(), peaks.end());
   }
@@ -428,7 +428,7 @@ void Trainer::FinishRun(RunState& r) {
     summary.tokens_per_s = sorted[sorted.size() / 2];
   }
   if (c.sample_tokens > 0) summary.sample = Sample(c.sample_tokens);
-  hooks_->FillSummary(&summary);
+  buffer_->FillSummary(&summary);
   if (rusage u{}; getrusage(RUSAGE_SELF, &u) == 0) summary.peak_rss_bytes = u.ru_maxrss * 1024;
   StopIfAnyFailed(r, Capture([&] {
                     if (r.writer) {
@@ -480,7 +480,7 @@ std::string Trainer::SaveAfterFailure(RunState& r, const std::exception_ptr& err
     // joins fails when it has thrown), so that its message is the one the user reads.
     Capture([&] {
       double wait[1] = {0};
-      hooks_->AllReduceSum(wait);
+      buffer_->AllReduceSum(wait);
     });
   }
   return note;

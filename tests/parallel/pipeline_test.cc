@@ -80,6 +80,47 @@ TEST(PipelineSchedule, EveryKindValidatesAndMatchesTheTheory) {
   }
 }
 
+// Evaluation's schedule: every chunk's forwards chunk by chunk, no backward and no gradient
+// message; the bubble is the textbook (p - 1) / (v m + p - 1) whenever m >= p (or v = 1), and no
+// activation is held for a backward.
+TEST(PipelineSchedule, ForwardOnlyValidatesAndMatchesTheTheory) {
+  EXPECT_EQ(ScheduleKindFromName("forward"), ScheduleKind::kForwardOnly);
+  for (int p = 1; p <= 5; ++p) {
+    for (int m = 1; m <= 9; ++m) {
+      for (int v = 1; v <= 3; ++v) {
+        const ScheduleConfig c = Config(p, m, ScheduleKind::kForwardOnly, v);
+        const Schedule s = MakeSchedule(c);  // validated inside
+        const std::string what = fmt::format("p {} m {} v {}", p, m, v);
+        for (int r = 0; r < p; ++r) {
+          int forwards = 0;
+          for (const PipelineOp& op : s.ops[static_cast<size_t>(r)]) {
+            EXPECT_TRUE(op.kind == OpKind::kForward || op.kind == OpKind::kSendActivation ||
+                        op.kind == OpKind::kRecvActivation)
+                << what << " rank " << r << ": " << OpKindName(op.kind);
+            forwards += op.kind == OpKind::kForward ? 1 : 0;
+          }
+          EXPECT_EQ(forwards, m * v) << what << " rank " << r;
+        }
+        const ScheduleSimulation sim = SimulateSchedule(s);
+        for (int peak : sim.peak_in_flight) EXPECT_EQ(peak, 0) << what;
+        if (v == 1 || m >= p) {
+          EXPECT_DOUBLE_EQ(sim.makespan, static_cast<double>(v * m + p - 1)) << what;
+          EXPECT_NEAR(sim.bubble_fraction, TheoreticalBubbleFraction(c), 1e-12) << what;
+        } else {
+          EXPECT_GE(sim.bubble_fraction, TheoreticalBubbleFraction(c) - 1e-12) << what;
+        }
+      }
+    }
+  }
+  // A backward has no place in it; a training schedule still needs its backwards.
+  Schedule s = MakeSchedule(Config(2, 2, ScheduleKind::kForwardOnly));
+  s.ops[1].push_back({OpKind::kBackward, 0, 0, -1});
+  EXPECT_NE(ErrorOf([&] { ValidateSchedule(s); }).find("forward-only"), std::string::npos);
+  Schedule training = MakeSchedule(Config(2, 2, ScheduleKind::kForwardOnly));
+  training.config.kind = ScheduleKind::kFthenB;
+  EXPECT_NE(ErrorOf([&] { ValidateSchedule(training); }).find("misses part"), std::string::npos);
+}
+
 TEST(PipelineSchedule, ZeroBubbleKeepsOneFOneBsMemoryAndCutsTheBubble) {
   const ScheduleConfig c = Config(4, 8, ScheduleKind::kZeroBubbleH1);
   ScheduleCosts costs;  // F 1, Bi 1, W 1: B = Bi + W = 2 as for 1F1B
@@ -204,6 +245,44 @@ TEST(PipelineExecutor, EveryKindComputesTheOneRankResult) {
   RunToy(Config(3, 4, ScheduleKind::kZeroBubbleH1));
   RunToy(Config(2, 4, ScheduleKind::kInterleaved1F1B, 2));
   RunToy(Config(3, 3, ScheduleKind::kInterleaved1F1B, 3));
+}
+
+// The forward-only schedule through the executor: every micro-batch's last stage sees the toy
+// model's value, and nothing is held for a backward.
+TEST(PipelineExecutor, ForwardOnlyComputesTheOneRankForward) {
+  for (const ScheduleConfig& c :
+       {Config(1, 2, ScheduleKind::kForwardOnly), Config(3, 4, ScheduleKind::kForwardOnly),
+        Config(2, 1, ScheduleKind::kForwardOnly, 3)}) {
+    const int p = c.stages, v = c.virtual_stages, m = c.microbatches, stages = p * v;
+    const Schedule s = MakeSchedule(c);
+    std::mutex mu;
+    std::vector<double> final_out(static_cast<size_t>(m), NAN);
+    comm::RunInProcess(p, [&](comm::Communicator& group) {
+      const int r = group.rank();
+      PipelineStageCallbacks cb;
+      cb.input_shape = [](int, int) { return Shape{3}; };
+      cb.forward = [&](int mb, int chunk, const Tensor& input) {
+        const int st = chunk * p + r;
+        Tensor x = input.defined() ? input : Tensor::Full({3}, static_cast<float>(mb + 1));
+        Tensor y = Tensor::Empty({3});
+        for (int i = 0; i < 3; ++i) y.data<float>()[i] = x.data<float>()[i] * (st + 2) + st;
+        if (st == stages - 1) {
+          std::lock_guard<std::mutex> lock(mu);
+          final_out[static_cast<size_t>(mb)] = y.data<float>()[0];
+          return Tensor();
+        }
+        return y;
+      };
+      const PipelineRunStats stats = RunSchedule(group, s, cb);
+      EXPECT_EQ(stats.peak_in_flight, 0);
+    });
+    for (int mb = 0; mb < m; ++mb) {
+      double x = mb + 1;
+      for (int st = 0; st < stages; ++st) x = x * (st + 2) + st;
+      EXPECT_DOUBLE_EQ(final_out[static_cast<size_t>(mb)], x)
+          << "p " << p << " v " << v << " micro-batch " << mb;
+    }
+  }
 }
 
 TEST(PipelineExecutor, RanksWithAnotherScheduleOrADeadStageFailWithinTheDeadline) {

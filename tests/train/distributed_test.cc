@@ -519,7 +519,7 @@ TEST_F(DistributedTest, ZeroShardsTheOptimizerState) {
       rt.trainer().Step();
       if (world.rank() == 1) {
         std::lock_guard<std::mutex> lock(mu);
-        elements[stage] = rt.hooks().optimizer_state_elements();
+        elements[stage] = rt.buffer().optimizer_state_elements();
       }
     });
   }

@@ -4,12 +4,11 @@
 
 #include <gtest/gtest.h>
 
-#include <barrier>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <thread>
 
+#include "switchyard/comm/inprocess.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/train/checkpoint.h"
@@ -173,7 +172,7 @@ TEST(TrainerTest, ResumeIsBitForBit) {
     Trainer t(c);
     t.Restore(LoadCheckpoint(dir / "ckpts"));
     EXPECT_EQ(t.step(), 3);
-    EXPECT_EQ(t.optimizer().step(), 3);
+    EXPECT_EQ(t.optimizer_step(), 3);
     for (int i = 0; i < 3; ++i) resumed.push_back(t.Step().loss);
   }
   ASSERT_EQ(resumed.size(), straight.size());
@@ -419,58 +418,10 @@ TEST(GenerateTest, DeterministicForASeed) {
   EXPECT_THROW(GenerateText(t.model(), o), InvalidArgument);
 }
 
-// Data parallelism through the hooks: two ranks as threads average their gradients through
-// shared memory (what the lead's comm-based hooks do with an all-reduce). The losses equal the
-// single-rank run's up to float summation order.
-class SharedMemoryDataParallel : public TrainHooks {
- public:
-  struct Shared {
-    explicit Shared(int world_size) : world(world_size), barrier(world_size), slots(world_size) {}
-    int world;
-    std::barrier<> barrier;
-    std::vector<std::vector<double>> slots;
-  };
-  SharedMemoryDataParallel(Shared& shared, int rank) : shared_(shared), rank_(rank) {}
-  // Where the rank sits: data parallelism over every rank.
-  ParallelContext context() const {
-    ParallelContext c;
-    c.rank = c.data_rank = rank_;
-    c.world_size = c.ranks_in_process = c.data_size = shared_.world;
-    return c;
-  }
-
-  void ReduceGradients(ParameterSet& params) override {
-    std::vector<double> flat;
-    for (auto& p : params.all()) {
-      if (!p.options.trainable) continue;
-      for (int64_t i = 0; i < p.grad.numel(); ++i) flat.push_back(p.grad.data<float>()[i]);
-    }
-    AllReduceSum(flat);
-    size_t k = 0;
-    for (auto& p : params.all()) {
-      if (!p.options.trainable) continue;
-      for (int64_t i = 0; i < p.grad.numel(); ++i) {
-        p.grad.data<float>()[i] = static_cast<float>(flat[k++] / shared_.world);
-      }
-    }
-  }
-  void AllReduceSum(std::span<double> values) override {
-    shared_.slots[rank_].assign(values.begin(), values.end());
-    shared_.barrier.arrive_and_wait();
-    for (size_t i = 0; i < values.size(); ++i) {
-      double s = 0;
-      for (int r = 0; r < shared_.world; ++r) s += shared_.slots[r][i];  // same order everywhere
-      values[i] = s;
-    }
-    shared_.barrier.arrive_and_wait();
-  }
-
- private:
-  Shared& shared_;
-  int rank_;
-};
-
-TEST(TrainerTest, DataParallelHooksMatchOneRank) {
+// Data parallelism through the trainer's own objects: two ranks as threads of one in-process
+// world average their gradients in the trainer's buffer (the same code a trainer alone runs over
+// its one-rank world). The losses equal the single-rank run's up to float summation order.
+TEST(TrainerTest, DataParallelRanksMatchOneRank) {
   kernels::SetBlasThreads(1);
   TempDir dir;
   TrainConfig c = TinyTrainConfig(dir);
@@ -480,19 +431,15 @@ TEST(TrainerTest, DataParallelHooksMatchOneRank) {
     for (int i = 0; i < 4; ++i) single.push_back(t.Step().ce_loss);
     single.push_back(t.Evaluate());
   }
-  SharedMemoryDataParallel::Shared shared(2);
   std::vector<double> dp[2];
-  {
-    std::vector<std::jthread> ranks;
-    for (int r = 0; r < 2; ++r) {
-      ranks.emplace_back([&, r] {
-        SharedMemoryDataParallel hooks(shared, r);
-        Trainer t(c, nullptr, &hooks, hooks.context());
-        for (int i = 0; i < 4; ++i) dp[r].push_back(t.Step().ce_loss);
-        dp[r].push_back(t.Evaluate());
-      });
-    }
-  }
+  TrainConfig two = c;
+  two.ranks = 2;
+  comm::RunInProcess(2, [&](comm::Communicator& world) {
+    Trainer t(two, world, world.size());
+    const int r = world.rank();
+    for (int i = 0; i < 4; ++i) dp[r].push_back(t.Step().ce_loss);
+    dp[r].push_back(t.Evaluate());
+  });
   for (size_t i = 0; i < single.size(); ++i) {
     EXPECT_EQ(dp[0][i], dp[1][i]);  // every rank reports the global value
     EXPECT_NEAR(dp[0][i], single[i], 1e-4 * single[i]) << "step " << i;

@@ -180,8 +180,8 @@ Outcome RunLayout(const TrainConfig& c, int steps) {
       o.loss.push_back(m.loss);
       o.grad_norm.push_back(m.grad_norm);
     }
-    o.peak = rt.hooks().peak_memory();
-    o.times = rt.hooks().run_reduction_times();
+    o.peak = rt.buffer().peak_memory();
+    o.times = rt.buffer().run_reduction_times();
     CheckpointData d = rt.trainer().Snapshot();
     if (world.rank() == 0) {
       std::lock_guard<std::mutex> lock(mu);
@@ -322,7 +322,7 @@ TEST(ZeroMemoryTest, Stage3GathersEachBlockJustBeforeItRuns) {
     comm::RunInProcess(ranks, [&](comm::Communicator& world) {
       RankTrainer rt(c, world, world.size(), ZeroOptions{.poison_non_owned = true});
       TransformerLm& model = rt.trainer().model();
-      CheckingObserver check(&rt.hooks(), &model.parameters(), c.model.num_layers);
+      CheckingObserver check(&rt.buffer(), &model.parameters(), c.model.num_layers);
       if (ranks > 1) model.SetBlockObserver(&check);
       std::vector<double> mine;
       for (int s = 0; s < 2; ++s) mine.push_back(rt.trainer().Step().loss);

@@ -42,9 +42,11 @@ enum class ScheduleKind : uint8_t {
   kFthenB,           // GPipe: all forwards, then all backwards
   k1F1B,             // PipeDream-flush: warm-up forwards, then one forward / one backward
   kInterleaved1F1B,  // Megatron's virtual pipeline: v chunks per rank, 1F1B over them
-  kZeroBubbleH1      // ZB-H1: 1F1B with B split into B (input) and W (weight), W filling bubbles
+  kZeroBubbleH1,     // ZB-H1: 1F1B with B split into B (input) and W (weight), W filling bubbles
+  kForwardOnly       // evaluation and sampling: every chunk's forwards, chunk by chunk, no backward
 };
-// "fthenb", "1f1b", "interleaved", "zb-h1"; FromName throws InvalidArgument listing them.
+// "fthenb", "1f1b", "interleaved", "zb-h1", "forward"; FromName throws InvalidArgument listing
+// them.
 std::string_view ScheduleKindName(ScheduleKind kind);
 ScheduleKind ScheduleKindFromName(std::string_view name);
 
@@ -82,7 +84,8 @@ struct Schedule {
 };
 
 // Throws InvalidArgument naming the field for a config the kind cannot schedule (p, m, v < 1;
-// v > 1 except interleaved; interleaved with m not a multiple of p, as Megatron requires).
+// v > 1 except interleaved and forward-only; interleaved with m not a multiple of p, as Megatron
+// requires).
 void ValidateScheduleConfig(const ScheduleConfig& config);
 // An upper bound on the memory MakeSchedule and SimulateSchedule take for `config`: the op lists
 // and the validator's and the simulator's bookkeeping, kScheduleBytesPerPass bytes per
@@ -97,7 +100,8 @@ uint64_t ScheduleMemoryBytes(const ScheduleConfig& config);
 Schedule MakeSchedule(const ScheduleConfig& config);
 
 // Proves a schedule runnable: every (microbatch, virtual stage) has exactly one forward and one
-// backward (B, or Bi followed later by W on the same rank), each compute op finds its input
+// backward (B, or Bi followed later by W on the same rank; forward-only: no backward and no
+// gradient message), each compute op finds its input
 // (tokens, a received activation, the loss, a received gradient) already there, every send has a
 // matching receive on `peer` (same kind, microbatch and chunk, in the same order between each pair
 // of ranks), and running all ranks with asynchronous sends and blocking receives finishes (no
@@ -125,7 +129,8 @@ struct ScheduleSimulation {
   // 1 - (sum of compute time) / (p * makespan).
   double bubble_fraction = 0;
   // Per rank: the most micro-batch chunks whose forward has run and whose backward (B, or W for
-  // zero-bubble) has not, at any time (the activations it holds).
+  // zero-bubble) has not, at any time (the activations it holds; 0 for forward-only, which keeps
+  // none).
   std::vector<int> peak_in_flight;
   std::vector<std::vector<TimedOp>> timeline;  // [rank] compute ops with their times
 };
@@ -135,7 +140,9 @@ ScheduleSimulation SimulateSchedule(const Schedule& schedule, const ScheduleCost
 // The textbook bubble fraction (idle share of p x makespan) with F = 1, B = 2 (Bi = W = 1):
 // (p - 1) / (m + p - 1) for FthenB and 1F1B, (p - 1) / (v m + p - 1) interleaved (Megatron quotes
 // the same as bubble over ideal time, (p - 1) / (v m)), and for ZB-H1 (p - 1) / (3 m + p - 1)
-// (the zero-bubble paper's (p - 1)(F + Bi - W) idle time per rank, a third of 1F1B's).
+// (the zero-bubble paper's (p - 1)(F + Bi - W) idle time per rank, a third of 1F1B's); for
+// forward-only (p - 1) / (v m + p - 1) (with v > 1, when m >= p: a rank's next chunk then never
+// waits for the pipeline's other ranks).
 double TheoreticalBubbleFraction(const ScheduleConfig& config);
 
 // ---- The executor ----

@@ -87,6 +87,7 @@ struct ChoiceTraits<parallel::BatchScope> {
 };
 template <>
 struct ChoiceTraits<parallel::ScheduleKind> {
+  // The training schedules (kForwardOnly is evaluation's: no key chooses it).
   static constexpr std::array kValues = {
       parallel::ScheduleKind::kFthenB, parallel::ScheduleKind::k1F1B,
       parallel::ScheduleKind::kInterleaved1F1B, parallel::ScheduleKind::kZeroBubbleH1};

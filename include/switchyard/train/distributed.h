@@ -15,7 +15,7 @@
 // mean-over-all-tokens cross-entropy + the MoE blocks' loss terms): each rank differentiates its
 // own rows' mean cross-entropy and D times its share of the MoE loss terms (D = the number of
 // data shards = ranks / tp), then every gradient is summed over the ranks holding that parameter
-// (DistributedHooks says which) and divided by D. This equals the single-rank gradient when every
+// (ParamGradBuffer says which) and divided by D. This equals the single-rank gradient when every
 // data shard holds the same number of counted target tokens (batch_size a multiple of D), as with
 // PyTorch DDP.
 //
@@ -48,12 +48,6 @@
 
 namespace switchyard::train {
 
-class ShardedAdamW;
-struct ZeroOptions;
-namespace internal {
-class StepTrace;  // src/train/step_trace.h
-}  // namespace internal
-
 // The parallel options of a config's MoE blocks on a world of `world_size` ranks (the run's mesh:
 // tp, sequence parallelism, the arrangement, ep, etp). Throws InvalidArgument naming the key (an
 // ep that does not divide ranks, an E that ep does not divide and that does not divide ep, an
@@ -71,7 +65,7 @@ int TrainExpertParallelSize(const TrainConfig& config, int world_size);
 // are the single-rank MoeFeedForward's (the full tensors are drawn, then sliced).
 class ParallelMoeFeedForward : public FeedForward {
  public:
-  // `groups`: the run's process groups (shared by every block and the hooks), built for the
+  // `groups`: the run's process groups (shared by every block and the buffer), built for the
   // mesh `options` ask for. Not collective: the FFN splits no communicator.
   ParallelMoeFeedForward(ParameterSet& params, const std::string& prefix, moe::LayerConfig config,
                          const parallel::ParallelOptions& options,
@@ -106,96 +100,24 @@ class ParallelMoeFeedForward : public FeedForward {
   RouterTrace* router_trace_ = nullptr;
 };
 
-// The TrainHooks (trainer.h) of a distributed run: the rank's parameter-and-gradient buffer
-// (param_grad_buffer.h: data-parallel reduction, ZeRO 1-3, overlap), its checkpoint layout
-// (checkpoint_layout.h) and its step trace, each owned here and called at the trainer's points.
-// It is the model's block observer (the buffer's ZeRO-3 gathers and overlapped reductions).
-class DistributedHooks : public TrainHooks, public BlockObserver {
- public:
-  // `groups`: the run's process groups, those of the MoE blocks (every block the same mesh);
-  // `zero_stage`, `zero`, `expert_sync`: the buffer's (ParamGradBuffer). Not collective.
-  DistributedHooks(std::shared_ptr<parallel::ProcessGroups> groups, int zero_stage,
-                   const ZeroOptions& zero,
-                   parallel::GroupKind expert_sync = parallel::GroupKind::kExpertData);
-  ~DistributedHooks() override;
-
-  ParamGradBuffer& buffer() { return buffer_; }
-  CheckpointLayout& layout() { return layout_; }
-
-  // Pipeline parallelism: `stage` is the group of every rank of this rank's stage (world ranks in
-  // order), `tied_embedding` whether the first and last stage hold copies of the tied embedding.
-  void SetPipeline(std::unique_ptr<comm::Communicator> stage, bool tied_embedding);
-  void SetOverlapGradReduce(bool overlap) { buffer_.SetOverlapGradReduce(overlap); }
-  const ZeroMemory& peak_memory() const { return buffer_.peak_memory(); }
-  const ReductionTimes& run_reduction_times() const { return buffer_.run_reduction_times(); }
-  int zero_stage() const { return buffer_.zero_stage(); }
-  int64_t optimizer_state_elements() const { return buffer_.optimizer_state_elements(); }
-
-  // Traces step `step` (1-based) of every rank into `path` (written by world rank 0); the MoE
-  // layers given to AddTracedLayer record into it.
-  void SetStepTrace(int64_t step, const std::string& path);
-  void AddTracedLayer(parallel::ParallelMoeLayer* layer);
-  // Records an MoE block built by the factory, for its experts in checkpoints (CheckpointLayout).
-  void AddMoeBlock(const std::string& prefix, const moe::LayerConfig& config) {
-    layout_.AddMoeBlock(prefix, config);
-  }
-  // ParamGradBuffer::Prepare (RankTrainer calls it once the model is built).
-  void Prepare(ParameterSet& params, const AdamW& optimizer) { buffer_.Prepare(params, optimizer); }
-
-  void StepBegins(int64_t step) override;
-  void StepEnds(int64_t step) override;
-  int64_t ModelParameterCount(const ParameterSet&) override {
-    return buffer_.ModelParameterCount();
-  }
-  void BeginStep(ParameterSet& params) override { buffer_.BeginStep(params); }
-  void BeginMicrobatch(int64_t k, int64_t m) override { buffer_.BeginMicrobatch(k, m); }
-  BlockObserver* block_observer() override { return this; }
-  void BeforeBlock(int64_t block, bool backward) override { buffer_.BeforeBlock(block, backward); }
-  void AfterBlock(int64_t block, bool backward) override { buffer_.AfterBlock(block, backward); }
-  void FillSummary(RunSummary* summary) override { buffer_.FillSummary(summary); }
-  void ReduceGradients(ParameterSet& params) override { buffer_.ReduceGradients(params); }
-  double GradSquaredNorm(const ParameterSet&) override { return buffer_.GradSquaredNorm(); }
-  void ScaleGradients(ParameterSet&, float factor) override { buffer_.ScaleGradients(factor); }
-  void OptimizerStep(AdamW&, ParameterSet&, float lr) override { buffer_.Step(lr); }
-  int64_t OptimizerStepCount(const AdamW& optimizer) override {
-    return buffer_.StepCount(optimizer);
-  }
-  void GatherParameters(ParameterSet&) override { buffer_.GatherParameters(); }
-  void ReleaseParameters(ParameterSet&) override { buffer_.ReleaseParameters(); }
-  void AllReduceSum(std::span<double> values) override { buffer_.AllReduceSum(values); }
-  TensorMap ModelValuesForCheckpoint(ParameterSet& params) override;
-  TensorMap OptimizerStateForCheckpoint(const AdamW& optimizer, ParameterSet& params) override;
-  void LoadModelValues(ParameterSet& params, const TensorMap& values) override;
-  void LoadOptimizerState(AdamW& optimizer, const TensorMap& state, int64_t step,
-                          ParameterSet& params) override;
-
- private:
-  std::shared_ptr<parallel::ProcessGroups> groups_;
-  std::unique_ptr<comm::Communicator> stage_;  // every rank of this stage (null: pp 1)
-  ParamGradBuffer buffer_;
-  CheckpointLayout layout_;
-  std::unique_ptr<internal::StepTrace> trace_;  // null: no step traced
-};
-
-// One rank of a distributed run: the process groups (built once, here), hooks, the MoE factory
-// and the Trainer. Collective over `world`.
+// One rank of a distributed run: the Trainer over `world` (trainer.h: it builds the process
+// groups, buffer and checkpoint layout of its rank). Collective over `world`.
 class RankTrainer {
  public:
   // `zero`: ShardedAdamW's checking options (tests poison non-owned values with NaN); the bucket
   // options come from the config (bucket_mb).
   RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process,
-              const ZeroOptions& zero);
-  RankTrainer(const TrainConfig& config, comm::Communicator& world, int ranks_in_process);
-  ~RankTrainer();
+              const ZeroOptions& zero = {})
+      : trainer_(config, world, ranks_in_process, zero) {}
 
-  Trainer& trainer() { return *trainer_; }
-  DistributedHooks& hooks() { return *hooks_; }
-  parallel::ProcessGroups& groups() { return *groups_; }
+  Trainer& trainer() { return trainer_; }
+  // The rank's parameter-and-gradient buffer (its ZeRO memory and reduction figures; the model's
+  // block observer).
+  ParamGradBuffer& buffer() { return trainer_.buffer(); }
+  parallel::ProcessGroups& groups() { return trainer_.groups(); }
 
  private:
-  std::shared_ptr<parallel::ProcessGroups> groups_;
-  std::unique_ptr<DistributedHooks> hooks_;
-  std::unique_ptr<Trainer> trainer_;
+  Trainer trainer_;
 };
 
 struct DistributedRunOptions {

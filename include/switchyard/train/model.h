@@ -204,7 +204,7 @@ struct LmOutput {
 // Called around each transformer block's forward and backward pass, in the order the passes run
 // (blocks in reverse order in backward): ZeRO-3 gathers a block's parameters just before and
 // gives them back after; the gradient reduction of a block's parameters starts after its
-// backward (DistributedHooks).
+// backward (the trainer's ParamGradBuffer).
 class BlockObserver {
  public:
   virtual ~BlockObserver() = default;

@@ -46,7 +46,7 @@ struct ParallelContext {
   // The layouts the model is built with (no group: none).
   TensorParallelContext tensor_parallel;
   ContextParallelContext context_parallel;
-  // One line naming the layout for the run's header ("": one rank without hooks).
+  // One line naming the layout for the run's header ("": a trainer alone).
   std::string description;
 
   // Only one rank writes the run directory.

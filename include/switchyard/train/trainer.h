@@ -1,11 +1,12 @@
-// The training loop on one rank, structured for the parallel layouts to plug in:
+// The training loop of one rank, the same code for every layout:
 //   data (rows [rank * B / W, (rank + 1) * B / W) of step s's global batch)
 //   -> the micro-batches' forward/backward through the pipeline executor (one stage: F then B per
-//   micro-batch) -> hooks.ReduceGradients -> global-norm clip (norm reduced through the hooks)
-//   -> hooks.OptimizerStep (AdamW; ZeRO shards it) -> metrics (StepSums, one reduction).
-// Where the rank sits is a ParallelContext (parallel_context.h; default: one rank). TrainHooks'
-// defaults are the single-rank behaviour; DistributedHooks (distributed.h) implements them with
-// the rank's ParamGradBuffer and CheckpointLayout.
+//   micro-batch) -> buffer.ReduceGradients -> global-norm clip (norm reduced by the buffer)
+//   -> buffer.Step (the sharded AdamW; ZeRO shards it) -> metrics (StepSums, one reduction).
+// The trainer owns the objects of its rank's place in the run, built once from the config and
+// the world: the process groups, the ParallelContext (parallel_context.h), the ParamGradBuffer
+// (param_grad_buffer.h), the CheckpointLayout (checkpoint_layout.h) and the step trace. A
+// trainer alone holds the same objects over a one-rank world (comm/self.h), every degree 1.
 //
 // Trainer::Run adds the run directory: config.json, metrics.jsonl, loss.svg, expert_load.svg
 // (MoE models), checkpoints/, sample.txt, summary.json, and the progress bar.
@@ -37,80 +38,16 @@
 #include "switchyard/train/model.h"
 #include "switchyard/train/optimizer.h"
 #include "switchyard/train/parallel_context.h"
+#include "switchyard/train/param_grad_buffer.h"
+#include "switchyard/train/zero.h"
 
 namespace switchyard::train {
 
 struct RunSummary;
 namespace internal {
-struct StepSums;  // src/train/step_sums.h
+struct StepSums;     // src/train/step_sums.h
+struct RankObjects;  // src/train/rank_objects.h
 }  // namespace internal
-
-// Where data parallelism, ZeRO and expert parallelism plug in: the operations on the parameters,
-// gradients and optimizer that depend on the layout (where this rank sits is the trainer's
-// ParallelContext, parallel_context.h). The defaults are one rank.
-class TrainHooks {
- public:
-  virtual ~TrainHooks() = default;
-
-  // Around every training step (`step` 1-based, as StepMetrics::step): for the step trace.
-  virtual void StepBegins(int64_t step) {}
-  virtual void StepEnds(int64_t step) {}
-  // Trainable elements of the whole model (not only this rank's shards). Collective.
-  virtual int64_t ModelParameterCount(const ParameterSet& params) {
-    return params.NumTrainableElements();
-  }
-
-  // After backward: turn this rank's gradients into the global batch's (average over the
-  // data-parallel group for dense parameters, over ep_dp for experts; ZeRO-2 reduce-scatters).
-  virtual void ReduceGradients(ParameterSet& params) {}
-  // The global sum of squared gradients from this rank's ParameterSet, each parameter's
-  // gradient counted once over all ranks.
-  virtual double GradSquaredNorm(const ParameterSet& params) {
-    return train::GradSquaredNorm(params);
-  }
-  virtual void ScaleGradients(ParameterSet& params, float factor) {
-    train::ScaleGradients(params, factor);
-  }
-  // The optimizer step (ZeRO: step this rank's shard, then all-gather the parameters).
-  virtual void OptimizerStep(AdamW& optimizer, ParameterSet& params, float lr) {
-    optimizer.Step(params, lr);
-  }
-  // Optimizer steps taken (the AdamW bias-correction count).
-  virtual int64_t OptimizerStepCount(const AdamW& optimizer) { return optimizer.step(); }
-  // At the start of a training step: the parameters its forward needs, and zero gradients.
-  virtual void BeginStep(ParameterSet& params) {
-    GatherParameters(params);
-    params.ZeroGrad();
-  }
-  // Before micro-batch k of m of a step (one pipeline stage only).
-  virtual void BeginMicrobatch(int64_t k, int64_t m) {}
-  // At the end of a run: fills the summary's ZeRO memory and reduction figures. Collective.
-  virtual void FillSummary(RunSummary* summary) {}
-  // Called around the model's blocks (model.h); null: nothing to call.
-  virtual BlockObserver* block_observer() { return nullptr; }
-  // Before any use of the parameter values (training step, evaluation, sampling, checkpoint):
-  // ZeRO-3 all-gathers them from the shards here. Idempotent until ReleaseParameters.
-  virtual void GatherParameters(ParameterSet& params) {}
-  // After the optimizer step: ZeRO-3 gives up the parameters this rank does not own.
-  virtual void ReleaseParameters(ParameterSet& params) {}
-  // Sums values over all ranks in place (loss sums, token counts, expert loads).
-  virtual void AllReduceSum(std::span<double> values) {}
-  // Checkpoint contents in the layout-independent form: full tensors by PyTorch-style name,
-  // experts [E, ...] by global expert id. Collective in distributed runs (every rank calls it;
-  // the writer saves the result).
-  virtual TensorMap ModelValuesForCheckpoint(ParameterSet& params) { return params.Values(); }
-  virtual TensorMap OptimizerStateForCheckpoint(const AdamW& optimizer, ParameterSet& params) {
-    return optimizer.StateTensors();
-  }
-  // Loads layout-independent checkpoint contents (as above), keeping this rank's part.
-  virtual void LoadModelValues(ParameterSet& params, const TensorMap& values) {
-    params.LoadValues(values);
-  }
-  virtual void LoadOptimizerState(AdamW& optimizer, const TensorMap& state, int64_t step,
-                                  ParameterSet& params) {
-    optimizer.LoadState(state, step, params);
-  }
-};
 
 // An estimate of what training `config` allocates for `ranks_in_process` ranks of this
 // process: each rank's EstimateRankMemory (memory_estimate.h: its shard of the parameters,
@@ -200,19 +137,29 @@ struct RunSummary {
 
 class Trainer {
  public:
-  // Loads the corpus and builds the model and optimizer. `moe_factory` builds the MoE FFNs
-  // (null: single-rank MoeFeedForward layers of MoeLayerConfig(config)); `hooks` may be null
-  // (one rank) and must outlive the trainer; `context` is where this rank sits in the layout
-  // (default: one rank), its communicators must outlive the trainer. Runs BLAS single-threaded (one
-  // rank per process: sets it) and splits its work over `threads()` compute threads itself.
-  Trainer(TrainConfig config, FeedForwardFactory moe_factory = nullptr, TrainHooks* hooks = nullptr,
-          ParallelContext context = {});
+  // A trainer alone: one rank over a one-rank world of its own, every parallel degree 1 (the
+  // config's layout keys do not act); its MoE blocks are the single-rank MoeFeedForward layers
+  // of MoeLayerConfig(config). Loads the corpus and builds the model and optimizer. The program
+  // runs BLAS single-threaded (kernels::SetBlasThreads(1)); the trainer splits its work over
+  // `threads()` compute threads itself.
+  explicit Trainer(TrainConfig config);
+  // One rank of a distributed run over `world` (collective over it: builds the run's process
+  // groups; the MoE blocks are parallel::ParallelMoeLayer over them). `ranks_in_process`: the
+  // ranks sharing this process's cores; `zero`: ShardedAdamW's checking options (the buckets
+  // come from the config). `world` must outlive the trainer.
+  Trainer(TrainConfig config, comm::Communicator& world, int ranks_in_process,
+          const ZeroOptions& zero = {});
   ~Trainer();
 
   const TrainConfig& config() const { return config_; }
   const ParallelContext& context() const { return ctx_; }
   TransformerLm& model() { return *model_; }
-  AdamW& optimizer() { return optimizer_; }
+  // AdamW steps taken (the bias-correction count; restored from a checkpoint).
+  int64_t optimizer_step() const;
+  // The rank's parameters and gradients between backward and forward (reduction, ZeRO, the
+  // sharded optimizers) and the run's process groups.
+  ParamGradBuffer& buffer();
+  parallel::ProcessGroups& groups();
   // The run's data: the batches it draws, the held-out set, the tokenizer.
   const TrainingData& data() const { return *data_; }
   // {"files": [...], "bytes": N, "fnv1a64": "..."}: the training and held-out data (recorded in
@@ -276,8 +223,11 @@ class Trainer {
   // counted once per group of ranks that share it and by the stage that computes it.
   internal::StepSums SumOverRanks(const StepTotals& totals, const FeedForwardTimes& moe_times,
                                   const parallel::CommStats& tp_stats, double t0);
-  // A forward of `tokens` through every stage (pipeline ranks pass activations on); the head's
-  // stage returns its output (others an empty one). Collective over the pipeline group.
+  Trainer(TrainConfig config, comm::Communicator* world, int ranks_in_process,
+          const ZeroOptions& zero);
+  // A forward of `tokens` through every stage (the forward-only schedule: the executor passes
+  // the activations on); the head's stage returns its output (others an empty one). Collective
+  // over the pipeline group.
   LmOutput PipelineForward(const Tensor& tokens, const Tensor& targets,
                            const ForwardOptions& options, bool keep_logits);
   // The phases of Run (trainer_run.cc), over the state they share.
@@ -309,10 +259,12 @@ class Trainer {
   void WriteRunEnd(const RunSummary& summary, bool moe) const;
 
   TrainConfig config_;
+  // This rank's groups, buffer, checkpoint layout and trace (before the model: its blocks use
+  // them).
+  std::unique_ptr<internal::RankObjects> rank_;
+  ParamGradBuffer* buffer_ = nullptr;  // rank_'s
   ParallelContext ctx_;
   std::FILE* run_out_ = stdout;  // Run's output stream
-  TrainHooks default_hooks_;
-  TrainHooks* hooks_;
   int threads_ = 1;
   int64_t saved_activation_bytes_ = 0;  // the largest of the run's micro-batches
   std::unique_ptr<TrainingData> data_;
@@ -321,13 +273,12 @@ class Trainer {
   std::shared_ptr<RouterTrace> router_trace_;
   bool check_finite_ = false;  // the MoE layers' check_finite
   std::unique_ptr<TransformerLm> model_;
-  AdamW optimizer_;
+  AdamW optimizer_;  // the options of the buffer's sharded optimizers
   LrSchedule schedule_;
-  // The schedule every step runs (one stage: F then B per micro-batch) and the group it runs on
-  // (the context's pipeline group, or a one-rank group of the trainer's own).
+  // The schedule every step runs on the context's pipeline group (one stage: F then B per
+  // micro-batch).
   parallel::Schedule pipeline_;
-  comm::Communicator* pipeline_group_ = nullptr;
-  std::unique_ptr<comm::Communicator> own_group_;
+  parallel::Schedule forward_only_;  // evaluation and sampling: one micro-batch, forward only
   int64_t step_ = 0;
 };
 
