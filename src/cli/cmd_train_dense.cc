@@ -1,9 +1,9 @@
-// `switchyard train-dense`: the trainer of src/train on one rank, without the communication
-// layer (`switchyard train` runs it on several ranks with expert parallelism). Dense by default;
-// --moe-every N puts single-rank MoE layers in every N-th block. Resumes checkpoints of either
-// command; --resume continues a run in its own directory unless --out says where.
-// Every TrainConfig key is a flag (--model-dim 128, --steps 500, ...) and a key of the JSON
-// file given with --config; flags override the file.
+// `switchyard train-dense`: the trainer of src/train alone, over a one-rank world of its own
+// (`switchyard train` runs the same trainer on several ranks with expert parallelism). Dense by
+// default; --moe-every N puts single-rank MoE layers in every N-th block. Resumes checkpoints of
+// either command; --resume continues a run in its own directory unless --out says where. Every
+// TrainConfig key is a flag (--model-dim 128, --steps 500, ...) and a key of the JSON file given
+// with --config; flags override the file.
 #include <fmt/format.h>
 
 #include <cmath>
