@@ -179,6 +179,23 @@ TEST(TrainerTest, ResumeIsBitForBit) {
   for (size_t i = 0; i < straight.size(); ++i) EXPECT_EQ(resumed[i], straight[i]) << "step " << i;
 }
 
+// A trainer alone is the objects of every run over a one-rank world: its context, pipeline group
+// and process groups have one rank, and its optimizer state lives in the buffer's sharded
+// optimizers (two floats per trainable element after the first step).
+TEST(TrainerTest, AloneRunsTheSameObjectsOverOneRankGroups) {
+  TempDir dir;
+  Trainer t(TinyTrainConfig(dir));
+  EXPECT_EQ(t.groups().world().size(), 1);
+  EXPECT_EQ(t.context().world_size, 1);
+  ASSERT_NE(t.context().pipeline, nullptr);
+  EXPECT_EQ(t.context().pipeline->size(), 1);
+  EXPECT_EQ(t.buffer().optimizer_state_elements(), 0);
+  t.Step();
+  EXPECT_EQ(t.optimizer_step(), 1);
+  EXPECT_EQ(t.buffer().optimizer_state_elements(),
+            2 * t.model().parameters().NumTrainableElements());
+}
+
 TEST(TrainerTest, RestoreRejectsAnotherModel) {
   TempDir dir;
   TrainConfig c = TinyTrainConfig(dir);
