@@ -161,7 +161,7 @@ class ShardedAdamW {
   void LaunchUnitReduction(int64_t unit);
   // Waits for the launched reductions of `unit`'s buckets and finishes them: they get the reduced
   // gradient times `scale` (the `scale` ReduceGradients will be given) and stages 2/3 give back
-  // the rest of the bucket's gradients. The hooks call it for the block after the one whose
+  // the rest of the bucket's gradients. The buffer calls it for the block after the one whose
   // backward just ended, so that at most two blocks' reductions are in flight and what is freed
   // when does not depend on timing. Issues no collective.
   void FinishUnitReduction(int64_t unit, float scale);
