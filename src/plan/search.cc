@@ -142,12 +142,23 @@ std::vector<LayoutFlags> EnumerateLayouts(const train::TrainConfig& base, int64_
   return out;
 }
 
-train::ResolvedTrainConfig ApplyLayout(const train::ResolvedTrainConfig& base,
-                                       const LayoutFlags& flags) {
-  train::ResolvedTrainConfig r = base;
-  r.config = WithFlags(base.config, flags);
+namespace {
+
+// `base` resolved with `config` (= WithFlags(base.config, flags)), the flags' keys explicit.
+train::ResolvedTrainConfig Resolved(const train::ResolvedTrainConfig& base,
+                                    train::TrainConfig config, const LayoutFlags& flags) {
+  train::ResolvedTrainConfig r{.config = std::move(config),
+                               .explicit_keys = base.explicit_keys,
+                               .out_given = base.out_given};
   for (const auto& [key, value] : flags) r.explicit_keys[key] = "--" + Dashed(key);
   return r;
+}
+
+}  // namespace
+
+train::ResolvedTrainConfig ApplyLayout(const train::ResolvedTrainConfig& base,
+                                       const LayoutFlags& flags) {
+  return Resolved(base, WithFlags(base.config, flags), flags);
 }
 
 void CheckLayout(const train::ResolvedTrainConfig& resolved, const train::TrainRunContext& run) {
@@ -200,7 +211,7 @@ PlanResult PlanLayouts(const train::ResolvedTrainConfig& base, const Cluster& cl
   std::sort(candidates.begin(), candidates.end(), faster);
   auto valid = [&](const Layout& layout) {
     try {
-      CheckLayout(ApplyLayout(base, layout.flags), options.run);
+      CheckLayout(Resolved(base, layout.config, layout.flags), options.run);
       return true;
     } catch (const InvalidArgument&) {
       ++result.rejected;

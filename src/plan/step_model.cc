@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "comm/algorithms.h"
 #include "plan/config_view.h"
 #include "plan/predict.h"
+#include "switchyard/comm/algorithm_select.h"
 #include "switchyard/core/error.h"
 #include "switchyard/parallel/pipeline.h"
 #include "switchyard/train/pipeline.h"

@@ -53,20 +53,40 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
       std::max<int64_t>(1, c.batch_size / dp / std::max<int64_t>(1, c.microbatches));
   const int64_t in_flight = pp > 1 ? std::max<int64_t>(1, c.microbatches) : 1;
   const int64_t tokens = CheckedMul(CheckedMul(rows, s / cp, what), in_flight, what);
-  const int64_t residual = c.sequence_parallel && tp > 1 ? 8 * d / tp : 8 * d;
+  // Per block, what Block::SavedTensors keeps (float32 values per token): the two norms' inputs
+  // (/ tp with sequence parallelism), the attention's and the FFN's inputs, q | k | v and the
+  // heads' output (/ tp), with the softmax core the probabilities; recompute selective drops
+  // the probabilities, full keeps only the block's input.
+  const int64_t norm_inputs = c.sequence_parallel && tp > 1 ? 2 * d / tp : 2 * d;
   const int64_t heads = m.num_heads / tp;
   const bool softmax = ResolvedAttentionCore(c) == AttentionCore::kSoftmax;
-  const int64_t probs = softmax ? CheckedMul(heads, s, what) : 2 * heads;
+  const bool full = m.recompute == Recompute::kFull;
+  const int64_t probs =
+      softmax && m.recompute == Recompute::kNone ? CheckedMul(heads, s, what) : 2 * heads;
+  const int64_t attention_rows = norm_inputs + 2 * d + 4 * d / tp + probs;
+  // The MoE FFN of a block: the rows its experts hold (x, hidden, activated) per slot, top_k
+  // slots per token (x capacity_factor with the capacity-padded all-to-all), the tokens
+  // de-duplicated over tp; the gate's probabilities.
+  const double slots_per_token =
+      static_cast<double>(c.top_k) *
+      (c.dispatch == parallel::DispatchKind::kAllToAll ? std::max(1.0, c.capacity_factor) : 1.0) /
+      static_cast<double>(tp);
   const int64_t moe_hidden =
-      CheckedToInt64(std::ceil(2.0 * static_cast<double>(eh) * static_cast<double>(c.top_k) *
-                               std::max(1.0, c.capacity_factor)),
-                     "per-rank memory estimate (expert hidden x top_k x capacity_factor)", 0,
+      CheckedToInt64(std::ceil(slots_per_token * static_cast<double>(d + 2 * eh)),
+                     "per-rank memory estimate (top_k x capacity_factor x expert rows)", 0,
                      std::numeric_limits<int64_t>::max());
-  const int64_t dense_layer = residual + 8 * d / tp + 2 * m.hidden_dim / tp + probs;
-  const int64_t moe_layer = residual + 8 * d / tp + moe_hidden + probs;
+  const int64_t dense_layer = full ? d : attention_rows + 2 * m.hidden_dim / tp;
+  const int64_t moe_layer = full ? d : attention_rows + moe_hidden + c.num_experts;
+  // One block's state again while it is recomputed in backward (full), the final norm's input
+  // and output and the logits' gradient (the logits themselves while the loss is computed).
+  const int64_t recomputed = full ? std::max(attention_rows + 2 * m.hidden_dim / tp,
+                                             attention_rows + moe_hidden + c.num_experts)
+                                  : 0;
+  // The softmax core's gradient of one layer's probabilities in backward.
+  const int64_t probs_grad = softmax ? CheckedMul(heads, s, what) : 0;
   const int64_t per_token = CheckedMul(layers - moe_layers, dense_layer, what) +
-                            CheckedMul(moe_layers, moe_layer, what) + (softmax ? probs : 0) +
-                            CheckedMul(3, v / tp, what);
+                            CheckedMul(moe_layers, moe_layer, what) + recomputed + probs_grad +
+                            2 * d + CheckedMul(2, v / tp, what);
   e.activation_bytes = CheckedMul(CheckedMul(tokens, per_token, what), 4, what);
   return e;
 }
