@@ -35,11 +35,19 @@ double Fastest(int reps, Fn&& fn) {
   return best;
 }
 
+// The mean of `reps` runs of fn, seconds (a rate under contention: every run counts).
+template <typename Fn>
+double Mean(int reps, Fn&& fn) {
+  const auto t0 = Clock::now();
+  for (int i = 0; i < reps; ++i) fn();
+  return std::chrono::duration<double>(Clock::now() - t0).count() / reps;
+}
+
 // FLOP/s of C[m, n] = A[m, k] B[k, n] on this thread.
 double GemmRate(int64_t m, int64_t n, int64_t k) {
   std::vector<float> a(m * k, 0.5f), b(k * n, 0.25f), c(m * n, 0.0f);
   const int64_t reps = std::max<int64_t>(3, 200'000'000 / (2 * m * n * k));
-  const double s = Fastest(5, [&] {
+  const double s = Mean(5, [&] {
     for (int64_t r = 0; r < reps; ++r) {
       kernels::Gemm(kernels::Trans::kNo, kernels::Trans::kNo, m, n, k, 1.0f, a.data(), k, b.data(),
                     n, 0.0f, c.data(), n);
@@ -52,14 +60,16 @@ double GemmRate(int64_t m, int64_t n, int64_t k) {
 double MemcpyBandwidth() {
   const size_t bytes = size_t{16} << 20;
   std::vector<char> src(bytes, 1), dst(bytes, 0);
-  const double s = Fastest(5, [&] { std::memcpy(dst.data(), src.data(), bytes); });
+  std::memcpy(dst.data(), src.data(), bytes);  // pages touched once, outside the timing
+  const double s = Mean(5, [&] { std::memcpy(dst.data(), src.data(), bytes); });
   return 2.0 * static_cast<double>(bytes) / s;
 }
 
-// The median over `threads` threads started together of fn() (each thread's own figure): what
-// one rank gets while every rank runs the same thing on the shared cores.
+// The slowest of `threads` threads started together running fn() (each thread's own rate): what
+// a step of ranks kept in step by their collectives gets, every phase waiting for the rank the
+// shared cores served last.
 template <typename Fn>
-double MedianOverThreads(int threads, Fn&& fn) {
+double SlowestOverThreads(int threads, Fn&& fn) {
   std::vector<double> out(static_cast<size_t>(threads), 0);
   std::latch start(threads);
   std::vector<std::thread> pool;
@@ -71,8 +81,7 @@ double MedianOverThreads(int threads, Fn&& fn) {
     });
   }
   for (std::thread& th : pool) th.join();
-  std::sort(out.begin(), out.end());
-  return out[out.size() / 2];
+  return *std::min_element(out.begin(), out.end());
 }
 
 // Seconds of an in-process all-reduce of `bytes` over `ranks` ranks (the fastest of 20, the
@@ -103,20 +112,20 @@ plan::Cluster CalibrateThisMachine(const CalibrationOptions& o) {
   c.nodes = 1;
   c.devices_per_node = o.ranks;
   const int cores = UsableCores();
-  // The rates of one rank while all ranks compute at once (each on one BLAS thread): the share
-  // of the cores a rank really gets, other processes' load included. With fewer ranks than
+  // The rates of the slowest rank while all ranks compute at once (each on one BLAS thread): the
+  // share of the cores a rank really gets, other processes' load included. With fewer ranks than
   // cores a rank computes on cores / ranks threads: shared_cores tells the step model to scale.
   c.shared_cores = o.ranks < cores ? cores : 0;
   // (At most 64 threads: a plan for more ranks than that is not run here.)
   const int threads = std::clamp(o.ranks, 1, 64);
   // GEMM rate by rows: 1 / rate = 1 / peak + half_rows / (peak m), fitted at m = 32 and 512.
-  const double small = MedianOverThreads(threads, [] { return GemmRate(32, 512, 512); });
-  const double large = MedianOverThreads(threads, [] { return GemmRate(512, 512, 2048); });
+  const double small = SlowestOverThreads(threads, [] { return GemmRate(32, 512, 512); });
+  const double large = SlowestOverThreads(threads, [] { return GemmRate(512, 512, 2048); });
   const double a = (512.0 / large - 32.0 / small) / (512.0 - 32.0);  // 1 / peak
   const double b = 32.0 / small - 32.0 * a;                          // half_rows / peak
   c.gemm_tflops = (a > 0 ? 1.0 / a : large) / 1e12;
   c.gemm_half_rows = a > 0 ? std::max(0.0, b / a) : 0.0;
-  c.memory_bandwidth_gbps = MedianOverThreads(threads, MemcpyBandwidth) / 1e9;
+  c.memory_bandwidth_gbps = SlowestOverThreads(threads, MemcpyBandwidth) / 1e9;
   c.memory_gib = static_cast<double>(AvailableMemoryBytes()) / o.ranks / (1024.0 * 1024 * 1024);
   // The all-reduce of the ranks themselves (its thread hand-offs on the shared cores included),
   // at two sizes: t = messages alpha + bytes sent / beta with the messages and bytes of the
@@ -150,7 +159,7 @@ plan::Cluster CalibrateThisMachine(const CalibrationOptions& o) {
           ? fmt::format(", emulated links {} us / {} GB/s", o.link_latency_us, o.link_gbps)
           : std::string());
   c.source = fmt::format(
-      "measured now, per rank with {} ranks computing at once: {} GEMM {:.1f} GFLOP/s at "
+      "measured now, the slowest of {} ranks computing at once: {} GEMM {:.1f} GFLOP/s at "
       "(32,512,512), {:.1f} at (512,512,2048); memcpy {:.1f} GB/s; {}-rank in-process allreduce "
       "{:.1f} us at 4 KiB, {:.0f} us at 4 MiB; load average {:.1f}",
       threads, kernels::GemmBackendName(kernels::ActiveGemmBackend()), small / 1e9, large / 1e9,

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "plan/config_view.h"
 #include "plan/predict.h"
@@ -159,17 +160,24 @@ void PredictGradients(const Cluster& c, const ModelView& m, const LayoutView& l,
   const int64_t expert_group =
       std::max<int64_t>(1, stage_ranks / (l.ep * (l.megatron ? l.etp : l.tp)));
   Traffic grads, gathers;
-  for (const auto& [count, group] :
-       {std::pair{params.dense, dense_group}, std::pair{params.expert, expert_group}}) {
-    const double bytes = count * 4;
+  // Train reduces (and ZeRO-3 gathers) the gradients block by block (param_grad_buffer.cc:
+  // one bucket per block): the dense parameters in blocks + 1 units (the embeddings and the head
+  // one more), the experts in one unit per MoE block; each unit its own collective.
+  const double dense_units = blocks + 1, expert_units = std::max(1.0, in.moe_blocks);
+  for (const auto& [count, group, units] :
+       {std::tuple{params.dense, dense_group, dense_units},
+        std::tuple{params.expert, expert_group, expert_units}}) {
+    const double bytes = count * 4 / units;
     if (l.zero_stage == 0) {
-      grads.Add(c, Collective::kAllReduce, bytes, group, stage_ranks, "allreduce");
+      grads.Add(c, Collective::kAllReduce, bytes, group, stage_ranks, "allreduce", units);
     } else {
-      grads.Add(c, Collective::kReduceScatter, bytes, group, stage_ranks, "reduce_scatter");
+      grads.Add(c, Collective::kReduceScatter, bytes, group, stage_ranks, "reduce_scatter",
+                units);
       if (l.zero_stage < 3) {
-        grads.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather");
+        grads.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather", units);
       } else {
-        gathers.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather", 2 * mbs);
+        gathers.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather",
+                    2 * mbs * units);
       }
     }
   }

@@ -35,19 +35,34 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const int64_t attention = CheckedMul(4, CheckedMul(d, d, what), what) / tp + 8 * d;
   const int64_t dense_ffn = CheckedMul(2, CheckedMul(d, m.hidden_dim, what), what) / tp;
   int64_t experts_held = 0;
+  int ep = 1;
   if (moe_layers > 0 && c.num_experts > 0) {
-    const int ep = TrainExpertParallelSize(c, static_cast<int>(std::max<int64_t>(1, c.ranks)));
+    ep = TrainExpertParallelSize(c, static_cast<int>(std::max<int64_t>(1, c.ranks)));
     experts_held = std::max<int64_t>(1, c.num_experts / std::max(1, ep));
   }
-  const int64_t moe_ffn =
-      CheckedMul(experts_held, CheckedMul(3, CheckedMul(d, eh, what), what), what) +
-      CheckedMul(c.num_experts, d, what);
+  const int64_t experts = CheckedMul(experts_held, CheckedMul(3, CheckedMul(d, eh, what), what), what);
+  const int64_t gate = CheckedMul(c.num_experts, d, what);
   params += CheckedMul(layers - moe_layers, attention + dense_ffn, what) +
-            CheckedMul(moe_layers, attention + moe_ffn, what);
+            CheckedMul(moe_layers, attention + gate, what);
+  const int64_t expert_params = CheckedMul(moe_layers, experts, what);
+  // ZeRO shards (param_grad_buffer.h's formula): stage >= 1 the AdamW moments, >= 2 the
+  // gradients, 3 the values, over the data-parallel ranks (dense parameters: dp x cp; the
+  // experts: the stage's ranks holding the same experts); stage 3 gathers one block's values
+  // at a time, the next one prefetched.
+  const int64_t dense_shards = dp * cp;
+  const int64_t expert_shards = std::max<int64_t>(1, c.ranks / pp / (std::max(1, ep) * tp));
+  auto sharded = [&](int stage, int64_t bytes_per_value) {
+    const bool shard = c.zero_stage >= stage;
+    return CheckedMul(params / (shard ? dense_shards : 1), bytes_per_value, what) +
+           CheckedMul(expert_params / (shard ? expert_shards : 1), bytes_per_value, what);
+  };
   RankMemoryEstimate e;
-  e.parameter_bytes = CheckedMul(params, 8, what);
-  const int64_t optimizer_shards = c.zero_stage >= 1 ? dp * cp : 1;
-  e.optimizer_bytes = CheckedMul(params, 8, what) / optimizer_shards;
+  e.parameter_bytes = sharded(3, 4) + sharded(2, 4);
+  if (c.zero_stage >= 3) {
+    const int64_t block = std::max(attention + dense_ffn, attention + gate + experts);
+    e.parameter_bytes += CheckedMul(2 * 4, block, what);
+  }
+  e.optimizer_bytes = sharded(1, 8);
   // Activations of the micro-batches in flight on this rank.
   const int64_t rows =
       std::max<int64_t>(1, c.batch_size / dp / std::max<int64_t>(1, c.microbatches));
