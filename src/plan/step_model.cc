@@ -171,8 +171,7 @@ void PredictGradients(const Cluster& c, const ModelView& m, const LayoutView& l,
     if (l.zero_stage == 0) {
       grads.Add(c, Collective::kAllReduce, bytes, group, stage_ranks, "allreduce", units);
     } else {
-      grads.Add(c, Collective::kReduceScatter, bytes, group, stage_ranks, "reduce_scatter",
-                units);
+      grads.Add(c, Collective::kReduceScatter, bytes, group, stage_ranks, "reduce_scatter", units);
       if (l.zero_stage < 3) {
         grads.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather", units);
       } else {

@@ -40,7 +40,8 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
     ep = TrainExpertParallelSize(c, static_cast<int>(std::max<int64_t>(1, c.ranks)));
     experts_held = std::max<int64_t>(1, c.num_experts / std::max(1, ep));
   }
-  const int64_t experts = CheckedMul(experts_held, CheckedMul(3, CheckedMul(d, eh, what), what), what);
+  const int64_t experts =
+      CheckedMul(experts_held, CheckedMul(3, CheckedMul(d, eh, what), what), what);
   const int64_t gate = CheckedMul(c.num_experts, d, what);
   params += CheckedMul(layers - moe_layers, attention + dense_ffn, what) +
             CheckedMul(moe_layers, attention + gate, what);

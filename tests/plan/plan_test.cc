@@ -187,8 +187,8 @@ TEST(StepModelTest, GradientAllReduceOverDataParallelRanks) {
   const double units = layers + 1;
   const double unit_bytes = params * 4 / units;
   const double ar =
-      units * CostOfCollective(Collective::kAllReduce, unit_bytes, 2, cluster.intra_node, 1.0)
-                  .seconds;
+      units *
+      CostOfCollective(Collective::kAllReduce, unit_bytes, 2, cluster.intra_node, 1.0).seconds;
   EXPECT_NEAR(p.dp_comm_s, ar, 1e-12);
   EXPECT_NEAR(p.dp_exposed_s, ar, 1e-12);
   c.overlap_grad_reduce = true;  // buckets reduced during the backward hide part of it
@@ -201,10 +201,10 @@ TEST(StepModelTest, GradientAllReduceOverDataParallelRanks) {
   const StepPrediction z = PredictStep(c, cluster);
   EXPECT_NEAR(
       z.dp_comm_s,
-      units * (CostOfCollective(Collective::kReduceScatter, unit_bytes, 2, cluster.intra_node, 1)
-                   .seconds +
-               CostOfCollective(Collective::kAllGather, unit_bytes, 2, cluster.intra_node, 1)
-                   .seconds),
+      units *
+          (CostOfCollective(Collective::kReduceScatter, unit_bytes, 2, cluster.intra_node, 1)
+               .seconds +
+           CostOfCollective(Collective::kAllGather, unit_bytes, 2, cluster.intra_node, 1).seconds),
       1e-12);
 }
 
@@ -246,6 +246,18 @@ const PlanResult& AllLayouts() {
   return all;
 }
 
+// Layouts train refuses (each checked below to be refused by CheckLayout, and to be absent from
+// the planner's list).
+const LayoutFlags kRefused[] = {
+    {{"ranks", "4"}, {"tp", "3"}},                                       // tp does not divide ranks
+    {{"ranks", "4"}, {"ep", "3"}},                                       // nor ep
+    {{"ranks", "4"}, {"tp", "4"}, {"ep", "4"}, {"microbatches", "16"}},  // batch 8
+    {{"ranks", "4"}, {"pp", "2"}, {"microbatches", "1"}},                // stages in turn
+    {{"ranks", "4"}, {"cp", "2"}, {"recompute", "selective"}},           // cp recomputes already
+    {{"ranks", "4"}, {"overlap_degree", "2"}, {"ep", "1"}},              // nothing exchanged
+};
+
+// (One test over the full list: computing it is most of this suite's time under ASan.)
 TEST(SearchTest, EveryLayoutItEmitsTrainAccepts) {
   const train::ResolvedTrainConfig base = MoeBase();
   const SearchOptions options{.ranks = 4, .top = 100000, .run = {}};
@@ -260,23 +272,18 @@ TEST(SearchTest, EveryLayoutItEmitsTrainAccepts) {
   for (size_t i = 1; i < r.layouts.size(); ++i) {
     EXPECT_LE(r.layouts[i - 1].prediction.step_s, r.layouts[i].prediction.step_s);
   }
+  // What train refuses is not in the list.
+  for (const LayoutFlags& flags : kRefused) {
+    for (const Layout& l : r.layouts) EXPECT_NE(l.flags, flags);
+  }
 }
 
 TEST(SearchTest, TrainRefusesWhatThePlannerLeavesOut) {
   const train::ResolvedTrainConfig base = MoeBase();
-  const LayoutFlags refused[] = {
-      {{"ranks", "4"}, {"tp", "3"}},  // tp does not divide ranks
-      {{"ranks", "4"}, {"ep", "3"}},  // nor ep
-      {{"ranks", "4"}, {"tp", "4"}, {"ep", "4"}, {"microbatches", "16"}},  // batch 8
-      {{"ranks", "4"}, {"pp", "2"}, {"microbatches", "1"}},                // stages in turn
-      {{"ranks", "4"}, {"cp", "2"}, {"recompute", "selective"}},           // cp recomputes already
-      {{"ranks", "4"}, {"overlap_degree", "2"}, {"ep", "1"}},              // nothing exchanged
-  };
-  const PlanResult& r = AllLayouts();
-  for (const LayoutFlags& flags : refused) {
+  for (const LayoutFlags& flags : kRefused) {
     EXPECT_THROW(CheckLayout(ApplyLayout(base, flags), {}), InvalidArgument) << FlagsText(flags);
-    for (const Layout& l : r.layouts) EXPECT_NE(l.flags, flags);
   }
+  // (EveryLayoutItEmitsTrainAccepts checks that none of them is in the planner's list.)
 }
 
 TEST(SearchTest, RankingIsStable) {
@@ -289,9 +296,10 @@ TEST(SearchTest, RankingIsStable) {
   EXPECT_FALSE(WhyFirstWins(a.layouts[0], a.layouts[1]).empty());
 }
 
+// On 2 ranks (a smaller search than AllLayouts' 4, the same checks).
 TEST(SearchTest, MemoryLimitAndTooManyRanks) {
   const train::ResolvedTrainConfig base = MoeBase();
-  const PlanResult& all = AllLayouts();
+  const PlanResult all = PlanLayouts(base, TestCluster(), {.ranks = 2, .top = 100000, .run = {}});
   double least = 1e300, most = 0;
   for (const Layout& l : all.layouts) {
     least = std::min(least, static_cast<double>(l.prediction.memory.total()));
@@ -300,14 +308,14 @@ TEST(SearchTest, MemoryLimitAndTooManyRanks) {
   ASSERT_LT(least, most);
   const double limit = (least + most) / 2;
   const PlanResult some = PlanLayouts(
-      base, TestCluster(), {.ranks = 4, .top = 100000, .memory_limit_bytes = limit, .run = {}});
+      base, TestCluster(), {.ranks = 2, .top = 100000, .memory_limit_bytes = limit, .run = {}});
   EXPECT_GT(some.over_memory, 0);
   EXPECT_LT(some.layouts.size(), all.layouts.size());
   for (const Layout& l : some.layouts) {
     EXPECT_LE(static_cast<double>(l.prediction.memory.total()), limit);
   }
   const PlanResult none = PlanLayouts(
-      base, TestCluster(), {.ranks = 4, .top = 10, .memory_limit_bytes = least / 2, .run = {}});
+      base, TestCluster(), {.ranks = 2, .top = 10, .memory_limit_bytes = least / 2, .run = {}});
   EXPECT_TRUE(none.layouts.empty());
   ASSERT_EQ(none.smallest_over_limit.size(), 1u);
   EXPECT_DOUBLE_EQ(static_cast<double>(none.smallest_over_limit[0].prediction.memory.total()),
