@@ -15,6 +15,7 @@
 #include "cli/flags.h"
 #include "cli/plan_calibrate.h"
 #include "cli/plan_check.h"
+#include "switchyard/core/error.h"
 #include "switchyard/plan/search.h"
 
 namespace switchyard::cli {
@@ -40,6 +41,7 @@ struct CaseResult {
   std::string model;
   LinkCase link;
   std::vector<LayoutCheck> checks;
+  int refused = 0;  // layouts the planner emitted that train refused when run
 };
 
 std::vector<ModelCase> Models(bool quick) {
@@ -69,10 +71,18 @@ CaseResult RunCase(const PlanCheckOptions& o, const ModelCase& model, const Link
   fmt::print("\nmodel {}, links {} us / {} GB/s: {} layouts ranked, {} run for {} steps each\n",
              model.name, link.latency_us, link.gbps, r.layouts.size(), o.per_case, o.steps);
   PrintCheckHeader();
-  CaseResult result{.model = model.name, .link = link, .checks = {}};
+  CaseResult result{.model = model.name, .link = link, .checks = {}, .refused = 0};
   for (int64_t i : SpreadIndices(static_cast<int64_t>(r.layouts.size()), o.per_case)) {
-    result.checks.push_back(
-        CheckLayoutHere(r.layouts[static_cast<size_t>(i)], i + 1, o.steps, calibration));
+    const plan::Layout& layout = r.layouts[static_cast<size_t>(i)];
+    try {
+      result.checks.push_back(CheckLayoutHere(layout, i + 1, o.steps, calibration));
+    } catch (const InvalidArgument& e) {
+      // A layout the planner emitted but the run refused: a planner bug, reported and counted.
+      fmt::print("{:>3} refused by train: {} ({})\n", i + 1, e.what(),
+                 plan::FlagsText(layout.flags));
+      ++result.refused;
+      continue;
+    }
     PrintCheckRow(result.checks.back());
   }
   if (!result.checks.empty()) fmt::print("{}\n", SummaryText(Summarize(result.checks)));
@@ -81,8 +91,8 @@ CaseResult RunCase(const PlanCheckOptions& o, const ModelCase& model, const Link
 
 void PrintTable(const std::vector<CaseResult>& cases) {
   fmt::print(
-      "\n| model, link | layouts | step time: median error | worst | memory: median error | "
-      "worst | planner's #1 vs the fastest measured | load average |\n"
+      "\n| model, link | layouts (refused) | step time: median error | worst | memory: median "
+      "error | worst | planner's #1 vs the fastest measured | load average |\n"
       "|---|---|---|---|---|---|---|---|\n");
   std::vector<LayoutCheck> all;
   for (const CaseResult& c : cases) {

@@ -12,6 +12,7 @@
 #include "plan/config_view.h"
 #include "plan/predict.h"
 #include "switchyard/core/error.h"
+#include "switchyard/parallel/moe_parallel.h"
 #include "switchyard/train/distributed.h"
 
 namespace switchyard::plan {
@@ -164,7 +165,15 @@ train::ResolvedTrainConfig ApplyLayout(const train::ResolvedTrainConfig& base,
 void CheckLayout(const train::ResolvedTrainConfig& resolved, const train::TrainRunContext& run) {
   (void)train::ValidateTrainConfig(resolved, run);
   const train::TrainConfig& c = resolved.config;
-  (void)train::TrainParallelOptions(c, static_cast<int>(c.ranks));
+  const parallel::ParallelOptions options =
+      train::TrainParallelOptions(c, static_cast<int>(c.ranks));
+  if (train::NumMoeBlocks(c.model) > 0) {
+    // The MoE blocks' mesh as the run builds it (its ep / dp / cp divisibility by arrangement).
+    moe::LayerConfig layer;
+    layer.num_experts = c.num_experts;
+    layer.hidden_dim = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : c.model.hidden_dim;
+    (void)parallel::LayerMesh(layer, options, static_cast<int>(c.ranks));
+  }
   const internal::LayoutView l = internal::ReadLayout(c);
   train::ValidateBatchSplit(c, l.dp, l.tp, l.sequence_parallel);
 }
