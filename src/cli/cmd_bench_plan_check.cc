@@ -103,12 +103,15 @@ void PrintTable(const std::vector<CaseResult>& cases) {
       lo = std::min(lo, k.load);
       hi = std::max(hi, k.load);
     }
+    // The first check is the planner's #1 unless train refused that one.
+    const std::string first = c.checks.front().position == 1
+                                  ? fmt::format("{:.0f} % slower", 100 * s.first_vs_best)
+                                  : std::string("#1 refused");
     fmt::print(
-        "| {}, {} us / {} GB/s | {} | {:.0f} % | {:.0f} % | {:.0f} % | {:.0f} % | {:.0f} % "
-        "slower | {:.1f}-{:.1f} |\n",
-        c.model, c.link.latency_us, c.link.gbps, c.checks.size(), 100 * s.step_median,
-        100 * s.step_worst, 100 * s.memory_median, 100 * s.memory_worst, 100 * s.first_vs_best, lo,
-        hi);
+        "| {}, {} us / {} GB/s | {} ({}) | {:.0f} % | {:.0f} % | {:.0f} % | {:.0f} % | {} | "
+        "{:.1f}-{:.1f} |\n",
+        c.model, c.link.latency_us, c.link.gbps, c.checks.size(), c.refused, 100 * s.step_median,
+        100 * s.step_worst, 100 * s.memory_median, 100 * s.memory_worst, first, lo, hi);
     all.insert(all.end(), c.checks.begin(), c.checks.end());
   }
   if (all.empty()) return;
