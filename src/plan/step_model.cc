@@ -133,7 +133,7 @@ StageParams LastStageParams(const ModelView& m, const LayoutView& l, double moe_
             m.vocab_size * d / tp + m.seq_len * d;
   const double held = std::max<double>(
       1, static_cast<double>(m.num_experts) / static_cast<double>(std::max<int64_t>(1, l.ep)));
-  p.expert = moe_blocks_stage * held * 3 * d * m.expert_hidden_dim;
+  p.expert = moe_blocks_stage * held * m.expert_matrices * d * m.expert_hidden_dim;
   return p;
 }
 
@@ -270,7 +270,8 @@ StepPrediction internal::PredictStepOf(const train::TrainConfig& config, const M
   const double proj_flops = blocks * 2 * 4 * d * d / tp * T;
   const double ffn_flops = dense_blocks * 2 * 2 * d * m.hidden_dim / tp * T;
   const double gate_flops = moe_blocks * 2 * d * m.num_experts * Tm;
-  const double expert_flops = moe_blocks * 2 * 2 * d * m.expert_hidden_dim / expert_tp * slots;
+  const double expert_flops =
+      moe_blocks * 2 * m.expert_matrices * d * m.expert_hidden_dim / expert_tp * slots;
   const double head_flops = 2 * d * m.vocab_size / tp * T;
   const double core_flops = blocks * 4 * S * d / tp * T;
   const double dense_gemm = GemmSeconds(c, proj_flops + ffn_flops + gate_flops + head_flops, T);

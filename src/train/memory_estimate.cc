@@ -40,8 +40,14 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
     ep = TrainExpertParallelSize(c, static_cast<int>(std::max<int64_t>(1, c.ranks)));
     experts_held = std::max<int64_t>(1, c.num_experts / std::max(1, ep));
   }
-  const int64_t experts =
-      CheckedMul(experts_held, CheckedMul(3, CheckedMul(d, eh, what), what), what);
+  // An expert: fc1 and fc2 (and fc3 when gated, SwiGLU), with their biases unless fc_bias is off
+  // (the moe_layer_config file's keys; its defaults without one, not read per call then).
+  const moe::LayerConfig layer =
+      moe_layers > 0 && !c.moe_layer_config.empty() ? MoeLayerConfig(c) : moe::LayerConfig{};
+  const int64_t expert_matrices = layer.gated ? 3 : 2;
+  const int64_t per_expert =
+      CheckedMul(expert_matrices, CheckedMul(d, eh, what), what) + (layer.fc_bias ? eh + d : 0);
+  const int64_t experts = CheckedMul(experts_held, per_expert, what);
   const int64_t gate = CheckedMul(c.num_experts, d, what);
   params += CheckedMul(layers - moe_layers, attention + dense_ffn, what) +
             CheckedMul(moe_layers, attention + gate, what);
@@ -88,7 +94,7 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
       (c.dispatch == parallel::DispatchKind::kAllToAll ? std::max(1.0, c.capacity_factor) : 1.0) /
       static_cast<double>(tp);
   const int64_t moe_hidden =
-      CheckedToInt64(std::ceil(slots_per_token * static_cast<double>(d + 2 * eh)),
+      CheckedToInt64(std::ceil(slots_per_token * static_cast<double>(d + expert_matrices * eh)),
                      "per-rank memory estimate (top_k x capacity_factor x expert rows)", 0,
                      std::numeric_limits<int64_t>::max());
   const int64_t dense_layer = full ? d : attention_rows + 2 * m.hidden_dim / tp;
