@@ -175,6 +175,38 @@ TEST(StepModelTest, OneRankComputeByHand) {
               1e-12);
 }
 
+// train's per-rank estimate, which the planner ranks by, against the terms of
+// docs/planner.md "Memory" computed by hand: ZeRO 0 and 3 of an MoE model on 2 ranks (ep 2).
+TEST(StepModelTest, MemoryEstimateByHand) {
+  train::TrainConfig c = DenseModel();
+  c.model.moe_every = 2;  // block 1 is MoE
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.ranks = 2;
+  c.ep = 2;
+  c.dispatch = "alltoallv";  // dropless: top_k slots per token
+  const double d = 32, h = 64, v = 256, s = 16, heads = 2, experts = 4;
+  const double attention = 4 * d * d + 8 * d;
+  const double dense = v * d + s * d + 2 * attention + 2 * d * h + experts * d;  // + the gate
+  const double expert = 2 * (2 * d * h + h + d);  // 2 experts held: fc1, fc2 and their biases
+  train::RankMemoryEstimate e = train::EstimateRankMemory(c);
+  EXPECT_EQ(e.parameter_bytes, static_cast<int64_t>(8 * (dense + expert)));
+  EXPECT_EQ(e.optimizer_bytes, static_cast<int64_t>(8 * (dense + expert)));
+  // Activations: 2 sequences of 16 tokens per rank; per token the blocks' kept rows, one layer's
+  // probability gradient, the final norm's input and output and the logits with their gradient.
+  const double attention_rows = 2 * d + 2 * d + 4 * d + heads * s;
+  const double per_token = (attention_rows + 2 * h) + (attention_rows + 2 * (d + 2 * h) + experts) +
+                           heads * s + 2 * d + 2 * v;
+  EXPECT_EQ(e.activation_bytes, static_cast<int64_t>(4 * 32 * per_token));
+  // ZeRO 3 over the 2 data ranks: the dense values, gradients and moments halved (each expert is
+  // on one rank: not sharded), and one block's values and gradients gathered, twice.
+  c.zero_stage = 3;
+  e = train::EstimateRankMemory(c);
+  const double block = attention + experts * d + expert;  // the MoE block is the larger
+  EXPECT_EQ(e.parameter_bytes, static_cast<int64_t>(8 * (dense / 2 + expert) + 8 * block));
+  EXPECT_EQ(e.optimizer_bytes, static_cast<int64_t>(8 * (dense / 2 + expert)));
+}
+
 TEST(StepModelTest, GradientAllReduceOverDataParallelRanks) {
   train::TrainConfig c = DenseModel();
   c.ranks = 2;
