@@ -35,6 +35,7 @@ int NodesSpanned(const Cluster& c, int64_t span) {
 // The collectives of one kind of traffic, accumulated.
 struct Traffic {
   double seconds = 0;
+  double latency_s = 0;  // the messages' latency part of `seconds`
   void Add(const Cluster& c, Collective kind, double bytes, int64_t group, int64_t span,
            const char* efficiency_key, double count = 1) {
     if (group <= 1 || bytes <= 0 || count <= 0) return;
@@ -42,6 +43,7 @@ struct Traffic {
         CostOfCollective(kind, bytes, static_cast<int>(group), LinkFor(c, span),
                          c.efficiency(efficiency_key), NodesSpanned(c, std::min(span, group)));
     seconds += count * cost.seconds;
+    latency_s += count * static_cast<double>(cost.messages) * LinkFor(c, span).latency_us * 1e-6;
   }
 };
 
@@ -185,8 +187,11 @@ void PredictGradients(const Cluster& c, const ModelView& m, const LayoutView& l,
     grad_hidden = std::min(grads.seconds * (1.0 - 1.0 / blocks), bwd_compute);
   }
   p->dp_comm_s = grads.seconds + gathers.seconds;
-  p->dp_exposed_s = grads.seconds - grad_hidden +
-                    std::max(0.0, gathers.seconds - mbs * (fwd_compute + bwd_compute));
+  // ZeRO-3's gathers are prefetched one block ahead, so their bytes can move behind compute;
+  // their latency cannot: each block waits for its gather, a synchronization of the ranks.
+  p->dp_exposed_s =
+      grads.seconds - grad_hidden + gathers.latency_s +
+      std::max(0.0, gathers.seconds - gathers.latency_s - mbs * (fwd_compute + bwd_compute));
   const double bw = c.memory_bandwidth_gbps * 1e9;
   const double shards = l.zero_stage >= 1 ? static_cast<double>(dense_group) : 1.0;
   p->optimizer_s = 28 * (params.dense + params.expert) / shards / bw;
