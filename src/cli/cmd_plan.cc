@@ -5,8 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <filesystem>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -15,14 +13,11 @@
 
 #include "cli/command.h"
 #include "cli/flags.h"
-#include "cli/launch.h"
 #include "cli/plan_calibrate.h"
-#include "switchyard/comm/inprocess.h"
+#include "cli/plan_check.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/limits.h"
-#include "switchyard/kernels/gemm.h"
 #include "switchyard/plan/search.h"
-#include "switchyard/train/distributed.h"
 
 namespace switchyard::cli {
 namespace {
@@ -42,16 +37,6 @@ struct PlanOptions {
   double link_gbps = 0;
   std::map<std::string, std::string> values;  // model keys given as flags
 };
-
-// The model `switchyard train` trains by default (cmd_train.cc's embedded run).
-train::TrainConfig PlanDefaults() {
-  train::TrainConfig c;
-  c.model.moe_every = 2;
-  c.num_experts = 4;
-  c.top_k = 2;
-  c.ranks = 4;
-  return c;
-}
 
 std::string ShellWord(const std::string& text) {
   const bool plain = !text.empty() && std::all_of(text.begin(), text.end(), [](char ch) {
@@ -142,77 +127,30 @@ void PrintTable(const PlanOptions& o, const plan::Cluster& cluster, const plan::
   }
 }
 
-// Runs K of the layouts for a few steps here (ranks as threads, the links --cluster
-// this was calibrated with) and prints predicted against measured step time and peak memory.
+// Runs K of the layouts for a few steps here (ranks as threads, the links --cluster this was
+// calibrated with; recalibrated right before each run) and prints predicted against measured
+// step time and peak memory.
 void Validate(const PlanOptions& o, const plan::PlanResult& r) {
-  KeepFreedMemoryForTraining();
-  kernels::SetBlasThreads(1);
-  comm::InProcessOptions inprocess;
-  if (o.link_latency_us > 0 || o.link_gbps > 0) {
-    inprocess.emulation =
-        comm::EmulationOptions{{o.link_latency_us, o.link_gbps}, {o.link_latency_us, o.link_gbps}};
-  }
-  const std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / fmt::format("switchyard-plan-{}", ::getpid());
-  std::FILE* sink = std::fopen("/dev/null", "w");
-  std::vector<double> errors;
-  std::vector<double> measured_steps;
-  std::vector<double> memory_errors;
-  fmt::print("\nvalidation: {} steps per layout, ranks as threads{}\n", o.validate_steps,
-             inprocess.emulation
-                 ? fmt::format(", emulated links {} us / {} GB/s", o.link_latency_us, o.link_gbps)
-                 : "");
-  fmt::print("{:>3} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7}  {}\n", "#", "pred ms", "meas ms",
-             "err", "pred MiB", "peak MiB", "err", "layout");
-  // K layouts evenly spread over the printed list (--top), the first always among them.
-  const int64_t n = static_cast<int64_t>(r.layouts.size());
-  const int64_t k = std::min<int64_t>(o.validate, n);
-  for (int64_t j = 0; j < k; ++j) {
-    const int64_t i = k == 1 ? 0 : j * (n - 1) / (k - 1);
-    const plan::Layout& layout = r.layouts[i];
-    train::TrainConfig c = layout.config;
-    c.steps = o.validate_steps;
-    c.log_every = 1;
-    c.eval_every = 0;
-    c.val_fraction = 0;
-    c.sample_tokens = 0;
-    c.checkpoint_every = 0;
-    c.keep_checkpoints = 1;
-    c.out = (dir / fmt::format("layout{}", i + 1)).string();
-    auto launcher = MakeLauncher("inproc", static_cast<int>(c.ranks), inprocess, "plan");
-    train::DistributedRunOptions run;
-    run.run.out = sink != nullptr ? sink : stderr;
-    run.run.interactive = 0;
-    const train::RunSummary s = train::RunDistributedTraining(*launcher, c, run);
-    const double step = static_cast<double>(c.batch_size * c.model.seq_len) / s.tokens_per_s;
-    const double pred = layout.prediction.step_s;
-    const double mem_pred = static_cast<double>(layout.prediction.memory.total());
-    errors.push_back(std::abs(pred - step) / step);
-    measured_steps.push_back(step);
-    memory_errors.push_back(std::abs(mem_pred - s.memory_peak_bytes) / s.memory_peak_bytes);
-    fmt::print("{:>3} {:>10.2f} {:>10.2f} {:>6.1f}% {:>10.1f} {:>10.1f} {:>6.1f}%  {}\n", i + 1,
-               Ms(pred), Ms(step), 100 * (pred - step) / step, MiB(mem_pred),
-               MiB(s.memory_peak_bytes),
-               100 * (mem_pred - s.memory_peak_bytes) / s.memory_peak_bytes,
-               plan::FlagsText(layout.flags));
-  }
-  if (sink != nullptr) std::fclose(sink);
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
-  if (errors.empty()) return;
-  auto median_and_worst = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return std::pair{100 * v[v.size() / 2], 100 * v.back()};
-  };
-  const auto [step_median, step_worst] = median_and_worst(errors);
-  const auto [memory_median, memory_worst] = median_and_worst(memory_errors);
-  const double best = *std::min_element(measured_steps.begin(), measured_steps.end());
+  const CalibrationOptions calibration{.ranks = static_cast<int>(r.layouts.front().config.ranks),
+                                       .link_latency_us = o.link_latency_us,
+                                       .link_gbps = o.link_gbps};
   fmt::print(
-      "step time: median |error| {:.1f}%, worst {:.1f}%; peak memory: median |error| "
-      "{:.1f}%, worst {:.1f}%; the planner's #1 measured {:.1f}% slower than the fastest "
-      "measured\n",
-      step_median, step_worst, memory_median, memory_worst,
-      100 * (measured_steps[0] - best) / best);
+      "\nvalidation: {} steps per layout, ranks as threads{}, this machine recalibrated "
+      "before each\n",
+      o.validate_steps,
+      o.link_latency_us > 0 || o.link_gbps > 0
+          ? fmt::format(", emulated links {} us / {} GB/s", o.link_latency_us, o.link_gbps)
+          : "");
+  PrintCheckHeader();
+  std::vector<LayoutCheck> checks;
+  const std::vector<int64_t> spread =
+      SpreadIndices(static_cast<int64_t>(r.layouts.size()), o.validate);
+  for (int64_t i : spread) {
+    checks.push_back(
+        CheckLayoutHere(r.layouts[static_cast<size_t>(i)], i + 1, o.validate_steps, calibration));
+    PrintCheckRow(checks.back());
+  }
+  if (!checks.empty()) fmt::print("{}\n", SummaryText(Summarize(checks)));
 }
 
 int RunPlan(PlanOptions o) {
@@ -220,8 +158,10 @@ int RunPlan(PlanOptions o) {
     o.ranks = ParseInt64InRange(it->second, "--ranks", 1, 4096);
     o.values.erase(it);
   }
-  train::ResolvedTrainConfig base = train::ResolveTrainConfig(
-      {.defaults = PlanDefaults(), .config_file = o.config_file, .flags = o.values, .resume = ""});
+  train::ResolvedTrainConfig base = train::ResolveTrainConfig({.defaults = PlanDefaultModel(),
+                                                               .config_file = o.config_file,
+                                                               .flags = o.values,
+                                                               .resume = ""});
   for (const auto& [key, source] : base.explicit_keys) {
     SY_REQUIRE(!train::IsLayoutKey(key) || key == "threads", InvalidArgument,
                "plan: '{}' ({}) is a layout key, which the planner chooses: give the model "

@@ -18,6 +18,7 @@
 #include "cli/flags.h"
 #include "cli/launch.h"
 #include "cli/peak_flops.h"
+#include "cli/plan_check.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/gemm_backend.h"
@@ -36,16 +37,13 @@ struct TrainOptions {
   bool plain = false;
   double link_latency_us = 0;  // emulated link between in-process ranks (0 and 0: none)
   double link_gbps = 0;
+  std::string layout;                         // "auto": the planner's first choice for this machine
   std::map<std::string, std::string> values;  // flag -> text, only for flags given
 };
 
 // The embedded default run (the README's main job): learns visibly in about 3 minutes on 2 cores.
 train::TrainConfig DefaultTrainConfig() {
-  train::TrainConfig c;
-  c.model.moe_every = 2;
-  c.num_experts = 4;
-  c.top_k = 2;
-  c.ranks = 4;
+  train::TrainConfig c = PlanDefaultModel();  // the model and layout keys
   c.steps = 1000;
   c.out = "runs/train";
   return c;
@@ -60,6 +58,17 @@ int RunTrain(const TrainOptions& o) {
                                                                    .resume = o.resume});
   // The model's vocabulary follows a SentencePiece tokenizer (and must match a checkpoint's).
   train::ApplyTokenizerVocabulary(resolved);
+  if (!o.layout.empty()) {
+    SY_REQUIRE(o.layout == "auto", InvalidArgument,
+               "--layout: expected 'auto' (the planner's first choice for this machine), got '{}'",
+               o.layout);
+    SY_REQUIRE(o.resume.empty() && ResolveTransport(o.transport) != "mpi", InvalidArgument,
+               "--layout auto plans a new run of ranks as threads on this machine: it does not go "
+               "with --resume or --transport mpi");
+    resolved = AutoLayout(
+        resolved, {.ranks = 4, .link_latency_us = o.link_latency_us, .link_gbps = o.link_gbps},
+        stdout);
+  }
   train::TrainConfig config = resolved.config;
   if (!resolved.out_given && !o.resume.empty()) {
     // A resumed run continues in its own run directory.
@@ -159,6 +168,10 @@ SY_REGISTER_COMMAND(Command{
       app.add_option("--link-gbps", o->link_gbps,
                      "emulated bandwidth between the in-process ranks, GB/s (0 = unlimited)")
           ->check(FiniteIn(0, 1e12));
+      app.add_option("--layout", o->layout,
+                     "auto: run the layout `switchyard plan --cluster this` ranks first (this "
+                     "machine calibrated now, a few seconds); layout keys other than --ranks are "
+                     "then the planner's");
       AddTrainConfigFlags(
           app, [o](const std::string& key, const std::string& text) { o->values[key] = text; });
       return [o, resume] {

@@ -16,9 +16,14 @@ struct CalibrationOptions {
   double link_gbps = 0;
 };
 
-// GEMM rate of one thread at two shapes (fit to rate(m) = peak m / (m + half_rows)), memcpy
-// bandwidth, and a two-rank in-process all-reduce at two sizes (fit to latency + bytes /
-// bandwidth). Takes about a second.
+// The GEMM rate at two shapes (fit to rate(m) = peak m / (m + half_rows)) and the memcpy
+// bandwidth of one rank while `ranks` threads run them at once, and an all-reduce of `ranks`
+// in-process ranks at two sizes (fit to latency + bytes / bandwidth with the messages and bytes
+// of the algorithm comm picks). Takes a few seconds (more on a loaded machine).
 plan::Cluster CalibrateThisMachine(const CalibrationOptions& options);
+
+// The machine's 1-minute load average (getloadavg), -1 when unknown: printed next to every
+// figure measured on this shared machine.
+double LoadAverage();
 
 }  // namespace switchyard::cli

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "comm/op_context.h"
+#include "switchyard/comm/algorithm_select.h"
 #include "switchyard/comm/communicator.h"
 #include "switchyard/core/tensor.h"
 
@@ -124,13 +125,6 @@ bool IsReduction(CollectiveKind kind);
 void AllToAllVDynamicTwoPhase(OpContext& ctx, const CollectiveArgs& args, Algorithm data_algorithm);
 void AllToAllVDynamicNative(OpContext& ctx, const CollectiveArgs& args);
 
-// The one place where algorithms are chosen. Checks that `requested` is one the collective
-// offers -- a row of the launch table (InvalidArgument listing them otherwise) -- and resolves
-// kAuto from the message size in bytes (equal on every rank), the group size, the topology and
-// the transport's kind() ("inprocess", "mpi", or a user transport's name). has_native: the
-// transport has its own collectives (Transport::native()).
-Algorithm SelectAlgorithm(CollectiveKind kind, Algorithm requested, size_t bytes, int group_size,
-                          const Topology& topology, bool has_native,
-                          std::string_view transport_kind);
+// SelectAlgorithm, the one place where algorithms are chosen: switchyard/comm/algorithm_select.h.
 
 }  // namespace switchyard::comm

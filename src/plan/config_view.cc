@@ -28,6 +28,9 @@ ModelView ReadModel(const train::TrainConfig& config) {
   m.tied_head = j.at("tied_head").get<bool>();
   m.precision = j.at("precision").get<std::string>();
   m.moe_blocks = train::NumMoeBlocks(config.model);
+  if (m.moe_blocks > 0 && !config.moe_layer_config.empty()) {
+    m.expert_matrices = train::MoeLayerConfig(config).gated ? 3 : 2;
+  }
   return m;
 }
 

@@ -14,6 +14,7 @@ namespace switchyard::plan::internal {
 struct ModelView {
   int64_t vocab_size = 0, seq_len = 0, model_dim = 0, num_layers = 0, num_heads = 0;
   int64_t hidden_dim = 0, moe_blocks = 0, num_experts = 0, top_k = 0, expert_hidden_dim = 0;
+  int64_t expert_matrices = 2;  // fc1, fc2 (3 with gated, SwiGLU experts)
   int64_t batch_size = 0;
   double capacity_factor = 1;
   bool tied_head = true;

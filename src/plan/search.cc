@@ -12,6 +12,7 @@
 #include "plan/config_view.h"
 #include "plan/predict.h"
 #include "switchyard/core/error.h"
+#include "switchyard/parallel/moe_parallel.h"
 #include "switchyard/train/distributed.h"
 
 namespace switchyard::plan {
@@ -142,18 +143,37 @@ std::vector<LayoutFlags> EnumerateLayouts(const train::TrainConfig& base, int64_
   return out;
 }
 
-train::ResolvedTrainConfig ApplyLayout(const train::ResolvedTrainConfig& base,
-                                       const LayoutFlags& flags) {
-  train::ResolvedTrainConfig r = base;
-  r.config = WithFlags(base.config, flags);
+namespace {
+
+// `base` resolved with `config` (= WithFlags(base.config, flags)), the flags' keys explicit.
+train::ResolvedTrainConfig Resolved(const train::ResolvedTrainConfig& base,
+                                    train::TrainConfig config, const LayoutFlags& flags) {
+  train::ResolvedTrainConfig r{.config = std::move(config),
+                               .explicit_keys = base.explicit_keys,
+                               .out_given = base.out_given};
   for (const auto& [key, value] : flags) r.explicit_keys[key] = "--" + Dashed(key);
   return r;
+}
+
+}  // namespace
+
+train::ResolvedTrainConfig ApplyLayout(const train::ResolvedTrainConfig& base,
+                                       const LayoutFlags& flags) {
+  return Resolved(base, WithFlags(base.config, flags), flags);
 }
 
 void CheckLayout(const train::ResolvedTrainConfig& resolved, const train::TrainRunContext& run) {
   (void)train::ValidateTrainConfig(resolved, run);
   const train::TrainConfig& c = resolved.config;
-  (void)train::TrainParallelOptions(c, static_cast<int>(c.ranks));
+  const parallel::ParallelOptions options =
+      train::TrainParallelOptions(c, static_cast<int>(c.ranks));
+  if (train::NumMoeBlocks(c.model) > 0) {
+    // The MoE blocks' mesh as the run builds it (its ep / dp / cp divisibility by arrangement).
+    moe::LayerConfig layer;
+    layer.num_experts = c.num_experts;
+    layer.hidden_dim = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : c.model.hidden_dim;
+    (void)parallel::LayerMesh(layer, options, static_cast<int>(c.ranks));
+  }
   const internal::LayoutView l = internal::ReadLayout(c);
   train::ValidateBatchSplit(c, l.dp, l.tp, l.sequence_parallel);
 }
@@ -200,7 +220,7 @@ PlanResult PlanLayouts(const train::ResolvedTrainConfig& base, const Cluster& cl
   std::sort(candidates.begin(), candidates.end(), faster);
   auto valid = [&](const Layout& layout) {
     try {
-      CheckLayout(ApplyLayout(base, layout.flags), options.run);
+      CheckLayout(Resolved(base, layout.config, layout.flags), options.run);
       return true;
     } catch (const InvalidArgument&) {
       ++result.rejected;

@@ -4,10 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
-#include "comm/algorithms.h"
 #include "plan/config_view.h"
 #include "plan/predict.h"
+#include "switchyard/comm/algorithm_select.h"
 #include "switchyard/core/error.h"
 #include "switchyard/parallel/pipeline.h"
 #include "switchyard/train/pipeline.h"
@@ -34,6 +35,7 @@ int NodesSpanned(const Cluster& c, int64_t span) {
 // The collectives of one kind of traffic, accumulated.
 struct Traffic {
   double seconds = 0;
+  double latency_s = 0;  // the messages' latency part of `seconds`
   void Add(const Cluster& c, Collective kind, double bytes, int64_t group, int64_t span,
            const char* efficiency_key, double count = 1) {
     if (group <= 1 || bytes <= 0 || count <= 0) return;
@@ -41,6 +43,7 @@ struct Traffic {
         CostOfCollective(kind, bytes, static_cast<int>(group), LinkFor(c, span),
                          c.efficiency(efficiency_key), NodesSpanned(c, std::min(span, group)));
     seconds += count * cost.seconds;
+    latency_s += count * static_cast<double>(cost.messages) * LinkFor(c, span).latency_us * 1e-6;
   }
 };
 
@@ -132,7 +135,7 @@ StageParams LastStageParams(const ModelView& m, const LayoutView& l, double moe_
             m.vocab_size * d / tp + m.seq_len * d;
   const double held = std::max<double>(
       1, static_cast<double>(m.num_experts) / static_cast<double>(std::max<int64_t>(1, l.ep)));
-  p.expert = moe_blocks_stage * held * 3 * d * m.expert_hidden_dim;
+  p.expert = moe_blocks_stage * held * m.expert_matrices * d * m.expert_hidden_dim;
   return p;
 }
 
@@ -159,17 +162,23 @@ void PredictGradients(const Cluster& c, const ModelView& m, const LayoutView& l,
   const int64_t expert_group =
       std::max<int64_t>(1, stage_ranks / (l.ep * (l.megatron ? l.etp : l.tp)));
   Traffic grads, gathers;
-  for (const auto& [count, group] :
-       {std::pair{params.dense, dense_group}, std::pair{params.expert, expert_group}}) {
-    const double bytes = count * 4;
+  // Train reduces (and ZeRO-3 gathers) the gradients block by block (param_grad_buffer.cc:
+  // one bucket per block): the dense parameters in blocks + 1 units (the embeddings and the head
+  // one more), the experts in one unit per MoE block; each unit its own collective.
+  const double dense_units = blocks + 1, expert_units = std::max(1.0, in.moe_blocks);
+  for (const auto& [count, group, units] :
+       {std::tuple{params.dense, dense_group, dense_units},
+        std::tuple{params.expert, expert_group, expert_units}}) {
+    const double bytes = count * 4 / units;
     if (l.zero_stage == 0) {
-      grads.Add(c, Collective::kAllReduce, bytes, group, stage_ranks, "allreduce");
+      grads.Add(c, Collective::kAllReduce, bytes, group, stage_ranks, "allreduce", units);
     } else {
-      grads.Add(c, Collective::kReduceScatter, bytes, group, stage_ranks, "reduce_scatter");
+      grads.Add(c, Collective::kReduceScatter, bytes, group, stage_ranks, "reduce_scatter", units);
       if (l.zero_stage < 3) {
-        grads.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather");
+        grads.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather", units);
       } else {
-        gathers.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather", 2 * mbs);
+        gathers.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather",
+                    2 * mbs * units);
       }
     }
   }
@@ -178,8 +187,11 @@ void PredictGradients(const Cluster& c, const ModelView& m, const LayoutView& l,
     grad_hidden = std::min(grads.seconds * (1.0 - 1.0 / blocks), bwd_compute);
   }
   p->dp_comm_s = grads.seconds + gathers.seconds;
-  p->dp_exposed_s = grads.seconds - grad_hidden +
-                    std::max(0.0, gathers.seconds - mbs * (fwd_compute + bwd_compute));
+  // ZeRO-3's gathers are prefetched one block ahead, so their bytes can move behind compute;
+  // their latency cannot: each block waits for its gather, a synchronization of the ranks.
+  p->dp_exposed_s =
+      grads.seconds - grad_hidden + gathers.latency_s +
+      std::max(0.0, gathers.seconds - gathers.latency_s - mbs * (fwd_compute + bwd_compute));
   const double bw = c.memory_bandwidth_gbps * 1e9;
   const double shards = l.zero_stage >= 1 ? static_cast<double>(dense_group) : 1.0;
   p->optimizer_s = 28 * (params.dense + params.expert) / shards / bw;
@@ -263,7 +275,8 @@ StepPrediction internal::PredictStepOf(const train::TrainConfig& config, const M
   const double proj_flops = blocks * 2 * 4 * d * d / tp * T;
   const double ffn_flops = dense_blocks * 2 * 2 * d * m.hidden_dim / tp * T;
   const double gate_flops = moe_blocks * 2 * d * m.num_experts * Tm;
-  const double expert_flops = moe_blocks * 2 * 2 * d * m.expert_hidden_dim / expert_tp * slots;
+  const double expert_flops =
+      moe_blocks * 2 * m.expert_matrices * d * m.expert_hidden_dim / expert_tp * slots;
   const double head_flops = 2 * d * m.vocab_size / tp * T;
   const double core_flops = blocks * 4 * S * d / tp * T;
   const double dense_gemm = GemmSeconds(c, proj_flops + ffn_flops + gate_flops + head_flops, T);

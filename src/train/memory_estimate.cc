@@ -35,38 +35,80 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const int64_t attention = CheckedMul(4, CheckedMul(d, d, what), what) / tp + 8 * d;
   const int64_t dense_ffn = CheckedMul(2, CheckedMul(d, m.hidden_dim, what), what) / tp;
   int64_t experts_held = 0;
+  int ep = 1;
   if (moe_layers > 0 && c.num_experts > 0) {
-    const int ep = TrainExpertParallelSize(c, static_cast<int>(std::max<int64_t>(1, c.ranks)));
+    ep = TrainExpertParallelSize(c, static_cast<int>(std::max<int64_t>(1, c.ranks)));
     experts_held = std::max<int64_t>(1, c.num_experts / std::max(1, ep));
   }
-  const int64_t moe_ffn =
-      CheckedMul(experts_held, CheckedMul(3, CheckedMul(d, eh, what), what), what) +
-      CheckedMul(c.num_experts, d, what);
+  // An expert: fc1 and fc2 (and fc3 when gated, SwiGLU), with their biases unless fc_bias is off
+  // (the moe_layer_config file's keys; its defaults without one, not read per call then).
+  const moe::LayerConfig layer =
+      moe_layers > 0 && !c.moe_layer_config.empty() ? MoeLayerConfig(c) : moe::LayerConfig{};
+  const int64_t expert_matrices = layer.gated ? 3 : 2;
+  const int64_t per_expert =
+      CheckedMul(expert_matrices, CheckedMul(d, eh, what), what) + (layer.fc_bias ? eh + d : 0);
+  const int64_t experts = CheckedMul(experts_held, per_expert, what);
+  const int64_t gate = CheckedMul(c.num_experts, d, what);
   params += CheckedMul(layers - moe_layers, attention + dense_ffn, what) +
-            CheckedMul(moe_layers, attention + moe_ffn, what);
+            CheckedMul(moe_layers, attention + gate, what);
+  const int64_t expert_params = CheckedMul(moe_layers, experts, what);
+  // ZeRO shards (param_grad_buffer.h's formula): stage >= 1 the AdamW moments, >= 2 the
+  // gradients, 3 the values, over the data-parallel ranks (dense parameters: dp x cp; the
+  // experts: the stage's ranks holding the same experts); stage 3 gathers one block's values
+  // at a time, the next one prefetched.
+  const int64_t dense_shards = dp * cp;
+  const int64_t expert_shards = std::max<int64_t>(1, c.ranks / pp / (std::max(1, ep) * tp));
+  auto sharded = [&](int stage, int64_t bytes_per_value) {
+    const bool shard = c.zero_stage >= stage;
+    return CheckedMul(params / (shard ? dense_shards : 1), bytes_per_value, what) +
+           CheckedMul(expert_params / (shard ? expert_shards : 1), bytes_per_value, what);
+  };
   RankMemoryEstimate e;
-  e.parameter_bytes = CheckedMul(params, 8, what);
-  const int64_t optimizer_shards = c.zero_stage >= 1 ? dp * cp : 1;
-  e.optimizer_bytes = CheckedMul(params, 8, what) / optimizer_shards;
+  e.parameter_bytes = sharded(3, 4) + sharded(2, 4);
+  if (c.zero_stage >= 3) {
+    const int64_t block = std::max(attention + dense_ffn, attention + gate + experts);
+    e.parameter_bytes += CheckedMul(2 * 4, block, what);
+  }
+  e.optimizer_bytes = sharded(1, 8);
   // Activations of the micro-batches in flight on this rank.
   const int64_t rows =
       std::max<int64_t>(1, c.batch_size / dp / std::max<int64_t>(1, c.microbatches));
   const int64_t in_flight = pp > 1 ? std::max<int64_t>(1, c.microbatches) : 1;
   const int64_t tokens = CheckedMul(CheckedMul(rows, s / cp, what), in_flight, what);
-  const int64_t residual = c.sequence_parallel && tp > 1 ? 8 * d / tp : 8 * d;
+  // Per block, what Block::SavedTensors keeps (float32 values per token): the two norms' inputs
+  // (/ tp with sequence parallelism), the attention's and the FFN's inputs, q | k | v and the
+  // heads' output (/ tp), with the softmax core the probabilities; recompute selective drops
+  // the probabilities, full keeps only the block's input.
+  const int64_t norm_inputs = c.sequence_parallel && tp > 1 ? 2 * d / tp : 2 * d;
   const int64_t heads = m.num_heads / tp;
   const bool softmax = ResolvedAttentionCore(c) == AttentionCore::kSoftmax;
-  const int64_t probs = softmax ? CheckedMul(heads, s, what) : 2 * heads;
+  const bool full = m.recompute == Recompute::kFull;
+  const int64_t probs =
+      softmax && m.recompute == Recompute::kNone ? CheckedMul(heads, s, what) : 2 * heads;
+  const int64_t attention_rows = norm_inputs + 2 * d + 4 * d / tp + probs;
+  // The MoE FFN of a block: the rows its experts hold (x, hidden, activated) per slot, top_k
+  // slots per token (x capacity_factor with the capacity-padded all-to-all), the tokens
+  // de-duplicated over tp; the gate's probabilities.
+  const double slots_per_token =
+      static_cast<double>(c.top_k) *
+      (c.dispatch == parallel::DispatchKind::kAllToAll ? std::max(1.0, c.capacity_factor) : 1.0) /
+      static_cast<double>(tp);
   const int64_t moe_hidden =
-      CheckedToInt64(std::ceil(2.0 * static_cast<double>(eh) * static_cast<double>(c.top_k) *
-                               std::max(1.0, c.capacity_factor)),
-                     "per-rank memory estimate (expert hidden x top_k x capacity_factor)", 0,
+      CheckedToInt64(std::ceil(slots_per_token * static_cast<double>(d + expert_matrices * eh)),
+                     "per-rank memory estimate (top_k x capacity_factor x expert rows)", 0,
                      std::numeric_limits<int64_t>::max());
-  const int64_t dense_layer = residual + 8 * d / tp + 2 * m.hidden_dim / tp + probs;
-  const int64_t moe_layer = residual + 8 * d / tp + moe_hidden + probs;
+  const int64_t dense_layer = full ? d : attention_rows + 2 * m.hidden_dim / tp;
+  const int64_t moe_layer = full ? d : attention_rows + moe_hidden + c.num_experts;
+  // One block's state again while it is recomputed in backward (full), the final norm's input
+  // and output and the logits' gradient (the logits themselves while the loss is computed).
+  const int64_t recomputed = full ? std::max(attention_rows + 2 * m.hidden_dim / tp,
+                                             attention_rows + moe_hidden + c.num_experts)
+                                  : 0;
+  // The softmax core's gradient of one layer's probabilities in backward.
+  const int64_t probs_grad = softmax ? CheckedMul(heads, s, what) : 0;
   const int64_t per_token = CheckedMul(layers - moe_layers, dense_layer, what) +
-                            CheckedMul(moe_layers, moe_layer, what) + (softmax ? probs : 0) +
-                            CheckedMul(3, v / tp, what);
+                            CheckedMul(moe_layers, moe_layer, what) + recomputed + probs_grad +
+                            2 * d + CheckedMul(2, v / tp, what);
   e.activation_bytes = CheckedMul(CheckedMul(tokens, per_token, what), 4, what);
   return e;
 }

@@ -3,9 +3,11 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 
 #include "cli/run_switchyard.h"
@@ -60,6 +62,38 @@ TEST(PlanCliTest, ItsFirstLayoutTrains) {
   EXPECT_TRUE(std::filesystem::exists(dir + "/metrics.jsonl")) << t.out;
 }
 
+// `train --layout auto` says which layout it chose, and runs exactly that one: every key of
+// the printed layout is the value the run directory's config.json records.
+TEST(PlanCliTest, TrainLayoutAutoRunsThePlannersFirstChoice) {
+  const std::string dir = ::testing::TempDir() + "/plan_cli_layout_auto";
+  std::filesystem::remove_all(dir);
+  const auto t = RunSwitchyard(
+      fmt::format("train --layout auto --ranks 2 {} --steps 2 --log-every 1 --out {} --plain "
+                  "--sample-tokens 0 --eval-every 0 --checkpoint-every 0",
+                  kModel, dir));
+  ASSERT_EQ(t.exit_code, 0) << t.err;
+  const std::string said = "layout auto: the planner's first choice for this machine";
+  const size_t at = t.out.find(said);
+  ASSERT_NE(at, std::string::npos) << t.out;
+  const size_t begin = t.out.find("): ", at) + 3;
+  const std::string flags = t.out.substr(begin, t.out.find(';', begin) - begin);
+  ASSERT_NE(flags.find("--ranks 2"), std::string::npos) << flags;
+  std::ifstream config_file(dir + "/config.json");
+  const nlohmann::json config = nlohmann::json::parse(config_file);
+  std::istringstream words(flags);
+  std::string flag, value;
+  int keys = 0;
+  while (words >> flag >> value) {
+    std::string key = flag.substr(2);
+    std::replace(key.begin(), key.end(), '-', '_');
+    const nlohmann::json& recorded = config.at(key);
+    const std::string text = recorded.is_string() ? recorded.get<std::string>() : recorded.dump();
+    EXPECT_EQ(text, value) << key << " in " << flags;
+    ++keys;
+  }
+  EXPECT_GE(keys, 5) << flags;  // ranks, tp, cp, pp, zero_stage, ...
+}
+
 TEST(PlanCliTest, ClearErrors) {
   const std::string bad = ::testing::TempDir() + "/plan_bad_cluster.json";
   std::ofstream(bad) << R"({"nodes": 1, "devices_per_node": 2,
@@ -80,6 +114,8 @@ TEST(PlanCliTest, ClearErrors) {
        "no layout fits the memory limit"},
       {fmt::format("plan --cluster {} --validate 2", Example("h100_8_nvlink.json")),
        "--validate runs the layouts on this machine"},
+      {"train --layout auto --tp 2 --steps 1", "--layout auto chooses the layout, but 'tp'"},
+      {"train --layout manual --steps 1", "--layout: expected 'auto'"},
   };
   for (const Case& c : cases) {
     const auto r = RunSwitchyard(c.args);
