@@ -38,7 +38,7 @@ PRESETS = {  # tokens, model, hidden, experts, top-k, cf, dropless, activation, 
 
 def moe_forward(torch, F, x, wg, w1, b1, w3, w2, b2, k, cf, dropless, act, aux_coef=0.01):
     t, _ = x.shape
-    e = wg.shape[0]
+    e = wg.shape[0]  # w1, b1, w3, w2, b2: lists of one tensor per expert
     logits = x @ wg.t()
     probs = logits.softmax(-1)
     topv, topi = probs.topk(k, dim=-1)
@@ -108,15 +108,21 @@ def main():
     def param(*shape, scale):
         return ((torch.rand(*shape, generator=g) * 2 - 1) * scale).requires_grad_()
 
+    def per_expert(*shape, scale):
+        # One tensor per expert, as an nn.ModuleList of experts has them: indexing one [E, ...]
+        # parameter instead makes autograd build a zero [E, ...] gradient per expert (select's
+        # backward), which costs more than the GEMMs.
+        return [param(*shape, scale=scale) for _ in range(e)]
+
     wg = param(e, m, scale=m ** -0.5)
-    w1 = param(e, h, m, scale=m ** -0.5)
-    w3 = param(e, h, m, scale=m ** -0.5) if gated else None
-    b1 = param(e, h, scale=0.1)
-    w2 = param(e, m, h, scale=h ** -0.5)
-    b2 = param(e, m, scale=0.1)
+    w1 = per_expert(h, m, scale=m ** -0.5)
+    w3 = per_expert(h, m, scale=m ** -0.5) if gated else None
+    b1 = per_expert(h, scale=0.1)
+    w2 = per_expert(m, h, scale=h ** -0.5)
+    b2 = per_expert(m, scale=0.1)
     x = (torch.rand(t, m, generator=g) * 2 - 1).requires_grad_()
     dy = torch.rand(t, m, generator=g) * 2 - 1
-    params = [p for p in (wg, w1, w3, b1, w2, b2, x) if p is not None]
+    params = [wg, x] + [p for ps in (w1, w3, b1, w2, b2) if ps is not None for p in ps]
     kept = 0
 
     def step():
