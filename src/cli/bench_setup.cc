@@ -2,9 +2,12 @@
 
 #include <time.h>
 
+#include <algorithm>
+
 #include "cli/flags.h"
 #include "cli/launch.h"
 #include "cli/timing.h"
+#include "switchyard/core/error.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/ops.h"
@@ -36,6 +39,67 @@ void AddMoeLayerFlags(CLI::App& app, MoeLayerFlags* f, const MoeLayerFlagSpec& s
   app.add_flag("--dropless", f->dropless, "dropless mode (grouped GEMM, no capacity)");
   app.add_option("--activation", f->activation, "relu, gelu or silu");
   app.add_flag("--gated", f->gated, "gated experts (SwiGLU form)");
+}
+
+namespace {
+
+struct MoeLayerPreset {
+  std::string_view name;
+  MoeLayerFlags flags;
+};
+
+const std::vector<MoeLayerPreset>& MoeLayerPresets() {
+  static const std::vector<MoeLayerPreset> presets = [] {
+    auto make = [](int64_t t, int64_t m, int64_t h, int64_t e, int64_t k, float cf) {
+      MoeLayerFlags f;
+      f.tokens = t;
+      f.model_dim = m;
+      f.hidden_dim = h;
+      f.experts = e;
+      f.top_k = k;
+      f.capacity_factor = cf;
+      return f;
+    };
+    MoeLayerFlags fine = make(4096, 512, 256, 64, 8, 1.0f);
+    fine.dropless = true;
+    fine.gated = true;
+    fine.activation = "silu";
+    return std::vector<MoeLayerPreset>{{"A", make(4096, 512, 2048, 8, 2, 1.25f)},
+                                       {"B", make(8192, 1024, 4096, 16, 2, 1.0f)},
+                                       {"C", make(2048, 256, 1024, 64, 1, 1.0f)},
+                                       {"F", fine}};
+  }();
+  return presets;
+}
+
+}  // namespace
+
+std::string MoeLayerPresetNames() {
+  std::string names;
+  for (const MoeLayerPreset& p : MoeLayerPresets()) {
+    names += names.empty() ? "" : ", ";
+    names += p.name;
+  }
+  return names;
+}
+
+void ApplyMoeLayerPreset(const CLI::App& app, std::string_view name, MoeLayerFlags* f) {
+  const auto& presets = MoeLayerPresets();
+  const auto it = std::find_if(presets.begin(), presets.end(),
+                               [&](const MoeLayerPreset& p) { return p.name == name; });
+  SY_REQUIRE(it != presets.end(), InvalidArgument,
+             "--preset: unknown layer '{}', expected one of {}", name, MoeLayerPresetNames());
+  auto given = [&](const char* flag) { return app.get_option(flag)->count() > 0; };
+  const MoeLayerFlags& p = it->flags;
+  if (!given("--tokens")) f->tokens = p.tokens;
+  if (!given("--model-dim")) f->model_dim = p.model_dim;
+  if (!given("--hidden-dim")) f->hidden_dim = p.hidden_dim;
+  if (!given("--experts")) f->experts = p.experts;
+  if (!given("--top-k")) f->top_k = p.top_k;
+  if (!given("--capacity-factor")) f->capacity_factor = p.capacity_factor;
+  if (!given("--dropless")) f->dropless = p.dropless;
+  if (!given("--activation")) f->activation = p.activation;
+  if (!given("--gated")) f->gated = p.gated;
 }
 
 BenchLoopOptions AddBenchLoopFlags(CLI::App& app, BenchLoopFlags* f,

@@ -56,6 +56,19 @@ struct MoeLayerFlagSpec {
 // --gated, bound to *f.
 void AddMoeLayerFlags(CLI::App& app, MoeLayerFlags* f, const MoeLayerFlagSpec& spec);
 
+// The layer configurations docs/PERFORMANCE.md measures, by name (`--preset`):
+//   A  4096 tokens, 512 -> 2048, 8 experts top-2, capacity factor 1.25, GELU
+//   B  8192 tokens, 1024 -> 4096, 16 experts top-2, capacity factor 1.0, GELU
+//   C  2048 tokens, 256 -> 1024, 64 experts top-1, capacity factor 1.0, GELU
+//   F  4096 tokens, 512 -> 256, 64 experts top-8, dropless, SwiGLU (gated, silu): fine-grained
+//      experts as in OLMoE / Qwen3-MoE / DeepSeek-V3
+// Returns the names, for the help text.
+std::string MoeLayerPresetNames();
+// Sets *f to the preset `name` except the layer flags given on `app`'s command line, so
+// `--preset F --tokens 1024` is F with 1024 tokens. Throws InvalidArgument naming the presets for
+// an unknown name. Call after parsing, on the app AddMoeLayerFlags was called with.
+void ApplyMoeLayerPreset(const CLI::App& app, std::string_view name, MoeLayerFlags* f);
+
 // The timing loop of a command: `warmup` untimed then `iters` timed repetitions, and --json.
 struct BenchLoopFlags {
   int iters = 5;

@@ -416,8 +416,13 @@ SY_REGISTER_COMMAND(Command{
       app.add_flag("--no-malloc-cache", o->no_malloc_cache,
                    "leave glibc malloc's defaults (large buffers are mmapped and faulted in anew "
                    "every step)");
+      auto preset = std::make_shared<std::string>();
+      app.add_option("--preset", *preset,
+                     "a layer of docs/PERFORMANCE.md (" + MoeLayerPresetNames() +
+                         "); layer flags given as well override it");
       AddParallelBenchOptions(app, par.get());
-      return [o, par, threads, loop] {
+      return [o, par, threads, loop, preset, &app] {
+        if (!preset->empty()) ApplyMoeLayerPreset(app, *preset, &o->layer);
         if (par->ranks <= 1) return RunBenchLayer(*o);
         // The same layer on W ranks: `bench layer-parallel`, with its defaults for the threads
         // and the loop unless given.

@@ -47,6 +47,51 @@ TEST(MoeLayerFlags, BecomeTheLayerConfigWithinTheCommandsBounds) {
   EXPECT_NE(Parse(setup, {"--capacity-factor", "nan"}), "");
 }
 
+TEST(MoeLayerFlags, PresetsSetTheLayerAndGivenFlagsOverrideThem) {
+  MoeLayerFlags f;
+  std::string preset;
+  std::string error;
+  auto setup = [&](CLI::App& app) {
+    AddMoeLayerFlags(app, &f, {});
+    app.add_option("--preset", preset);
+    app.final_callback([&] {
+      try {
+        ApplyMoeLayerPreset(app, preset, &f);
+      } catch (const InvalidArgument& e) {
+        error = e.what();
+      }
+    });
+  };
+  // F: the fine-grained SwiGLU layer (64 experts top-8, docs/PERFORMANCE.md).
+  ASSERT_EQ(Parse(setup, {"--preset", "F"}), "");
+  EXPECT_EQ(error, "");
+  EXPECT_EQ(f.tokens, 4096);
+  EXPECT_EQ(f.model_dim, 512);
+  EXPECT_EQ(f.hidden_dim, 256);
+  EXPECT_EQ(f.experts, 64);
+  EXPECT_EQ(f.top_k, 8);
+  EXPECT_TRUE(f.dropless);
+  EXPECT_TRUE(f.gated);
+  EXPECT_EQ(f.activation, "silu");
+  // A flag given with the preset wins; the rest is the preset's.
+  f = MoeLayerFlags{};
+  ASSERT_EQ(Parse(setup, {"--preset", "C", "--tokens", "100", "--activation", "relu"}), "");
+  EXPECT_EQ(f.tokens, 100);
+  EXPECT_EQ(f.activation, "relu");
+  EXPECT_EQ(f.model_dim, 256);
+  EXPECT_EQ(f.hidden_dim, 1024);
+  EXPECT_EQ(f.experts, 64);
+  EXPECT_EQ(f.top_k, 1);
+  EXPECT_FALSE(f.dropless);
+  EXPECT_FALSE(f.gated);
+  // An unknown name is refused, naming the presets.
+  ASSERT_EQ(Parse(setup, {"--preset", "Z"}), "");
+  EXPECT_NE(error.find("--preset: unknown layer 'Z', expected one of A, B, C, F"),
+            std::string::npos)
+      << error;
+  EXPECT_NE(MoeLayerPresetNames().find('F'), std::string::npos);
+}
+
 TEST(BenchLoopFlags, SpellTheIterationsAsTheCommandDoes) {
   BenchLoopFlags f{.iters = 5, .warmup = 1};
   // The options belong to the App that Parse owns: their counts are read while it lives.
