@@ -63,6 +63,9 @@ void ValidateModelConfig(const ModelConfig& c) {
       "model config: 'position_embedding' rope needs an even head dimension (model_dim / "
       "num_heads), got {}",
       c.model_dim / c.num_heads);
+  SY_REQUIRE(c.pad_token_id >= -1 && c.pad_token_id < c.vocab_size, InvalidArgument,
+             "model config: 'pad_token_id' {} is not a token of the vocabulary [0, {}) (-1: none)",
+             c.pad_token_id, c.vocab_size);
   SY_REQUIRE(c.mlp_bias || c.mlp == MlpKind::kSwiGlu, InvalidArgument,
              "model config: 'mlp_bias' false needs 'mlp' swiglu (the gelu MLP has biases)");
 }
@@ -664,7 +667,7 @@ Tensor TransformerLm::BackwardChunk(const LmOutput& forward, const Tensor& dy, f
     if (observer_ != nullptr) observer_->AfterBlock(i, /*backward=*/true);
   }
   if (!chunk_has_embedding(s.chunk)) return dx;
-  embed_->Backward(s.tokens, dx, &tp_stats_);
+  embed_->Backward(s.tokens, dx, &tp_stats_, c.pad_token_id);
   if (pos_embed_ != nullptr) pos_embed_->Backward(s.positions, dx);
   return Tensor();
 }

@@ -128,6 +128,42 @@ TEST(ModelArchTest, TensorParallelSwiGluEqualsPlainLayer) {
   }
 }
 
+// pad_token_id: the padding token's embedding row gets no gradient from the lookup; other rows
+// and the same model without it do.
+TEST(ModelArchTest, PadTokenRowGetsNoGradient) {
+  ModelConfig c;
+  c.vocab_size = 16;
+  c.seq_len = 8;
+  c.model_dim = 8;
+  c.num_layers = 1;
+  c.num_heads = 2;
+  c.hidden_dim = 16;
+  c.tied_head = false;
+  Tensor tokens = Tensor::Empty({2, 8}, DType::kInt32);
+  Tensor targets = Tensor::Empty({2, 8}, DType::kInt32);
+  for (int64_t i = 0; i < 16; ++i) {
+    tokens.data<int32_t>()[i] = static_cast<int32_t>(i % 5);  // token 3 appears
+    targets.data<int32_t>()[i] = static_cast<int32_t>((i + 1) % 5);
+  }
+  auto row_norm = [](const TransformerLm& m, int64_t row) {
+    const Parameter* e = m.parameters().Find("embed.weight");
+    double s = 0;
+    for (int64_t j = 0; j < 8; ++j) s += std::abs(e->grad.data<float>()[row * 8 + j]);
+    return s;
+  };
+  for (int64_t pad : {-1, 3}) {
+    c.pad_token_id = pad;
+    TransformerLm model(c, 1);
+    model.Backward(model.Forward(tokens, targets, ForwardOptions{}));
+    EXPECT_GT(row_norm(model, 2), 0.0) << "pad " << pad;
+    if (pad == 3) {
+      EXPECT_EQ(row_norm(model, 3), 0.0);
+    } else {
+      EXPECT_GT(row_norm(model, 3), 0.0);
+    }
+  }
+}
+
 // `arch` sets the family's values of the keys no source sets; an explicit key wins; gpt changes
 // nothing.
 ResolvedTrainConfig Resolve(const TrainConfig& defaults, std::map<std::string, std::string> flags) {

@@ -73,6 +73,9 @@ struct ModelConfig {
   // gated, activation silu, fc_bias = mlp_bias).
   MlpKind mlp = MlpKind::kGelu;
   bool mlp_bias = true;
+  // The padding token: its embedding row gets no gradient from the lookup (nn.Embedding's
+  // padding_idx; a tied head still trains it). -1: none.
+  int64_t pad_token_id = -1;
   // How a training step computes, not what the model is (a checkpoint resumes under any value).
   Recompute recompute = Recompute::kNone;
   Precision precision = Precision::kFloat32;  // bf16: mixed precision (mixed_precision.h)

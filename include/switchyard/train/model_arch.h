@@ -18,9 +18,9 @@ enum class PositionEmbedding : uint8_t { kLearned, kRope };
 // 'mlp': the dense MLPs (and the experts): "gelu" is the two-matrix MLP fc2(act(fc1 x)) with the
 // 'activation' key (gelu by default); "swiglu" is down(silu(gate x) * up x) (train/swiglu.h).
 enum class MlpKind : uint8_t { kGelu, kSwiGlu };
-// 'attention_bias': no bias, biases on q, k and v only (Qwen2), or on q, k, v and the output
-// projection (GPT-2).
-enum class AttentionBias : uint8_t { kNone, kQkv, kAll };
+// 'attention_bias': biases on q, k, v and the output projection (GPT-2, the default), none, or
+// on q, k and v only (Qwen2).
+enum class AttentionBias : uint8_t { kAll, kNone, kQkv };
 // 'arch': the family whose defaults a run starts from (ResolveTrainConfig; docs/models.md).
 enum class Arch : uint8_t { kGpt, kMixtral, kQwen2Moe, kOlmoe };
 
@@ -38,8 +38,8 @@ struct ChoiceTraits<MlpKind> {
 };
 template <>
 struct ChoiceTraits<AttentionBias> {
-  static constexpr std::array kValues = {AttentionBias::kNone, AttentionBias::kQkv,
-                                         AttentionBias::kAll};
+  static constexpr std::array kValues = {AttentionBias::kAll, AttentionBias::kNone,
+                                         AttentionBias::kQkv};
   static std::string_view Name(AttentionBias v) {
     return v == AttentionBias::kNone ? "none" : v == AttentionBias::kQkv ? "qkv" : "all";
   }
