@@ -221,6 +221,23 @@ Tensor UnshardLogits(comm::Communicator& group, SequenceSplitKind split, const T
   return out;
 }
 
+// The position in its sequence of each of the n rows the blocks' attention sees (this rank's
+// tokens, gathered over tp; a context-parallel rank's global positions), for RoPE; zeros for a
+// grouped-query attention without RoPE; null for GPT-2's attention, which takes none.
+std::shared_ptr<const std::vector<int64_t>> AttentionPositions(const ModelConfig& c,
+                                                               const SequenceSplit* cp_split,
+                                                               int64_t n, int64_t local_seq,
+                                                               int64_t seq) {
+  if (!UsesGqaAttention(c)) return nullptr;
+  auto positions = std::make_shared<std::vector<int64_t>>(static_cast<size_t>(n), 0);
+  if (c.position_embedding != PositionEmbedding::kRope) return positions;
+  for (int64_t i = 0; i < n; ++i) {
+    (*positions)[static_cast<size_t>(i)] =
+        cp_split != nullptr ? cp_split->Position(i % local_seq) : i % seq;
+  }
+  return positions;
+}
+
 }  // namespace
 
 TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFactory moe_factory,
@@ -486,18 +503,7 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
     ctx.token_index = ContextParallelTokenIndex(*cp_split, options.global_token_offset, real_batch,
                                                 seq, row_begin, rows);
   }
-  if (c.position_embedding == PositionEmbedding::kRope) {
-    // The attention's rows: all n of this rank's tokens (gathered over tp), each at its position
-    // in its sequence (a context-parallel rank's: the global positions it holds).
-    auto positions = std::make_shared<std::vector<int64_t>>(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) {
-      (*positions)[static_cast<size_t>(i)] = cp_split ? cp_split->Position(i % local_seq) : i % seq;
-    }
-    ctx.positions = std::move(positions);
-  } else if (UsesGqaAttention(c)) {
-    // The layers take one position per row whatever they do with it (none for learned ones).
-    ctx.positions = std::make_shared<std::vector<int64_t>>(static_cast<size_t>(n), 0);
-  }
+  ctx.positions = AttentionPositions(c, cp_split ? &*cp_split : nullptr, n, local_seq, seq);
   ctx.step = options.step;
   ctx.training = options.training;
   ctx.save_for_backward = options.save_for_backward;
