@@ -98,6 +98,8 @@ struct ToJsonVisitor {
     const char* key = info.name;
     if constexpr (config_keys::IsChoice<T>::value) {
       j[key] = std::string(v.name());
+    } else if constexpr (kIsModelChoice<T>) {
+      j[key] = std::string(ChoiceTraits<T>::Name(v));
     } else if constexpr (std::is_same_v<T, NormKind>) {
       j[key] = std::string(NormKindName(v));
     } else if constexpr (std::is_same_v<T, kernels::Activation>) {
@@ -152,6 +154,11 @@ struct FromJsonVisitor {
       }
       if (!v.is_string()) throw bad(numeric ? "a string or an integer" : "a string");
       dst = v.get<std::string>();
+    } else if constexpr (kIsModelChoice<T>) {
+      if (!v.is_string()) throw bad("one of " + ChoiceNamesText<T>());
+      SY_REQUIRE(ChoiceFromName(v.get<std::string>(), dst), InvalidArgument,
+                 "config: '{}' must be {}, got \"{}\"", key, ChoiceNamesText<T>(),
+                 v.get<std::string>());
     } else if constexpr (std::is_same_v<T, NormKind>) {
       if (!v.is_string()) throw bad("\"layernorm\" or \"rmsnorm\"");
       dst = NormKindFromName(v.get<std::string>());
@@ -361,6 +368,19 @@ moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
     j[info.layer_key] = mine.at(info.name);
   }
   j["hidden_dim"] = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : c.model.hidden_dim;
+  if (c.model.mlp == MlpKind::kSwiGlu) {  // the families' experts: down(silu(gate x) * up x)
+    j["gated"] = true;
+    j["activation"] = "silu";
+    j["fc_bias"] = c.model.mlp_bias;
+  }
+  if (c.hf_router) {
+    // Softmax over all experts then the top k, renormalized (norm_topk_prob) or not, dropless
+    // (docs/models.md "Routers": softmax_after_topk equals softmax-then-renormalize for every k,
+    // which normalize_gate does only for k > 1).
+    j["score_function"] = c.norm_topk_prob ? "softmax_after_topk" : "softmax";
+    j["normalize_gate"] = false;
+    j["dropless"] = true;
+  }
   try {
     return moe::LayerConfigFromJson(j.dump());
   } catch (const InvalidArgument& e) {
@@ -418,6 +438,47 @@ bool IsLayoutKey(std::string_view key) {
 }
 
 namespace {
+
+// The values `arch` gives a run (docs/models.md, the family table): the families' components,
+// router, balancing-loss coefficient and norms. Sizes stay the run's (model_dim, layers, heads,
+// experts), except the kv heads of Mixtral (a quarter of the heads, at least one).
+json ArchPreset(Arch arch, const TrainConfig& c) {
+  if (arch == Arch::kGpt) return json::object();
+  json j = {{"norm", "rmsnorm"},        {"position_embedding", "rope"},
+            {"attention_bias", "none"}, {"mlp", "swiglu"},
+            {"mlp_bias", false},        {"tied_head", false},
+            {"hf_router", true},        {"norm_topk_prob", false},
+            {"moe_every", 1},           {"rope_theta", 10000.0},
+            {"norm_eps", 1e-5},         {"aux_loss_coef", 0.001},
+            {"capacity_factor", 0.0}};
+  switch (arch) {
+    case Arch::kMixtral:
+      j["rope_theta"] = 1e6;
+      j["norm_topk_prob"] = true;
+      j["num_kv_heads"] = std::max<int64_t>(1, c.model.num_heads / 4);
+      break;
+    case Arch::kQwen2Moe:
+      j["norm_eps"] = 1e-6;
+      j["attention_bias"] = "qkv";
+      break;
+    case Arch::kOlmoe:
+      j["qk_norm"] = true;
+      j["aux_loss_coef"] = 0.01;
+      break;
+    case Arch::kGpt: break;
+  }
+  return j;
+}
+
+// Sets the `arch` preset's values of the keys no source set (ResolveTrainConfig).
+void ApplyArchPreset(ResolvedTrainConfig& r) {
+  json preset = ArchPreset(r.config.arch, r.config);
+  json take = json::object();
+  for (const auto& [key, value] : preset.items()) {
+    if (r.explicit_keys.count(key) == 0) take[key] = value;
+  }
+  if (!take.empty()) r.config = TrainConfigFromJson(take.dump(), r.config);
+}
 
 // Takes the moe_layer_config file's values for the shared keys no source set explicitly;
 // collects the keys whose explicit values disagree with the file's.
@@ -523,6 +584,7 @@ ResolvedTrainConfig ResolveTrainConfig(const TrainConfigSources& s) {
                conflicts.size(), checkpoint_name, fmt::join(conflicts, "; "));
   }
   for (const auto& [key, source] : user) r.explicit_keys[key] = source;
+  ApplyArchPreset(r);
   ApplyMoeLayerFile(r);
   return r;
 }

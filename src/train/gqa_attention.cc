@@ -8,6 +8,7 @@
 #include "switchyard/core/error.h"
 #include "switchyard/train/rope.h"
 #include "train/parallel_for.h"
+#include "train/qkv_layout.h"
 
 namespace switchyard::train {
 namespace {
@@ -29,24 +30,6 @@ GqaOptions Resolve(GqaOptions o, const std::string& prefix) {
   SY_REQUIRE(o.head_dim > 0 && (!o.rope || o.head_dim % 2 == 0), InvalidArgument,
              "{}: head_dim {} must be positive (and even for RoPE)", prefix, o.head_dim);
   return o;
-}
-
-// Copies (or with `add`, adds) columns [src_col, src_col + width) of every row of src into
-// [dst_col, dst_col + width) of dst.
-void MoveColumns(const Tensor& src, int64_t src_col, const Tensor& dst, int64_t dst_col,
-                 int64_t width, bool add) {
-  const int64_t n = src.size(0), sc = src.size(1), dc = dst.size(1);
-  const float* s = src.data<float>();
-  float* d = dst.data<float>();
-  for (int64_t t = 0; t < n; ++t) {
-    const float* from = s + t * sc + src_col;
-    float* to = d + t * dc + dst_col;
-    if (add) {
-      for (int64_t j = 0; j < width; ++j) to[j] += from[j];
-    } else {
-      std::memcpy(to, from, sizeof(float) * width);
-    }
-  }
 }
 
 }  // namespace
@@ -77,7 +60,6 @@ Tensor GroupedQueryAttention::ProjectQkv(const Tensor& x, std::span<const int64_
              "attention x: expected [num_tokens, {}], got {}", options_.model_dim,
              ShapeToString(x.shape()));
   const int64_t n = x.size(0), d = options_.head_dim, heads = options_.num_heads;
-  const int64_t rep = heads / options_.num_kv_heads;
   GqaCache local;
   GqaCache& c = cache != nullptr ? *cache : local;
   c.x = x;
@@ -96,30 +78,16 @@ Tensor GroupedQueryAttention::ProjectQkv(const Tensor& x, std::span<const int64_
     SY_REQUIRE(static_cast<int64_t>(positions.size()) == n, InvalidArgument,
                "attention positions: expected {} (one per token), got {}", n, positions.size());
   }
-  const int64_t qd = heads * d;
-  Tensor qkv = Tensor::Empty({n, 3 * qd});
-  MoveColumns(q, 0, qkv, 0, qd, false);
-  for (int64_t h = 0; h < heads; ++h) {
-    MoveColumns(k, (h / rep) * d, qkv, qd + h * d, d, false);
-    MoveColumns(v, (h / rep) * d, qkv, 2 * qd + h * d, d, false);
-  }
+  Tensor qkv = RepeatKvQkv(q, k, v, heads, options_.num_kv_heads, d);
   return qkv;
 }
 
 Tensor GroupedQueryAttention::ProjectQkvBackward(const GqaCache& cache, const Tensor& dqkv,
                                                  int threads) const {
   const int64_t n = cache.x.size(0), d = options_.head_dim, heads = options_.num_heads;
-  const int64_t rep = heads / options_.num_kv_heads, qd = heads * d;
+  const int64_t qd = heads * d;
   ExpectShape("attention d(qkv)", dqkv, {n, 3 * qd});
-  Tensor dq = Tensor::Empty({n, qd});
-  MoveColumns(dqkv, 0, dq, 0, qd, false);
-  // repeat_kv's adjoint: each kv head's gradient is the sum over the query heads that used it.
-  Tensor dk = Tensor::Zeros({n, kv_dim()});
-  Tensor dv = Tensor::Zeros({n, kv_dim()});
-  for (int64_t h = 0; h < heads; ++h) {
-    MoveColumns(dqkv, qd + h * d, dk, (h / rep) * d, d, true);
-    MoveColumns(dqkv, 2 * qd + h * d, dv, (h / rep) * d, d, true);
-  }
+  auto [dq, dk, dv] = RepeatKvQkvBackward(dqkv, heads, options_.num_kv_heads, d);
   if (options_.rope) {
     dq = RopeBackward(dq, cache.positions, d, options_.rope_theta, threads);
     dk = RopeBackward(dk, cache.positions, d, options_.rope_theta, threads);

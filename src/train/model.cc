@@ -49,19 +49,49 @@ void ValidateModelConfig(const ModelConfig& c) {
              c.moe_every);
   SY_REQUIRE(c.init_std > 0 && std::isfinite(c.init_std), InvalidArgument,
              "model config: 'init_std' must be a positive number, got {}", c.init_std);
+  const int64_t kv = c.num_kv_heads == 0 ? c.num_heads : c.num_kv_heads;
+  SY_REQUIRE(kv > 0 && c.num_heads % kv == 0, InvalidArgument,
+             "model config: 'num_kv_heads' {} must divide 'num_heads' {}", c.num_kv_heads,
+             c.num_heads);
+  SY_REQUIRE(c.norm_eps > 0 && std::isfinite(c.norm_eps), InvalidArgument,
+             "model config: 'norm_eps' must be a positive number, got {}", c.norm_eps);
+  SY_REQUIRE(c.rope_theta > 0 && std::isfinite(c.rope_theta), InvalidArgument,
+             "model config: 'rope_theta' must be a positive number, got {}", c.rope_theta);
+  SY_REQUIRE(
+      c.position_embedding != PositionEmbedding::kRope || (c.model_dim / c.num_heads) % 2 == 0,
+      InvalidArgument,
+      "model config: 'position_embedding' rope needs an even head dimension (model_dim / "
+      "num_heads), got {}",
+      c.model_dim / c.num_heads);
+  SY_REQUIRE(c.pad_token_id >= -1 && c.pad_token_id < c.vocab_size, InvalidArgument,
+             "model config: 'pad_token_id' {} is not a token of the vocabulary [0, {}) (-1: none)",
+             c.pad_token_id, c.vocab_size);
+  SY_REQUIRE(c.mlp_bias || c.mlp == MlpKind::kSwiGlu, InvalidArgument,
+             "model config: 'mlp_bias' false needs 'mlp' swiglu (the gelu MLP has biases)");
+}
+
+bool UsesGqaAttention(const ModelConfig& c) {
+  return c.position_embedding == PositionEmbedding::kRope ||
+         (c.num_kv_heads != 0 && c.num_kv_heads != c.num_heads) ||
+         c.attention_bias != AttentionBias::kAll || c.qk_norm;
 }
 
 double TrainingFlopsPerToken(const ModelConfig& c, int64_t num_experts, int64_t top_k,
                              int64_t expert_hidden_dim) {
   const double m = static_cast<double>(c.model_dim);
+  const double kv_dim = c.num_kv_heads == 0 ? m
+                                            : m / static_cast<double>(c.num_heads) *
+                                                  static_cast<double>(c.num_kv_heads);
+  const double mlp_matrices = c.mlp == MlpKind::kSwiGlu ? 3 : 2;
   double matrix = static_cast<double>(c.vocab_size) * m;  // output head
   for (int64_t i = 0; i < c.num_layers; ++i) {
-    matrix += 4 * m * m;  // qkv + proj
+    matrix += 2 * m * m + 2 * m * kv_dim;  // q, k, v, output projection
     if (IsMoeBlock(c, i) && num_experts > 0) {
       double h = static_cast<double>(expert_hidden_dim > 0 ? expert_hidden_dim : c.hidden_dim);
-      matrix += static_cast<double>(num_experts) * m + static_cast<double>(top_k) * 2 * m * h;
+      matrix +=
+          static_cast<double>(num_experts) * m + static_cast<double>(top_k) * mlp_matrices * m * h;
     } else {
-      matrix += 2 * m * static_cast<double>(c.hidden_dim);
+      matrix += mlp_matrices * m * static_cast<double>(c.hidden_dim);
     }
   }
   double attention = 12.0 * static_cast<double>(c.num_layers) * static_cast<double>(c.seq_len) * m;
@@ -70,168 +100,6 @@ double TrainingFlopsPerToken(const ModelConfig& c, int64_t num_experts, int64_t 
 
 bool IsMoeBlock(const ModelConfig& c, int64_t i) {
   return c.moe_every > 0 && i % c.moe_every == c.moe_every - 1;
-}
-
-// ---- Block ----
-
-Block::Block(ParameterSet& params, const std::string& prefix, const ModelConfig& c,
-             const std::function<std::unique_ptr<FeedForward>()>& make_ffn, uint64_t seed,
-             const TensorParallelContext& tp, parallel::CommStats* tp_stats,
-             const ContextParallelContext* cp)
-    : recompute_(c.recompute),
-      precision_(c.precision),
-      norm1_(params, prefix + "norm1.", c.model_dim, c.norm),
-      cp_(cp != nullptr && (cp->group != nullptr || cp->flash) ? cp : nullptr),
-      stats_(tp_stats) {
-  SY_CHECK(tp.group != nullptr, "{}: a block needs its tensor-parallel group (one rank at tp 1)",
-           prefix);
-  // Registered in module order: norm1, attn, norm2, then the FFN.
-  const float proj_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
-  attn_ = std::make_unique<TensorParallelAttention>(params, prefix + "attn.", c.model_dim,
-                                                    c.num_heads, c.init_std, proj_std, seed,
-                                                    *tp.group, tp.options, tp_stats);
-  norm2_ = std::make_unique<Norm>(params, prefix + "norm2.", c.model_dim, c.norm);
-  ffn_ = make_ffn();
-  SY_CHECK(ffn_ != nullptr, "{}: no FFN", prefix);
-}
-
-namespace {
-
-void AddInPlace(const Tensor& acc, const Tensor& x, int threads) {
-  float* a = acc.data<float>();
-  const float* b = x.data<float>();
-  ParallelFor(acc.numel(), threads, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) a[i] += b[i];
-  });
-}
-
-}  // namespace
-
-ContextParallelAttention Block::Core(int64_t rows, int64_t batch_size) const {
-  // rows: this rank's tokens of batch_size sequences (all of them on one rank).
-  const int p = cp_->group != nullptr ? cp_->group->size() : 1;
-  const int64_t seq = rows / batch_size * p;
-  const int64_t heads = attn_->local_heads();
-  ContextParallelOptions options = cp_->options;
-  // One rank holds the sequence in order under either split; the plain one takes any length.
-  if (p == 1 && seq % SequenceSplit::Multiple(options.split, 1) != 0) {
-    options.split = SequenceSplitKind::kPlain;
-  }
-  if (cp_->group == nullptr) return ContextParallelAttention(heads, seq, options);
-  return ContextParallelAttention(*cp_->group, heads, seq, options);
-}
-
-Tensor Block::ForwardAll(const Tensor& x, int64_t batch_size, const FeedForwardContext& context,
-                         BlockCache* cache) const {
-  bool save = context.save_for_backward;
-  const int threads = context.threads;
-  const bool bf16 = precision_ == Precision::kBFloat16;
-  Tensor n1 = norm1_.Forward(x, save ? &cache->norm1 : nullptr, threads);
-  if (save && bf16) cache->norm1.x = ToBFloat16(cache->norm1.x, threads);
-  AttentionCache* ac = save ? &cache->attn : nullptr;
-  Tensor h;
-  if (cp_ != nullptr) {
-    // The projections on this rank's tokens (its heads, the tokens gathered over the tp group
-    // with sequence parallelism), the core across the context-parallel group.
-    ColumnParallelCache qc;
-    const Tensor qkv = attn_->qkv().Forward(n1, &qc, threads, attn_->stats());
-    const ContextParallelAttention core = Core(qkv.size(0), batch_size);
-    ContextParallelCache scratch;  // the core fills one even when nothing is kept
-    Tensor att = core.Forward(qkv, batch_size, save ? &cache->cp_attn : &scratch, threads, stats_);
-    h = attn_->proj().Forward(att, nullptr, threads, attn_->stats());
-    // The core keeps what it needs of qkv itself.
-    if (save) *ac = AttentionCache{qc.x, Tensor(), Tensor(), att, batch_size};
-  } else {
-    h = attn_->Forward(n1, batch_size, threads, ac, precision_);
-  }
-  AddInPlace(h, x, threads);  // h = x + attn(norm1(x))
-  Tensor n2 = norm2_->Forward(h, save ? &cache->norm2 : nullptr, threads);
-  if (save && bf16) cache->norm2.x = ToBFloat16(cache->norm2.x, threads);
-  cache->ffn = ffn_->Forward(n2, context);
-  Tensor y = cache->ffn.y;
-  cache->ffn.y = Tensor();    // the caller owns y; backward does not need it
-  AddInPlace(y, h, threads);  // y = h + ffn(norm2(h))
-  return y;
-}
-
-Tensor Block::BackwardAll(const BlockCache& cache, const Tensor& dy, float loss_scale,
-                          int threads) const {
-  Tensor dh =
-      norm2_->Backward(cache.norm2, ffn_->Backward(cache.ffn, dy, loss_scale, threads), threads);
-  AddInPlace(dh, dy, threads);
-  Tensor da;
-  if (cp_ != nullptr) {
-    const AttentionCache& a = cache.attn;
-    const ContextParallelAttention core = Core(a.att.size(0), a.batch_size);
-    parallel::CommStats* tp_stats = attn_->stats();
-    const Tensor datt = attn_->proj().Backward(RowParallelCache{a.att}, dh, threads, tp_stats);
-    da = attn_->qkv().Backward(ColumnParallelCache{a.x},
-                               core.Backward(cache.cp_attn, datt, threads, stats_), threads,
-                               tp_stats);
-  } else {
-    da = attn_->Backward(cache.attn, dh, threads);
-  }
-  Tensor dx = norm1_.Backward(cache.norm1, da, threads);
-  AddInPlace(dx, dh, threads);
-  return dx;
-}
-
-// ---- Activation recomputation (Block) ----
-
-Tensor Block::Forward(const Tensor& x, int64_t batch_size, const FeedForwardContext& context_in,
-                      BlockCache* cache) const {
-  SY_CHECK(cache != nullptr, "Block::Forward needs a cache");
-  FeedForwardContext context = context_in;
-  context.precision = precision_;
-  if (!context.save_for_backward || recompute_ == Recompute::kNone) {
-    return ForwardAll(x, batch_size, context, cache);
-  }
-  if (recompute_ == Recompute::kFull) {
-    // Keep the input and the call's settings (step and token offset key the MoE routing draws,
-    // so the forward in Backward routes the same way); nothing else.
-    FeedForwardContext no_save = context;
-    no_save.save_for_backward = false;
-    BlockCache scratch;
-    Tensor y = ForwardAll(x, batch_size, no_save, &scratch);
-    cache->ffn = std::move(scratch.ffn);  // loss terms and routing statistics, no state
-    cache->input = x;                     // blocks do not write their input
-    cache->context = context;
-    cache->batch_size = batch_size;
-    return y;
-  }
-  Tensor y = ForwardAll(x, batch_size, context, cache);
-  if (cp_ == nullptr) {  // selective: recomputed from qkv in Backward
-    cache->attn.probs = Tensor();
-    cache->attn.att = Tensor();
-  }
-  return y;
-}
-
-void Block::RecomputeAttentionCore(AttentionCache& a, int threads) const {
-  Tensor att = CausalAttentionForward(a.qkv, a.batch_size, attn_->local_heads(), threads, &a.probs);
-  a.att = a.qkv.dtype() == DType::kBFloat16 ? ToBFloat16(att, threads) : att;
-}
-
-Tensor Block::Backward(const BlockCache& cache, const Tensor& dy, float loss_scale,
-                       int threads) const {
-  if (cache.input.defined()) {  // full: the block's forward again, keeping everything
-    BlockCache full;
-    ForwardAll(cache.input, cache.batch_size, cache.context, &full);
-    return BackwardAll(full, dy, loss_scale, threads);
-  }
-  if (recompute_ == Recompute::kSelective && cp_ == nullptr && !cache.attn.probs.defined()) {
-    BlockCache with_core = cache;
-    RecomputeAttentionCore(with_core.attn, threads);
-    return BackwardAll(with_core, dy, loss_scale, threads);
-  }
-  return BackwardAll(cache, dy, loss_scale, threads);
-}
-
-void Block::SavedTensors(const BlockCache& c, std::vector<Tensor>* out) const {
-  out->insert(out->end(), {c.norm1.x, c.norm1.mean, c.norm1.rstd, c.attn.x, c.attn.qkv,
-                           c.attn.probs, c.attn.att, c.cp_attn.qkv, c.cp_attn.out, c.cp_attn.lse,
-                           c.norm2.x, c.norm2.mean, c.norm2.rstd, c.input});
-  ffn_->SavedTensors(c.ffn, out);
 }
 
 // ---- TransformerLm ----
@@ -353,6 +221,23 @@ Tensor UnshardLogits(comm::Communicator& group, SequenceSplitKind split, const T
   return out;
 }
 
+// The position in its sequence of each of the n rows the blocks' attention sees (this rank's
+// tokens, gathered over tp; a context-parallel rank's global positions), for RoPE; zeros for a
+// grouped-query attention without RoPE; null for GPT-2's attention, which takes none.
+std::shared_ptr<const std::vector<int64_t>> AttentionPositions(const ModelConfig& c,
+                                                               const SequenceSplit* cp_split,
+                                                               int64_t n, int64_t local_seq,
+                                                               int64_t seq) {
+  if (!UsesGqaAttention(c)) return nullptr;
+  auto positions = std::make_shared<std::vector<int64_t>>(static_cast<size_t>(n), 0);
+  if (c.position_embedding != PositionEmbedding::kRope) return positions;
+  for (int64_t i = 0; i < n; ++i) {
+    (*positions)[static_cast<size_t>(i)] =
+        cp_split != nullptr ? cp_split->Position(i % local_seq) : i % seq;
+  }
+  return positions;
+}
+
 }  // namespace
 
 TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFactory moe_factory,
@@ -402,8 +287,10 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
   if (has_embedding) {
     embed_ = std::make_unique<VocabParallelEmbedding>(params_, "embed.", c.vocab_size, c.model_dim,
                                                       c.init_std, seed, *tp_.group, tp_.options);
-    pos_embed_ = std::make_unique<Embedding>(params_, "pos_embed.", c.seq_len, c.model_dim,
-                                             c.init_std * 0.5f, seed);
+    if (c.position_embedding == PositionEmbedding::kLearned) {
+      pos_embed_ = std::make_unique<Embedding>(params_, "pos_embed.", c.seq_len, c.model_dim,
+                                               c.init_std * 0.5f, seed);
+    }
   }
   float out_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
   blocks_.resize(static_cast<size_t>(c.num_layers));
@@ -415,6 +302,11 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
     if (!held[static_cast<size_t>(i)]) continue;
     std::string prefix = fmt::format("blocks.{}.", i);
     auto make_ffn = [&]() -> std::unique_ptr<FeedForward> {
+      if (!IsMoeBlock(c, i) && c.mlp == MlpKind::kSwiGlu) {
+        return std::make_unique<TensorParallelSwiGlu>(params_, prefix + "mlp.", c.model_dim,
+                                                      c.hidden_dim, c.mlp_bias, c.init_std, out_std,
+                                                      seed, *tp_.group, tp_.options, &tp_stats_);
+      }
       if (!IsMoeBlock(c, i)) {
         return std::make_unique<TensorParallelFeedForward>(
             params_, prefix + "mlp.", c.model_dim, c.hidden_dim, c.activation, c.init_std, out_std,
@@ -432,7 +324,8 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
                                 core_.group != nullptr || core_.flash ? &core_ : nullptr);
   }
   if (!has_head) return;
-  final_norm_ = std::make_unique<Norm>(params_, "final_norm.", c.model_dim, c.norm);
+  final_norm_ = std::make_unique<Norm>(params_, "final_norm.", c.model_dim, c.norm,
+                                       static_cast<float>(c.norm_eps));
   const TpShard rows{TpShard::Dim::kRows};
   // The head's weight, drawn as the single-rank tensor and cut to this rank's vocabulary rows
   // (one rank: the whole tensor, not marked as a shard).
@@ -595,7 +488,9 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
       state->positions.data<int32_t>()[i] = static_cast<int32_t>(position);
     }
     x = embed_->Forward(state->tokens, &tp_stats_);
-    AddInPlace(x, pos_embed_->Forward(state->positions), options.threads);
+    if (pos_embed_ != nullptr) {
+      AddInPlaceParallel(x, pos_embed_->Forward(state->positions), options.threads);
+    }
   } else {
     ExpectShape("chunk input activation", x_in, {rows, c.model_dim});
     ExpectDType("chunk input activation", x_in, DType::kFloat32);
@@ -608,6 +503,7 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
     ctx.token_index = ContextParallelTokenIndex(*cp_split, options.global_token_offset, real_batch,
                                                 seq, row_begin, rows);
   }
+  ctx.positions = AttentionPositions(c, cp_split ? &*cp_split : nullptr, n, local_seq, seq);
   ctx.step = options.step;
   ctx.training = options.training;
   ctx.save_for_backward = options.save_for_backward;
@@ -777,8 +673,8 @@ Tensor TransformerLm::BackwardChunk(const LmOutput& forward, const Tensor& dy, f
     if (observer_ != nullptr) observer_->AfterBlock(i, /*backward=*/true);
   }
   if (!chunk_has_embedding(s.chunk)) return dx;
-  embed_->Backward(s.tokens, dx, &tp_stats_);
-  pos_embed_->Backward(s.positions, dx);
+  embed_->Backward(s.tokens, dx, &tp_stats_, c.pad_token_id);
+  if (pos_embed_ != nullptr) pos_embed_->Backward(s.positions, dx);
   return Tensor();
 }
 

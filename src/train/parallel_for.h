@@ -25,6 +25,15 @@ inline void ParallelFor(int64_t n, int threads, const std::function<void(int64_t
   ::switchyard::ParallelFor(n, threads, /*grain=*/1, fn);
 }
 
+// acc += x elementwise over `threads` (both float32 of one shape).
+inline void AddInPlaceParallel(const Tensor& acc, const Tensor& x, int threads) {
+  float* a = acc.data<float>();
+  const float* b = x.data<float>();
+  ParallelFor(acc.numel(), threads, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) a[i] += b[i];
+  });
+}
+
 // kernels::Gemm with the m rows of op(A) and C split over `threads` threads (each BLAS call
 // single-threaded); small products run on the caller.
 void ParallelGemm(kernels::Trans trans_a, kernels::Trans trans_b, int64_t m, int64_t n, int64_t k,

@@ -657,7 +657,8 @@ Tensor VocabParallelEmbedding::Forward(const Tensor& ids, CommStats* stats) cons
   return ReduceScatterToSp::Forward(group_, y, stats);
 }
 
-void VocabParallelEmbedding::Backward(const Tensor& ids, const Tensor& dy, CommStats* stats) const {
+void VocabParallelEmbedding::Backward(const Tensor& ids, const Tensor& dy, CommStats* stats,
+                                      int64_t skip_id) const {
   CheckIds("vocab-parallel embedding ids", ids, num_embeddings_);
   const int64_t n = ids.numel();
   if (options_.sequence_parallel) {
@@ -672,7 +673,7 @@ void VocabParallelEmbedding::Backward(const Tensor& ids, const Tensor& dy, CommS
   float* g = weight_->grad.data<float>();
   for (int64_t t = 0; t < n; ++t) {
     const int64_t row = id[t] - vocab_start_;
-    if (row < 0 || row >= local_rows_) continue;
+    if (row < 0 || row >= local_rows_ || id[t] == skip_id) continue;
     for (int64_t j = 0; j < dim_; ++j) g[row * dim_ + j] += d[t * dim_ + j];
   }
 }

@@ -45,6 +45,9 @@ struct FeedForwardContext {
   // the rows are not a contiguous range of it (context parallelism); null: global_token_offset +
   // row. MoE FFNs route in this order and key their random draws by it.
   std::shared_ptr<const std::vector<int64_t>> token_index;
+  // [num_tokens gathered over tp] each row's position in its sequence (global under context
+  // parallelism), for the blocks' rotary embeddings; null when the model has none. FFNs ignore it.
+  std::shared_ptr<const std::vector<int64_t>> positions;
   uint64_t step = 0;  // training step (keys random routing draws)
   bool training = true;
   bool save_for_backward = true;

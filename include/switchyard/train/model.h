@@ -28,8 +28,10 @@
 #include "switchyard/train/context_parallel.h"
 #include "switchyard/train/feed_forward.h"
 #include "switchyard/train/layers.h"
+#include "switchyard/train/model_arch.h"
 #include "switchyard/train/parameters.h"
 #include "switchyard/train/tensor_parallel.h"
+#include "switchyard/train/tensor_parallel_gqa.h"
 
 namespace switchyard::train {
 
@@ -57,6 +59,23 @@ struct ModelConfig {
   // blocks 1, 3, ...; 1: every block; 0: a dense model).
   int64_t moe_every = 0;
   float init_std = 0.02f;  // N(0, init_std^2); residual projections use init_std / sqrt(2 L)
+  // The Hugging Face families' components (docs/models.md). The defaults are GPT-2's; any other
+  // value of the attention keys makes every block's attention TensorParallelGqaAttention
+  // ("attn.{q,k,v,o}_proj.*", "attn.{q,k}_norm.weight") instead of the fused "attn.qkv" /
+  // "attn.proj" (UsesGqaAttention).
+  PositionEmbedding position_embedding = PositionEmbedding::kLearned;
+  double rope_theta = 10000.0;
+  int64_t num_kv_heads = 0;  // 0: num_heads (multi-head attention)
+  double norm_eps = 1e-5;    // every norm's eps (Norm::kEps; RMSNorm's rms_norm_eps)
+  AttentionBias attention_bias = AttentionBias::kAll;
+  bool qk_norm = false;  // OLMoE: RMSNorm over the whole projected q and k
+  // swiglu: dense blocks "mlp.{gate,up,down}_proj.*" and gated SiLU experts (moe::LayerConfig
+  // gated, activation silu, fc_bias = mlp_bias).
+  MlpKind mlp = MlpKind::kGelu;
+  bool mlp_bias = true;
+  // The padding token: its embedding row gets no gradient from the lookup (nn.Embedding's
+  // padding_idx; a tied head still trains it). -1: none.
+  int64_t pad_token_id = -1;
   // How a training step computes, not what the model is (a checkpoint resumes under any value).
   Recompute recompute = Recompute::kNone;
   Precision precision = Precision::kFloat32;  // bf16: mixed precision (mixed_precision.h)
@@ -73,6 +92,9 @@ void ValidateModelConfig(const ModelConfig& config);
 double TrainingFlopsPerToken(const ModelConfig& config, int64_t num_experts = 0, int64_t top_k = 0,
                              int64_t expert_hidden_dim = 0);
 bool IsMoeBlock(const ModelConfig& config, int64_t block_index);
+// Whether the blocks' attention is TensorParallelGqaAttention (any attention key away from
+// GPT-2's: RoPE, num_kv_heads below num_heads, attention_bias other than all, qk_norm).
+bool UsesGqaAttention(const ModelConfig& config);
 
 // The tensor-parallel layout of a model (docs/tensor_parallel.md). The model is built from the
 // tensor-parallel layers only, whatever P: the embedding and the output head are vocab-parallel
@@ -107,6 +129,7 @@ struct ContextParallelContext {
 struct BlockCache {
   NormCache norm1;
   AttentionCache attn;
+  TpGqaCache gqa;  // UsesGqaAttention: the projections' cache (attn holds qkv, probs, att)
   ContextParallelCache cp_attn;  // context parallelism: the attention core's cache
   NormCache norm2;
   FeedForwardOutput ffn;  // with Recompute::kFull: the statistics only (no state)
@@ -149,11 +172,18 @@ class Block {
                      int threads) const;
   // Selective recomputation: the attention core's probs and att from the kept qkv.
   void RecomputeAttentionCore(AttentionCache& attn, int threads) const;
+  // UsesGqaAttention: the projections, the core (cp_'s or the softmax core) and o_proj; `cache`
+  // null when nothing is kept.
+  Tensor GqaAttentionForward(const Tensor& n1, int64_t batch_size,
+                             const FeedForwardContext& context, BlockCache* cache) const;
+  Tensor GqaAttentionBackward(const BlockCache& cache, const Tensor& dh, int threads) const;
 
   Recompute recompute_ = Recompute::kNone;
   Precision precision_ = Precision::kFloat32;
   Norm norm1_;
-  std::unique_ptr<TensorParallelAttention> attn_;
+  std::unique_ptr<TensorParallelAttention> attn_;    // GPT-2's fused qkv, or
+  std::unique_ptr<TensorParallelGqaAttention> gqa_;  // UsesGqaAttention
+  int64_t local_heads() const { return gqa_ ? gqa_->local_heads() : attn_->local_heads(); }
   // The core of context_parallel.h over cp_->group between attn_'s projections; null: the
   // projections' own softmax core.
   const ContextParallelContext* cp_ = nullptr;
@@ -302,7 +332,7 @@ class TransformerLm {
   ModelPartition partition_;
   ParameterSet params_;
   std::unique_ptr<VocabParallelEmbedding> embed_;
-  std::unique_ptr<Embedding> pos_embed_;
+  std::unique_ptr<Embedding> pos_embed_;        // learned position embeddings only
   std::vector<std::unique_ptr<Block>> blocks_;  // [num_layers], null for blocks not held
   std::unique_ptr<Norm> final_norm_;
   Parameter* head_ = nullptr;  // embed.weight (tied, or its copy) or head.weight

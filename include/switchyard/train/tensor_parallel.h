@@ -216,7 +216,8 @@ class RowParallelLinear {
 // sequence_parallel (output [num_tokens / P, dim], this rank's tokens).
 // ids int32 [num_tokens] replicated, each in [0, V) (InvalidArgument naming the position).
 // Backward(ids, dy in the output's layout) accumulates weight.grad for the ids in range (dy is
-// all-gathered first with sequence_parallel).
+// all-gathered first with sequence_parallel), except for positions holding `skip_id` (the
+// padding token, whose row gets no gradient; -1: none).
 class VocabParallelEmbedding {
  public:
   VocabParallelEmbedding(ParameterSet& params, const std::string& prefix, int64_t num_embeddings,
@@ -231,7 +232,8 @@ class VocabParallelEmbedding {
   std::vector<TpParameter> parameters() const;
 
   Tensor Forward(const Tensor& ids, parallel::CommStats* stats = nullptr) const;
-  void Backward(const Tensor& ids, const Tensor& dy, parallel::CommStats* stats = nullptr) const;
+  void Backward(const Tensor& ids, const Tensor& dy, parallel::CommStats* stats = nullptr,
+                int64_t skip_id = -1) const;
 
  private:
   comm::Communicator& group_;
