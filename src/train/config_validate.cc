@@ -136,6 +136,13 @@ void ValidateTrainConfig(const TrainConfig& c) {
              "\"global\", \"sequence\" or \"none\", got \"{}\"",
              c.aux_loss);
   (void)RouterTraceOptionsFromConfig(c.router_trace, c.router_trace_steps, c.router_replay);
+  // The sequence loss needs whole sequences in every MoE call; sampling feeds the model a growing
+  // context (moe/losses.cc refuses a batch that is not whole sequences).
+  SY_REQUIRE(c.aux_loss != "sequence" || c.sample_tokens == 0, InvalidArgument,
+             "config: 'aux_loss' \"sequence\" (from the flags, the config or 'moe_layer_config' "
+             "{}) needs whole sequences of 'seq_len' tokens in every MoE call, and the samples "
+             "('sample_tokens' {}) feed a growing context: set 'sample_tokens' 0",
+             c.moe_layer_config.empty() ? "(none)" : c.moe_layer_config, c.sample_tokens);
   if (!c.experts_per_block.empty()) {
     const int64_t blocks = NumMoeBlocks(c.model);
     SY_REQUIRE(static_cast<int64_t>(c.experts_per_block.size()) == blocks, InvalidArgument,

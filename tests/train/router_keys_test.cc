@@ -166,6 +166,8 @@ TEST(RouterKeysTest, MalformedValuesAreErrorsNamingTheKey) {
   EXPECT_NE(ErrorOf(c).find("'expert_bias_update_rate'"), std::string::npos) << ErrorOf(c);
   c = base;
   c.aux_loss = "sequence";  // train hands the layer seq_len as its sequence length
+  EXPECT_NE(ErrorOf(c).find("set 'sample_tokens' 0"), std::string::npos) << ErrorOf(c);
+  c.sample_tokens = 0;  // samples feed partial sequences
   EXPECT_EQ(ErrorOf(c), "(accepted)");
   EXPECT_EQ(MoeLayerConfig(c).sequence_length, c.model.seq_len);
 }
