@@ -24,6 +24,8 @@ moe::LayerConfig MoeLayerFlags::Config() const {
   c.dropless = dropless;
   c.activation = kernels::ActivationFromName(activation);
   c.gated = gated;
+  c.num_groups = num_groups;
+  c.group_topk = group_topk;
   return c;
 }
 
@@ -39,6 +41,10 @@ void AddMoeLayerFlags(CLI::App& app, MoeLayerFlags* f, const MoeLayerFlagSpec& s
   app.add_flag("--dropless", f->dropless, "dropless mode (grouped GEMM, no capacity)");
   app.add_option("--activation", f->activation, "relu, gelu or silu");
   app.add_flag("--gated", f->gated, "gated experts (SwiGLU form)");
+  AddIntOption(app, "--num-groups", &f->num_groups, int64_t{1}, spec.max_experts,
+               "expert groups of group-limited routing (DeepSeek-V3)");
+  AddIntOption(app, "--group-topk", &f->group_topk, int64_t{0}, spec.max_experts,
+               "groups a token may use (0: no limit)");
 }
 
 namespace {

@@ -42,6 +42,10 @@ struct MoeLayerFlags {
   bool dropless = false;
   std::string activation = "gelu";
   bool gated = false;
+  int64_t num_groups = 1;  // group-limited routing: expert groups (DeepSeek-V3)
+  int64_t group_topk = 0;  // groups a token may use (0: no limit)
+  // Zipf exponent of forced routes (bench layer --imbalance; 0: the gate routes).
+  double imbalance = 0;
 
   // The layer's configuration (not validated: moe::ValidateConfig or the layer does that).
   moe::LayerConfig Config() const;

@@ -18,6 +18,7 @@
 #include "cli/launch.h"
 #include "cli/peak_flops.h"
 #include "cli/timing.h"
+#include "switchyard/core/error.h"
 #include "switchyard/core/limits.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/gemm_backend.h"
@@ -423,11 +424,14 @@ SY_REGISTER_COMMAND(Command{
       AddParallelBenchOptions(app, par.get());
       return [o, par, threads, loop, preset, &app] {
         if (!preset->empty()) ApplyMoeLayerPreset(app, *preset, &o->layer);
+        SY_REQUIRE(par->ranks > 1 || par->layer.imbalance == 0, InvalidArgument,
+                   "--imbalance compares the token all-to-all of W ranks: give --ranks W >= 2");
         if (par->ranks <= 1) return RunBenchLayer(*o);
         // The same layer on W ranks: `bench layer-parallel`, with its defaults for the threads
         // and the loop unless given.
         BenchParallelOptions p = *par;
         p.layer = o->layer;
+        p.layer.imbalance = par->layer.imbalance;  // --imbalance is a layer-parallel flag
         p.loop.json = o->loop.json;
         if (threads->count() > 0) p.threads = o->threads;
         if (loop.iters->count() > 0) p.loop.iters = o->loop.iters;

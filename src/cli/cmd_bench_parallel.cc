@@ -20,6 +20,7 @@
 
 #include "cli/bench_common.h"
 #include "cli/bench_parallel.h"
+#include "cli/bench_routing.h"
 #include "cli/bench_setup.h"
 #include "cli/command.h"
 #include "cli/flags.h"
@@ -137,6 +138,9 @@ struct ParallelSetup {
   // With a skewed gate and shadows, the plain path with the gate not skewed too: the step without
   // the hot expert's imbalance, so that (plain - balanced) is what the skew costs the plain path.
   bool with_balanced = false;
+  // --imbalance: `run` forces Zipf routes, `uniform` the same layout with uniform routes.
+  bool imbalance = false;
+  parallel::DriverOptions uniform;
 };
 
 // The layout and schedules of the flags (named values parsed here: a bad one throws).
@@ -201,6 +205,13 @@ ParallelSetup MakeParallelSetup(const BenchParallelOptions& o) {
   s.dy = RandomTensor({s.t_global, o.layer.model_dim}, 3);
   s.reference = !o.no_reference && !mpi;
   s.cores = UsableCores();
+  s.imbalance = o.layer.imbalance > 0;
+  if (s.imbalance) {
+    const int64_t k = moe::EffectiveTopK(s.config);
+    s.uniform = s.run;
+    s.run.forced_experts = ZipfRoutes(s.t_global, s.config.num_experts, k, o.layer.imbalance, 7);
+    s.uniform.forced_experts = ZipfRoutes(s.t_global, s.config.num_experts, k, 0, 7);
+  }
 
   s.plain = s.run;
   s.plain.parallel.overlap_degree = 1;
@@ -222,13 +233,14 @@ struct ParallelSamples {
   std::vector<double> steps, plain_steps, free_steps, balanced_steps, single;
   std::vector<double> hidden, saved_of_plain, hidden_of_cost, removed_of_skew;
   std::vector<double> blocked, busy, plain_blocked;
-  parallel::LayerRunResult last;
+  std::vector<double> uniform_steps;  // --imbalance: the run with uniform routes
+  parallel::LayerRunResult last, uniform_last;
 };
 
 // One round's runs: the one asked for (`last`), and as the setup says, the plain path, the plain
 // path over free links, the plain path with the gate not skewed.
 struct RoundRuns {
-  parallel::LayerRunResult base, free_run, balanced;
+  parallel::LayerRunResult base, free_run, balanced, uniform;
 };
 
 void RecordRound(const ParallelSetup& s, const RoundRuns& r, ParallelSamples* out) {
@@ -252,6 +264,10 @@ void RecordRound(const ParallelSetup& s, const RoundRuns& r, ParallelSamples* ou
     AppendSteps(r.free_run, &out->free_steps);
     const double f_ms = MedianFrom(out->free_steps, free_first);
     if (p_ms > f_ms) out->hidden_of_cost.push_back((p_ms - v_ms) / (p_ms - f_ms));
+  }
+  if (s.imbalance) {
+    AppendSteps(r.uniform, &out->uniform_steps);
+    out->uniform_last = r.uniform;
   }
   if (s.with_balanced) {
     const size_t b_first = out->balanced_steps.size();
@@ -297,6 +313,9 @@ ParallelSamples MeasureRounds(const BenchParallelOptions& o, ParallelSetup& s,
     if (s.with_balanced) {
       r.balanced =
           parallel::RunLayerOnRanks(*s.launcher, s.config, s.balanced_params, s.x, s.dy, s.plain);
+    }
+    if (s.imbalance) {
+      r.uniform = parallel::RunLayerOnRanks(*s.launcher, s.config, s.params, s.x, s.dy, s.uniform);
     }
     if (!out.last.is_root) continue;
     RecordRound(s, r, &out);
@@ -400,6 +419,72 @@ nlohmann::json ScheduleJson(const BenchParallelOptions& o, const ParallelSetup& 
   return schedule;
 }
 
+// The routing's token all-to-all of one run (tp 1): the pairs that leave their rank, the distinct
+// other ranks per token, and the busiest rank's token bytes measured against the formula of
+// RouteVolume (exact for alltoallv without drops).
+nlohmann::json RouteVolumeJson(const ParallelSetup& s, const parallel::LayerRunResult& run) {
+  const Tensor& topk = run.output.topk_idx;
+  if (!topk.defined() || topk.dim() != 2 || s.mesh->tp() != 1) return nullptr;
+  const RouteVolume v = RouteVolumeOf(
+      std::span<const int32_t>(topk.data<int32_t>(), static_cast<size_t>(topk.numel())),
+      topk.size(1), run, parallel::EvenSplit(s.t_global, s.mesh->data_shards()),
+      s.mesh->local_experts(), s.config.model_dim);
+  double measured = 0, predicted = 0, slowest = 0;
+  for (size_t r = 0; r < run.ranks.size(); ++r) {
+    const parallel::RankReport& rep = run.ranks[r];
+    measured = std::max(measured, rep.forward.Bytes(parallel::Traffic::kTokens) +
+                                      rep.backward.Bytes(parallel::Traffic::kTokens));
+    predicted = std::max(predicted, v.predicted_bytes[r]);
+    slowest = std::max(slowest, Median(rep.step_seconds));
+  }
+  return {{"pairs", v.pairs},
+          {"pairs_off_rank", v.pairs_off},
+          {"off_rank_share", v.off_share},
+          {"distinct_other_ranks_per_token", v.distinct_off_ranks},
+          {"max_rank_token_bytes", measured},
+          {"max_rank_token_bytes_formula", predicted},
+          {"slowest_rank_step_ms", slowest * 1e3}};
+}
+
+nlohmann::json RoutingJson(const BenchParallelOptions& o, const ParallelSetup& s,
+                           const ParallelSamples& m) {
+  nlohmann::json j = {{"num_groups", s.config.num_groups},
+                      {"group_topk", s.config.group_topk},
+                      {"imbalance", o.layer.imbalance},
+                      {"volume", RouteVolumeJson(s, m.last)}};
+  if (s.imbalance) {
+    j["step_median_ms"] = SummarizeTimes(m.steps).median_s * 1e3;
+    j["uniform_step_median_ms"] = SummarizeTimes(m.uniform_steps).median_s * 1e3;
+    j["uniform_volume"] = RouteVolumeJson(s, m.uniform_last);
+  }
+  return j;
+}
+
+void PrintRouting(const nlohmann::json& j) {
+  auto line = [](const char* what, const nlohmann::json& v) {
+    if (v.is_null()) return;
+    fmt::print(
+        "  {}: {} of {} (token, choice) pairs leave their rank ({:.1f}%), {:.2f} other ranks "
+        "per token; busiest rank's token all-to-all {:.3f} MB (formula 2 (out + in) M 4 = {:.3f} "
+        "MB)\n",
+        what, v["pairs_off_rank"].get<int64_t>(), v["pairs"].get<int64_t>(),
+        100 * v["off_rank_share"].get<double>(), v["distinct_other_ranks_per_token"].get<double>(),
+        v["max_rank_token_bytes"].get<double>() / 1e6,
+        v["max_rank_token_bytes_formula"].get<double>() / 1e6);
+  };
+  line(j["imbalance"].get<double>() > 0
+           ? fmt::format("routes Zipf({})", j["imbalance"].get<double>()).c_str()
+           : "routing",
+       j["volume"]);
+  if (!j.contains("uniform_volume")) return;
+  line("routes uniform", j["uniform_volume"]);
+  fmt::print(
+      "  imbalance: step {:.2f} ms (slowest rank, median) against {:.2f} ms with uniform "
+      "routes ({:.2f}x)\n",
+      j["step_median_ms"].get<double>(), j["uniform_step_median_ms"].get<double>(),
+      j["step_median_ms"].get<double>() / j["uniform_step_median_ms"].get<double>());
+}
+
 void PrintParallelJson(const BenchParallelOptions& o, const ParallelSetup& s,
                        const ParallelSamples& m, const ParallelFigures& f) {
   const MoeLayerFlags& l = o.layer;
@@ -443,6 +528,7 @@ void PrintParallelJson(const BenchParallelOptions& o, const ParallelSetup& s,
                  {"max_rank_token_bytes", f.traffic.max_token_bytes},
                  {"max_rank_weight_bytes", f.traffic.max_weight_bytes},
                  {"schedule", ScheduleJson(o, s, m, f)},
+                 {"routing", RoutingJson(o, s, m)},
                  {"emulation", emulation},
                  {"per_rank", f.traffic.per_rank}});
 }
@@ -584,6 +670,7 @@ int RunBenchParallel(const BenchParallelOptions& o) {
   PrintParallelSchedule(o, s, m, f);
   PrintPerRank(f.traffic.per_rank);
   PrintVolumeModel(o.layer, m.last.adaptive_r, f);
+  PrintRouting(RoutingJson(o, s, m));
   return 0;
 }
 
@@ -598,6 +685,10 @@ void AddParallelBenchOptions(CLI::App& app, BenchParallelOptions* o) {
   app.add_flag("--no-reference", o->no_reference, "skip the single-rank limit");
   app.add_flag("--no-baseline", o->no_baseline,
                "with a schedule: skip the plain path (D 1, no smart schedule, no shadows)");
+  app.add_option("--imbalance", o->layer.imbalance,
+                 "SKEW: force Zipf routes (expert e chosen with weight (e + 1)^-SKEW) and compare "
+                 "the step and the token all-to-all with uniform routes (0: the gate routes)")
+      ->check(FiniteIn(0, 100));
   app.add_option("--hot-expert-bias", o->hot_expert_bias,
                  "skewed gate: add this to expert 0's choice score (e.g. 0.1; 0: off)")
       ->check(FiniteIn(0, 1e6));

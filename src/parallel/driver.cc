@@ -69,6 +69,16 @@ RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
   fo.threads = threads;
   fo.save_for_backward = dy.defined();
   fo.training = o.training;
+  if (!o.forced_experts.empty()) {
+    const auto ids = static_cast<int64_t>(o.forced_experts.size());
+    SY_REQUIRE(x.size(0) > 0 && ids % x.size(0) == 0, InvalidArgument,
+               "forced_experts: expected [T, k] ids for the T = {} tokens of x, got {}", x.size(0),
+               ids);
+    const int64_t k = ids / x.size(0);
+    fo.forced_experts =
+        std::span<const int32_t>(o.forced_experts)
+            .subspan(static_cast<size_t>(start * k), static_cast<size_t>(t_num * k));
+  }
   RankResult r;
   r.report.coords = c;
   r.report.tokens = t_num;

@@ -344,6 +344,39 @@ moe::LayerConfig MoeBlockLayerConfig(const TrainConfig& c, int64_t block) {
   return layer;
 }
 
+int64_t RouterGroupCount(const TrainConfig& c) {
+  if (c.router_group_by == RouterGroupBy::kNone) return c.num_groups;
+  const char* what = c.router_group_by == RouterGroupBy::kEpRank ? "ep_rank" : "node";
+  SY_REQUIRE(c.group_topk > 0, InvalidArgument,
+             "config: 'router_group_by' {} limits each token to 'group_topk' groups: set "
+             "'group_topk' (>= 1), got {}",
+             what, c.group_topk);
+  SY_REQUIRE(c.num_groups == 1, InvalidArgument,
+             "config: 'router_group_by' {} derives the router's groups from the layout: leave "
+             "'num_groups' unset (1), got {}",
+             what, c.num_groups);
+  const int64_t ep = ResolveLayout(c, static_cast<int>(c.ranks)).ep;
+  int64_t groups = ep;
+  if (c.router_group_by == RouterGroupBy::kNode) {
+    const int64_t node = c.a2a_ranks_per_node;
+    SY_REQUIRE(node > 0 && ep % node == 0, InvalidArgument,
+               "config: 'router_group_by' node groups the experts by nodes of "
+               "'a2a_ranks_per_node' consecutive ranks of the expert group: it must be set and "
+               "divide the expert-parallel size {}, got {}",
+               ep, node);
+    groups = ep / node;
+  }
+  const std::vector<int64_t> experts =
+      c.experts_per_block.empty() ? std::vector<int64_t>{c.num_experts} : c.experts_per_block;
+  for (int64_t e : experts) {
+    SY_REQUIRE(e % ep == 0, InvalidArgument,
+               "config: 'router_group_by' {} needs whole experts on every expert-parallel rank: "
+               "{} experts do not divide by 'ep' {}",
+               what, e, ep);
+  }
+  return groups;
+}
+
 moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
   json j = json::object();
   if (!c.moe_layer_config.empty()) {
@@ -380,6 +413,18 @@ moe::LayerConfig MoeLayerConfig(const TrainConfig& c) {
     j["score_function"] = c.norm_topk_prob ? "softmax_after_topk" : "softmax";
     j["normalize_gate"] = false;
     j["dropless"] = true;
+  }
+  if (c.router_group_by != RouterGroupBy::kNone) j["num_groups"] = RouterGroupCount(c);
+  // aux_loss sequence: a batch's rows are its samples' seq_len positions in turn (batch-major).
+  if (c.aux_loss == "sequence") {
+    const int64_t file_length = j.contains("sequence_length") && j["sequence_length"].is_number()
+                                    ? j["sequence_length"].get<int64_t>()
+                                    : 0;
+    SY_REQUIRE(file_length == 0 || file_length == c.model.seq_len, InvalidArgument,
+               "config: 'moe_layer_config' {} sets sequence_length {} for aux_loss \"sequence\", "
+               "but the run's sequences are 'seq_len' {} tokens: remove the key (train sets it)",
+               c.moe_layer_config, file_length, c.model.seq_len);
+    j["sequence_length"] = c.model.seq_len;
   }
   try {
     return moe::LayerConfigFromJson(j.dump());

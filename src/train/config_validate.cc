@@ -128,34 +128,27 @@ void ValidateTrainConfig(const TrainConfig& c) {
   ValidateModelConfig(c.model);
   CheckRanges(c);
   // Before anything builds the MoE layer's config from these keys.
-  // The layer computes the sequence-level loss from each token's global index; the trainer does
-  // not yet hand it a sequence_length that matches its batches, nor is that path tested.
-  SY_REQUIRE(c.aux_loss != "sequence", InvalidArgument,
-             "config: 'aux_loss' \"sequence\" (from the flags, the config or 'moe_layer_config' "
-             "{}) is run by `switchyard layer` and the library but `train` does not support it "
-             "yet; use another aux_loss",
-             c.moe_layer_config.empty() ? "(none)" : c.moe_layer_config);
   SY_REQUIRE(c.aux_loss == "gshard" || c.aux_loss == "gshard_all_choices" ||
-                 c.aux_loss == "importance_load" || c.aux_loss == "global" || c.aux_loss == "none",
+                 c.aux_loss == "importance_load" || c.aux_loss == "global" ||
+                 c.aux_loss == "sequence" || c.aux_loss == "none",
              InvalidArgument,
              "config: 'aux_loss' must be \"gshard\", \"gshard_all_choices\", \"importance_load\", "
-             "\"global\" or \"none\", got \"{}\"",
+             "\"global\", \"sequence\" or \"none\", got \"{}\"",
              c.aux_loss);
   (void)RouterTraceOptionsFromConfig(c.router_trace, c.router_trace_steps, c.router_replay);
+  // The sequence loss needs whole sequences in every MoE call; sampling feeds the model a growing
+  // context (moe/losses.cc refuses a batch that is not whole sequences).
+  SY_REQUIRE(c.aux_loss != "sequence" || c.sample_tokens == 0, InvalidArgument,
+             "config: 'aux_loss' \"sequence\" (from the flags, the config or 'moe_layer_config' "
+             "{}) needs whole sequences of 'seq_len' tokens in every MoE call, and the samples "
+             "('sample_tokens' {}) feed a growing context: set 'sample_tokens' 0",
+             c.moe_layer_config.empty() ? "(none)" : c.moe_layer_config, c.sample_tokens);
   if (!c.experts_per_block.empty()) {
     const int64_t blocks = NumMoeBlocks(c.model);
     SY_REQUIRE(static_cast<int64_t>(c.experts_per_block.size()) == blocks, InvalidArgument,
                "config: 'experts_per_block' has {} entries, expected one per MoE block: {} "
                "(num_layers {} / moe_every {})",
                c.experts_per_block.size(), blocks, c.model.num_layers, c.model.moe_every);
-  }
-  if (NumMoeBlocks(c.model) > 0) {
-    // The layer computes the sequence-level loss from each token's global index; the trainer does
-    // not yet hand it a sequence_length that matches its batches, nor is that path tested.
-    SY_REQUIRE(MoeLayerConfig(c).aux_loss != moe::AuxLoss::kSequence, InvalidArgument,
-               "config: 'moe_layer_config' {} sets aux_loss \"sequence\", which `switchyard layer` "
-               "and the library run but `train` does not support yet; use another aux_loss",
-               c.moe_layer_config);
   }
   SY_REQUIRE(c.temperature > 0, InvalidArgument, "config: 'temperature' must be > 0, got {}",
              c.temperature);
@@ -173,6 +166,9 @@ void ValidateTrainConfig(const TrainConfig& c) {
              "'sequence_parallel' true");
   // The layout sizes are in range (CheckRanges): tp x pp x cp divides ranks (ResolveLayout).
   (void)ResolveLayout(c, static_cast<int>(c.ranks));
+  // The MoE layer's options: the file's, the run's keys over them, router_group_by's groups and
+  // aux_loss sequence's length.
+  if (NumMoeBlocks(c.model) > 0) (void)MoeLayerConfig(c);
   if (c.tp > 1) {
     for (const auto& [key, v] : {std::pair<const char*, int64_t>{"num_heads", c.model.num_heads},
                                  {"hidden_dim", c.model.hidden_dim},
@@ -308,9 +304,12 @@ std::string WhyKeyCannotAct(std::string_view key, const TrainConfig& c,
   if (key == "cp_algo" && c.cp == 1) {
     return "it is the attention of context parallelism, and 'cp' is 1";
   }
-  if (key == "a2a_ranks_per_node" && c.a2a_algo != A2aAlgo::k2dh) {
-    return fmt::format("it sizes the nodes of the 2dh all-to-all, and 'a2a_algo' is \"{}\"",
-                       c.a2a_algo);
+  if (key == "a2a_ranks_per_node" && c.a2a_algo != A2aAlgo::k2dh &&
+      c.router_group_by != RouterGroupBy::kNode) {
+    return fmt::format(
+        "it sizes the nodes of the 2dh all-to-all and of 'router_group_by' node, and "
+        "'a2a_algo' is \"{}\", 'router_group_by' \"{}\"",
+        c.a2a_algo, c.router_group_by);
   }
   if (key == "moe_every" && c.model.moe_every > c.model.num_layers) {
     return fmt::format("no block of 'num_layers' {} is an MoE block (the model is dense)",

@@ -165,8 +165,11 @@ TEST(RouterKeysTest, MalformedValuesAreErrorsNamingTheKey) {
   c.expert_bias_update_rate = -1;
   EXPECT_NE(ErrorOf(c).find("'expert_bias_update_rate'"), std::string::npos) << ErrorOf(c);
   c = base;
-  c.aux_loss = "sequence";
-  EXPECT_NE(ErrorOf(c).find("does not support it yet"), std::string::npos) << ErrorOf(c);
+  c.aux_loss = "sequence";  // train hands the layer seq_len as its sequence length
+  EXPECT_NE(ErrorOf(c).find("set 'sample_tokens' 0"), std::string::npos) << ErrorOf(c);
+  c.sample_tokens = 0;  // samples feed partial sequences
+  EXPECT_EQ(ErrorOf(c), "(accepted)");
+  EXPECT_EQ(MoeLayerConfig(c).sequence_length, c.model.seq_len);
 }
 
 // router_trace with every:2 records steps 2 and 4 only; router_replay of those steps runs them and

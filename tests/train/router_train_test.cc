@@ -5,12 +5,17 @@
 //   one-rank run's bit for bit, on every rank, in every layout.
 // - aux_loss global: the running mean of the counts over the step's micro-batches, on every rank:
 //   every layout gives the one-rank run's losses, gradient norms and parameters.
+// - router_group_by ep_rank | node: device- and node-limited routing; every token's experts sit on
+//   at most group_topk ranks (nodes), and the run equals one rank with num_groups set alike.
+// - aux_loss sequence: the sequence length is seq_len; every layout equals one rank.
 // - router trace and replay: a run replaying its own trace reproduces its losses bit for bit, and
 //   the trace replays in other layouts and on other weights.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -108,6 +113,32 @@ class RouterTrainTest : public ::testing::Test {
     c.expert_bias_update_rate = 0.01;
     return c;
   }
+  // Config(2, 4) with a layer file of its own (layer_<name>.json: Config rewrites layer.json)
+  // and the run's key set to aux_loss `name` (as ResolveTrainConfig takes it from the file).
+  TrainConfig WithAuxLoss(const std::string& name) {
+    TrainConfig c = Config(2, 4);
+    const std::string file = dir_ / fmt::format("layer_{}.json", name);
+    WriteTextFileAtomic(file, fmt::format(R"({{"aux_loss": "{}"}})", name));
+    c.moe_layer_config = file;
+    c.aux_loss = name;
+    return c;
+  }
+  struct RunLayout {
+    int ranks, ep, tp, pp, cp;
+    const char* recompute;
+  };
+  // Every layout's run of c equals `want` (c on one rank).
+  static void ExpectLayoutsEqual(const TrainConfig& c, int steps, const testing::RunRecord& want,
+                                 std::initializer_list<RunLayout> layouts) {
+    for (const RunLayout& l : layouts) {
+      TrainConfig d = c;
+      d.ranks = l.ranks, d.ep = l.ep, d.tp = l.tp, d.pp = l.pp, d.cp = l.cp;
+      d.model.recompute = RecomputeFromName(l.recompute);
+      const std::string what = fmt::format("ranks {} ep {} tp {} pp {} cp {} recompute {}", l.ranks,
+                                           l.ep, l.tp, l.pp, l.cp, l.recompute);
+      testing::ExpectSameRun(want, testing::OnRanks(d, steps), what);
+    }
+  }
   TempDir dir_;
 };
 
@@ -175,32 +206,18 @@ TEST_F(RouterTrainTest, CountsAreThePairsKeptAfterDrops) {
 // pipeline schedules); every layout equals one rank, and the loss differs from the per-micro-batch
 // all-choices loss it equals on the first micro-batch.
 TEST_F(RouterTrainTest, GlobalAuxLossEveryLayoutEqualsOneRank) {
-  TrainConfig c = Config(2, 4);
-  WriteTextFileAtomic(dir_ / "layer.json", R"({"aux_loss": "global"})");
-  c.aux_loss = "global";  // as ResolveTrainConfig takes it from the file
+  TrainConfig c = WithAuxLoss("global");
   const int kSteps = 3;
   const testing::RunRecord want = testing::SingleRank(c, kSteps);
-  TrainConfig per_mb = c;
-  WriteTextFileAtomic(dir_ / "layer_all.json", R"({"aux_loss": "gshard_all_choices"})");
-  per_mb.moe_layer_config = dir_ / "layer_all.json";
-  per_mb.aux_loss = "gshard_all_choices";
-  const testing::RunRecord all_choices = testing::SingleRank(per_mb, 1);
+  const testing::RunRecord all_choices = testing::SingleRank(WithAuxLoss("gshard_all_choices"), 1);
   EXPECT_GT(want.aux_loss[0], 0.5);
   EXPECT_NE(want.aux_loss[0], all_choices.aux_loss[0]);  // the second micro-batch's mean counts
-  struct Layout {
-    int ranks, ep, tp, pp, cp;
-    const char* recompute;
-  };
-  for (const Layout& l :
-       {Layout{2, 0, 1, 1, 1, "none"}, Layout{4, 4, 1, 1, 1, "full"}, Layout{4, 0, 2, 1, 1, "none"},
-        Layout{4, 0, 1, 2, 1, "none"}, Layout{4, 2, 1, 1, 2, "none"}}) {
-    TrainConfig d = c;
-    d.ranks = l.ranks, d.ep = l.ep, d.tp = l.tp, d.pp = l.pp, d.cp = l.cp;
-    d.model.recompute = RecomputeFromName(l.recompute);
-    const std::string what = fmt::format("ranks {} ep {} tp {} pp {} cp {} recompute {}", l.ranks,
-                                         l.ep, l.tp, l.pp, l.cp, l.recompute);
-    testing::ExpectSameRun(want, testing::OnRanks(d, kSteps), what);
-  }
+  ExpectLayoutsEqual(c, kSteps, want,
+                     {{2, 0, 1, 1, 1, "none"},
+                      {4, 4, 1, 1, 1, "full"},
+                      {4, 0, 2, 1, 1, "none"},
+                      {4, 0, 1, 2, 1, "none"},
+                      {4, 2, 1, 1, 2, "none"}});
   // The per-rank scope routes each rank's tokens alone (its own capacity and drops), so it equals
   // one rank only without drops (capacity factor 0); the global loss is still the whole
   // micro-batch's, counted once in the objective.
@@ -214,6 +231,125 @@ TEST_F(RouterTrainTest, GlobalAuxLossEveryLayoutEqualsOneRank) {
     testing::ExpectSameRun(want_no_drops, testing::OnRanks(d, kSteps),
                            fmt::format("ranks 4 ep {} per_rank, no drops", ep));
   }
+}
+
+// Runs f, which must throw InvalidArgument with `needle` in its message.
+template <typename F>
+void ExpectError(F f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "accepted; expected an error naming " << needle;
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+// Per token of a router trace (every rank's file of `step`, blocks by prefix), the number of
+// distinct groups of `experts_per_group` consecutive experts its choices fall in; the largest.
+int64_t MostGroupsOfAToken(const std::string& dir, int64_t step, int64_t experts_per_group) {
+  int64_t most = 0;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(RouterTrace::StepDirectory(dir, step))) {
+    const TensorMap file = ReadSafetensors(entry.path());
+    for (const auto& [name, t] : file) {
+      if (!name.ends_with(".experts")) continue;
+      const int64_t k = t.size(1);
+      const int32_t* e = t.data<int32_t>();
+      for (int64_t i = 0; i < t.size(0); ++i) {
+        std::vector<int64_t> groups;
+        for (int64_t j = 0; j < k; ++j) groups.push_back(e[i * k + j] / experts_per_group);
+        std::sort(groups.begin(), groups.end());
+        const auto distinct = std::unique(groups.begin(), groups.end()) - groups.begin();
+        most = std::max<int64_t>(most, distinct);
+      }
+    }
+  }
+  return most;
+}
+
+// router_group_by: the groups are the ep ranks' experts (ep_rank) or the nodes' (node). With
+// group_topk 1 every token's 2 experts sit on one rank (one node) in the trace of the run, where
+// the same run without the limit sends some token to two; and the run equals one rank routing
+// with num_groups set to the same groups, step for step.
+TEST_F(RouterTrainTest, GroupByLimitsTheRanksOfEveryTokenAndEqualsOneRank) {
+  TrainConfig c = Config(2, 4);
+  WriteTextFileAtomic(dir_ / "layer.json", "{}");
+  c.num_experts = 8;
+  const int kSteps = 2;
+  struct Case {
+    const char* group_by;
+    int ranks, ep, ranks_per_node;
+    int64_t groups;
+  };
+  for (const Case& k :
+       {Case{"ep_rank", 4, 4, 0, 4}, Case{"ep_rank", 4, 2, 0, 2}, Case{"node", 4, 4, 2, 2}}) {
+    const std::string what =
+        fmt::format("{} ranks {} ep {} nodes of {}", k.group_by, k.ranks, k.ep, k.ranks_per_node);
+    TrainConfig one = c;
+    one.num_groups = k.groups;
+    one.group_topk = 1;
+    const testing::RunRecord want = testing::SingleRank(one, kSteps);
+    TrainConfig d = c;
+    d.ranks = k.ranks, d.ep = k.ep, d.a2a_ranks_per_node = k.ranks_per_node;
+    d.router_group_by = k.group_by;
+    d.group_topk = 1;
+    d.router_trace = dir_ / fmt::format("trace_{}_{}", k.group_by, k.ep);
+    EXPECT_EQ(RouterGroupCount(d), k.groups) << what;
+    testing::ExpectSameRun(want, testing::OnRanks(d, kSteps), what);
+    const int64_t per_group = c.num_experts / k.groups;
+    for (int64_t step = 1; step <= kSteps; ++step) {
+      EXPECT_EQ(MostGroupsOfAToken(d.router_trace, step, per_group), 1) << what << " step " << step;
+    }
+    TrainConfig free = d;
+    free.router_group_by = "none";
+    free.group_topk = 0;
+    free.router_trace = dir_ / fmt::format("free_{}_{}", k.group_by, k.ep);
+    (void)testing::OnRanks(free, 1);
+    EXPECT_EQ(MostGroupsOfAToken(free.router_trace, 1, per_group), 2) << what << " (no limit)";
+  }
+  // The keys it needs, named.
+  TrainConfig d = c;
+  d.ranks = 4;
+  d.router_group_by = "ep_rank";
+  ExpectError([&] { (void)RouterGroupCount(d); }, "'group_topk'");
+  d.group_topk = 1;
+  d.num_groups = 2;
+  ExpectError([&] { (void)RouterGroupCount(d); }, "leave 'num_groups' unset");
+  d.num_groups = 1;
+  d.router_group_by = "node";
+  ExpectError([&] { (void)RouterGroupCount(d); }, "'a2a_ranks_per_node'");
+  d.a2a_ranks_per_node = 3;
+  ExpectError([&] { (void)RouterGroupCount(d); }, "divide the expert-parallel size 4");
+  d.router_group_by = "ep_rank";
+  d.ranks = 2;
+  d.num_experts = 5;
+  ExpectError([&] { (void)RouterGroupCount(d); }, "5 experts do not divide by 'ep' 2");
+}
+
+// aux_loss sequence in training: the layer's sequence_length is seq_len (a batch's rows are its
+// samples' positions in turn), the loss is the mean over the micro-batch's sequences of
+// E / (k S^2) sum_e P_e N_e, and every layout (data parallelism, expert parallelism, context
+// parallelism splitting each sequence over 2 ranks, pipeline stages, micro-batches) equals one
+// rank. With 8 sequences per micro-batch it differs from the batch-level all-choices loss.
+TEST_F(RouterTrainTest, SequenceAuxLossEveryLayoutEqualsOneRank) {
+  TrainConfig c = WithAuxLoss("sequence");
+  EXPECT_EQ(MoeLayerConfig(c).sequence_length, c.model.seq_len);
+  const int kSteps = 3;
+  const testing::RunRecord want = testing::SingleRank(c, kSteps);
+  const testing::RunRecord all_choices = testing::SingleRank(WithAuxLoss("gshard_all_choices"), 1);
+  EXPECT_GT(want.aux_loss[0], 0.5);
+  EXPECT_NE(want.aux_loss[0], all_choices.aux_loss[0]);  // the statistics per sequence
+  ExpectLayoutsEqual(c, kSteps, want,
+                     {{2, 0, 1, 1, 1, "none"},
+                      {4, 4, 1, 1, 1, "full"},
+                      {4, 0, 2, 1, 1, "none"},
+                      {4, 0, 1, 2, 1, "none"},
+                      {4, 2, 1, 1, 2, "none"},
+                      {2, 2, 1, 1, 2, "none"}});
+  // The layer file's own sequence_length must be the run's.
+  WriteTextFileAtomic(dir_ / "layer_len.json", R"({"aux_loss": "sequence", "sequence_length": 8})");
+  c.moe_layer_config = dir_ / "layer_len.json";
+  ExpectError([&] { (void)MoeLayerConfig(c); }, "'seq_len' 16");
 }
 
 // Router trace and replay. A run records its routes; the same run replaying them reproduces every

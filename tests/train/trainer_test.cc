@@ -98,10 +98,10 @@ TEST(TrainConfigTest, JsonRoundTripAndErrors) {
   // a2a_ranks_per_node, smart_schedule, shadow_experts; the model's recompute and precision;
   // attention_core, memory_budget_mib; topk_scaling_factor (the MoE router's routed scaling);
   // data_format, tokenizer; the router keys num_groups, group_topk, aux_loss,
-  // expert_bias_update_rate, router_trace, router_trace_steps, router_replay; the model
-  // architecture block: arch, position_embedding, rope_theta, num_kv_heads, norm_eps,
+  // expert_bias_update_rate, router_group_by, router_trace, router_trace_steps, router_replay; the
+  // model architecture block: arch, position_embedding, rope_theta, num_kv_heads, norm_eps,
   // attention_bias, qk_norm, mlp, mlp_bias, pad_token_id, hf_router, norm_topk_prob.
-  EXPECT_EQ(TrainConfigKeys().size(), 96u);
+  EXPECT_EQ(TrainConfigKeys().size(), 97u);
   s.batch_size = 0;
   EXPECT_THROW(ValidateTrainConfig(s), InvalidArgument);
 }

@@ -32,6 +32,8 @@ struct DriverOptions {
   std::vector<int64_t> token_split;
   int64_t global_token_offset = 0;  // global index of x's first token
   uint64_t step = 0;
+  // [T * k] routes to force, token-major (moe::ForwardOptions::forced_experts); empty: the gate's.
+  std::vector<int32_t> forced_experts;
   bool training = true;  // the calls' mode (ParallelForwardOptions::training)
   // Compute threads per rank; 0: ComputeThreadsPerRank(ranks in this process, usable cores).
   int threads = 0;

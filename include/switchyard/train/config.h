@@ -99,6 +99,11 @@ void ValidateBatchSplit(const TrainConfig& config, int64_t data_shards, int64_t 
 // hidden_dim, num_experts, top_k, capacity_factor, coefficients, activation, seed), on top of
 // moe_layer_config's file when given. Throws InvalidArgument / IoError.
 moe::LayerConfig MoeLayerConfig(const TrainConfig& config);
+// The router's expert groups: num_groups, or with router_group_by the expert-parallel size of the
+// run's layout (ep_rank: one group per ep rank's experts) or the nodes of a2a_ranks_per_node ranks
+// in the expert group (node). Throws InvalidArgument naming the keys when the groups cannot be
+// formed (no group_topk, num_groups set as well, experts that do not split over the groups).
+int64_t RouterGroupCount(const TrainConfig& config);
 // The number of MoE blocks of the model (num_layers / moe_every; 0 for a dense model).
 int64_t NumMoeBlocks(const ModelConfig& model);
 // The experts of the MoE block at transformer block `block` (experts_per_block's entry for it,

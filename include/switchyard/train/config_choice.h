@@ -28,6 +28,9 @@ namespace switchyard::train {
 enum class NonFinite : uint8_t { kStop, kSkip };
 // The MoE token all-to-all ('a2a_algo'): flat, or Tutel's two-dimensional hierarchical one.
 enum class A2aAlgo : uint8_t { kFlat, k2dh };
+// What the router's expert groups are ('router_group_by'): as num_groups says, the expert-parallel
+// ranks' expert sets (DeepSeek-V3's device-limited routing) or the 2dh nodes' (node-limited).
+enum class RouterGroupBy : uint8_t { kNone, kEpRank, kNode };
 // Where the experts sit beside tp ('arrangement'); kAuto resolves in ResolveLayout.
 enum class ArrangementChoice : uint8_t { kAuto, kDeepSpeed, kMegatron };
 // The attention core ('attention_core'); kAuto resolves in ResolveLayout (flash with cp > 1).
@@ -46,6 +49,14 @@ template <>
 struct ChoiceTraits<A2aAlgo> {
   static constexpr std::array kValues = {A2aAlgo::kFlat, A2aAlgo::k2dh};
   static std::string_view Name(A2aAlgo v) { return v == A2aAlgo::kFlat ? "flat" : "2dh"; }
+};
+template <>
+struct ChoiceTraits<RouterGroupBy> {
+  static constexpr std::array kValues = {RouterGroupBy::kNone, RouterGroupBy::kEpRank,
+                                         RouterGroupBy::kNode};
+  static std::string_view Name(RouterGroupBy v) {
+    return v == RouterGroupBy::kNone ? "none" : v == RouterGroupBy::kEpRank ? "ep_rank" : "node";
+  }
 };
 template <>
 struct ChoiceTraits<ArrangementChoice> {
