@@ -222,6 +222,25 @@ double PredictPipeline(const train::TrainConfig& config, const LayoutView& l, do
 
 }  // namespace
 
+namespace {
+
+// Shared cores: a rank computes on max(1, cores / ranks) threads (core/threading.h); with
+// more ranks than cores, the ranks' compute phases share them (the collectives keep the ranks
+// in step, so they compute at the same times).
+Cluster RankShareOf(const Cluster& cluster, int64_t ranks) {
+  Cluster c = cluster;
+  if (c.shared_cores > 0) {
+    const double share = ranks <= c.shared_cores
+                             ? static_cast<double>(c.shared_cores / ranks)
+                             : static_cast<double>(c.shared_cores) / static_cast<double>(ranks);
+    c.gemm_tflops *= share;
+    c.memory_bandwidth_gbps *= share;
+  }
+  return c;
+}
+
+}  // namespace
+
 StepPrediction PredictStep(const train::TrainConfig& config, const Cluster& cluster) {
   return internal::PredictStepOf(config, internal::ReadModel(config), internal::ReadLayout(config),
                                  cluster);
@@ -232,17 +251,7 @@ StepPrediction internal::PredictStepOf(const train::TrainConfig& config, const M
   SY_REQUIRE(l.ranks <= cluster.devices(), InvalidArgument,
              "plan: {} ranks but the cluster '{}' has {} devices ({} nodes x {})", l.ranks,
              cluster.name, cluster.devices(), cluster.nodes, cluster.devices_per_node);
-  // Shared cores: a rank computes on max(1, cores / ranks) threads (core/threading.h); with
-  // more ranks than cores, the ranks' compute phases share them (the collectives keep the ranks
-  // in step, so they compute at the same times).
-  Cluster c = cluster;
-  if (c.shared_cores > 0) {
-    const double share = l.ranks <= c.shared_cores
-                             ? static_cast<double>(c.shared_cores / l.ranks)
-                             : static_cast<double>(c.shared_cores) / static_cast<double>(l.ranks);
-    c.gemm_tflops *= share;
-    c.memory_bandwidth_gbps *= share;
-  }
+  const Cluster c = RankShareOf(cluster, l.ranks);
   StepPrediction p;
   p.memory = train::EstimateRankMemory(config);
   const double d = m.model_dim, tp = l.tp, S = m.seq_len;
