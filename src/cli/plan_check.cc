@@ -34,6 +34,8 @@ train::ResolvedTrainConfig AutoLayout(const train::ResolvedTrainConfig& resolved
                "the batch and --ranks only, or drop --layout auto",
                key, source);
   }
+  // The keys' values (ranks in its range, ...) before calibrating and searching for them.
+  train::ValidateTrainConfig(resolved.config);
   const auto t0 = std::chrono::steady_clock::now();
   calibration.ranks = static_cast<int>(resolved.config.ranks);
   const plan::Cluster cluster = CalibrateThisMachine(calibration);

@@ -116,6 +116,8 @@ TEST(PlanCliTest, ClearErrors) {
        "--validate runs the layouts on this machine"},
       {"train --layout auto --tp 2 --steps 1", "--layout auto chooses the layout, but 'tp'"},
       {"train --layout manual --steps 1", "--layout: expected 'auto'"},
+      // Out of range: refused before calibrating and searching layouts for that many ranks.
+      {"train --layout auto --ranks 100000 --steps 1", "'ranks' must be in [1, 4096]"},
   };
   for (const Case& c : cases) {
     const auto r = RunSwitchyard(c.args);
