@@ -158,3 +158,33 @@ def test_tutel_seeds():
         assert torch.equal(pa, pc) == n.startswith("gates"), n
     with pytest.raises(ValueError, match="hierarchical_ranks_per_node"):
         MoE(**kw, use_2dh=True)
+
+
+def test_megatron_router_keys_reach_the_layer():
+    # DeepSeek-V3's router through config= (docs/moe.md): sigmoid scores, 8 experts in 4 groups,
+    # the best 2 groups eligible, top-4 normalized and scaled by 2.5, the sequence-level aux loss.
+    # Every token's experts lie in at most 2 groups and its gate values sum to 2.5 (no drops); the
+    # sequence loss differs from the batch-level one; a bad group count is an error naming it.
+    def build(**keys):
+        torch.manual_seed(0)
+        return MoE(gate_type={"k": 4, "capacity_factor": 0.0}, model_dim=8,
+                   experts={"count_per_node": 8, "hidden_size_per_expert": 12}, threads=1,
+                   config=dict({"score_function": "sigmoid", "num_groups": 4, "group_topk": 2,
+                                "topk_scaling_factor": 2.5}, **keys))
+
+    moe = build(aux_loss="sequence", sequence_length=5)
+    x = torch.randn(20, 8, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    y = moe(x)
+    routing = moe.routing()
+    groups = routing["topk_idx"] // 2
+    assert max(len(set(row)) for row in groups.tolist()) <= 2
+    ungrouped = build(num_groups=1, group_topk=0)
+    ungrouped(x)
+    assert max(len(set(row)) for row in (ungrouped.routing()["topk_idx"] // 2).tolist()) > 2
+    np.testing.assert_allclose(routing["combine_weights"].sum(1), 2.5, rtol=1e-5)
+    batch = build(aux_loss="gshard_all_choices")
+    assert float(batch(x).l_aux) != float(y.l_aux)
+    (y.sum() + 0.1 * y.l_aux).backward()
+    assert torch.isfinite(x.grad).all() and moe.gates[0].wg.weight.grad.abs().sum() > 0
+    with pytest.raises(Exception, match="num_groups"):
+        build(num_groups=3)

@@ -31,11 +31,31 @@ struct ReportOptions {
   std::string out;    // where the pictures go ("": <run or trace>/report)
 };
 
-// Loads per MoE layer over the steps: loads[layer][step][expert] (routed pairs).
+moe::RouterStats StatsOf(const std::vector<double>& loads) {
+  moe::RouterSums s;
+  s.loads = loads;
+  return s.Stats();
+}
+
+// Loads per MoE layer over the steps: loads[layer][step][expert] (routed pairs), and the
+// statistics of each: stats[layer][step] (a run's logged "router" statistics; for a trace, or a
+// run written before they were logged, those of the loads alone).
 struct LoadHistory {
   std::vector<std::string> layers;
   std::vector<double> steps;
   std::vector<std::vector<std::vector<double>>> loads;
+  std::vector<std::vector<moe::RouterStats>> stats;
+  bool logged_stats = false;  // stats hold the run's entropy, drops and losses
+
+  // Fills `stats` from the loads where the source had none.
+  void CountMissingStats() {
+    stats.resize(loads.size());
+    for (size_t l = 0; l < loads.size(); ++l) {
+      for (size_t t = stats[l].size(); t < loads[l].size(); ++t) {
+        stats[l].push_back(StatsOf(loads[l][t]));
+      }
+    }
+  }
 };
 
 LoadHistory FromRun(const std::string& run) {
@@ -51,6 +71,8 @@ LoadHistory FromRun(const std::string& run) {
         h.layers.push_back(fmt::format("MoE layer {}", l));
       }
       h.loads.resize(m.expert_load.size());
+      h.stats.resize(m.expert_load.size());
+      h.logged_stats = m.router.size() == m.expert_load.size();
     }
     SY_REQUIRE(m.expert_load.size() == h.layers.size(), InvalidArgument,
                "report: {} step {} has loads of {} MoE layers, earlier steps of {}", path, m.step,
@@ -58,6 +80,12 @@ LoadHistory FromRun(const std::string& run) {
     h.steps.push_back(static_cast<double>(m.step));
     for (size_t l = 0; l < m.expert_load.size(); ++l) {
       h.loads[l].emplace_back(m.expert_load[l].begin(), m.expert_load[l].end());
+      if (h.logged_stats) {
+        SY_REQUIRE(m.router.size() == m.expert_load.size(), InvalidArgument,
+                   "report: {} step {} has router statistics of {} MoE layers, loads of {}", path,
+                   m.step, m.router.size(), m.expert_load.size());
+        h.stats[l].push_back(m.router[l]);
+      }
     }
   }
   SY_REQUIRE(!h.steps.empty(), InvalidArgument,
@@ -133,16 +161,11 @@ LoadHistory FromTrace(const std::string& dir) {
   return h;
 }
 
-moe::RouterStats StatsOf(const std::vector<double>& loads) {
-  moe::RouterSums s;
-  s.loads = loads;
-  return s.Stats();
-}
-
 int RunReport(const ReportOptions& o) {
   SY_REQUIRE(!o.run.empty() || !o.trace.empty(), InvalidArgument,
              "report: give a run directory (RUN) or a router trace (--trace DIR)");
-  const LoadHistory h = o.trace.empty() ? FromRun(o.run) : FromTrace(o.trace);
+  LoadHistory h = o.trace.empty() ? FromRun(o.run) : FromTrace(o.trace);
+  h.CountMissingStats();
   const std::string out =
       o.out.empty() ? (std::filesystem::path(o.trace.empty() ? o.run : o.trace) / "report").string()
                     : o.out;
@@ -154,8 +177,11 @@ int RunReport(const ReportOptions& o) {
   const char* colors[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"};
   double worst = 0, worst_step = 0;
   std::string worst_layer;
-  fmt::print("{:<24} {:>8} {:>10} {:>8} {:>12} {:>10}\n", "layer", "steps", "max/mean", "cv",
-             "worst max/mean", "at step");
+  fmt::print("{:<24} {:>8} {:>10} {:>8} {:>14} {:>10}{}\n", "layer", "steps", "max/mean", "cv",
+             "worst max/mean", "at step",
+             h.logged_stats
+                 ? fmt::format(" {:>9} {:>9} {:>19}", "dropped", "entropy", "expert bias")
+                 : "");
   for (size_t l = 0; l < h.layers.size(); ++l) {
     train::HeatmapPanel p{h.layers[l], {}};
     train::PlotSeries s{h.layers[l], colors[l % 6], h.steps, {}};
@@ -164,14 +190,18 @@ int RunReport(const ReportOptions& o) {
     double layer_worst = 0, layer_worst_step = 0;
     for (size_t t = 0; t < h.steps.size(); ++t) {
       for (size_t e = 0; e < experts; ++e) p.values[e][t] = h.loads[l][t][e];
-      const moe::RouterStats st = StatsOf(h.loads[l][t]);
+      const moe::RouterStats& st = h.stats[l][t];
       s.y.push_back(st.max_over_mean);
       if (st.max_over_mean > layer_worst)
         layer_worst = st.max_over_mean, layer_worst_step = h.steps[t];
     }
-    const moe::RouterStats last = StatsOf(h.loads[l].back());
-    fmt::print("{:<24} {:>8} {:>10.3f} {:>8.3f} {:>12.3f} {:>10}\n", h.layers[l], h.steps.size(),
-               last.max_over_mean, last.cv, layer_worst, layer_worst_step);
+    const moe::RouterStats& last = h.stats[l].back();
+    fmt::print("{:<24} {:>8} {:>10.3f} {:>8.3f} {:>14.3f} {:>10}{}\n", h.layers[l], h.steps.size(),
+               last.max_over_mean, last.cv, layer_worst, layer_worst_step,
+               h.logged_stats
+                   ? fmt::format(" {:>8.2f}% {:>9.3f} {:>9.4f}..{:<8.4f}", 100 * last.dropped_share,
+                                 last.entropy, last.bias_min, last.bias_max)
+                   : "");
     if (layer_worst > worst)
       worst = layer_worst, worst_step = layer_worst_step, worst_layer = h.layers[l];
     panels.push_back(std::move(p));

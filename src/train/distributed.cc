@@ -171,6 +171,7 @@ FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
   o.threads = context.threads;
   o.save_for_backward = context.save_for_backward;
   o.training = context.training;
+  o.entropy = context.training;  // the step's router statistics (docs/observability.md)
   o.adaptive_r = AdaptiveRAtStep(adaptive_r_, static_cast<int64_t>(context.step));
   parallel::ParallelMoeLayer& layer = layer_;
   int64_t nonfinite = 0;
@@ -190,18 +191,8 @@ FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
   state->out = layer.Forward(shard_, x, o);
   traced.Record(state->out.layer, context.save_for_backward);
   if (global_aux) aux_counts_.Add(context.step, key, state->out.layer.aux_counts);
-  const moe::LayerOutput& out = state->out.layer;
-  const moe::LayerConfig& c = layer.config();
-  FeedForwardOutput r;
-  r.y = out.y;
-  r.aux_loss = out.l_aux;
-  r.z_loss = out.z_loss;
-  r.loss = static_cast<double>(c.aux_loss_coef) * out.l_aux +
-           static_cast<double>(c.z_loss_coef) * out.z_loss;
-  r.routing.expert_loads = out.expert_loads;
-  r.routing.expert_counts = out.expert_counts;
-  for (int64_t l : out.expert_loads) r.routing.routed += l;
-  r.routing.dropped = out.dropped;
+  FeedForwardOutput r =
+      MoeFeedForwardOutput(layer.config(), state->out.layer, x.size(0), shard_.expert_bias);
   r.routing.nonfinite_inputs = nonfinite;
   if (context.save_for_backward) r.state = state;
   times_.seconds += Now() - t0;

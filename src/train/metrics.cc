@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <array>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -25,6 +27,22 @@ void SetPerByteFigures(StepMetrics& m, double bytes_per_token) {
   set(m.ce_loss, m.perplexity, m.bits_per_byte);
   set(m.val_loss, m.val_perplexity, m.val_bits_per_byte);
 }
+
+namespace {
+
+// The floating-point fields of a "router" entry by their key (non-finite written as null).
+std::array<std::pair<const char*, double*>, 8> RouterStatFields(moe::RouterStats& r) {
+  return {{{"max_over_mean", &r.max_over_mean},
+           {"cv", &r.cv},
+           {"dropped_share", &r.dropped_share},
+           {"entropy", &r.entropy},
+           {"l_aux", &r.l_aux},
+           {"z_loss", &r.z_loss},
+           {"bias_min", &r.bias_min},
+           {"bias_max", &r.bias_max}}};
+}
+
+}  // namespace
 
 std::string MetricsToJson(const StepMetrics& m) {
   json j;
@@ -50,6 +68,19 @@ std::string MetricsToJson(const StepMetrics& m) {
   if (m.skipped_steps > 0) j["skipped_steps"] = m.skipped_steps;
   if (!m.expert_load.empty()) j["expert_load"] = m.expert_load;
   if (!m.drop_rate.empty()) j["drop_rate"] = m.drop_rate;
+  if (!m.router.empty()) {
+    json layers = json::array();
+    for (moe::RouterStats r : m.router) {
+      json o = {{"num_tokens", r.num_tokens},
+                {"routed", r.routed},
+                {"min_load", r.min_load},
+                {"max_load", r.max_load}};
+      for (const auto& [key, v] : RouterStatFields(r))
+        o[key] = std::isfinite(*v) ? json(*v) : json();
+      layers.push_back(std::move(o));
+    }
+    j["router"] = std::move(layers);
+  }
   return j.dump();
 }
 
@@ -84,6 +115,18 @@ StepMetrics MetricsFromJson(const std::string& line, const std::string& what) {
       m.expert_load = j.at("expert_load").get<std::vector<std::vector<int64_t>>>();
     }
     if (j.contains("drop_rate")) m.drop_rate = j.at("drop_rate").get<std::vector<double>>();
+    if (j.contains("router")) {
+      for (const json& r : j.at("router")) {
+        moe::RouterStats& st = m.router.emplace_back();
+        st.num_tokens = r.at("num_tokens").get<int64_t>();
+        st.routed = r.at("routed").get<int64_t>();
+        st.min_load = r.at("min_load").get<int64_t>();
+        st.max_load = r.at("max_load").get<int64_t>();
+        for (const auto& [key, v] : RouterStatFields(st)) {
+          *v = r.at(key).is_null() ? NAN : r.at(key).get<double>();
+        }
+      }
+    }
   } catch (const json::exception& e) {
     throw IoError(fmt::format("{}: malformed metrics line: {}", what, e.what()));
   }

@@ -1,5 +1,6 @@
 #include "switchyard/train/moe_feed_forward.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -43,6 +44,7 @@ FeedForwardOutput MoeFeedForward::Forward(const Tensor& x, const FeedForwardCont
   o.threads = context.threads;
   o.save_for_backward = context.save_for_backward;
   o.training = context.training;
+  o.entropy = context.training;  // the step's router statistics (docs/observability.md)
   const moe::MoeLayer& layer = layer_;
   const bool global_aux = layer.config().aux_loss == moe::AuxLoss::kGlobal && context.training;
   const int64_t key = MicroBatchKey(context.global_token_offset, context.token_index.get());
@@ -55,18 +57,8 @@ FeedForwardOutput MoeFeedForward::Forward(const Tensor& x, const FeedForwardCont
   state->out = layer.Forward(layer_params_, x, o);
   traced.Record(state->out, context.save_for_backward);
   if (global_aux) aux_counts_.Add(context.step, key, state->out.aux_counts);
-  const moe::LayerOutput& out = state->out;
-  const moe::LayerConfig& c = layer.config();
-  FeedForwardOutput r;
-  r.y = out.y;
-  r.aux_loss = out.l_aux;
-  r.z_loss = out.z_loss;
-  r.loss = static_cast<double>(c.aux_loss_coef) * out.l_aux +
-           static_cast<double>(c.z_loss_coef) * out.z_loss;
-  r.routing.expert_loads = out.expert_loads;
-  r.routing.expert_counts = out.expert_counts;
-  for (int64_t l : out.expert_loads) r.routing.routed += l;
-  r.routing.dropped = out.dropped;
+  FeedForwardOutput r =
+      MoeFeedForwardOutput(layer.config(), state->out, x.size(0), layer_params_.expert_bias);
   if (context.save_for_backward) r.state = state;
   times_.seconds += Now() - t0;
   return r;
@@ -125,6 +117,32 @@ FeedForwardFactory MoeFeedForwardFactory(
                                                         ParameterSet& params, uint64_t seed) {
     return std::make_unique<MoeFeedForward>(params, prefix, config_of_block(block), seed);
   };
+}
+
+FeedForwardOutput MoeFeedForwardOutput(const moe::LayerConfig& config, const moe::LayerOutput& out,
+                                       int64_t num_tokens, const Tensor& expert_bias) {
+  FeedForwardOutput r;
+  r.y = out.y;
+  r.aux_loss = out.l_aux;
+  r.z_loss = out.z_loss;
+  r.loss = static_cast<double>(config.aux_loss_coef) * out.l_aux +
+           static_cast<double>(config.z_loss_coef) * out.z_loss;
+  RoutingStats& s = r.routing;
+  s.expert_loads = out.expert_loads;
+  s.expert_counts = out.expert_counts;
+  for (int64_t l : out.expert_loads) s.routed += l;
+  s.dropped = out.dropped;
+  s.num_tokens = num_tokens;
+  s.entropy_sum = out.entropy_sum;
+  s.l_aux = out.l_aux;
+  s.z_loss = out.z_loss;
+  if (expert_bias.defined() && expert_bias.numel() > 0) {
+    const float* b = expert_bias.data<float>();
+    const auto [lo, hi] = std::minmax_element(b, b + expert_bias.numel());
+    s.bias_min = *lo;
+    s.bias_max = *hi;
+  }
+  return r;
 }
 
 void RebindLayerParams(const ParameterSet& params, const std::string& prefix,

@@ -9,17 +9,34 @@
 #include <span>
 #include <vector>
 
+#include "switchyard/moe/router_stats.h"
+#include "switchyard/train/feed_forward.h"
+
 namespace switchyard::train::internal {
 
 struct StepSums {
-  // Each MoE block's routing over the step (the ranks that report routing).
+  // Each MoE block's routing over the step (the ranks that report routing), summed over its
+  // calls (micro-batches x ranks).
   struct Routing {
     double routed = 0;
     double dropped = 0;
+    double num_tokens = 0;
+    double entropy = 0;                // sum over the tokens of the router entropy
+    double l_aux = 0;                  // sum over the calls
+    double z_loss = 0;                 // sum over the calls
+    double calls = 0;                  // calls summed
+    double bias_min = 0;               // sum over the calls of the expert bias's minimum
+    double bias_max = 0;               // ... and maximum (each call routes with the same bias)
     std::vector<double> expert_loads;  // [num_experts of the block]
     // [num_experts of the block] the (token, choice) pairs each expert kept (after capacity
     // drops: the expert bias's counts), or empty in every block (not summed).
     std::vector<double> expert_counts;
+
+    // Adds one call (padding the loads to the longer of the two).
+    void Add(const RoutingStats& call);
+    // The sums as moe::RouterSums, and the block's statistics (docs/observability.md).
+    moe::RouterSums Sums() const;
+    moe::RouterStats Stats() const;
   };
 
   double ce_sum = 0;             // cross-entropy x tokens (the ranks that report the loss)
@@ -37,7 +54,7 @@ struct StepSums {
   double cp_comm_s = 0;          // blocked in context-parallel collectives
   std::vector<Routing> routing;  // per MoE block, in block order
 
-  // The fields in wire order: the 13 scalars, then per MoE block routed, dropped, loads, then
+  // The fields in wire order: the 13 scalars, then per MoE block its 9 scalars and loads, then
   // (when the blocks have them) per MoE block the kept counts.
   std::vector<double> Pack() const;
   // The inverse of Pack for blocks with `experts[b]` experts each (the routing's sizes); the

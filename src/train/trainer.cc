@@ -154,7 +154,7 @@ struct Trainer::StepTotals {
   double aux = 0;  // ... of l_aux
   double z = 0;    // ... of the z-loss
   int64_t nonfinite = 0;
-  std::vector<RoutingStats> routing;  // per MoE block of the model (ordinal), summed
+  std::vector<internal::StepSums::Routing> routing;  // per MoE block of the model (ordinal)
   bool has_head = false;
 
   void Add(const ModelConfig& model, const LmOutput& o, bool head) {
@@ -169,17 +169,8 @@ struct Trainer::StepTotals {
     for (size_t i = 0; i < o.routing.size(); ++i) {
       int64_t ordinal = 0;
       for (int64_t b = 0; b < o.routing_blocks[i]; ++b) ordinal += IsMoeBlock(model, b) ? 1 : 0;
-      RoutingStats& acc = routing[static_cast<size_t>(ordinal)];
-      const RoutingStats& r = o.routing[i];
-      if (acc.expert_loads.empty()) acc.expert_loads.assign(r.expert_loads.size(), 0);
-      for (size_t e = 0; e < r.expert_loads.size(); ++e) acc.expert_loads[e] += r.expert_loads[e];
-      if (acc.expert_counts.empty()) acc.expert_counts.assign(r.expert_counts.size(), 0);
-      for (size_t e = 0; e < r.expert_counts.size(); ++e) {
-        acc.expert_counts[e] += r.expert_counts[e];
-      }
-      acc.routed += r.routed;
-      acc.dropped += r.dropped;
-      nonfinite += r.nonfinite_inputs;
+      routing[static_cast<size_t>(ordinal)].Add(o.routing[i]);
+      nonfinite += o.routing[i].nonfinite_inputs;
     }
   }
 };
@@ -265,21 +256,13 @@ internal::StepSums Trainer::SumOverRanks(const StepTotals& totals,
   std::vector<int64_t> experts;  // per MoE block
   for (int64_t b = 0, block = 0; block < c.model.num_layers; ++block) {
     if (!IsMoeBlock(c.model, block)) continue;
-    const RoutingStats& r = totals.routing[static_cast<size_t>(b++)];
+    // A rank that does not report routing (or holds no call of the block) adds zeros.
     internal::StepSums::Routing& sum = mine.routing.emplace_back();
-    sum.routed = r_on * static_cast<double>(r.routed);
-    sum.dropped = r_on * static_cast<double>(r.dropped);
+    if (routing) sum = totals.routing[static_cast<size_t>(b)];
+    ++b;
     experts.push_back(BlockExperts(c, block));
-    for (int64_t e = 0; e < experts.back(); ++e) {
-      sum.expert_loads.push_back(
-          static_cast<size_t>(e) < r.expert_loads.size()
-              ? r_on * static_cast<double>(r.expert_loads[static_cast<size_t>(e)])
-              : 0.0);
-      sum.expert_counts.push_back(
-          static_cast<size_t>(e) < r.expert_counts.size()
-              ? r_on * static_cast<double>(r.expert_counts[static_cast<size_t>(e)])
-              : 0.0);
-    }
+    sum.expert_loads.resize(static_cast<size_t>(experts.back()), 0.0);
+    sum.expert_counts.resize(static_cast<size_t>(experts.back()), 0.0);
   }
   std::vector<double> packed = mine.Pack();
   buffer_->AllReduceSum(packed);
@@ -386,6 +369,8 @@ StepMetrics Trainer::Step() {
       kept.push_back(CheckedToInt64(std::round(n), "expert count", 0, INT64_MAX));
     }
     met.expert_load.push_back(std::move(load));
+    met.router_sums.push_back(r.Sums());
+    met.router.push_back(r.Stats());
     kept_counts.push_back(std::move(kept));
   }
   // The aux-loss-free bias follows Megatron-Core: the pairs each expert kept (after drops) in the

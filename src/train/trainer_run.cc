@@ -59,10 +59,28 @@ std::exception_ptr Capture(Fn&& fn) {
   }
 }
 
+// Adds each MoE layer's routing sums of `from` to `to` (taken as they are when `to` is empty).
+void AddRouterSums(const std::vector<moe::RouterSums>& from, std::vector<moe::RouterSums>& to) {
+  if (to.empty()) {
+    to = from;
+    return;
+  }
+  SY_CHECK(to.size() == from.size(), "router sums of {} MoE layers, then {}", to.size(),
+           from.size());
+  for (size_t l = 0; l < from.size(); ++l) {
+    std::vector<double> sum = to[l].ToVector();
+    const std::vector<double> add = from[l].ToVector();
+    SY_CHECK(sum.size() == add.size(), "router sums of {} values, then {}", sum.size(), add.size());
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] += add[i];
+    to[l] = moe::RouterSums::FromVector(sum);
+  }
+}
+
 // The steps since the last metrics line, summed (reset at every line).
 struct Interval {
   StepMetrics acc;
-  int64_t steps = 0, good = 0;  // steps, and those not skipped as non-finite
+  std::vector<moe::RouterStats> last_router;  // the last step's (its expert bias)
+  int64_t steps = 0, good = 0;                // steps, and those not skipped as non-finite
   double time = 0, moe = 0, moe_comm = 0;
 
   void Add(const StepMetrics& m) {
@@ -95,6 +113,8 @@ struct Interval {
         acc.drop_rate[l] += m.drop_rate[l];
       }
     }
+    AddRouterSums(m.router_sums, acc.router_sums);
+    if (!m.router.empty()) last_router = m.router;
   }
   // The mean cross-entropy of the good steps (NaN: none).
   double MeanCe() const { return good > 0 ? acc.ce_loss / static_cast<double>(good) : NAN; }
@@ -109,6 +129,14 @@ struct Interval {
     line.aux_loss = good > 0 ? acc.aux_loss / g : NAN;
     line.z_loss = good > 0 ? acc.z_loss / g : NAN;
     for (auto& d : line.drop_rate) d /= n;
+    line.router.clear();
+    for (size_t l = 0; l < acc.router_sums.size(); ++l) {
+      moe::RouterStats& st = line.router.emplace_back(acc.router_sums[l].Stats());
+      if (l < last_router.size()) {  // the bias the interval ends with
+        st.bias_min = last_router[l].bias_min;
+        st.bias_max = last_router[l].bias_max;
+      }
+    }
     line.lr = m.lr;
     line.grad_norm = m.skipped_steps == 0 ? m.grad_norm : NAN;
     line.step_time_s = time / n;
@@ -401,6 +429,16 @@ void Trainer::FinishRun(RunState& r) {
   summary.seconds = Now() - r.run_start;
   summary.saved_activation_bytes = saved_activation_bytes_;
   summary.final_val_ce_loss = r.last_val;
+  for (const StepMetrics& m : r.history) {
+    for (size_t l = 0; l < m.router.size(); ++l) {
+      if (summary.router_worst_step < 0 ||
+          m.router[l].max_over_mean > summary.router_worst.max_over_mean) {
+        summary.router_worst_step = m.step;
+        summary.router_worst_layer = static_cast<int64_t>(l);
+        summary.router_worst = m.router[l];
+      }
+    }
+  }
   if (model_->tp_size() > 1 && r.run_steps > 0 && r.run_tp_time > 0) {
     summary.tp_bytes_per_step = r.run_tp_bytes / static_cast<double>(r.run_steps);
     summary.tp_comm_share = r.run_tp_comm / r.run_tp_time;

@@ -68,6 +68,16 @@ json SummaryJson(const RunSummary& summary) {
                         {"reduction_buffers", summary.zero_peak_scratch},
                         {"formula_bytes", summary.zero_formula_bytes}};
   }
+  if (summary.router_worst_step >= 0) {
+    const moe::RouterStats& w = summary.router_worst;
+    s["router_worst"] = {{"step", summary.router_worst_step},
+                         {"moe_layer", summary.router_worst_layer},
+                         {"max_over_mean", finite(w.max_over_mean)},
+                         {"cv", finite(w.cv)},
+                         {"min_load", w.min_load},
+                         {"dropped_share", finite(w.dropped_share)},
+                         {"entropy", finite(w.entropy)}};
+  }
   // Only what is known: a value that is not (no step ran, a dense model) is left out.
   for (auto it = s.begin(); it != s.end();) it = it->is_null() ? s.erase(it) : std::next(it);
   return s;
@@ -131,6 +141,14 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                "gate + dispatch + experts + combine {:.0f}%)\n",
                100 * summary.moe_time_share, 100 * summary.moe_comm_share,
                100 * (summary.moe_time_share - summary.moe_comm_share));
+  }
+  if (summary.router_worst_step >= 0) {
+    const moe::RouterStats& w = summary.router_worst;
+    fmt::print(out,
+               "  routing: worst imbalance MoE layer {} at step {}: max/mean {:.3f}, cv {:.3f}, "
+               "least-loaded expert {} pairs, dropped {:.1f}%, router entropy {:.3f} nats\n",
+               summary.router_worst_layer, summary.router_worst_step, w.max_over_mean, w.cv,
+               w.min_load, 100 * w.dropped_share, w.entropy);
   }
   if (std::isfinite(summary.tp_bytes_per_step)) {
     fmt::print(out,

@@ -1,10 +1,13 @@
 // `switchyard report` (docs/observability.md) from the command line: the pictures and the table of
 // a run directory and of the router trace its `--router_trace` wrote; a source that is neither is
 // exit 2 naming it.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "train/train_cli_fixture.h"
 
@@ -22,14 +25,70 @@ TEST_F(TrainCliReportTest, DrawsARunAndItsRouterTrace) {
   EXPECT_TRUE(std::filesystem::exists(dir_ + "/trace/step_000001/rank_00000.safetensors"));
   EXPECT_FALSE(std::filesystem::exists(dir_ + "/trace/step_000002"));
 
+  // Every line holds the layer's router statistics, consistent with its loads; the run's summary
+  // names the line of the largest max/mean.
+  const std::vector<json> lines = Metrics("run");
+  ASSERT_EQ(lines.size(), 3u);
+  double worst = 0;
+  int64_t worst_step = 0;
+  for (const json& line : lines) {
+    ASSERT_TRUE(line.contains("router")) << line.dump();
+    ASSERT_EQ(line.at("router").size(), 1u) << line.dump();
+    const json& r = line.at("router")[0];
+    const std::vector<int64_t> load = line.at("expert_load")[0].get<std::vector<int64_t>>();
+    int64_t routed = 0;
+    for (int64_t l : load) routed += l;
+    const int64_t most = *std::max_element(load.begin(), load.end());
+    EXPECT_EQ(r.at("routed").get<int64_t>(), routed);
+    EXPECT_EQ(r.at("num_tokens").get<int64_t>(), 8 * 16);
+    EXPECT_EQ(r.at("max_load").get<int64_t>(), most);
+    EXPECT_EQ(r.at("min_load").get<int64_t>(), *std::min_element(load.begin(), load.end()));
+    EXPECT_NEAR(r.at("max_over_mean").get<double>(), 4.0 * static_cast<double>(most) / routed,
+                1e-12);
+    EXPECT_EQ(r.at("dropped_share").get<double>(), line.at("drop_rate")[0].get<double>());
+    EXPECT_GT(r.at("entropy").get<double>(), 0.0);
+    for (const char* key : {"cv", "l_aux", "z_loss", "bias_min", "bias_max"}) {
+      EXPECT_TRUE(r.contains(key)) << key;
+    }
+    if (r.at("max_over_mean").get<double>() > worst) {
+      worst = r.at("max_over_mean").get<double>();
+      worst_step = line.at("step").get<int64_t>();
+    }
+  }
+  EXPECT_TRUE(Contains(run.out, fmt::format("routing: worst imbalance MoE layer 0 at step {}: "
+                                            "max/mean {:.3f}",
+                                            worst_step, worst)))
+      << run.out;
+  const json summary = json::parse(ReadAll(dir_ + "/run/summary.json"));
+  EXPECT_EQ(summary.at("router_worst").at("step").get<int64_t>(), worst_step);
+  EXPECT_EQ(summary.at("router_worst").at("max_over_mean").get<double>(), worst);
+
   const CommandResult from_run = Run(bin + " report " + dir_ + "/run");
   ASSERT_EQ(from_run.exit_code, 0) << from_run.err;
-  EXPECT_TRUE(Contains(from_run.out, "worst: MoE layer 0 at step")) << from_run.out;
+  EXPECT_TRUE(Contains(from_run.out, fmt::format("worst: MoE layer 0 at step {}: max/mean {:.3f}",
+                                                 worst_step, worst)))
+      << from_run.out;
   for (const char* svg : {"expert_load.svg", "imbalance.svg"}) {
     const std::string path = dir_ + "/run/report/" + svg;
     ASSERT_TRUE(std::filesystem::exists(path)) << path;
     EXPECT_TRUE(Contains(ReadAll(path), "MoE layer 0")) << path;
   }
+  // The heatmap is the data's: a cell per step and expert holding its load; the imbalance curve
+  // has a point per line.
+  const std::string heatmap = ReadAll(dir_ + "/run/report/expert_load.svg");
+  for (const json& line : lines) {
+    const std::vector<int64_t> load = line.at("expert_load")[0].get<std::vector<int64_t>>();
+    for (size_t e = 0; e < load.size(); ++e) {
+      const std::string cell = fmt::format("<title>step {} expert {}: {} tokens</title>",
+                                           line.at("step").get<int64_t>(), e, load[e]);
+      EXPECT_TRUE(Contains(heatmap, cell)) << cell;
+    }
+  }
+  const std::string curve = ReadAll(dir_ + "/run/report/imbalance.svg");
+  const size_t points = curve.find("<polyline points=\"");
+  ASSERT_NE(points, std::string::npos);
+  const std::string coords = curve.substr(points, curve.find('"', points + 18) - points);
+  EXPECT_EQ(std::count(coords.begin(), coords.end(), ','), 3) << coords;
 
   const CommandResult from_trace =
       Run(bin + " report --trace " + dir_ + "/trace --out " + dir_ + "/from_trace");

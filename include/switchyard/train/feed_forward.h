@@ -63,6 +63,12 @@ struct RoutingStats {
   std::vector<int64_t> expert_counts;  // [num_experts] pairs kept (after capacity drops)
   int64_t routed = 0;                  // routed pairs (num_tokens * top_k)
   int64_t dropped = 0;                 // pairs dropped for capacity
+  int64_t num_tokens = 0;              // tokens routed by this call
+  double entropy_sum = 0;  // sum over the tokens of the router entropy (moe/router_stats.h)
+  double l_aux = 0;        // the balancing loss, before its coefficient
+  double z_loss = 0;       // the z-loss, before its coefficient
+  double bias_min = 0;     // the range of the expert bias the call routed with (0, 0: none)
+  double bias_max = 0;
   // With the layer's check_finite: non-finite elements of the layer's input on this rank
   // (reported, not thrown, so that every rank stops at the same point: Trainer::Step).
   int64_t nonfinite_inputs = 0;

@@ -9,9 +9,11 @@
 // "bits_per_byte", "val_perplexity" and "val_bits_per_byte" restate them (bits per byte: per
 // UTF-8 byte of the text, so that runs with different tokenizers compare). "val_ce_loss" appears on
 // evaluation steps only ("val_loss" in files written before the rename is read as it);
-// "expert_load" and "drop_rate" for MoE models; "skipped_steps" when steps of the interval were
-// skipped as non-finite (their values are not in the means; every value of an interval of skipped
-// steps only is absent).
+// "expert_load", "drop_rate" and "router" (per MoE layer an object of moe::RouterStats's fields:
+// "num_tokens", "routed", "max_over_mean", "cv", "min_load", "max_load", "dropped_share",
+// "entropy", "l_aux", "z_loss", "bias_min", "bias_max"; docs/observability.md) for MoE models;
+// "skipped_steps" when steps of the interval were skipped as non-finite (their values are not in
+// the means; every value of an interval of skipped steps only is absent).
 //
 // Thread-safety: a MetricsWriter belongs to one thread.
 #pragma once
@@ -21,6 +23,8 @@
 #include <cstdio>
 #include <string>
 #include <vector>
+
+#include "switchyard/moe/router_stats.h"
 
 namespace switchyard::train {
 
@@ -56,6 +60,11 @@ struct StepMetrics {
   int64_t skipped_steps = 0;  // steps of the interval skipped as non-finite (nonfinite = skip)
   std::vector<std::vector<int64_t>> expert_load;  // [moe layer][expert] routed pairs
   std::vector<double> drop_rate;                  // [moe layer] dropped / routed
+  // [moe layer] the routing statistics of the step (of a line: of its interval's steps summed,
+  // the expert bias of its last step), global over the ranks and micro-batches ("router").
+  std::vector<moe::RouterStats> router;
+  // [moe layer] what `router` is computed from (not written to metrics.jsonl).
+  std::vector<moe::RouterSums> router_sums;
 };
 
 // Sets the perplexities and bits per byte of `m` from its losses and the text's UTF-8 bytes per

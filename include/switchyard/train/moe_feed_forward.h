@@ -65,4 +65,10 @@ FeedForwardFactory MoeFeedForwardFactory(
 void RebindLayerParams(const ParameterSet& params, const std::string& prefix,
                        moe::LayerParams* layer);
 
+// The FFN output of one MoE layer call: y, the loss terms (with the config's coefficients) and
+// the routing statistics of the call's `num_tokens` tokens, with the range of `expert_bias` ([E]
+// float32, or undefined) the call routed with. Shared by the single-rank and parallel MoE FFNs.
+FeedForwardOutput MoeFeedForwardOutput(const moe::LayerConfig& config, const moe::LayerOutput& out,
+                                       int64_t num_tokens, const Tensor& expert_bias);
+
 }  // namespace switchyard::train

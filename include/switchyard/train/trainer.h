@@ -125,6 +125,12 @@ struct RunSummary {
   // the share of step time blocked in them (NaN without context parallelism).
   double cp_bytes_per_step = NAN;
   double cp_comm_share = NAN;
+  // MoE models: the metrics line and MoE layer (0-based ordinal) of the run's most imbalanced
+  // routing (the largest RouterStats::max_over_mean over the logged lines) and its statistics
+  // (-1: no line has router statistics).
+  int64_t router_worst_step = -1;
+  int64_t router_worst_layer = -1;
+  moe::RouterStats router_worst;
   // Per rank: EstimateRankMemory's total, and the most tensor memory a rank held at once
   // (core/memory_account.h; max and min over ranks; NaN when no account was set, as in a
   // Trainer used without RunDistributedTraining).
