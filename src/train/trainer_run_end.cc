@@ -77,6 +77,10 @@ json SummaryJson(const RunSummary& summary) {
                          {"min_load", w.min_load},
                          {"dropped_share", finite(w.dropped_share)},
                          {"entropy", finite(w.entropy)}};
+    json& worst = s["router_worst"];
+    for (auto it = worst.begin(); it != worst.end();) {
+      it = it->is_null() ? worst.erase(it) : std::next(it);
+    }
   }
   // Only what is known: a value that is not (no step ran, a dense model) is left out.
   for (auto it = s.begin(); it != s.end();) it = it->is_null() ? s.erase(it) : std::next(it);

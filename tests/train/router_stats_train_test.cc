@@ -156,12 +156,14 @@ TEST_F(RouterStatsTrainTest, LoggedStatsAreARecountOfTheTraceAndEqualOneRankInEv
     int ranks, ep, tp, pp;
   };
   std::vector<StepMetrics> want;
-  for (const Layout& l :
+  for (const Layout& lay :
        {Layout{1, 0, 1, 1}, Layout{4, 2, 1, 1}, Layout{2, 0, 1, 2}, Layout{4, 0, 2, 1}}) {
     TrainConfig d = c;
-    d.ranks = l.ranks, d.ep = l.ep, d.tp = l.tp, d.pp = l.pp;
-    const std::string what = fmt::format("ranks {} ep {} tp {} pp {}", l.ranks, l.ep, l.tp, l.pp);
-    const std::string trace = dir_ / fmt::format("trace_{}_{}_{}_{}", l.ranks, l.ep, l.tp, l.pp);
+    d.ranks = lay.ranks, d.ep = lay.ep, d.tp = lay.tp, d.pp = lay.pp;
+    const std::string what =
+        fmt::format("ranks {} ep {} tp {} pp {}", lay.ranks, lay.ep, lay.tp, lay.pp);
+    const std::string trace =
+        dir_ / fmt::format("trace_{}_{}_{}_{}", lay.ranks, lay.ep, lay.tp, lay.pp);
     const std::vector<StepMetrics> got = Run(d, kSteps, trace);
     if (want.empty()) want = got;
     for (int s = 0; s < kSteps; ++s) {
