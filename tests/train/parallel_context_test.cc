@@ -116,12 +116,34 @@ TEST(StepSumsTest, PackPutsTheFieldsInWireOrderAndUnpackInvertsIt) {
         &s.nonfinite, &s.rank_time_s, &s.tp_bytes, &s.tp_comm_s, &s.cp_bytes, &s.cp_comm_s}) {
     *f = v++;
   }
-  s.routing.push_back({.routed = 20, .dropped = 21, .expert_loads = {22, 23}, .expert_counts = {}});
-  s.routing.push_back(
-      {.routed = 30, .dropped = 31, .expert_loads = {32, 33, 34}, .expert_counts = {}});
+  // Per block its 9 scalars (routed, dropped, tokens, entropy, l_aux, z_loss, calls, bias range),
+  // then its loads.
+  s.routing.push_back({.routed = 20,
+                       .dropped = 21,
+                       .num_tokens = 22,
+                       .entropy = 23,
+                       .l_aux = 24,
+                       .z_loss = 25,
+                       .calls = 26,
+                       .bias_min = 27,
+                       .bias_max = 28,
+                       .expert_loads = {29, 30},
+                       .expert_counts = {}});
+  s.routing.push_back({.routed = 40,
+                       .dropped = 41,
+                       .num_tokens = 42,
+                       .entropy = 43,
+                       .l_aux = 44,
+                       .z_loss = 45,
+                       .calls = 46,
+                       .bias_min = 47,
+                       .bias_max = 48,
+                       .expert_loads = {49, 50, 51},
+                       .expert_counts = {}});
   const std::vector<double> packed = s.Pack();
-  const std::vector<double> expected = {1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11,
-                                        12, 13, 20, 21, 22, 23, 30, 31, 32, 33, 34};
+  const std::vector<double> expected = {1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12,
+                                        13, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
+                                        40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51};
   EXPECT_EQ(packed, expected);
   const std::vector<int64_t> experts = {2, 3};
   const internal::StepSums u = internal::StepSums::Unpack(packed, experts);
@@ -129,8 +151,11 @@ TEST(StepSumsTest, PackPutsTheFieldsInWireOrderAndUnpackInvertsIt) {
   EXPECT_EQ(u.ce_sum, 1);
   EXPECT_EQ(u.cp_comm_s, 13);
   ASSERT_EQ(u.routing.size(), 2u);
-  EXPECT_EQ(u.routing[1].dropped, 31);
-  EXPECT_EQ(u.routing[1].expert_loads, (std::vector<double>{32, 33, 34}));
+  EXPECT_EQ(u.routing[1].dropped, 41);
+  EXPECT_EQ(u.routing[1].num_tokens, 42);
+  EXPECT_EQ(u.routing[1].calls, 46);
+  EXPECT_EQ(u.routing[1].bias_max, 48);
+  EXPECT_EQ(u.routing[1].expert_loads, (std::vector<double>{49, 50, 51}));
   // A dense model: the scalars only.
   internal::StepSums dense;
   dense.tokens = 5;
@@ -147,14 +172,54 @@ TEST(StepSumsTest, KeptCountsAreAppendedAfterTheOtherFields) {
   s.routing.push_back(
       {.routed = 30, .dropped = 31, .expert_loads = {32, 33, 34}, .expert_counts = {50, 51, 52}});
   const std::vector<double> packed = s.Pack();
-  const std::vector<double> expected = {0,  2,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  13, 20,
-                                        21, 22, 23, 30, 31, 32, 33, 34, 40, 41, 50, 51, 52};
+  const std::vector<double> expected = {0,  2, 0, 0, 0, 0,  0,  0,  0,  0,  0,  0,  13, 20,
+                                        21, 0, 0, 0, 0, 0,  0,  0,  22, 23, 30, 31, 0,  0,
+                                        0,  0, 0, 0, 0, 32, 33, 34, 40, 41, 50, 51, 52};
   EXPECT_EQ(packed, expected);
   const internal::StepSums u = internal::StepSums::Unpack(packed, std::vector<int64_t>{2, 3});
   EXPECT_EQ(u.Pack(), packed);
   EXPECT_EQ(u.routing[0].expert_loads, (std::vector<double>{22, 23}));
   EXPECT_EQ(u.routing[0].expert_counts, (std::vector<double>{40, 41}));
   EXPECT_EQ(u.routing[1].expert_counts, (std::vector<double>{50, 51, 52}));
+}
+
+// A block's routing sums add calls, and its statistics are those of the sums: loads 3 and 1 over
+// two calls of 2 tokens (top-2) with one drop, entropies and losses summed, the bias range of
+// the calls (each the same) taken once.
+TEST(StepSumsTest, RoutingAddsCallsAndItsStatisticsAreThoseOfTheSums) {
+  internal::StepSums::Routing r;
+  RoutingStats call{.expert_loads = {2, 0},
+                    .expert_counts = {2, 0},
+                    .routed = 2,
+                    .dropped = 1,
+                    .num_tokens = 1,
+                    .entropy_sum = 0.5,
+                    .l_aux = 1.5,
+                    .z_loss = 0.25,
+                    .bias_min = -0.5,
+                    .bias_max = 0.75};
+  r.Add(call);
+  call.expert_loads = {1, 1};
+  call.dropped = 0;
+  call.entropy_sum = 0.25;
+  call.l_aux = 0.5;
+  call.z_loss = 0.75;
+  r.Add(call);
+  EXPECT_EQ(r.calls, 2);
+  EXPECT_EQ(r.expert_loads, (std::vector<double>{3, 1}));
+  const moe::RouterStats st = r.Stats();
+  EXPECT_EQ(st.num_tokens, 2);
+  EXPECT_EQ(st.routed, 4);
+  EXPECT_EQ(st.min_load, 1);
+  EXPECT_EQ(st.max_load, 3);
+  EXPECT_DOUBLE_EQ(st.max_over_mean, 1.5);
+  EXPECT_DOUBLE_EQ(st.cv, 0.5);  // std 1 over mean 2
+  EXPECT_DOUBLE_EQ(st.dropped_share, 0.25);
+  EXPECT_DOUBLE_EQ(st.entropy, 0.375);  // 0.75 over 2 tokens
+  EXPECT_DOUBLE_EQ(st.l_aux, 1.0);
+  EXPECT_DOUBLE_EQ(st.z_loss, 0.5);
+  EXPECT_EQ(st.bias_min, -0.5);
+  EXPECT_EQ(st.bias_max, 0.75);
 }
 
 }  // namespace
