@@ -45,7 +45,7 @@ struct LoadHistory {
   std::vector<double> steps;
   std::vector<std::vector<std::vector<double>>> loads;
   std::vector<std::vector<moe::RouterStats>> stats;
-  bool logged_stats = false;  // stats hold the run's entropy, drops and losses
+  bool logged_stats = false;  // every step's stats are logged ones (entropy, drops, bias)
 
   // Fills `stats` from the loads where the source had none.
   void CountMissingStats() {
@@ -72,20 +72,18 @@ LoadHistory FromRun(const std::string& run) {
       }
       h.loads.resize(m.expert_load.size());
       h.stats.resize(m.expert_load.size());
-      h.logged_stats = m.router.size() == m.expert_load.size();
+      h.logged_stats = true;
     }
     SY_REQUIRE(m.expert_load.size() == h.layers.size(), InvalidArgument,
                "report: {} step {} has loads of {} MoE layers, earlier steps of {}", path, m.step,
                m.expert_load.size(), h.layers.size());
     h.steps.push_back(static_cast<double>(m.step));
+    // Lines written before the statistics were logged (a resumed older run) have loads only.
+    const bool logged = m.router.size() == m.expert_load.size();
+    h.logged_stats = h.logged_stats && logged;
     for (size_t l = 0; l < m.expert_load.size(); ++l) {
       h.loads[l].emplace_back(m.expert_load[l].begin(), m.expert_load[l].end());
-      if (h.logged_stats) {
-        SY_REQUIRE(m.router.size() == m.expert_load.size(), InvalidArgument,
-                   "report: {} step {} has router statistics of {} MoE layers, loads of {}", path,
-                   m.step, m.router.size(), m.expert_load.size());
-        h.stats[l].push_back(m.router[l]);
-      }
+      h.stats[l].push_back(logged ? m.router[l] : StatsOf(h.loads[l].back()));
     }
   }
   SY_REQUIRE(!h.steps.empty(), InvalidArgument,
@@ -199,7 +197,7 @@ int RunReport(const ReportOptions& o) {
     fmt::print("{:<24} {:>8} {:>10.3f} {:>8.3f} {:>14.3f} {:>10}{}\n", h.layers[l], h.steps.size(),
                last.max_over_mean, last.cv, layer_worst, layer_worst_step,
                h.logged_stats
-                   ? fmt::format(" {:>8.2f}% {:>9.3f} {:>9.4f}..{:<8.4f}", 100 * last.dropped_share,
+                   ? fmt::format(" {:>8.2f}% {:>9.3f} {:>9.4f}..{:.4f}", 100 * last.dropped_share,
                                  last.entropy, last.bias_min, last.bias_max)
                    : "");
     if (layer_worst > worst)
