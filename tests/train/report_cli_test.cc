@@ -95,6 +95,16 @@ TEST_F(TrainCliReportTest, DrawsARunAndItsRouterTrace) {
   ASSERT_EQ(from_trace.exit_code, 0) << from_trace.err;
   EXPECT_TRUE(Contains(from_trace.out, "worst: blocks.1.moe.")) << from_trace.out;
   EXPECT_TRUE(Contains(ReadAll(dir_ + "/from_trace/imbalance.svg"), "blocks.1.moe."));
+  // The trace's heatmap holds the recorded steps' loads: those the run logged for steps 1 and 3.
+  const std::string trace_heatmap = ReadAll(dir_ + "/from_trace/expert_load.svg");
+  for (size_t at : {size_t{0}, size_t{2}}) {
+    const std::vector<int64_t> load = lines[at].at("expert_load")[0].get<std::vector<int64_t>>();
+    for (size_t e = 0; e < load.size(); ++e) {
+      const std::string cell = fmt::format("<title>step {} expert {}: {} tokens</title>",
+                                           lines[at].at("step").get<int64_t>(), e, load[e]);
+      EXPECT_TRUE(Contains(trace_heatmap, cell)) << cell;
+    }
+  }
 
   const CommandResult missing = Run(bin + " report " + dir_ + "/nothing");
   EXPECT_EQ(missing.exit_code, 2);
