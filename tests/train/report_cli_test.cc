@@ -59,6 +59,24 @@ TEST_F(TrainCliReportTest, DrawsARunAndItsRouterTrace) {
                                             "max/mean {:.3f}",
                                             worst_step, worst)))
       << run.out;
+  // With log_every 2 a line's statistics are those of its two steps summed (its expert_load).
+  const CommandResult two =
+      Run(Command("two", "--steps 4 --log_every 2 --moe_every 2 --num_experts 4"));
+  ASSERT_EQ(two.exit_code, 0) << two.err;
+  const std::vector<json> pairs = Metrics("two");
+  ASSERT_EQ(pairs.size(), 2u);
+  for (const json& line : pairs) {
+    const json& r = line.at("router")[0];
+    const std::vector<int64_t> load = line.at("expert_load")[0].get<std::vector<int64_t>>();
+    int64_t routed = 0;
+    for (int64_t l : load) routed += l;
+    EXPECT_EQ(r.at("num_tokens").get<int64_t>(), 2 * 8 * 16) << line.dump();
+    EXPECT_EQ(r.at("routed").get<int64_t>(), routed) << line.dump();
+    EXPECT_NEAR(r.at("max_over_mean").get<double>(),
+                4.0 * static_cast<double>(*std::max_element(load.begin(), load.end())) / routed,
+                1e-12)
+        << line.dump();
+  }
   const json summary = json::parse(ReadAll(dir_ + "/run/summary.json"));
   EXPECT_EQ(summary.at("router_worst").at("step").get<int64_t>(), worst_step);
   EXPECT_EQ(summary.at("router_worst").at("max_over_mean").get<double>(), worst);
