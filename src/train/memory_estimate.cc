@@ -65,7 +65,9 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const int64_t eh = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : m.hidden_dim;
   // Parameters of this rank: embeddings (and an untied head), split over tp; the position
   // embedding; per layer attention, norms, and the dense FFN or this rank's experts and the gate.
-  int64_t params = CheckedMul(v, d, what) / tp * (m.tied_head ? 1 : 2) + CheckedMul(s, d, what);
+  // (An untied head is a second V x d matrix on the rank holding both ends: pp 1.)
+  int64_t params =
+      CheckedMul(v, d, what) / tp * (m.tied_head || pp > 1 ? 1 : 2) + CheckedMul(s, d, what);
   // q and o are d x d; k and v d x (num_kv_heads x head_dim) (grouped-query attention).
   const int64_t kv_heads = m.num_kv_heads > 0 ? m.num_kv_heads : m.num_heads;
   const int64_t kv_dim = d / std::max<int64_t>(1, m.num_heads) * kv_heads;
@@ -150,16 +152,18 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
                                   : 0;
   // The softmax core's gradient of one layer's probabilities in backward.
   const int64_t probs_grad = softmax ? CheckedMul(heads, s, what) : 0;
-  const int64_t per_token = CheckedMul(layers - moe_layers, dense_layer, what) +
-                            CheckedMul(moe_layers, moe_layer, what) + recomputed + probs_grad +
-                            2 * d + CheckedMul(2, v / tp, what);
-  // With pp > 1, the most micro-batch chunks (of layers / virtual_stages blocks each) whose
-  // forward has run and whose backward has not, on any rank of the schedule train runs.
+  // What the blocks keep per micro-batch until its backward, and what exists for one
+  // micro-batch at a time (the block recomputed, one probability gradient, the final norm and
+  // the logits: the last stage runs a micro-batch's loss and backward in turn).
+  const int64_t kept =
+      CheckedMul(layers - moe_layers, dense_layer, what) + CheckedMul(moe_layers, moe_layer, what);
+  const int64_t transient = recomputed + probs_grad + 2 * d + CheckedMul(2, v / tp, what);
+  // With pp > 1, the kept rows of the most micro-batch chunks (of layers / virtual_stages
+  // blocks each) whose forward has run and whose backward has not, on any rank of the schedule.
   const double in_flight = pp > 1 ? PipelineBlocksInFlight(c) : 1.0;
-  e.activation_bytes = CheckedToInt64(
-      std::ceil(static_cast<double>(CheckedMul(CheckedMul(tokens, per_token, what), 4, what)) *
-                in_flight),
-      what, 0, std::numeric_limits<int64_t>::max());
+  const double per_token = static_cast<double>(kept) * in_flight + static_cast<double>(transient);
+  e.activation_bytes = CheckedToInt64(std::ceil(static_cast<double>(tokens) * per_token * 4), what,
+                                      0, std::numeric_limits<int64_t>::max());
   return e;
 }
 
