@@ -108,9 +108,14 @@ TEST(PlanCliTest, PublishedCasesPlanWithinTheirOrderOfMagnitude) {
     double published_s;
   };
   const Case cases[] = {
-      {"h100_16x8_ib.json", "mixtral_8x7b.json", "--ranks 64 --fix tp=1,cp=1,pp=4,ep=8", 2.90},
+      {"h100_16x8_ib.json", "mixtral_8x7b.json",
+       "--ranks 64 --fix attention_core=flash,microbatches=16,zero_stage=1,cp=1,tp=1,pp=4,ep=8,"
+       "pipeline_schedule=interleaved,virtual_stages=8",
+       2.90},
       {"h800_256x8_ib.json", "deepseek_v3_like.json",
-       "--ranks 2048 --fix tp=1,cp=1,pp=16,ep=64,zero_stage=1", 19.9},
+       "--ranks 2048 --fix attention_core=flash,microbatches=120,zero_stage=1,cp=1,tp=1,pp=16,"
+       "ep=64",
+       19.9},
   };
   for (const Case& c : cases) {
     const auto r = RunSwitchyard(
