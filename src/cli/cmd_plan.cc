@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -35,8 +36,29 @@ struct PlanOptions {
   int64_t validate_steps = 8;
   double link_latency_us = 0;
   double link_gbps = 0;
+  std::vector<std::string> fix;               // --fix KEY=VALUE[,KEY=VALUE...]
   std::map<std::string, std::string> values;  // model keys given as flags
 };
+
+// --fix's words as layout flags (dashes or underscores; `tp=1,pp=4` or repeated).
+plan::LayoutFlags FixedKeys(const std::vector<std::string>& words) {
+  plan::LayoutFlags out;
+  for (const std::string& word : words) {
+    size_t begin = 0;
+    while (begin <= word.size()) {
+      const size_t end = std::min(word.find(',', begin), word.size());
+      const std::string item = word.substr(begin, end - begin);
+      const size_t eq = item.find('=');
+      SY_REQUIRE(eq != std::string::npos && eq > 0 && eq + 1 < item.size(), InvalidArgument,
+                 "plan: --fix '{}': expected KEY=VALUE (e.g. --fix tp=1,pp=4)", item);
+      std::string key = item.substr(0, eq);
+      std::replace(key.begin(), key.end(), '-', '_');
+      out.emplace_back(key, item.substr(eq + 1));
+      begin = end + 1;
+    }
+  }
+  return out;
+}
 
 std::string ShellWord(const std::string& text) {
   const bool plain = !text.empty() && std::all_of(text.begin(), text.end(), [](char ch) {
@@ -165,8 +187,9 @@ int RunPlan(PlanOptions o) {
   for (const auto& [key, source] : base.explicit_keys) {
     SY_REQUIRE(!train::IsLayoutKey(key) || key == "threads", InvalidArgument,
                "plan: '{}' ({}) is a layout key, which the planner chooses: give the model "
-               "and batch only (--ranks for the number of ranks)",
-               key, source);
+               "and batch only (--ranks for the number of ranks; --fix {}=VALUE holds a layout "
+               "key at a value)",
+               key, source, key);
   }
   const bool here = o.cluster == "this";
   SY_REQUIRE(o.validate == 0 || here, InvalidArgument,
@@ -187,6 +210,8 @@ int RunPlan(PlanOptions o) {
   plan::SearchOptions search{.ranks = o.ranks,
                              .top = o.top,
                              .memory_limit_bytes = o.memory_limit_mib * 1024 * 1024,
+                             .fixed = FixedKeys(o.fix),
+                             .progress = SearchProgress(),
                              .run = {.ranks_are_threads = here}};
   const plan::PlanResult r = plan::PlanLayouts(base, cluster, search);
   if (r.layouts.empty()) {
@@ -235,6 +260,9 @@ SY_REGISTER_COMMAND(Command{
                      "per-rank memory limit (0: the cluster's device memory)")
           ->check(FiniteIn(0, 1e12));
       app.add_flag("--json", o->json, "print the layouts as JSON");
+      app.add_option("--fix", o->fix,
+                     "KEY=VALUE[,KEY=VALUE]: hold layout keys at these values (e.g. tp=1,pp=4, "
+                     "microbatches=64) and search the rest");
       AddIntOption(app, "--validate", &o->validate, 0, 100,
                    "run K of the printed layouts here (--cluster this; evenly spread over "
                    "--top, the first among them) and compare");

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 
 #include "cli/launch.h"
 #include "switchyard/comm/inprocess.h"
@@ -26,6 +27,18 @@ train::TrainConfig PlanDefaultModel() {
   return c;
 }
 
+std::function<void(int64_t, int64_t)> SearchProgress() {
+  const auto start = std::chrono::steady_clock::now();
+  auto last = std::make_shared<double>(0.0);
+  return [start, last](int64_t done, int64_t total) {
+    const double t =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (t < 2 || t - *last < 1) return;
+    *last = t;
+    fmt::print(stderr, "plan: predicted {} of {} layouts ({:.0f} s)\n", done, total, t);
+  };
+}
+
 train::ResolvedTrainConfig AutoLayout(const train::ResolvedTrainConfig& resolved,
                                       CalibrationOptions calibration, std::FILE* out) {
   for (const auto& [key, source] : resolved.explicit_keys) {
@@ -39,9 +52,11 @@ train::ResolvedTrainConfig AutoLayout(const train::ResolvedTrainConfig& resolved
   const auto t0 = std::chrono::steady_clock::now();
   calibration.ranks = static_cast<int>(resolved.config.ranks);
   const plan::Cluster cluster = CalibrateThisMachine(calibration);
-  const plan::PlanResult r = plan::PlanLayouts(
-      resolved, cluster,
-      {.ranks = resolved.config.ranks, .top = 1, .run = {.ranks_are_threads = true}});
+  const plan::PlanResult r = plan::PlanLayouts(resolved, cluster,
+                                               {.ranks = resolved.config.ranks,
+                                                .top = 1,
+                                                .progress = SearchProgress(),
+                                                .run = {.ranks_are_threads = true}});
   SY_REQUIRE(!r.layouts.empty(), InvalidArgument,
              "train: --layout auto: no layout of {} ranks fits this machine's memory ({:.0f} MiB "
              "per rank) and passes train's checks for this model and batch; run `switchyard "

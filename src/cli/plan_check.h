@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,10 @@ train::TrainConfig PlanDefaultModel();
 // ranks is set (the planner chooses them) or no layout fits.
 train::ResolvedTrainConfig AutoLayout(const train::ResolvedTrainConfig& resolved,
                                       CalibrationOptions calibration, std::FILE* out);
+
+// plan::SearchOptions::progress for a command: from 2 s into the search on, at most once a
+// second, "plan: predicted N of M layouts (T s)" on stderr.
+std::function<void(int64_t, int64_t)> SearchProgress();
 
 // One layout run here and its prediction.
 struct LayoutCheck {

@@ -5,6 +5,7 @@
 
 #include "switchyard/parallel/mesh.h"
 #include "switchyard/train/distributed.h"
+#include "switchyard/train/model.h"
 
 namespace switchyard::plan::internal {
 
@@ -28,9 +29,15 @@ ModelView ReadModel(const train::TrainConfig& config) {
   m.tied_head = j.at("tied_head").get<bool>();
   m.precision = j.at("precision").get<std::string>();
   m.moe_blocks = train::NumMoeBlocks(config.model);
-  if (m.moe_blocks > 0 && !config.moe_layer_config.empty()) {
+  const bool swiglu = config.model.mlp == train::MlpKind::kSwiGlu;
+  // The experts' layer as train builds it: gated from the moe_layer_config file or mlp swiglu.
+  if (m.moe_blocks > 0 && (swiglu || !config.moe_layer_config.empty())) {
     m.expert_matrices = train::MoeLayerConfig(config).gated ? 3 : 2;
   }
+  m.dense_matrices = swiglu ? 3 : 2;
+  const int64_t kv = config.model.num_kv_heads > 0 ? config.model.num_kv_heads : m.num_heads;
+  m.attention_matrices =
+      2.0 + 2.0 * static_cast<double>(kv) / static_cast<double>(std::max<int64_t>(1, m.num_heads));
   return m;
 }
 

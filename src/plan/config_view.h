@@ -15,6 +15,10 @@ struct ModelView {
   int64_t vocab_size = 0, seq_len = 0, model_dim = 0, num_layers = 0, num_heads = 0;
   int64_t hidden_dim = 0, moe_blocks = 0, num_experts = 0, top_k = 0, expert_hidden_dim = 0;
   int64_t expert_matrices = 2;  // fc1, fc2 (3 with gated, SwiGLU experts)
+  int64_t dense_matrices = 2;   // a dense block's FFN: fc1, fc2 (3 with mlp swiglu)
+  // The attention projections in units of d x d: q and o, k and v scaled by num_kv_heads /
+  // num_heads (grouped-query attention): 4 with multi-head attention.
+  double attention_matrices = 4;
   int64_t batch_size = 0;
   double capacity_factor = 1;
   bool tied_head = true;

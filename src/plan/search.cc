@@ -7,6 +7,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <set>
 #include <string>
 
 #include "plan/config_view.h"
@@ -85,11 +86,57 @@ std::string FlagsText(const LayoutFlags& flags) {
   return out;
 }
 
-std::vector<LayoutFlags> EnumerateLayouts(const train::TrainConfig& base, int64_t ranks) {
+namespace {
+
+// The value `fixed` holds for `key`, or nullptr.
+const std::string* FixedValue(const LayoutFlags& fixed, std::string_view key) {
+  for (const auto& [k, v] : fixed) {
+    if (k == key) return &v;
+  }
+  return nullptr;
+}
+
+// The divisors of n, or only the fixed value of `key` (none when it does not divide n).
+std::vector<int64_t> Degrees(int64_t n, const LayoutFlags& fixed, std::string_view key) {
+  std::vector<int64_t> out = Divisors(n);
+  if (const std::string* v = FixedValue(fixed, key)) {
+    std::erase_if(out, [&](int64_t x) { return std::to_string(x) != *v; });
+  }
+  return out;
+}
+
+// `f` with the fixed keys' values: replaced where `f` sets the key, appended where it does not.
+LayoutFlags WithFixed(LayoutFlags f, const LayoutFlags& fixed) {
+  for (const auto& [key, value] : fixed) {
+    auto it = std::find_if(f.begin(), f.end(), [&](const auto& kv) { return kv.first == key; });
+    if (it != f.end()) {
+      it->second = value;
+    } else {
+      f.emplace_back(key, value);
+    }
+  }
+  return f;
+}
+
+}  // namespace
+
+std::vector<LayoutFlags> EnumerateLayouts(const train::TrainConfig& base, int64_t ranks,
+                                          const LayoutFlags& fixed) {
   const internal::ModelView m = internal::ReadModel(base);
   const bool moe = m.moe_blocks > 0;
   std::vector<LayoutFlags> out;
-  for (int64_t tp : Divisors(ranks)) {
+  std::set<std::string> seen;  // with fixed keys, candidates that became equal
+  auto add = [&](LayoutFlags f) {
+    if (fixed.empty()) {
+      out.push_back(std::move(f));
+      return;
+    }
+    f = WithFixed(std::move(f), fixed);
+    LayoutFlags sorted = f;  // the same keys set in another order are the same layout
+    std::sort(sorted.begin(), sorted.end());
+    if (seen.insert(FlagsText(sorted)).second) out.push_back(std::move(f));
+  };
+  for (int64_t tp : Degrees(ranks, fixed, "tp")) {
     // Sequence parallelism (and its overlapped rings) only with tp > 1.
     std::vector<LayoutFlags> tp_choices = {{{"tp", std::to_string(tp)}}};
     if (tp > 1) {
@@ -97,13 +144,13 @@ std::vector<LayoutFlags> EnumerateLayouts(const train::TrainConfig& base, int64_
       tp_choices.push_back(
           {{"tp", std::to_string(tp)}, {"sequence_parallel", "true"}, {"tp_comm_overlap", "true"}});
     }
-    for (int64_t cp : Divisors(ranks / tp)) {
+    for (int64_t cp : Degrees(ranks / tp, fixed, "cp")) {
       std::vector<LayoutFlags> cp_choices = {{{"cp", std::to_string(cp)}}};
       if (cp > 1) cp_choices.push_back({{"cp", std::to_string(cp)}, {"cp_algo", "ulysses"}});
-      for (int64_t pp : Divisors(ranks / (tp * cp))) {
+      for (int64_t pp : Degrees(ranks / (tp * cp), fixed, "pp")) {
         const int64_t dp = ranks / (tp * cp * pp);
         std::vector<int64_t> eps = {1};
-        if (moe) eps = Divisors(ranks / pp);
+        if (moe) eps = Degrees(ranks / pp, fixed, "ep");
         for (int64_t ep : eps) {
           const bool exchanges = moe && ep > 1;
           for (const LayoutFlags& t : tp_choices) {
@@ -111,7 +158,10 @@ std::vector<LayoutFlags> EnumerateLayouts(const train::TrainConfig& base, int64_
               for (const LayoutFlags& pipe : PipelineChoices(pp, m.num_layers)) {
                 for (const LayoutFlags& disp : DispatchChoices(exchanges, ep > m.num_experts)) {
                   for (int64_t mb = 1; mb <= 16; mb *= 2) {
-                    if (pp > 1 && mb < pp) continue;  // train: stages would run in turn
+                    // train: stages would run in turn (unless the micro-batches are fixed)
+                    if (pp > 1 && mb < pp && FixedValue(fixed, "microbatches") == nullptr) {
+                      continue;
+                    }
                     // ZeRO 2 is left out: its gradient sharding is neither in train's memory
                     // estimate nor in the traffic (the same as stage 1 here).
                     for (int64_t zero :
@@ -128,7 +178,7 @@ std::vector<LayoutFlags> EnumerateLayouts(const train::TrainConfig& base, int64_
                         f.push_back({"zero_stage", std::to_string(zero)});
                         f.push_back({"microbatches", std::to_string(mb)});
                         f.push_back({"recompute", rc});
-                        out.push_back(std::move(f));
+                        add(std::move(f));
                       }
                     }
                   }
@@ -193,8 +243,24 @@ PlanResult PlanLayouts(const train::ResolvedTrainConfig& base, const Cluster& cl
   // The model and the base layout read once; each candidate's layout from its flags.
   const internal::ModelView model = internal::ReadModel(base.config);
   const internal::LayoutView base_layout = internal::ReadLayout(base.config);
-  for (LayoutFlags& flags : EnumerateLayouts(base.config, ranks)) {
+  if (!options.fixed.empty()) {
+    // A fixed value train cannot read is an error naming it, not a search that finds nothing.
+    for (const auto& [key, value] : options.fixed) {
+      const bool searched = key == "microbatches" || key == "recompute";  // not layout keys
+      SY_REQUIRE((train::IsLayoutKey(key) || searched) && key != "ranks", InvalidArgument,
+                 "plan: --fix {}={}: '{}' is not a layout key the planner chooses (tp, cp, pp, "
+                 "ep, zero_stage, microbatches, recompute, dispatch, ...)",
+                 key, value, key);
+    }
+    (void)WithFlags(base.config, options.fixed);
+  }
+  std::vector<LayoutFlags> all = EnumerateLayouts(base.config, ranks, options.fixed);
+  const auto total = static_cast<int64_t>(all.size());
+  for (LayoutFlags& flags : all) {
     ++result.enumerated;
+    if (options.progress && result.enumerated % 2000 == 0) {
+      options.progress(result.enumerated, total);
+    }
     Layout layout;
     try {
       train::TrainConfig config = WithFlags(base.config, flags);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <tuple>
 
 #include "plan/config_view.h"
@@ -129,10 +130,11 @@ StageParams LastStageParams(const ModelView& m, const LayoutView& l, double moe_
                             double dense_blocks_stage) {
   const double d = m.model_dim, tp = l.tp;
   StageParams p;
-  const double attention = 4 * d * d / tp + 8 * d;
+  const double attention = m.attention_matrices * d * d / tp + 8 * d;
   p.dense = (moe_blocks_stage + dense_blocks_stage) * attention +
-            dense_blocks_stage * 2 * d * m.hidden_dim / tp + moe_blocks_stage * m.num_experts * d +
-            m.vocab_size * d / tp + m.seq_len * d;
+            dense_blocks_stage * static_cast<double>(m.dense_matrices) * d * m.hidden_dim / tp +
+            moe_blocks_stage * m.num_experts * d +
+            m.vocab_size * d / tp * (m.tied_head || l.pp > 1 ? 1 : 2) + m.seq_len * d;
   const double held = std::max<double>(
       1, static_cast<double>(m.num_experts) / static_cast<double>(std::max<int64_t>(1, l.ep)));
   p.expert = moe_blocks_stage * held * m.expert_matrices * d * m.expert_hidden_dim;
@@ -204,7 +206,18 @@ double PredictPipeline(const train::TrainConfig& config, const LayoutView& l, do
                        double send, StepPrediction* p) {
   const double mbs = static_cast<double>(l.microbatches);
   if (l.pp == 1) return mbs * (F + B);
-  const parallel::Schedule schedule = parallel::MakeSchedule(train::PipelineScheduleConfig(config));
+  // The schedule depends on its config alone: built once per thread for the search's layouts.
+  const parallel::ScheduleConfig schedule_config = train::PipelineScheduleConfig(config);
+  thread_local std::map<std::tuple<int, int, int, int>, parallel::Schedule> schedules;
+  const auto key =
+      std::tuple{schedule_config.stages, schedule_config.microbatches,
+                 schedule_config.virtual_stages, static_cast<int>(schedule_config.kind)};
+  auto it = schedules.find(key);
+  if (it == schedules.end()) {
+    if (schedules.size() > 256) schedules.clear();
+    it = schedules.emplace(key, parallel::MakeSchedule(schedule_config)).first;
+  }
+  const parallel::Schedule& schedule = it->second;
   const double v = static_cast<double>(l.virtual_stages);
   parallel::ScheduleCosts costs{.forward = F / v,
                                 .backward = B / v,
@@ -281,8 +294,9 @@ StepPrediction internal::PredictStepOf(const train::TrainConfig& config, const M
   const double expert_tp = l.megatron ? static_cast<double>(l.etp) : 1.0;
 
   // ---- compute per micro-batch (forward; backward = 2 x forward) ----
-  const double proj_flops = blocks * 2 * 4 * d * d / tp * T;
-  const double ffn_flops = dense_blocks * 2 * 2 * d * m.hidden_dim / tp * T;
+  const double proj_flops = blocks * 2 * m.attention_matrices * d * d / tp * T;
+  const double ffn_flops =
+      dense_blocks * 2 * static_cast<double>(m.dense_matrices) * d * m.hidden_dim / tp * T;
   const double gate_flops = moe_blocks * 2 * d * m.num_experts * Tm;
   const double expert_flops =
       moe_blocks * 2 * m.expert_matrices * d * m.expert_hidden_dim / expert_tp * slots;
@@ -299,7 +313,11 @@ StepPrediction internal::PredictStepOf(const train::TrainConfig& config, const M
   }
   const double bw = c.memory_bandwidth_gbps * 1e9;
   const double residual = l.sequence_parallel ? 12 * d / tp : 12 * d;
-  const double per_token_block = residual + 12 * d / tp + 6.0 * m.num_heads / tp * S;
+  // The softmax core's probabilities pass through memory (scores, softmax, its backward); the
+  // flash core keeps its tiles in cache.
+  const bool softmax_core = train::ResolvedAttentionCore(config) == train::AttentionCore::kSoftmax;
+  const double per_token_block =
+      residual + 12 * d / tp + (softmax_core ? 6.0 * m.num_heads / tp * S : 0.0);
   const double elementwise_bytes =
       3 * 4 *
       (blocks * per_token_block * T + moe_blocks * m.expert_hidden_dim * slots +

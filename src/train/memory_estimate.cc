@@ -5,11 +5,14 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <tuple>
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/limits.h"
 #include "switchyard/train/distributed.h"
 #include "switchyard/train/model.h"
+#include "switchyard/train/pipeline.h"
 
 namespace switchyard::train {
 
@@ -17,6 +20,37 @@ AttentionCore ResolvedAttentionCore(const TrainConfig& c) {
   // The attention core does not depend on the world size: any world the layout divides.
   return ResolveLayout(c, static_cast<int>(c.tp * c.pp * c.cp)).attention_core;
 }
+
+namespace {
+
+// The schedule's peak of micro-batch chunks in flight on a rank (parallel::SimulateSchedule),
+// in units of a whole stage's blocks (a chunk holds 1 / virtual_stages of them). A schedule train
+// cannot build (refused by its validation with a clearer message) counts every micro-batch.
+double PipelineBlocksInFlight(const TrainConfig& c) {
+  const double all = static_cast<double>(std::max<int64_t>(1, c.microbatches));
+  try {
+    const parallel::ScheduleConfig schedule = PipelineScheduleConfig(c);
+    // The peak depends on the schedule alone: kept per thread for the planner's many layouts.
+    thread_local std::map<std::tuple<int, int, int, int>, int> peaks;
+    const auto key = std::tuple{schedule.stages, schedule.microbatches, schedule.virtual_stages,
+                                static_cast<int>(schedule.kind)};
+    auto it = peaks.find(key);
+    if (it == peaks.end()) {
+      const parallel::ScheduleSimulation sim =
+          parallel::SimulateSchedule(parallel::MakeSchedule(schedule));
+      int peak = 1;
+      for (int p : sim.peak_in_flight) peak = std::max(peak, p);
+      if (peaks.size() > 4096) peaks.clear();
+      it = peaks.emplace(key, peak).first;
+    }
+    return std::min(all, static_cast<double>(it->second) /
+                             static_cast<double>(std::max<int64_t>(1, c.virtual_stages)));
+  } catch (const InvalidArgument&) {
+    return all;
+  }
+}
+
+}  // namespace
 
 RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const ModelConfig& m = c.model;
@@ -31,9 +65,16 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const int64_t eh = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : m.hidden_dim;
   // Parameters of this rank: embeddings (and an untied head), split over tp; the position
   // embedding; per layer attention, norms, and the dense FFN or this rank's experts and the gate.
-  int64_t params = CheckedMul(v, d, what) / tp * (m.tied_head ? 1 : 2) + CheckedMul(s, d, what);
-  const int64_t attention = CheckedMul(4, CheckedMul(d, d, what), what) / tp + 8 * d;
-  const int64_t dense_ffn = CheckedMul(2, CheckedMul(d, m.hidden_dim, what), what) / tp;
+  // (An untied head is a second V x d matrix on the rank holding both ends: pp 1.)
+  int64_t params =
+      CheckedMul(v, d, what) / tp * (m.tied_head || pp > 1 ? 1 : 2) + CheckedMul(s, d, what);
+  // q and o are d x d; k and v d x (num_kv_heads x head_dim) (grouped-query attention).
+  const int64_t kv_heads = m.num_kv_heads > 0 ? m.num_kv_heads : m.num_heads;
+  const int64_t kv_dim = d / std::max<int64_t>(1, m.num_heads) * kv_heads;
+  const int64_t attention = CheckedMul(2, CheckedMul(d, d + kv_dim, what), what) / tp + 8 * d;
+  const bool swiglu = m.mlp == MlpKind::kSwiGlu;  // gate, up and down projections
+  const int64_t dense_ffn =
+      CheckedMul(swiglu ? 3 : 2, CheckedMul(d, m.hidden_dim, what), what) / tp;
   int64_t experts_held = 0;
   int ep = 1;
   if (moe_layers > 0 && c.num_experts > 0) {
@@ -42,8 +83,14 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   }
   // An expert: fc1 and fc2 (and fc3 when gated, SwiGLU), with their biases unless fc_bias is off
   // (the moe_layer_config file's keys; its defaults without one, not read per call then).
-  const moe::LayerConfig layer =
+  // With mlp swiglu and no file, MoeLayerConfig's gated SiLU experts, biases as mlp_bias (set
+  // here: MoeLayerConfig reads the whole config, too slow for the planner's every candidate).
+  moe::LayerConfig layer =
       moe_layers > 0 && !c.moe_layer_config.empty() ? MoeLayerConfig(c) : moe::LayerConfig{};
+  if (swiglu && c.moe_layer_config.empty()) {
+    layer.gated = true;
+    layer.fc_bias = m.mlp_bias;
+  }
   const int64_t expert_matrices = layer.gated ? 3 : 2;
   const int64_t per_expert =
       CheckedMul(expert_matrices, CheckedMul(d, eh, what), what) + (layer.fc_bias ? eh + d : 0);
@@ -73,8 +120,7 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   // Activations of the micro-batches in flight on this rank.
   const int64_t rows =
       std::max<int64_t>(1, c.batch_size / dp / std::max<int64_t>(1, c.microbatches));
-  const int64_t in_flight = pp > 1 ? std::max<int64_t>(1, c.microbatches) : 1;
-  const int64_t tokens = CheckedMul(CheckedMul(rows, s / cp, what), in_flight, what);
+  const int64_t tokens = CheckedMul(rows, s / cp, what);
   // Per block, what Block::SavedTensors keeps (float32 values per token): the two norms' inputs
   // (/ tp with sequence parallelism), the attention's and the FFN's inputs, q | k | v and the
   // heads' output (/ tp), with the softmax core the probabilities; recompute selective drops
@@ -106,10 +152,18 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
                                   : 0;
   // The softmax core's gradient of one layer's probabilities in backward.
   const int64_t probs_grad = softmax ? CheckedMul(heads, s, what) : 0;
-  const int64_t per_token = CheckedMul(layers - moe_layers, dense_layer, what) +
-                            CheckedMul(moe_layers, moe_layer, what) + recomputed + probs_grad +
-                            2 * d + CheckedMul(2, v / tp, what);
-  e.activation_bytes = CheckedMul(CheckedMul(tokens, per_token, what), 4, what);
+  // What the blocks keep per micro-batch until its backward, and what exists for one
+  // micro-batch at a time (the block recomputed, one probability gradient, the final norm and
+  // the logits: the last stage runs a micro-batch's loss and backward in turn).
+  const int64_t kept =
+      CheckedMul(layers - moe_layers, dense_layer, what) + CheckedMul(moe_layers, moe_layer, what);
+  const int64_t transient = recomputed + probs_grad + 2 * d + CheckedMul(2, v / tp, what);
+  // With pp > 1, the kept rows of the most micro-batch chunks (of layers / virtual_stages
+  // blocks each) whose forward has run and whose backward has not, on any rank of the schedule.
+  const double in_flight = pp > 1 ? PipelineBlocksInFlight(c) : 1.0;
+  const double per_token = static_cast<double>(kept) * in_flight + static_cast<double>(transient);
+  e.activation_bytes = CheckedToInt64(std::ceil(static_cast<double>(tokens) * per_token * 4), what,
+                                      0, std::numeric_limits<int64_t>::max());
   return e;
 }
 

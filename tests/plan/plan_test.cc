@@ -2,6 +2,7 @@
 // against hand-computed values, the search against train's validation, the ranking.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -79,7 +80,8 @@ TEST(ClusterTest, BadFilesNameTheKey) {
 }
 
 TEST(ClusterTest, ExampleFilesParse) {
-  for (const char* name : {"h100_8_nvlink.json", "h100_2x8_ib.json", "cpu_4x2_ethernet.json"}) {
+  for (const char* name : {"h100_8_nvlink.json", "h100_2x8_ib.json", "cpu_4x2_ethernet.json",
+                           "h100_16x8_ib.json", "h800_256x8_ib.json"}) {
     const Cluster c = LoadClusterFile(std::string(SY_SOURCE_DIR) + "/examples/clusters/" + name);
     EXPECT_GT(c.devices(), 1) << name;
     EXPECT_FALSE(c.source.empty()) << name;
@@ -207,6 +209,38 @@ TEST(StepModelTest, MemoryEstimateByHand) {
   EXPECT_EQ(e.optimizer_bytes, static_cast<int64_t>(8 * (dense / 2 + expert)));
 }
 
+// The families' blocks: grouped-query attention's k and v are num_kv_heads / num_heads of q's
+// size, a swiglu FFN has 3 matrices (dense and experts alike).
+TEST(StepModelTest, MemoryEstimateGqaAndSwiglu) {
+  train::TrainConfig c = DenseModel();
+  const double d = 32, h = 64;
+  const int64_t mha = train::EstimateRankMemory(c).parameter_bytes;
+  c.model.num_kv_heads = 1;  // of 2 heads: k and v are d x d/2
+  c.model.mlp = train::MlpKind::kSwiGlu;
+  const int64_t gqa = train::EstimateRankMemory(c).parameter_bytes;
+  // Per block: k and v lose 2 x d x d/2, the FFN gains d x h; 2 blocks, 8 bytes per value.
+  EXPECT_EQ(gqa - mha, static_cast<int64_t>(8 * 2 * (d * h - d * d)));
+}
+
+// With pp > 1 the activations are those of the micro-batches the schedule keeps in flight on a
+// rank (1F1B: at most pp), not of every micro-batch of the step.
+TEST(StepModelTest, MemoryEstimatePipelineInFlight) {
+  train::TrainConfig c = DenseModel();
+  c.model.num_layers = 4;
+  c.ranks = 2;
+  c.pp = 2;
+  c.batch_size = 2;
+  c.microbatches = 2;  // one row each, both in flight on the first stage
+  const int64_t two = train::EstimateRankMemory(c).activation_bytes;
+  c.batch_size = 8;
+  c.microbatches = 8;  // one row each, still 2 in flight
+  EXPECT_EQ(train::EstimateRankMemory(c).activation_bytes, two);
+  c.pp = 1;
+  c.batch_size = 1;
+  c.microbatches = 1;  // one row through all 4 blocks = 2 rows in flight through 2 blocks
+  EXPECT_EQ(train::EstimateRankMemory(c).activation_bytes, two);
+}
+
 TEST(StepModelTest, GradientAllReduceOverDataParallelRanks) {
   train::TrainConfig c = DenseModel();
   c.ranks = 2;
@@ -326,6 +360,42 @@ TEST(SearchTest, RankingIsStable) {
   ASSERT_EQ(a.layouts.size(), b.layouts.size());
   for (size_t i = 0; i < a.layouts.size(); ++i) EXPECT_EQ(a.layouts[i].flags, b.layouts[i].flags);
   EXPECT_FALSE(WhyFirstWins(a.layouts[0], a.layouts[1]).empty());
+}
+
+// Fixed keys restrict the search without changing it: the same layouts, in the same order, as
+// the full search's with those values; a value the enumeration does not try is set; a key the
+// planner does not choose is an error.
+TEST(SearchTest, FixedKeysAreTheFullSearchFiltered) {
+  const train::ResolvedTrainConfig base = MoeBase();
+  const PlanResult fixed =
+      PlanLayouts(base, TestCluster(),
+                  {.ranks = 4, .top = 100000, .fixed = {{"tp", "2"}, {"pp", "1"}}, .run = {}});
+  std::vector<LayoutFlags> expected;
+  for (const Layout& l : AllLayouts().layouts) {
+    const bool tp2 = std::find(l.flags.begin(), l.flags.end(),
+                               std::pair<std::string, std::string>{"tp", "2"}) != l.flags.end();
+    const bool pp1 = std::find(l.flags.begin(), l.flags.end(),
+                               std::pair<std::string, std::string>{"pp", "1"}) != l.flags.end();
+    if (tp2 && pp1) expected.push_back(l.flags);
+  }
+  ASSERT_GT(expected.size(), 10u);
+  ASSERT_EQ(fixed.layouts.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(fixed.layouts[i].flags, expected[i]);
+
+  const PlanResult three = PlanLayouts(
+      base, TestCluster(),
+      {.ranks = 4, .top = 100000, .fixed = {{"pp", "1"}, {"microbatches", "3"}}, .run = {}});
+  EXPECT_TRUE(three.layouts.empty());  // batch 8 does not split into 3 micro-batches
+  const PlanResult two =
+      PlanLayouts(base, TestCluster(),
+                  {.ranks = 4, .top = 100000, .fixed = {{"microbatches", "2"}}, .run = {}});
+  ASSERT_FALSE(two.layouts.empty());
+  for (const Layout& l : two.layouts) EXPECT_EQ(l.config.microbatches, 2) << FlagsText(l.flags);
+  EXPECT_THROW(
+      PlanLayouts(base, TestCluster(), {.ranks = 4, .fixed = {{"model_dim", "64"}}, .run = {}}),
+      InvalidArgument);
+  EXPECT_THROW(PlanLayouts(base, TestCluster(), {.ranks = 4, .fixed = {{"tp", "two"}}, .run = {}}),
+               InvalidArgument);
 }
 
 // On 2 ranks (a smaller search than AllLayouts' 4, the same checks).

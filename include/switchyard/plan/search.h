@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,7 +31,11 @@ std::string FlagsText(const LayoutFlags& flags);
 // overlap, cp and its algorithm, pp with its schedule and virtual stages, ep, etp (Megatron
 // arrangement), ZeRO stage, micro-batches, recompute, dispatcher, adaptive r, overlap degree.
 // Only keys that act in the layout are set; train's validation decides which are valid.
-std::vector<LayoutFlags> EnumerateLayouts(const train::TrainConfig& base, int64_t ranks);
+// `fixed` (keys as train spells them, `plan --fix`): every candidate takes these values, tp, cp,
+// pp and ep restricted to them, the other keys set (or added) in each candidate, duplicates
+// dropped (so a value the enumeration does not try, e.g. 120 micro-batches, can be given).
+std::vector<LayoutFlags> EnumerateLayouts(const train::TrainConfig& base, int64_t ranks,
+                                          const LayoutFlags& fixed = {});
 
 // `base` with the layout's keys set as flags would set them (train::SetTrainConfigValue), the
 // keys recorded as explicit flags.
@@ -47,6 +52,10 @@ struct SearchOptions {
   int64_t top = 10;   // layouts returned, best first
   // Per-rank memory limit in bytes; 0: the cluster's memory_gib.
   double memory_limit_bytes = 0;
+  LayoutFlags fixed = {};  // layout keys held at a value (EnumerateLayouts)
+  // Called now and then while the candidates are predicted (done, total): long searches
+  // report their progress through it. Empty: nothing is called.
+  std::function<void(int64_t, int64_t)> progress = {};
   train::TrainRunContext run;  // where train will run (ranks as threads or not)
 };
 
