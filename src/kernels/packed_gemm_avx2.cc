@@ -12,6 +12,8 @@
 // Functions compiled for AVX2 + FMA whatever the build's -march; only called after the cpuid
 // check.
 #define SY_AVX2 __attribute__((target("avx2,fma")))
+// Kept out of line so that profiles show packing and the micro-kernel apart (one call per tile).
+#define SY_NOINLINE __attribute__((noinline))
 
 namespace switchyard::kernels {
 namespace {
@@ -49,46 +51,12 @@ struct Operand {
   bool trans;
 };
 
-// Packs op(A)[i0 : i0 + mc, p0 : p0 + kc] into ceil(mc / 6) panels of [kc][6], rows past mc zero.
-SY_AVX2 void PackA(const Operand& a, int64_t i0, int64_t mc, int64_t p0, int64_t kc, float* dst) {
-  for (int64_t ip = 0; ip < mc; ip += kMr, dst += kc * kMr) {
-    const int64_t mr = std::min(kMr, mc - ip);
-    if (a.trans) {
-      // A stored [k, m]: the panel's 6 values of one k are contiguous.
-      for (int64_t kk = 0; kk < kc; ++kk) {
-        const float* src = a.p + (p0 + kk) * a.ld + i0 + ip;
-        float* d = dst + kk * kMr;
-        for (int64_t i = 0; i < mr; ++i) d[i] = src[i];
-        for (int64_t i = mr; i < kMr; ++i) d[i] = 0.0f;
-      }
-      continue;
-    }
-    // A stored [m, k]: 6 rows read in 8-wide steps and transposed into the panel.
-    const float* rows[kMr];
-    for (int64_t i = 0; i < kMr; ++i) rows[i] = a.p + (i0 + ip + std::min(i, mr - 1)) * a.ld + p0;
-    int64_t kk = 0;
-    if (mr == kMr) {
-      for (; kk + 8 <= kc; kk += 8) {
-        alignas(32) float t[kMr][8];
-        for (int64_t i = 0; i < kMr; ++i) _mm256_store_ps(t[i], _mm256_loadu_ps(rows[i] + kk));
-        float* d = dst + kk * kMr;
-        for (int64_t q = 0; q < 8; ++q) {
-          for (int64_t i = 0; i < kMr; ++i) d[q * kMr + i] = t[i][q];
-        }
-      }
-    }
-    for (; kk < kc; ++kk) {
-      float* d = dst + kk * kMr;
-      for (int64_t i = 0; i < kMr; ++i) d[i] = i < mr ? rows[i][kk] : 0.0f;
-    }
-  }
-}
-
-// Transposes the 8 x 8 block at src (row stride ld) into dst (row stride ldd).
-SY_AVX2 inline void Transpose8x8(const float* src, int64_t ld, float* dst, int64_t ldd) {
+// Columns kk..kk+7 of 8 rows (rows[i] + kk), transposed: out[q] = the 8 rows' values at kk + q.
+SY_AVX2 __attribute__((always_inline)) inline void Transpose8x8(const float* const rows[8],
+                                                                int64_t kk, __m256 out[8]) {
   __m256 r[8], t[8];
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld);
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + kk);
 #pragma GCC unroll 4
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
@@ -103,57 +71,131 @@ SY_AVX2 inline void Transpose8x8(const float* src, int64_t ld, float* dst, int64
   }
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {
-    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    out[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+    out[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+  }
+}
+
+// Packs op(A)[i0 : i0 + mc, p0 : p0 + kc] into ceil(mc / 6) panels of [kc][6], rows past mc zero.
+SY_NOINLINE SY_AVX2 void PackA(const Operand& a, int64_t i0, int64_t mc, int64_t p0, int64_t kc,
+                               float* dst) {
+  if (a.trans) {
+    // A stored [k, m]: 8 rows of A at a time (in L1), 6 values of each into each panel, so each
+    // panel is written contiguously (going along A's rows instead writes 24 panels at strides
+    // that meet in the same L1 sets).
+    const int64_t full = mc / kMr, rest = mc - full * kMr;
+    for (int64_t kk0 = 0; kk0 < kc; kk0 += 8) {
+      const int64_t kb = std::min<int64_t>(8, kc - kk0);
+      const float* src = a.p + (p0 + kk0) * a.ld + i0;
+      for (int64_t q = 0; q < full; ++q) {
+        float* d = dst + q * kc * kMr + kk0 * kMr;
+        for (int64_t r = 0; r < kb; ++r) {
+          const float* sr = src + r * a.ld + q * kMr;
+          _mm_storeu_ps(d + r * kMr, _mm_loadu_ps(sr));
+          _mm_storel_pi(reinterpret_cast<__m64*>(d + r * kMr + 4),
+                        _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(sr + 4)));
+        }
+      }
+      if (rest > 0) {
+        float* d = dst + full * kc * kMr + kk0 * kMr;
+        for (int64_t r = 0; r < kb; ++r) {
+          for (int64_t i = 0; i < kMr; ++i) {
+            d[r * kMr + i] = i < rest ? src[r * a.ld + full * kMr + i] : 0.0f;
+          }
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t ip = 0; ip < mc; ip += kMr, dst += kc * kMr) {
+    const int64_t mr = std::min(kMr, mc - ip);
+    // A stored [m, k]: 6 rows (and 2 repeated) transposed in 8 x 8 blocks; each 8-float store
+    // runs 2 floats into the next k's slots, which the next store (or the tail) overwrites, and
+    // the last one into the buffer's slack (Run allocates one panel more than it packs).
+    const float* rows[8];
+    for (int64_t i = 0; i < 8; ++i) {
+      rows[i] = a.p + (i0 + ip + std::min<int64_t>(i, mr - 1)) * a.ld + p0;
+    }
+    int64_t kk = 0;
+    if (mr == kMr) {
+      for (; kk + 8 <= kc; kk += 8) {
+        __m256 col[8];
+        Transpose8x8(rows, kk, col);
+        float* d = dst + kk * kMr;
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; ++q) _mm256_storeu_ps(d + q * kMr, col[q]);
+      }
+    }
+    for (; kk < kc; ++kk) {
+      float* d = dst + kk * kMr;
+      for (int64_t i = 0; i < kMr; ++i) d[i] = i < mr ? rows[i][kk] : 0.0f;
+    }
   }
 }
 
 // Packs op(B)[p0 : p0 + kc, j0 : j0 + nc] into ceil(nc / 16) panels of [kc][16], columns past nc
 // zero.
-SY_AVX2 void PackB(const Operand& b, int64_t p0, int64_t kc, int64_t j0, int64_t nc, float* dst) {
-  for (int64_t jp = 0; jp < nc; jp += kNr, dst += kc * kNr) {
-    const int64_t nr = std::min(kNr, nc - jp);
-    if (!b.trans) {
-      // B stored [k, n]: 16 contiguous values per k.
-      for (int64_t kk = 0; kk < kc; ++kk) {
-        const float* src = b.p + (p0 + kk) * b.ld + j0 + jp;
-        float* d = dst + kk * kNr;
-        if (nr == kNr) {
-          _mm256_storeu_ps(d, _mm256_loadu_ps(src));
-          _mm256_storeu_ps(d + 8, _mm256_loadu_ps(src + 8));
-        } else {
-          for (int64_t j = 0; j < nr; ++j) d[j] = src[j];
-          for (int64_t j = nr; j < kNr; ++j) d[j] = 0.0f;
-        }
+SY_NOINLINE SY_AVX2 void PackB(const Operand& b, int64_t p0, int64_t kc, int64_t j0, int64_t nc,
+                               float* dst) {
+  const int64_t full = nc / kNr, rest = nc - full * kNr;
+  if (!b.trans) {
+    // B stored [k, n]: row by row (sequential reads), 16 values into each panel.
+    for (int64_t kk = 0; kk < kc; ++kk) {
+      const float* src = b.p + (p0 + kk) * b.ld + j0;
+      float* d = dst + kk * kNr;
+      for (int64_t q = 0; q < full; ++q) {
+        _mm256_storeu_ps(d + q * kc * kNr, _mm256_loadu_ps(src + q * kNr));
+        _mm256_storeu_ps(d + q * kc * kNr + 8, _mm256_loadu_ps(src + q * kNr + 8));
       }
-      continue;
+      if (rest > 0) {
+        float* dr = d + full * kc * kNr;
+        for (int64_t j = 0; j < kNr; ++j) dr[j] = j < rest ? src[full * kNr + j] : 0.0f;
+      }
     }
-    // B stored [n, k]: 8 x 8 blocks of 16 rows transposed into the panel, the rest one by one.
-    const float* src = b.p + (j0 + jp) * b.ld + p0;
+    return;
+  }
+  // B stored [n, k]: 16 rows transposed in 8 x 8 blocks, the rest one by one.
+  for (int64_t q = 0; q <= full; ++q, dst += kc * kNr) {
+    const int64_t nr = q < full ? kNr : rest;
+    if (nr == 0) break;
+    const float* src = b.p + (j0 + q * kNr) * b.ld + p0;
     int64_t kk0 = 0;
     if (nr == kNr) {
+      const float* lo[8];
+      const float* hi[8];
+      for (int64_t j = 0; j < 8; ++j) {
+        lo[j] = src + j * b.ld;
+        hi[j] = src + (j + 8) * b.ld;
+      }
       for (; kk0 + 8 <= kc; kk0 += 8) {
-        Transpose8x8(src + kk0, b.ld, dst + kk0 * kNr, kNr);
-        Transpose8x8(src + 8 * b.ld + kk0, b.ld, dst + kk0 * kNr + 8, kNr);
+        __m256 c0[8], c1[8];
+        Transpose8x8(lo, kk0, c0);
+        Transpose8x8(hi, kk0, c1);
+        float* d = dst + kk0 * kNr;
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          _mm256_storeu_ps(d + i * kNr, c0[i]);
+          _mm256_storeu_ps(d + i * kNr + 8, c1[i]);
+        }
       }
     }
-    for (int64_t j = 0; j < kNr; ++j) {
-      if (j >= nr) {
-        for (int64_t kk = kk0; kk < kc; ++kk) dst[kk * kNr + j] = 0.0f;
-        continue;
-      }
-      for (int64_t kk = kk0; kk < kc; ++kk) dst[kk * kNr + j] = src[j * b.ld + kk];
+    for (int64_t kk = kk0; kk < kc; ++kk) {
+      for (int64_t j = 0; j < kNr; ++j) dst[kk * kNr + j] = j < nr ? src[j * b.ld + kk] : 0.0f;
     }
   }
 }
 
 // The 6 x 16 tile: C[0:6, 0:16] = alpha * (A panel · B panel) + beta * C (beta = 0: C not read).
-SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
-                         float alpha, float beta) {
+SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b, float* c,
+                                     int64_t ldc, float alpha, float beta) {
   __m256 acc0[kMr], acc1[kMr];
 #pragma GCC unroll 6
-  for (int i = 0; i < kMr; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
-#pragma GCC unroll 2
+  for (int i = 0; i < kMr; ++i) {
+    acc0[i] = acc1[i] = _mm256_setzero_ps();
+    _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc + 15), _MM_HINT_T0);
+  }
+#pragma GCC unroll 4
   for (int64_t kk = 0; kk < kc; ++kk) {
     const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
     _mm_prefetch(reinterpret_cast<const char*>(b + 8 * kNr), _MM_HINT_T0);
