@@ -248,7 +248,8 @@ std::optional<SmallGemmIsa> SmallKernelFor(Trans trans_a, Trans trans_b, const G
 // GEMM backend (grouped_gemm.h, ExpertGemmKernel).
 bool UsePacked(const GemmProblem& p) {
   if (ActiveExpertGemmKernel() != ExpertGemmKernel::kPacked) return false;
-  return p.m >= kPackedGemmMinDim && p.n >= kPackedGemmMinDim && p.k >= kPackedGemmMinDim;
+  const int64_t lo = std::min({p.m, p.n, p.k}), hi = std::max({p.m, p.n, p.k});
+  return lo >= kPackedGemmMinDim && hi <= kPackedGemmMaxDim;
 }
 
 std::atomic<int> forced_expert_kernel{-1};  // -1: not forced (SetExpertGemmKernel)
