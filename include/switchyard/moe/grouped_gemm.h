@@ -46,9 +46,10 @@ inline constexpr int64_t kSmallGemmAvx512MaxRows = 128;
 // (read once) or SetExpertGemmKernel overrides it. With a GEMM budget above one thread
 // (kernels::BlasThreads) the backend runs either way: it splits one product over the threads.
 // Products with a dimension below kPackedGemmMinDim or above kPackedGemmMaxDim stay on the
-// backend: on a Zen 3 the packed kernel was level with or ahead of OpenBLAS on layer F's products
-// (all dimensions <= 512) and behind it on layer A's (512 x 2048 weights: 0.63 against 0.71 of
-// the FMA peak per CPU-second for the step, docs/PERFORMANCE.md).
+// backend: on a Zen 3 the packed kernel was ahead of OpenBLAS on layer F's products (all
+// dimensions <= 512: the expert GEMMs 5 % faster per CPU-second) and only level on layer A's
+// (512 x 2048 weights: the step at 0.68 of the FMA peak either way, docs/PERFORMANCE.md), where
+// OpenBLAS stays.
 enum class ExpertGemmKernel : uint8_t { kBackend, kPacked };
 inline constexpr int64_t kPackedGemmMinDim = 16;
 inline constexpr int64_t kPackedGemmMaxDim = 1024;
