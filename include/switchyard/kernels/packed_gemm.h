@@ -28,8 +28,9 @@ namespace switchyard::kernels {
 bool PackedGemmAvailable();
 
 // One product, any (trans_a, trans_b), any sizes (0 included; k = 0 scales C by beta). Single-
-// threaded; uses a per-thread packing buffer (about 0.6 MiB). Requires PackedGemmAvailable();
-// throws InvalidArgument for negative sizes or leading dimensions smaller than the rows they hold.
+// threaded; uses per-thread packing buffers (up to 2.2 MiB: one 256 x 2048 block of B and one
+// 150 x 256 block of A). Requires PackedGemmAvailable(); throws InvalidArgument for negative sizes
+// or leading dimensions smaller than the columns they hold.
 void PackedGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta);
 
 // Every problem in order on the calling thread (a grouped GEMM's share of one thread).
