@@ -257,7 +257,8 @@ std::atomic<int> forced_expert_kernel{-1};  // -1: not forced (SetExpertGemmKern
 }  // namespace
 
 ExpertGemmKernel DefaultExpertGemmKernel() {
-  // The packed kernel is measured faster than OpenBLAS's AVX2 kernels on the expert shapes; on
+  // The packed kernel was measured ahead of OpenBLAS's AVX2 kernels on layer F's expert products
+  // (docs/PERFORMANCE.md, "Fine-grained experts"); on
   // AVX-512 CPUs the backend is oneDNN with AVX-512 kernels, which it does not try to beat. A
   // GEMM budget above one thread keeps the backend (it splits one product over the threads).
   if (!kernels::PackedGemmAvailable() || kernels::SmallGemmAvx512Available()) {
