@@ -2,11 +2,13 @@
 //   build/release/bench/kernels_bench --benchmark_min_time=0.2
 #include <benchmark/benchmark.h>
 
+#include <tuple>
 #include <vector>
 
 #include "switchyard/core/rng.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/ops.h"
+#include "switchyard/kernels/packed_gemm.h"
 
 namespace switchyard::kernels {
 namespace {
@@ -114,6 +116,51 @@ void BM_GroupedGemmVsLoop(benchmark::State& state) {
       2.0 * groups * m * n * k * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_GroupedGemmVsLoop)->Arg(1)->Arg(2)->UseRealTime();
+
+// One expert product of the expert FFN at its shapes: form 0 = NT (forward X W^T), 1 = NN (data
+// gradient dY W), 2 = TN (weight gradient dY^T X); kernel 0 = kernels::Gemm (the GEMM backend),
+// 1 = kernels::PackedGemm. Process CPU time (the machine is shared): compare the two kernels'
+// GFLOP/s in the same run, e.g. --benchmark_filter=ExpertGemm --benchmark_min_time=0.3
+void BM_ExpertGemm(benchmark::State& state) {
+  const int64_t form = state.range(0), m = state.range(1), n = state.range(2), k = state.range(3);
+  const bool packed = state.range(4) == 1;
+  if (packed && !PackedGemmAvailable()) {
+    state.SkipWithError("no AVX2/FMA");
+    return;
+  }
+  const Trans ta = form == 2 ? Trans::kYes : Trans::kNo, tb = form == 0 ? Trans::kYes : Trans::kNo;
+  auto a = Random(static_cast<size_t>(m * k));
+  auto b = Random(static_cast<size_t>(n * k));
+  std::vector<float> c(static_cast<size_t>(m * n));
+  const GemmProblem p{
+      m, n, k, a.data(), ta == Trans::kNo ? k : m, b.data(), tb == Trans::kNo ? n : k, c.data(), n};
+  for (auto _ : state) {
+    if (packed) {
+      PackedGemm(ta, tb, p, 1.0f, 0.0f);
+    } else {
+      Gemm(ta, tb, m, n, k, 1.0f, p.a, p.lda, p.b, p.ldb, 0.0f, p.c, p.ldc);
+    }
+    benchmark::DoNotOptimize(c.data());
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      2.0 * static_cast<double>(m * n * k) * static_cast<double>(state.iterations()) / 1e9,
+      benchmark::Counter::kIsRate);
+}
+// Layer F's products (model 512, expert hidden 256, ~512 rows per expert) and layer A's
+// (model 512, hidden 2048, 1024 rows), each on both kernels.
+void ExpertShapes(benchmark::internal::Benchmark* b) {
+  for (int64_t kernel : {0, 1}) {
+    for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{512, 256, 512},
+                           {512, 512, 256},
+                           {64, 256, 512},
+                           {1024, 2048, 512}}) {
+      b->Args({0, m, n, k, kernel});
+      b->Args({1, m, n, k, kernel});
+      b->Args({2, n, k, m, kernel});  // weight gradient [n, k] over the expert's m rows
+    }
+  }
+}
+BENCHMARK(BM_ExpertGemm)->Apply(ExpertShapes)->MeasureProcessCPUTime();
 
 }  // namespace
 }  // namespace switchyard::kernels

@@ -152,7 +152,8 @@ def main():
             peak = j["peak_gflops"]
             sy_cpu = j["useful_gflops_per_cpu_s"]
             line += (f"; switchyard {j['step_ms']:.1f} ms, {sy:.1f} GFLOP/s ({sy_cpu:.1f} per "
-                     f"CPU-second; {j['gemm_backend']}), FMA peak {peak:.1f}: torch "
+                     f"CPU-second; {j['gemm_backend']}, expert products "
+                     f"{j.get('expert_gemm', 'backend')}), FMA peak {peak:.1f}: torch "
                      f"{useful / s / 1e9 / peak:.2f} / switchyard {sy / peak:.2f} of peak, "
                      f"switchyard / torch {sy / (useful / s / 1e9):.2f}x wall, "
                      f"{sy_cpu / (useful / c / 1e9):.2f}x CPU")

@@ -297,6 +297,7 @@ void PrintLayerJson(const BenchLayerOptions& o, const LayerBench& b, const Layer
                       {"gemm_backend", kernels::GemmBackendName()},
                       {"useful_gflops_per_cpu_s", b.useful_flop / f.cpu_step / 1e9},
                       {"small_gemm_isa", moe::SmallGemmIsaName()},
+                      {"expert_gemm", moe::ExpertGemmKernelName()},
                       {"capacity", b.probe.capacity},
                       {"kept_pairs", b.kept},
                       {"dropped_pairs", b.probe.dropped},
@@ -347,8 +348,8 @@ void PrintLayerText(const BenchLayerOptions& o, const LayerBench& b, const Layer
   // process is what the layer does while it holds its cores.
   fmt::print("  useful GFLOP/s per CPU-second of the step: {:.1f} ({:.2f} of one core's peak)\n",
              b.useful_flop / f.cpu_step / 1e9, b.useful_flop / f.cpu_step / 1e9 / f.peak.gflops);
-  fmt::print("  GEMMs: {}; small-expert kernels {}\n", kernels::GemmBackendName(),
-             moe::SmallGemmIsaName());
+  fmt::print("  GEMMs: {}; expert products {}; small-expert kernels {}\n",
+             kernels::GemmBackendName(), moe::ExpertGemmKernelName(), moe::SmallGemmIsaName());
   if (!kernels::GemmBackendWarning().empty()) {
     fmt::print("  {}\n", kernels::GemmBackendWarning());
   }

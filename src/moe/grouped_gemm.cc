@@ -1,17 +1,21 @@
 #include "switchyard/moe/grouped_gemm.h"
 
+#include <fmt/format.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <exception>
 #include <numeric>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "switchyard/core/error.h"
 #include "switchyard/kernels/gemm_backend.h"
+#include "switchyard/kernels/packed_gemm.h"
 #include "switchyard/kernels/small_gemm.h"
 
 // Functions compiled for AVX2 + FMA whatever the build's -march; called only after the run-time
@@ -240,7 +244,68 @@ std::optional<SmallGemmIsa> SmallKernelFor(Trans trans_a, Trans trans_b, const G
   return SmallGemmIsa::kAvx2;
 }
 
+// Whether a problem the few-row kernels do not take runs on kernels::PackedGemm instead of the
+// GEMM backend (grouped_gemm.h, ExpertGemmKernel).
+bool UsePacked(const GemmProblem& p) {
+  if (ActiveExpertGemmKernel() != ExpertGemmKernel::kPacked) return false;
+  const int64_t lo = std::min({p.m, p.n, p.k}), hi = std::max({p.m, p.n, p.k});
+  return lo >= kPackedGemmMinDim && hi <= kPackedGemmMaxDim;
+}
+
+std::atomic<int> forced_expert_kernel{-1};  // -1: not forced (SetExpertGemmKernel)
+
 }  // namespace
+
+ExpertGemmKernel DefaultExpertGemmKernel() {
+  // The packed kernel was measured ahead of OpenBLAS's AVX2 kernels on layer F's expert products
+  // (docs/PERFORMANCE.md, "Fine-grained experts"); on
+  // AVX-512 CPUs the backend is oneDNN with AVX-512 kernels, which it does not try to beat. A
+  // GEMM budget above one thread keeps the backend (it splits one product over the threads).
+  if (!kernels::PackedGemmAvailable() || kernels::SmallGemmAvx512Available()) {
+    return ExpertGemmKernel::kBackend;
+  }
+  if (kernels::ActiveGemmBackend() != kernels::GemmBackend::kOpenBlas) {
+    return ExpertGemmKernel::kBackend;
+  }
+  return ExpertGemmKernel::kPacked;
+}
+
+ExpertGemmKernel ActiveExpertGemmKernel() {
+  const int forced = forced_expert_kernel.load(std::memory_order_relaxed);
+  if (forced >= 0) return static_cast<ExpertGemmKernel>(forced);
+  static const ExpertGemmKernel chosen = [] {
+    const char* env = std::getenv("SY_EXPERT_GEMM");
+    if (env != nullptr && *env != '\0') return ParseExpertGemmKernel("SY_EXPERT_GEMM", env);
+    return DefaultExpertGemmKernel();
+  }();
+  if (chosen == ExpertGemmKernel::kPacked && kernels::BlasThreads() > 1) {
+    return ExpertGemmKernel::kBackend;
+  }
+  return chosen;
+}
+
+void SetExpertGemmKernel(ExpertGemmKernel kernel) {
+  SY_REQUIRE(kernel != ExpertGemmKernel::kPacked || kernels::PackedGemmAvailable(), InvalidArgument,
+             "expert GEMM kernel packed: needs AVX2 and FMA, which this CPU lacks");
+  forced_expert_kernel.store(static_cast<int>(kernel), std::memory_order_relaxed);
+}
+
+ExpertGemmKernel ParseExpertGemmKernel(std::string_view what, std::string_view name) {
+  if (name == "packed") {
+    SY_REQUIRE(kernels::PackedGemmAvailable(), InvalidArgument,
+               "{}=packed: the packed kernel needs AVX2 and FMA, which this CPU lacks", what);
+    return ExpertGemmKernel::kPacked;
+  }
+  if (name == "backend") return ExpertGemmKernel::kBackend;
+  throw InvalidArgument(
+      fmt::format("{}: expected packed or backend, got '{}'", what, std::string(name)));
+}
+
+const char* ExpertGemmKernelName() {
+  return ActiveExpertGemmKernel() == ExpertGemmKernel::kPacked
+             ? "packed avx2 6x16"
+             : kernels::GemmBackendKey(kernels::ActiveGemmBackend());
+}
 
 bool SmallGemmAvailable() {
   static const bool available = [] {
@@ -284,6 +349,8 @@ void ExpertGroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,
   auto run = [&](const GemmProblem& p) {
     if (auto isa = SmallKernelFor(trans_a, trans_b, p)) {
       SmallGemm(trans_a, trans_b, p, alpha, beta, *isa);
+    } else if (UsePacked(p)) {
+      kernels::PackedGemm(trans_a, trans_b, p, alpha, beta);
     } else {
       kernels::Gemm(trans_a, trans_b, p.m, p.n, p.k, alpha, p.a, p.lda, p.b, p.ldb, beta, p.c,
                     p.ldc);

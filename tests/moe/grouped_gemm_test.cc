@@ -2,8 +2,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <string>
 #include <vector>
 
+#include "switchyard/core/error.h"
+#include "switchyard/kernels/packed_gemm.h"
 #include "switchyard/kernels/reference.h"
 #include "switchyard/kernels/small_gemm.h"
 #include "testing/random.h"
@@ -87,6 +91,77 @@ TEST(ExpertGroupedGemm, MixedSizesEqualPlainGemms) {
                          p.c, p.ldc);
     }
     EXPECT_TRUE(AllClose(y, want, 1e-5, 1e-5)) << threads << " threads";
+  }
+}
+
+// Each kernel of the expert products above the few-row limits (ExpertGemmKernel) on the three
+// forms of the expert FFN, groups of 0, 1, 7, 13, 41 and 100 rows, 1 and 3 threads, against the
+// float64 reference.
+class ExpertGemmKernelTest : public ::testing::TestWithParam<ExpertGemmKernel> {
+ protected:
+  void TearDown() override { SetExpertGemmKernel(DefaultExpertGemmKernel()); }
+};
+
+TEST_P(ExpertGemmKernelTest, ExpertFormsMatchReference) {
+  if (GetParam() == ExpertGemmKernel::kPacked && !kernels::PackedGemmAvailable()) {
+    GTEST_SKIP() << "no AVX2/FMA on this CPU: the packed kernel is not used";
+  }
+  SetExpertGemmKernel(GetParam());
+  const std::vector<int64_t> rows = {0, 1, 7, 13, 41, 100};
+  const int64_t model = 70, hidden = 33, groups = static_cast<int64_t>(rows.size());
+  int64_t total = 0;
+  for (int64_t r : rows) total += r;
+  auto x = RandomVector(static_cast<size_t>(total * model), 3);
+  auto d = RandomVector(static_cast<size_t>(total * hidden), 4);
+  auto w = RandomVector(static_cast<size_t>(groups * hidden * model), 5);  // [G, hidden, model]
+  for (int form = 0; form < 3; ++form) {
+    const Trans ta = form == 2 ? Trans::kYes : Trans::kNo;
+    const Trans tb = form == 0 ? Trans::kYes : Trans::kNo;
+    const int64_t cols = form == 0 ? hidden : model;
+    for (int threads : {1, 3}) {
+      std::vector<float> got(static_cast<size_t>(std::max(total, groups * hidden) * cols), 9.0f);
+      std::vector<float> want = got;
+      std::vector<GemmProblem> ps;
+      int64_t off = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* wg = w.data() + g * hidden * model;
+        if (form == 0) {  // X_g W_g^T
+          ps.push_back({rows[g], hidden, model, x.data() + off * model, model, wg, model,
+                        got.data() + off * hidden, hidden});
+        } else if (form == 1) {  // dA_g W_g
+          ps.push_back({rows[g], model, hidden, d.data() + off * hidden, hidden, wg, model,
+                        got.data() + off * model, model});
+        } else {  // dA_g^T X_g
+          ps.push_back({hidden, model, rows[g], d.data() + off * hidden, hidden,
+                        x.data() + off * model, model, got.data() + g * hidden * model, model});
+        }
+        off += rows[g];
+      }
+      ExpertGroupedGemm(ta, tb, 1.0f, 0.0f, ps, threads);
+      for (GemmProblem p : ps) {
+        p.c = want.data() + (p.c - got.data());
+        kernels::ref::Gemm(ta, tb, p.m, p.n, p.k, 1.0f, p.a, p.lda, p.b, p.ldb, 0.0f, p.c, p.ldc);
+      }
+      EXPECT_TRUE(AllClose(got, want, 1e-5, 1e-4))
+          << "form " << form << ", " << threads << " threads";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernel, ExpertGemmKernelTest,
+                         ::testing::Values(ExpertGemmKernel::kBackend, ExpertGemmKernel::kPacked),
+                         [](const ::testing::TestParamInfo<ExpertGemmKernel>& p) {
+                           return p.param == ExpertGemmKernel::kPacked ? "packed" : "backend";
+                         });
+
+TEST(ExpertGemmKernel, ParseNamesTheChoices) {
+  EXPECT_EQ(ParseExpertGemmKernel("SY_EXPERT_GEMM", "backend"), ExpertGemmKernel::kBackend);
+  try {
+    ParseExpertGemmKernel("SY_EXPERT_GEMM", "fast");
+    FAIL() << "no exception";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("expected packed or backend"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 
 #include "switchyard/kernels/gemm.h"
 
@@ -37,6 +38,32 @@ inline constexpr int64_t kSmallGemmMaxInner = 64;  // k of TN problems
 // 128 rows.
 inline constexpr int64_t kSmallGemmAvx2MaxRowsOneDnn = 16;
 inline constexpr int64_t kSmallGemmAvx512MaxRows = 128;
+
+// The products above those limits: the GEMM backend (kernels::Gemm) or switchyard's own packed
+// AVX2 kernel (kernels/packed_gemm.h). Default (DefaultExpertGemmKernel): packed on CPUs with AVX2
+// + FMA and no AVX-512 whose backend is OpenBLAS (measured faster there on the expert shapes,
+// docs/PERFORMANCE.md "Fine-grained experts"), the backend elsewhere. SY_EXPERT_GEMM=packed|backend
+// (read once) or SetExpertGemmKernel overrides it. With a GEMM budget above one thread
+// (kernels::BlasThreads) the backend runs either way: it splits one product over the threads.
+// Products with a dimension below kPackedGemmMinDim or above kPackedGemmMaxDim stay on the
+// backend: on a Zen 3 the packed kernel was ahead of OpenBLAS on layer F's products (all
+// dimensions <= 512: the expert GEMMs 5 % faster per CPU-second) and only level on layer A's
+// (512 x 2048 weights: the step at 0.68 of the FMA peak either way, docs/PERFORMANCE.md), where
+// OpenBLAS stays.
+enum class ExpertGemmKernel : uint8_t { kBackend, kPacked };
+inline constexpr int64_t kPackedGemmMinDim = 16;
+inline constexpr int64_t kPackedGemmMaxDim = 1024;
+ExpertGemmKernel DefaultExpertGemmKernel();
+ExpertGemmKernel ActiveExpertGemmKernel();
+// For benchmarks and tests; call it while no GEMM runs. kPacked without AVX2 + FMA throws
+// InvalidArgument.
+void SetExpertGemmKernel(ExpertGemmKernel kernel);
+// "packed" / "backend"; anything else (or packed without AVX2 + FMA) throws InvalidArgument
+// naming `what`.
+ExpertGemmKernel ParseExpertGemmKernel(std::string_view what, std::string_view name);
+// What runs the expert products above the few-row limits now: "packed avx2 6x16", "openblas" or
+// "onednn".
+const char* ExpertGemmKernelName();
 
 // True when the CPU has AVX2 and FMA.
 bool SmallGemmAvailable();

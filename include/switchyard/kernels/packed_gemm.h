@@ -1,0 +1,40 @@
+// switchyard's own float32 GEMM for the expert shapes on AVX2 + FMA CPUs (no AVX-512): the three
+// products of an expert FFN,
+//   NT  C[m, n] = A[m, k] · B[n, k]^T   forward X W^T (W stored [out, in])
+//   NN  C[m, n] = A[m, k] · B[k, n]     data gradient dY W
+//   TN  C[m, n] = A[k, m]^T · B[k, n]   weight gradient dY^T X (beta = 1 accumulates)
+// (and TT for completeness), each C = alpha * op(A) op(B) + beta * C.
+//
+// Blocked as BLIS does it: op(B) is packed in blocks of kKc x kNc into 16-column panels, once per
+// block, and reused by every row block of op(A) (an expert's weight packed once for all its rows);
+// op(A) is packed in blocks of kMc x kKc into 6-row panels. The micro-kernel holds a 6 x 16 tile of
+// C in 12 ymm accumulators (2 vector loads of B and 6 broadcasts of A per k step, 12 FMAs). The
+// first k block applies beta, so beta = 0 never reads C and needs no zeroing pass of its own.
+// Edges (m, n not multiples of the tile) are zero-padded in the packs and stored through a
+// buffer. The kernels are compiled with target attributes and never run on a CPU without AVX2
+// and FMA: callers check PackedGemmAvailable() (cpuid) first. Tested against kernels::ref::Gemm
+// (float64) in tests/kernels/packed_gemm_test.cc; where it runs instead of the GEMM backend is
+// moe/grouped_gemm.h's choice (docs/PERFORMANCE.md, "Fine-grained experts").
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "switchyard/kernels/gemm.h"
+
+namespace switchyard::kernels {
+
+// True when the CPU (and OS) supports AVX2 and FMA.
+bool PackedGemmAvailable();
+
+// One product, any (trans_a, trans_b), any sizes (0 included; k = 0 scales C by beta). Single-
+// threaded; uses per-thread packing buffers (up to 2.2 MiB: one 256 x 2048 block of B and one
+// 150 x 256 block of A). Requires PackedGemmAvailable(); throws InvalidArgument for negative sizes
+// or leading dimensions smaller than the columns they hold.
+void PackedGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta);
+
+// Every problem in order on the calling thread (a grouped GEMM's share of one thread).
+void PackedGroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,
+                       std::span<const GemmProblem> problems);
+
+}  // namespace switchyard::kernels

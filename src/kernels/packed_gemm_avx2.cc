@@ -1,0 +1,316 @@
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <new>
+
+#include "switchyard/core/error.h"
+#include "switchyard/kernels/cpu_features.h"
+#include "switchyard/kernels/packed_gemm.h"
+
+// Functions compiled for AVX2 + FMA whatever the build's -march; only called after the cpuid
+// check.
+#define SY_AVX2 __attribute__((target("avx2,fma")))
+// Kept out of line so that profiles show packing and the micro-kernel apart (one call per tile).
+#define SY_NOINLINE __attribute__((noinline))
+
+namespace switchyard::kernels {
+namespace {
+
+constexpr int64_t kMr = 6;     // rows of the register tile (broadcasts)
+constexpr int64_t kNr = 16;    // columns of the register tile (two ymm)
+constexpr int64_t kKc = 256;   // k block: a 6 x kKc A panel (6 KiB) and a kKc x 16 B panel
+                               // (16 KiB) together in the 32 KiB L1
+constexpr int64_t kMc = 144;   // row block of A: 144 x kKc packed = 144 KiB, in L2 (512 KiB)
+constexpr int64_t kNc = 2048;  // column block of B: kKc x kNc packed = 2 MiB, in L3
+
+// A growable 64-byte aligned float buffer (one per thread for each pack).
+class PackBuffer {
+ public:
+  float* Get(int64_t n) {
+    if (n > size_) {
+      data_.reset(new (std::align_val_t{64}) float[static_cast<size_t>(n)]);
+      size_ = n;
+    }
+    return data_.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { ::operator delete[](p, std::align_val_t{64}); }
+  };
+  std::unique_ptr<float[], Free> data_;
+  int64_t size_ = 0;
+};
+
+// op(A)(i, kk) and op(B)(kk, j) of a row-major operand stored as given.
+struct Operand {
+  const float* p;
+  int64_t ld;
+  bool trans;
+};
+
+// Columns kk..kk+7 of 8 rows (rows[i] + kk), transposed: out[q] = the 8 rows' values at kk + q.
+SY_AVX2 __attribute__((always_inline)) inline void Transpose8x8(const float* const rows[8],
+                                                                int64_t kk, __m256 out[8]) {
+  __m256 r[8], t[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + kk);
+#pragma GCC unroll 4
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    out[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+    out[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+  }
+}
+
+// Packs op(A)[i0 : i0 + mc, p0 : p0 + kc] into ceil(mc / 6) panels of [kc][6], rows past mc zero.
+SY_NOINLINE SY_AVX2 void PackA(const Operand& a, int64_t i0, int64_t mc, int64_t p0, int64_t kc,
+                               float* dst) {
+  if (a.trans) {
+    // A stored [k, m]: 8 rows of A at a time (in L1), 6 values of each into each panel, so each
+    // panel is written contiguously (going along A's rows instead writes 24 panels at strides
+    // that meet in the same L1 sets).
+    const int64_t full = mc / kMr, rest = mc - full * kMr;
+    for (int64_t kk0 = 0; kk0 < kc; kk0 += 8) {
+      const int64_t kb = std::min<int64_t>(8, kc - kk0);
+      const float* src = a.p + (p0 + kk0) * a.ld + i0;
+      for (int64_t q = 0; q < full; ++q) {
+        float* d = dst + q * kc * kMr + kk0 * kMr;
+        for (int64_t r = 0; r < kb; ++r) {
+          const float* sr = src + r * a.ld + q * kMr;
+          _mm_storeu_ps(d + r * kMr, _mm_loadu_ps(sr));
+          _mm_storel_pi(reinterpret_cast<__m64*>(d + r * kMr + 4),
+                        _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(sr + 4)));
+        }
+      }
+      if (rest > 0) {
+        float* d = dst + full * kc * kMr + kk0 * kMr;
+        for (int64_t r = 0; r < kb; ++r) {
+          for (int64_t i = 0; i < kMr; ++i) {
+            d[r * kMr + i] = i < rest ? src[r * a.ld + full * kMr + i] : 0.0f;
+          }
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t ip = 0; ip < mc; ip += kMr, dst += kc * kMr) {
+    const int64_t mr = std::min(kMr, mc - ip);
+    // A stored [m, k]: 6 rows (and 2 repeated) transposed in 8 x 8 blocks; each 8-float store
+    // runs 2 floats into the next k's slots, which the next store (or the tail) overwrites, and
+    // the last one into the buffer's slack (Run allocates one panel more than it packs).
+    const float* rows[8];
+    for (int64_t i = 0; i < 8; ++i) {
+      rows[i] = a.p + (i0 + ip + std::min<int64_t>(i, mr - 1)) * a.ld + p0;
+    }
+    int64_t kk = 0;
+    if (mr == kMr) {
+      for (; kk + 8 <= kc; kk += 8) {
+        __m256 col[8];
+        Transpose8x8(rows, kk, col);
+        float* d = dst + kk * kMr;
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; ++q) _mm256_storeu_ps(d + q * kMr, col[q]);
+      }
+    }
+    for (; kk < kc; ++kk) {
+      float* d = dst + kk * kMr;
+      for (int64_t i = 0; i < kMr; ++i) d[i] = i < mr ? rows[i][kk] : 0.0f;
+    }
+  }
+}
+
+// Packs op(B)[p0 : p0 + kc, j0 : j0 + nc] into ceil(nc / 16) panels of [kc][16], columns past nc
+// zero.
+SY_NOINLINE SY_AVX2 void PackB(const Operand& b, int64_t p0, int64_t kc, int64_t j0, int64_t nc,
+                               float* dst) {
+  const int64_t full = nc / kNr, rest = nc - full * kNr;
+  if (!b.trans) {
+    // B stored [k, n]: row by row (sequential reads), 16 values into each panel.
+    for (int64_t kk = 0; kk < kc; ++kk) {
+      const float* src = b.p + (p0 + kk) * b.ld + j0;
+      float* d = dst + kk * kNr;
+      for (int64_t q = 0; q < full; ++q) {
+        _mm256_storeu_ps(d + q * kc * kNr, _mm256_loadu_ps(src + q * kNr));
+        _mm256_storeu_ps(d + q * kc * kNr + 8, _mm256_loadu_ps(src + q * kNr + 8));
+      }
+      if (rest > 0) {
+        float* dr = d + full * kc * kNr;
+        for (int64_t j = 0; j < kNr; ++j) dr[j] = j < rest ? src[full * kNr + j] : 0.0f;
+      }
+    }
+    return;
+  }
+  // B stored [n, k]: 16 rows transposed in 8 x 8 blocks, the rest one by one.
+  for (int64_t q = 0; q <= full; ++q, dst += kc * kNr) {
+    const int64_t nr = q < full ? kNr : rest;
+    if (nr == 0) break;
+    const float* src = b.p + (j0 + q * kNr) * b.ld + p0;
+    int64_t kk0 = 0;
+    if (nr == kNr) {
+      const float* lo[8];
+      const float* hi[8];
+      for (int64_t j = 0; j < 8; ++j) {
+        lo[j] = src + j * b.ld;
+        hi[j] = src + (j + 8) * b.ld;
+      }
+      for (; kk0 + 8 <= kc; kk0 += 8) {
+        __m256 c0[8], c1[8];
+        Transpose8x8(lo, kk0, c0);
+        Transpose8x8(hi, kk0, c1);
+        float* d = dst + kk0 * kNr;
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          _mm256_storeu_ps(d + i * kNr, c0[i]);
+          _mm256_storeu_ps(d + i * kNr + 8, c1[i]);
+        }
+      }
+    }
+    for (int64_t kk = kk0; kk < kc; ++kk) {
+      for (int64_t j = 0; j < kNr; ++j) dst[kk * kNr + j] = j < nr ? src[j * b.ld + kk] : 0.0f;
+    }
+  }
+}
+
+// The 6 x 16 tile: C[0:6, 0:16] = alpha * (A panel · B panel) + beta * C (beta = 0: C not read).
+SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b, float* c,
+                                     int64_t ldc, float alpha, float beta) {
+  __m256 acc0[kMr], acc1[kMr];
+#pragma GCC unroll 6
+  for (int i = 0; i < kMr; ++i) {
+    acc0[i] = acc1[i] = _mm256_setzero_ps();
+    _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc + 15), _MM_HINT_T0);
+  }
+#pragma GCC unroll 4
+  for (int64_t kk = 0; kk < kc; ++kk) {
+    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+    _mm_prefetch(reinterpret_cast<const char*>(b + 8 * kNr), _MM_HINT_T0);
+#pragma GCC unroll 6
+    for (int i = 0; i < kMr; ++i) {
+      const __m256 av = _mm256_broadcast_ss(a + i);
+      acc0[i] = _mm256_fmadd_ps(av, b0, acc0[i]);
+      acc1[i] = _mm256_fmadd_ps(av, b1, acc1[i]);
+    }
+    a += kMr;
+    b += kNr;
+  }
+  const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
+  // Every loop over the tile is unrolled so the accumulators stay in registers.
+#pragma GCC unroll 6
+  for (int i = 0; i < kMr; ++i) {
+    float* cr = c + i * ldc;
+    __m256 r0 = _mm256_mul_ps(va, acc0[i]), r1 = _mm256_mul_ps(va, acc1[i]);
+    if (beta != 0.0f) {
+      r0 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(cr), r0);
+      r1 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(cr + 8), r1);
+    }
+    _mm256_storeu_ps(cr, r0);
+    _mm256_storeu_ps(cr + 8, r1);
+  }
+}
+
+// A tile at the edge of C (mr < 6 or nr < 16): computed into a buffer, then mr x nr stored.
+SY_AVX2 void EdgeKernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
+                        int64_t mr, int64_t nr, float alpha, float beta) {
+  alignas(32) float t[kMr * kNr];
+  MicroKernel(kc, a, b, t, kNr, alpha, 0.0f);
+  for (int64_t i = 0; i < mr; ++i) {
+    float* cr = c + i * ldc;
+    for (int64_t j = 0; j < nr; ++j) {
+      cr[j] = beta == 0.0f ? t[i * kNr + j] : t[i * kNr + j] + beta * cr[j];
+    }
+  }
+}
+
+// C = beta * C (k = 0).
+void ScaleC(const GemmProblem& p, float beta) {
+  for (int64_t i = 0; i < p.m; ++i) {
+    float* cr = p.c + i * p.ldc;
+    for (int64_t j = 0; j < p.n; ++j) cr[j] = beta == 0.0f ? 0.0f : beta * cr[j];
+  }
+}
+
+void CheckProblem(Trans trans_a, Trans trans_b, const GemmProblem& p) {
+  SY_REQUIRE(p.m >= 0 && p.n >= 0 && p.k >= 0, InvalidArgument,
+             "PackedGemm: negative size m={} n={} k={}", p.m, p.n, p.k);
+  const int64_t a_cols = trans_a == Trans::kNo ? p.k : p.m;
+  const int64_t b_cols = trans_b == Trans::kNo ? p.n : p.k;
+  SY_REQUIRE(p.lda >= std::max<int64_t>(1, a_cols), InvalidArgument,
+             "PackedGemm: lda={} smaller than the {} columns of A", p.lda, a_cols);
+  SY_REQUIRE(p.ldb >= std::max<int64_t>(1, b_cols), InvalidArgument,
+             "PackedGemm: ldb={} smaller than the {} columns of B", p.ldb, b_cols);
+  SY_REQUIRE(p.ldc >= std::max<int64_t>(1, p.n), InvalidArgument,
+             "PackedGemm: ldc={} smaller than the {} columns of C", p.ldc, p.n);
+}
+
+SY_AVX2 void Run(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta) {
+  const Operand a{p.a, p.lda, trans_a == Trans::kYes};
+  const Operand b{p.b, p.ldb, trans_b == Trans::kYes};
+  thread_local PackBuffer pack_a_buffer, pack_b_buffer;
+  const int64_t nc_max = std::min(kNc, (p.n + kNr - 1) / kNr * kNr);
+  const int64_t kc_max = std::min(kKc, p.k);
+  float* pack_a = pack_a_buffer.Get((kMc + kMr) * kc_max);
+  float* pack_b = pack_b_buffer.Get(nc_max * kc_max);
+  for (int64_t j0 = 0; j0 < p.n; j0 += kNc) {
+    const int64_t nc = std::min(kNc, p.n - j0);
+    for (int64_t p0 = 0; p0 < p.k; p0 += kKc) {
+      const int64_t kc = std::min(kKc, p.k - p0);
+      const float beta_block = p0 == 0 ? beta : 1.0f;  // later k blocks accumulate
+      PackB(b, p0, kc, j0, nc, pack_b);
+      for (int64_t i0 = 0; i0 < p.m; i0 += kMc) {
+        const int64_t mc = std::min(kMc, p.m - i0);
+        PackA(a, i0, mc, p0, kc, pack_a);
+        for (int64_t jr = 0; jr < nc; jr += kNr) {
+          const int64_t nr = std::min(kNr, nc - jr);
+          const float* bp = pack_b + jr * kc;
+          for (int64_t ir = 0; ir < mc; ir += kMr) {
+            const int64_t mr = std::min(kMr, mc - ir);
+            const float* ap = pack_a + ir * kc;
+            float* c = p.c + (i0 + ir) * p.ldc + j0 + jr;
+            if (mr == kMr && nr == kNr) {
+              MicroKernel(kc, ap, bp, c, p.ldc, alpha, beta_block);
+            } else {
+              EdgeKernel(kc, ap, bp, c, p.ldc, mr, nr, alpha, beta_block);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool PackedGemmAvailable() { return HostCpuFeatures().HasAvx2Fma(); }
+
+void PackedGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta) {
+  SY_CHECK(PackedGemmAvailable(), "PackedGemm needs AVX2 and FMA");
+  CheckProblem(trans_a, trans_b, p);
+  if (p.m == 0 || p.n == 0) return;
+  if (p.k == 0) {
+    ScaleC(p, beta);
+    return;
+  }
+  Run(trans_a, trans_b, p, alpha, beta);
+}
+
+void PackedGroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,
+                       std::span<const GemmProblem> problems) {
+  for (const GemmProblem& p : problems) PackedGemm(trans_a, trans_b, p, alpha, beta);
+}
+
+}  // namespace switchyard::kernels

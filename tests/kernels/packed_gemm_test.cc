@@ -1,0 +1,133 @@
+#include "switchyard/kernels/packed_gemm.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
+#include "switchyard/core/error.h"
+#include "switchyard/kernels/reference.h"
+#include "testing/random.h"
+
+namespace switchyard::kernels {
+namespace {
+
+using testing::AllClose;
+using testing::RandomVector;
+
+// (m, n, k, trans_a, trans_b): m = an expert's rows (0, 1, odd, more than one 144-row block), n
+// and k not multiples of the 6 x 16 tile, k across the 256-deep block.
+class PackedGemmTest : public ::testing::TestWithParam<std::tuple<int, int, int, bool, bool>> {};
+
+TEST_P(PackedGemmTest, MatchesFloat64Reference) {
+  if (!PackedGemmAvailable()) GTEST_SKIP() << "no AVX2/FMA on this CPU: the kernel is not used";
+  auto [m, n, k, ta, tb] = GetParam();
+  const Trans trans_a = ta ? Trans::kYes : Trans::kNo, trans_b = tb ? Trans::kYes : Trans::kNo;
+  // Leading dimensions with padding, to check they are honoured.
+  const int64_t lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 1, ldc = n + 2;
+  auto a = RandomVector(static_cast<size_t>((ta ? k : m) * lda), 1);
+  auto b = RandomVector(static_cast<size_t>((tb ? n : k) * ldb), 2);
+  auto c0 = RandomVector(static_cast<size_t>(m * ldc), 3);
+  for (float beta : {0.0f, 0.5f, 1.0f}) {
+    auto c = c0, want = c0;
+    PackedGemm(trans_a, trans_b, {m, n, k, a.data(), lda, b.data(), ldb, c.data(), ldc}, 1.5f,
+               beta);
+    ref::Gemm(trans_a, trans_b, m, n, k, 1.5f, a.data(), lda, b.data(), ldb, beta, want.data(),
+              ldc);
+    EXPECT_TRUE(AllClose(c, want, 1e-5, 2e-5 * std::max(1, k))) << "beta " << beta;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PackedGemmTest,
+                         ::testing::Combine(::testing::Values(0, 1, 7, 13, 151),
+                                            ::testing::Values(0, 1, 17, 40),
+                                            ::testing::Values(0, 1, 13, 300), ::testing::Bool(),
+                                            ::testing::Bool()));
+
+// Wider than one 2048-column block of B, with an edge tile in both directions.
+TEST(PackedGemm, WideProductCrossesColumnBlocks) {
+  if (!PackedGemmAvailable()) GTEST_SKIP() << "no AVX2/FMA on this CPU: the kernel is not used";
+  const int64_t m = 9, n = 2061, k = 37;
+  auto a = RandomVector(static_cast<size_t>(m * k), 4);
+  auto b = RandomVector(static_cast<size_t>(n * k), 5);
+  std::vector<float> c(static_cast<size_t>(m * n), 7.0f), want = c;
+  PackedGemm(Trans::kNo, Trans::kYes, {m, n, k, a.data(), k, b.data(), k, c.data(), n}, 1.0f, 0.0f);
+  ref::Gemm(Trans::kNo, Trans::kYes, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, want.data(), n);
+  EXPECT_TRUE(AllClose(c, want, 1e-5, 1e-4));
+}
+
+// The expert FFN's three forms over groups of rows of one buffer (M_e = 0, 1, 7, 13, 512), per-
+// group weights, the weight gradient accumulated with beta = 1 on top of a first pass.
+TEST(PackedGroupedGemm, ExpertFormsMatchReference) {
+  if (!PackedGemmAvailable()) GTEST_SKIP() << "no AVX2/FMA on this CPU: the kernel is not used";
+  const std::vector<int64_t> rows = {0, 1, 7, 13, 512};
+  const int64_t model = 37, hidden = 50, groups = static_cast<int64_t>(rows.size());
+  int64_t total = 0;
+  for (int64_t r : rows) total += r;
+  auto x = RandomVector(static_cast<size_t>(total * model), 6);
+  auto dy = RandomVector(static_cast<size_t>(total * hidden), 7);
+  auto w = RandomVector(static_cast<size_t>(groups * hidden * model), 8);  // [G, hidden, model]
+  struct Form {
+    Trans ta, tb;
+    const char* name;
+  };
+  for (const Form& f : {Form{Trans::kNo, Trans::kYes, "forward X W^T"},
+                        Form{Trans::kNo, Trans::kNo, "data gradient dY W"},
+                        Form{Trans::kYes, Trans::kNo, "weight gradient dY^T X"}}) {
+    std::vector<GemmProblem> got_p, want_p;
+    const bool wgrad = f.ta == Trans::kYes;
+    const int64_t out_rows = wgrad ? groups * hidden : total;
+    const int64_t out_cols = f.tb == Trans::kYes ? hidden : model;
+    std::vector<float> got(static_cast<size_t>(out_rows * out_cols), 0.0f), want = got;
+    int64_t off = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* wg = w.data() + g * hidden * model;
+      GemmProblem p;
+      if (f.tb == Trans::kYes) {  // [rows, model] x [hidden, model]^T
+        p = {rows[g], hidden, model, x.data() + off * model, model, wg, model, nullptr, hidden};
+        p.c = got.data() + off * hidden;
+      } else if (!wgrad) {  // [rows, hidden] x [hidden, model]
+        p = {rows[g], model, hidden, dy.data() + off * hidden, hidden, wg, model, nullptr, model};
+        p.c = got.data() + off * model;
+      } else {  // [rows, hidden]^T x [rows, model]
+        p = {hidden,  model,
+             rows[g], dy.data() + off * hidden,
+             hidden,  x.data() + off * model,
+             model,   got.data() + g * hidden * model,
+             model};
+      }
+      got_p.push_back(p);
+      GemmProblem q = p;
+      q.c = want.data() + (p.c - got.data());
+      want_p.push_back(q);
+      off += rows[g];
+    }
+    const int passes = wgrad ? 2 : 1;  // the second pass accumulates (beta = 1)
+    for (int pass = 0; pass < passes; ++pass) {
+      const float beta = pass == 0 ? 0.0f : 1.0f;
+      PackedGroupedGemm(f.ta, f.tb, 1.0f, beta, got_p);
+      for (const GemmProblem& q : want_p) {
+        ref::Gemm(f.ta, f.tb, q.m, q.n, q.k, 1.0f, q.a, q.lda, q.b, q.ldb, beta, q.c, q.ldc);
+      }
+    }
+    EXPECT_TRUE(AllClose(got, want, 1e-5, 1e-4 * 8)) << f.name;
+  }
+}
+
+TEST(PackedGemm, RejectsBadSizes) {
+  if (!PackedGemmAvailable()) GTEST_SKIP() << "no AVX2/FMA on this CPU: the kernel is not used";
+  std::vector<float> a(16), b(16), c(16);
+  EXPECT_THROW(PackedGemm(Trans::kNo, Trans::kNo, {4, 4, 4, a.data(), 3, b.data(), 4, c.data(), 4},
+                          1.0f, 0.0f),
+               InvalidArgument);
+  EXPECT_THROW(PackedGemm(Trans::kNo, Trans::kNo, {4, 4, 4, a.data(), 4, b.data(), 4, c.data(), 3},
+                          1.0f, 0.0f),
+               InvalidArgument);
+  EXPECT_THROW(PackedGemm(Trans::kNo, Trans::kNo, {-1, 4, 4, a.data(), 4, b.data(), 4, c.data(), 4},
+                          1.0f, 0.0f),
+               InvalidArgument);
+}
+
+}  // namespace
+}  // namespace switchyard::kernels
