@@ -226,6 +226,19 @@ TEST_F(HfEval, ExportInitFromExportRoundTripsBitForBit) {
     ASSERT_EQ(0, std::memcmp(x.raw(), y.raw(), x.nbytes())) << spec.name;
   }
 
+  // The same run on one rank exports the same tensors up to float summation order.
+  const std::string run_1 = *dir_ / "run_1";
+  r = RunSwitchyard(common + "--steps 2 --ranks 1 --out " + run_1);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string hf_1 = *dir_ / "export_one_rank";
+  r = RunSwitchyard("export --run " + run_1 + " --to hf --out " + hf_1);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const CheckpointReader one(hf_1);
+  for (const TensorSpec& spec : ParameterTable(c)) {
+    ExpectClose(a.ReadFloat32(spec.name, spec.shape), one.ReadFloat32(spec.name, spec.shape), 2e-4,
+                0, "ranks 4 ep 2 tp 2 vs one rank: " + spec.name);
+  }
+
   // A flag that contradicts the directory's config is an error naming both.
   r = RunSwitchyard(common + "--steps 1 --rope_theta 5 --init-from " + hf1 + " --out " +
                     (*dir_ / "run_c"));
