@@ -190,7 +190,8 @@ SY_REGISTER_COMMAND(Command{
                          "in that run's directory unless --out is given");
       app.add_option("--init-from", o->init_from,
                      "start a new run (step 0, fresh optimizer) from the weights of a Hugging "
-                     "Face directory or a checkpoint; its config gives the model keys");
+                     "Face directory or a checkpoint; its config gives the model keys")
+          ->type_name("PATH");
       app.add_option("--transport", o->transport,
                      "inproc (ranks as threads) | mpi (ranks as mpirun's processes) | auto");
       app.add_flag("--plain", o->plain, "print progress as plain lines even on a terminal");
