@@ -73,8 +73,16 @@ int RunEval(const EvalOptions& o) {
              "--out '{}' is a directory: expected the path of a .safetensors file to write", o.out);
   const std::string config_path = (fs::path(o.model) / "config.json").string();
   RequireDistinctOutput({"--out", o.out}, {{"--tokens", o.tokens}, {"config.json", config_path}});
-  const hf::ModelConfig config = hf::ReadModelConfig(o.model);
-  const hf::CheckpointReader reader(o.model);
+  // A directory that cannot be read as a model is bad input (exit 2), like a bad config.
+  auto as_bad_input = [](auto read) {
+    try {
+      return read();
+    } catch (const IoError& e) {
+      throw InvalidArgument(e.what());
+    }
+  };
+  const hf::ModelConfig config = as_bad_input([&] { return hf::ReadModelConfig(o.model); });
+  const hf::CheckpointReader reader = as_bad_input([&] { return hf::CheckpointReader(o.model); });
   for (const std::string& name : reader.Names()) {
     RequireDistinctOutput({"--out", o.out},
                           {{"a weights file", (fs::path(o.model) / reader.FileOf(name)).string()}});
@@ -82,7 +90,7 @@ int RunEval(const EvalOptions& o) {
   const Tensor tokens = ReadTokens(o.tokens);
   train::TrainConfig tc = train::TrainConfigFromJson(hf::TrainKeysJson(config, config_path));
   tc.model.seq_len = tokens.size(1);
-  const TensorMap weights = hf::ReadSwitchyardTensors(reader, config);
+  const TensorMap weights = as_bad_input([&] { return hf::ReadSwitchyardTensors(reader, config); });
   hf::EvalResult r;
   try {
     r = hf::EvaluateModel(tc, weights, tokens, config.router_aux_loss_coef, o.grads, o.threads);

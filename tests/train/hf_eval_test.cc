@@ -182,7 +182,30 @@ TEST_F(HfEval, BadInputIsAClearError) {
   r = run(Dir("qwen2_moe"), Dir("qwen2_moe") + "/tokens.json", out);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("config.json: keys 'mlp_only_layers'"), std::string::npos) << r.err;
+  // An index naming a shard that is not there.
+  const std::string broken = *dir_ / "broken";
+  std::filesystem::copy(dir, broken);
+  ASSERT_TRUE(std::filesystem::remove(broken + "/model-00002-of-00002.safetensors"));
+  r = run(broken, dir + "/tokens.json", out);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("model.safetensors.index.json: key 'weight_map."), std::string::npos)
+      << r.err;
   EXPECT_FALSE(std::filesystem::exists(out));
+}
+
+// BF16 weights are converted on load: eval runs and its loss stays near the float32 one.
+TEST_F(HfEval, Bf16WeightsAreConvertedOnLoad) {
+  const std::string bf16 = *dir_ / "bf16";
+  const std::string make = std::string(SY_SYSTEM_PYTHON3) + " " + SY_MAKE_TINY_HF + " --out " +
+                           bf16 + " --family mixtral --dtype bf16 --no-reference > /dev/null 2>&1";
+  ASSERT_EQ(std::system(make.c_str()), 0);
+  const std::string out = *dir_ / "bf16.safetensors";
+  const auto r = RunSwitchyard("eval --model " + bf16 + "/mixtral --tokens " + Dir("mixtral") +
+                               "/tokens.json --out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const TensorMap got = ReadSafetensors(out);
+  const TensorMap ref = ReadSafetensors(Dir("mixtral") + "/reference.safetensors");
+  EXPECT_NEAR(got.at("ce_loss").data<float>()[0], ref.at("ce_loss").data<float>()[0], 2e-2);
 }
 
 // A Mixtral-style run exported, a new run initialized from the export (learning rate 0, so its
