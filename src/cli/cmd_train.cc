@@ -6,6 +6,7 @@
 // is one rank (--transport mpi, or detected). --resume continues a run in its own directory
 // (the one holding the checkpoint's checkpoints/) unless --out says where.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +25,7 @@
 #include "switchyard/kernels/gemm_backend.h"
 #include "switchyard/train/checkpoint.h"
 #include "switchyard/train/distributed.h"
+#include "switchyard/train/hf_names.h"
 #include "switchyard/train/stop_signal.h"
 
 namespace switchyard::cli {
@@ -32,6 +34,7 @@ namespace {
 struct TrainOptions {
   std::string config_file;
   std::string resume;
+  std::string init_from;      // a Hugging Face directory or a checkpoint: the new run's weights
   bool resume_given = false;  // --resume was on the command line (also as "")
   std::string transport = "auto";
   bool plain = false;
@@ -47,6 +50,31 @@ train::TrainConfig DefaultTrainConfig() {
   c.steps = 1000;
   c.out = "runs/train";
   return c;
+}
+
+// --init-from PATH: the model keys are PATH's (its config.json, or its checkpoint's); a flag or
+// --config value that differs is an error naming both.
+void TakeInitFromModelKeys(const std::string& path, train::ResolvedTrainConfig& resolved) {
+  const nlohmann::json keys = nlohmann::json::parse(train::hf::InitFromModelKeysJson(path));
+  const nlohmann::json mine = nlohmann::json::parse(train::TrainConfigToJson(resolved.config));
+  std::vector<std::string> conflicts;
+  for (const auto& [key, value] : keys.items()) {
+    auto source = resolved.explicit_keys.find(key);
+    if (source == resolved.explicit_keys.end() || !mine.contains(key)) continue;
+    const nlohmann::json& have = mine.at(key);
+    const bool same = have.is_number() && value.is_number()
+                          ? have.get<double>() == value.get<double>()
+                          : have == value;
+    if (!same) {
+      conflicts.push_back(fmt::format("'{}': {} gives {}, {} has {}", key, source->second,
+                                      have.dump(), path, value.dump()));
+    }
+  }
+  SY_REQUIRE(conflicts.empty(), InvalidArgument,
+             "--init-from {}: the model comes from it; {} setting(s) conflict (leave them out): {}",
+             path, conflicts.size(), fmt::join(conflicts, "; "));
+  resolved.config = train::TrainConfigFromJson(keys.dump(), resolved.config);
+  for (const auto& [key, value] : keys.items()) resolved.explicit_keys[key] = "--init-from " + path;
 }
 
 int RunTrain(const TrainOptions& o) {
@@ -69,6 +97,7 @@ int RunTrain(const TrainOptions& o) {
         resolved, {.ranks = 4, .link_latency_us = o.link_latency_us, .link_gbps = o.link_gbps},
         stdout);
   }
+  if (!o.init_from.empty()) TakeInitFromModelKeys(o.init_from, resolved);
   train::TrainConfig config = resolved.config;
   if (!resolved.out_given && !o.resume.empty()) {
     // A resumed run continues in its own run directory.
@@ -83,6 +112,7 @@ int RunTrain(const TrainOptions& o) {
   const std::string transport = ResolveTransport(o.transport);
   train::DistributedRunOptions run;
   run.run.resume = o.resume;
+  run.run.init_from = o.init_from;
   run.run.config_file = o.config_file;
   if (o.plain) run.run.interactive = 0;
   // Every key checked (ranges before any narrowing, keys that cannot act in this layout) before
@@ -158,6 +188,10 @@ SY_REGISTER_COMMAND(Command{
           app.add_option("--resume", o->resume,
                          "continue from a checkpoint, checkpoints or run directory (any layout), "
                          "in that run's directory unless --out is given");
+      app.add_option("--init-from", o->init_from,
+                     "start a new run (step 0, fresh optimizer) from the weights of a Hugging "
+                     "Face directory or a checkpoint; its config gives the model keys")
+          ->type_name("PATH");
       app.add_option("--transport", o->transport,
                      "inproc (ranks as threads) | mpi (ranks as mpirun's processes) | auto");
       app.add_flag("--plain", o->plain, "print progress as plain lines even on a terminal");

@@ -14,6 +14,7 @@
 #include "switchyard/core/memory_account.h"
 #include "switchyard/train/dataset/metrics.h"
 #include "switchyard/train/generate.h"
+#include "switchyard/train/hf_names.h"
 #include "switchyard/train/memory_estimate.h"
 #include "switchyard/train/progress.h"
 #include "switchyard/train/run_dir.h"
@@ -243,6 +244,17 @@ void Trainer::OpenRunDirectory(RunState& r) {
     const fs::path own = fs::weakly_canonical(fs::path(r.checkpoints_dir), ec_own);
     r.resumes_own_run = !ec_from && !ec_own && from == own;
     if (r.writer) fmt::print(r.out, "resumed from {} at step {}\n", EscapeForTerminal(dir), step_);
+  }
+  if (!r.options.init_from.empty()) {
+    SY_REQUIRE(r.options.resume.empty(), InvalidArgument,
+               "--init-from starts a new run: it does not go with 'resume' ({})", r.options.resume);
+    CheckpointData init;
+    init.config_json = TrainConfigToJson(c);
+    init.model = hf::ReadInitFromWeights(r.options.init_from);
+    Restore(init, "--init-from " + r.options.init_from);
+    if (r.writer) {
+      fmt::print(r.out, "initialized from {}\n", EscapeForTerminal(r.options.init_from));
+    }
   }
   if (!r.writer) return;
   std::error_code ec;

@@ -59,6 +59,11 @@ void RequireTrainingMemory(const TrainConfig& config, int ranks_in_process);
 
 struct RunOptions {
   std::string resume;  // "" : fresh run; else a checkpoint, checkpoints or run directory
+  // A fresh run that starts from these weights (step 0, fresh optimizer): a Hugging Face
+  // directory or a switchyard checkpoint (hf_names.h, ReadInitFromWeights); each rank takes its
+  // part (tp shards, its experts by global id, its stage's blocks). "": initialized as usual.
+  // The model keys must already be the source's (InitFromModelKeysJson). Not with `resume`.
+  std::string init_from;
   // The --config file the run's keys came from ("": none): an input, like the data, that the
   // run's writes must never replace.
   std::string config_file;

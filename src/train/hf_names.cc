@@ -1,0 +1,269 @@
+// The table between Hugging Face's parameter names and switchyard's, and the conversions on it.
+#include "switchyard/train/hf_names.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string_view>
+
+#include "switchyard/core/error.h"
+#include "switchyard/train/checkpoint.h"
+
+namespace switchyard::train::hf {
+namespace {
+
+using Json = nlohmann::json;
+
+bool StartsWith(std::string_view s, std::string_view prefix) {
+  return s.substr(0, prefix.size()) == prefix;
+}
+
+// The switchyard name of a non-expert Hugging Face tensor of layer-local name `rest` (after
+// "model.layers.L.").
+std::string LayerName(int64_t layer, std::string_view rest) {
+  const std::string b = fmt::format("blocks.{}.", layer);
+  if (rest == "input_layernorm.weight") return b + "norm1.weight";
+  if (rest == "post_attention_layernorm.weight") return b + "norm2.weight";
+  if (StartsWith(rest, "self_attn.")) return b + "attn." + std::string(rest.substr(10));
+  if (rest == "block_sparse_moe.gate.weight" || rest == "mlp.gate.weight") {
+    return b + "moe.gate.weight";
+  }
+  if (StartsWith(rest, "mlp.shared_expert")) return b + "moe." + std::string(rest.substr(4));
+  if (StartsWith(rest, "mlp.")) return b + std::string(rest);
+  SY_CHECK(false, "no switchyard name for Hugging Face tensor '{}'", rest);
+  return {};
+}
+
+const char* StackedExpertName(ExpertMatrix m) {
+  switch (m) {
+    case ExpertMatrix::kGate: return "fc1.weight";
+    case ExpertMatrix::kUp: return "fc3.weight";
+    case ExpertMatrix::kDown: return "fc2.weight";
+  }
+  return "";
+}
+
+// The expert mappings of MoE layer `layer`, keyed by Hugging Face name.
+void AddExperts(const ModelConfig& c, int64_t layer, std::map<std::string, NameMapping>& out) {
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    for (ExpertMatrix m : {ExpertMatrix::kGate, ExpertMatrix::kUp, ExpertMatrix::kDown}) {
+      NameMapping n;
+      n.hf_name = ExpertTensorName(c, layer, e, m);
+      n.sy_name = fmt::format("blocks.{}.moe.experts.{}", layer, StackedExpertName(m));
+      n.expert = e;
+      n.num_experts = c.num_experts;
+      out[n.hf_name] = n;
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<NameMapping> NameTable(const ModelConfig& config) {
+  std::map<std::string, NameMapping> experts;
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    if (config.IsMoeLayer(l)) AddExperts(config, l, experts);
+  }
+  std::vector<NameMapping> table;
+  for (const TensorSpec& spec : ParameterTable(config)) {
+    NameMapping n;
+    auto it = experts.find(spec.name);
+    if (it != experts.end()) {
+      n = it->second;
+    } else if (spec.name == "model.embed_tokens.weight") {
+      n.sy_name = "embed.weight";
+    } else if (spec.name == "model.norm.weight") {
+      n.sy_name = "final_norm.weight";
+    } else if (spec.name == "lm_head.weight") {
+      n.sy_name = "head.weight";
+    } else {
+      const std::string_view name = spec.name;
+      SY_CHECK(StartsWith(name, "model.layers."), "unexpected tensor '{}'", spec.name);
+      const std::string_view rest = name.substr(13);
+      const size_t dot = rest.find('.');
+      const int64_t layer = std::stoll(std::string(rest.substr(0, dot)));
+      n.sy_name = LayerName(layer, rest.substr(dot + 1));
+    }
+    n.hf_name = spec.name;
+    n.shape = spec.shape;
+    table.push_back(std::move(n));
+  }
+  return table;
+}
+
+std::string TrainKeysJson(const ModelConfig& c, const std::string& what) {
+  SY_REQUIRE(c.is_moe(), InvalidArgument,
+             "{}: key 'model_type': {} is a dense family; eval, export and --init-from take "
+             "the MoE families (mixtral, qwen2_moe, olmoe)",
+             what, FamilyName(c.family));
+  SY_REQUIRE(c.head_dim * c.num_attention_heads == c.hidden_size, InvalidArgument,
+             "{}: key 'head_dim': {} is not hidden_size / num_attention_heads = {} / {}; "
+             "switchyard's model has head_dim = model_dim / num_heads",
+             what, c.head_dim, c.hidden_size, c.num_attention_heads);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    SY_REQUIRE(c.IsMoeLayer(l), InvalidArgument,
+               "{}: keys 'mlp_only_layers' / 'decoder_sparse_step': layer {} is a dense layer "
+               "among MoE layers, which switchyard's model does not build yet (every layer must "
+               "be MoE)",
+               what, l);
+  }
+  SY_REQUIRE(c.shared_expert_intermediate_size == 0, InvalidArgument,
+             "{}: key 'shared_expert_intermediate_size': {}: the gated shared expert of Qwen2-MoE "
+             "is not in switchyard's model yet (0 expected)",
+             what, c.shared_expert_intermediate_size);
+  const int64_t expert_hidden =
+      c.family == Family::kQwen2Moe ? c.moe_intermediate_size : c.intermediate_size;
+  Json j = {{"arch", std::string(FamilyName(c.family))},
+            {"vocab_size", c.vocab_size},
+            {"model_dim", c.hidden_size},
+            {"num_layers", c.num_hidden_layers},
+            {"num_heads", c.num_attention_heads},
+            {"num_kv_heads", c.num_key_value_heads},
+            {"hidden_dim", c.intermediate_size},
+            {"expert_hidden_dim", expert_hidden},
+            {"num_experts", c.num_experts},
+            {"top_k", c.num_experts_per_tok},
+            {"moe_every", 1},
+            {"norm", "rmsnorm"},
+            {"norm_eps", c.rms_norm_eps},
+            {"position_embedding", "rope"},
+            {"rope_theta", c.rope_theta},
+            {"attention_bias", c.qkv_bias ? "qkv" : "none"},
+            {"qk_norm", c.qk_norm},
+            {"mlp", "swiglu"},
+            {"mlp_bias", false},
+            {"tied_head", c.tie_word_embeddings},
+            {"hf_router", true},
+            {"norm_topk_prob", c.family == Family::kMixtral || c.norm_topk_prob},
+            {"capacity_factor", 0.0},
+            {"aux_loss_coef", c.router_aux_loss_coef}};
+  return j.dump();
+}
+
+TensorMap ReadSwitchyardTensors(const CheckpointReader& reader, const ModelConfig& config) {
+  reader.Validate(config);
+  TensorMap out;
+  for (const NameMapping& n : NameTable(config)) {
+    Tensor t = reader.ReadFloat32(n.hf_name, n.shape);
+    if (n.expert < 0) {
+      out[n.sy_name] = t;
+      continue;
+    }
+    Tensor& stacked = out[n.sy_name];
+    if (!stacked.defined()) {
+      Shape shape = {n.num_experts};
+      shape.insert(shape.end(), n.shape.begin(), n.shape.end());
+      stacked = Tensor::Zeros(shape);
+    }
+    stacked.Slice(n.expert, n.expert + 1).Reshape(n.shape).CopyFrom(t);
+  }
+  return out;
+}
+
+void ForEachHfTensor(const ModelConfig& config,
+                     const std::function<Tensor(const std::string& sy_name)>& lookup,
+                     const std::function<void(const std::string& hf_name, const Tensor&)>& emit) {
+  for (const NameMapping& n : NameTable(config)) {
+    Tensor full = lookup(n.sy_name);
+    Shape want = n.shape;
+    if (n.expert >= 0) want.insert(want.begin(), n.num_experts);
+    SY_REQUIRE(full.defined() && full.shape() == want, InvalidArgument,
+               "tensor '{}' (Hugging Face '{}'): expected shape {}, got {}", n.sy_name, n.hf_name,
+               ShapeToString(want), full.defined() ? ShapeToString(full.shape()) : "none");
+    if (n.expert < 0) {
+      emit(n.hf_name, full);
+    } else {
+      emit(n.hf_name, full.Slice(n.expert, n.expert + 1).Reshape(n.shape).Clone());
+    }
+  }
+}
+
+ModelConfig ModelConfigFromTrain(const TrainConfig& t, const std::string& what) {
+  Family family = Family::kMixtral;
+  const Arch arch = t.arch;
+  switch (arch) {
+    case Arch::kMixtral: family = Family::kMixtral; break;
+    case Arch::kQwen2Moe: family = Family::kQwen2Moe; break;
+    case Arch::kOlmoe: family = Family::kOlmoe; break;
+    case Arch::kGpt:
+      throw InvalidArgument(fmt::format(
+          "{}: key 'arch': gpt has no Hugging Face family here; expected mixtral, qwen2_moe or "
+          "olmoe",
+          what));
+  }
+  ModelConfig c =
+      ParseModelConfig(fmt::format(R"({{"model_type": "{}"}})", FamilyName(family)), what);
+  c.vocab_size = t.model.vocab_size;
+  c.hidden_size = t.model.model_dim;
+  c.num_hidden_layers = t.model.num_layers;
+  c.num_attention_heads = t.model.num_heads;
+  c.num_key_value_heads = t.model.num_kv_heads > 0 ? t.model.num_kv_heads : t.model.num_heads;
+  c.head_dim = t.model.model_dim / t.model.num_heads;
+  c.max_position_embeddings = std::max<int64_t>(c.max_position_embeddings, t.model.seq_len);
+  c.rope_theta = t.model.rope_theta;
+  c.rms_norm_eps = t.model.norm_eps;
+  c.initializer_range = t.model.init_std;
+  c.tie_word_embeddings = t.model.tied_head;
+  c.qkv_bias = t.model.attention_bias == AttentionBias::kQkv;
+  c.qk_norm = t.model.qk_norm;
+  c.num_experts = t.num_experts;
+  c.num_experts_per_tok = t.top_k;
+  const int64_t expert_hidden = t.expert_hidden_dim > 0 ? t.expert_hidden_dim : t.model.hidden_dim;
+  c.intermediate_size = family == Family::kQwen2Moe ? t.model.hidden_dim : expert_hidden;
+  c.moe_intermediate_size = expert_hidden;
+  c.shared_expert_intermediate_size = 0;
+  c.mlp_only_layers.clear();
+  c.decoder_sparse_step = 1;
+  c.norm_topk_prob = t.norm_topk_prob;
+  c.router_aux_loss_coef = t.aux_loss_coef;
+  c.pad_token_id.reset();
+  c.bos_token_id.reset();
+  c.eos_token_id.reset();
+  // Every key the conversion back gives must be the run's.
+  const Json mine = Json::parse(TrainConfigToJson(t));
+  const Json back = Json::parse(TrainKeysJson(c, what));
+  for (const auto& [key, value] : back.items()) {
+    if (key == "hidden_dim" && family != Family::kQwen2Moe) continue;  // no dense layers
+    if (key == "expert_hidden_dim" && t.expert_hidden_dim == 0) continue;
+    if (key == "num_kv_heads" && t.model.num_kv_heads == 0) continue;
+    const Json& have = mine.at(key);
+    const bool same = have.is_number() && value.is_number()
+                          ? have.get<double>() == value.get<double>()
+                          : have == value;
+    SY_REQUIRE(same, InvalidArgument, "{}: key '{}': {} has no {} equivalent; a {} model has {}",
+               what, key, have.dump(), FamilyArchitecture(family), FamilyName(family),
+               value.dump());
+  }
+  return c;
+}
+
+bool IsHfDirectory(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path dir(path);
+  return fs::exists(dir / "config.json", ec) && !fs::exists(dir / "state.json", ec) &&
+         (fs::exists(dir / kSingleFile, ec) || fs::exists(dir / kIndexFile, ec));
+}
+
+std::string InitFromModelKeysJson(const std::string& path) {
+  if (IsHfDirectory(path)) {
+    return TrainKeysJson(ReadModelConfig(path), path + "/config.json");
+  }
+  const Json all = Json::parse(ReadCheckpointConfigJson(path));
+  Json keys = Json::object();
+  for (const auto& [key, value] : all.items()) {
+    const ConfigKeyInfo* info = FindConfigKey(key);
+    if (info != nullptr && info->category == KeyCategory::kModel) keys[key] = value;
+  }
+  return keys.dump();
+}
+
+TensorMap ReadInitFromWeights(const std::string& path) {
+  if (IsHfDirectory(path))
+    return ReadSwitchyardTensors(CheckpointReader(path), ReadModelConfig(path));
+  return LoadCheckpoint(path).model;
+}
+
+}  // namespace switchyard::train::hf

@@ -1,0 +1,277 @@
+// `switchyard eval` on tiny Hugging Face directories (tests/models/make_tiny_hf.py) against the
+// plain PyTorch reference it writes (logits, ce_loss, aux_loss, loss, grad.<name>), the name
+// table of hf_names.h, gradients against finite differences, and bad input (exit 2, a message
+// naming the file and the key, nothing written). Needs python3-torch: its absence fails.
+#include "switchyard/train/hf_eval.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <set>
+#include <string>
+
+#include "cli/run_switchyard.h"
+#include "switchyard/core/file_util.h"
+#include "switchyard/core/safetensors.h"
+#include "switchyard/train/hf_names.h"
+#include "train/temp_dir.h"
+
+namespace switchyard::train::hf {
+namespace {
+
+using switchyard::testing::RunSwitchyard;
+
+class HfEval : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = std::make_unique<testing::TempDir>();
+    const std::string cmd = std::string(SY_SYSTEM_PYTHON3) + " -c 'import torch' > /dev/null 2>&1";
+    has_torch_ = std::system(cmd.c_str()) == 0;
+    if (!has_torch_) return;
+    const std::string make = std::string(SY_SYSTEM_PYTHON3) + " " + SY_MAKE_TINY_HF + " --out " +
+                             dir_->path() + " --family mixtral --family olmoe --family qwen2_moe" +
+                             " --max-shard-bytes 30000 > " + dir_->path() + "/log.txt 2>&1";
+    made_ = std::system(make.c_str()) == 0;
+  }
+  static void TearDownTestSuite() { dir_.reset(); }
+  void SetUp() override {
+    // python3-torch is a test dependency (scripts/setup.sh): its absence fails, never skips.
+    ASSERT_TRUE(has_torch_) << "PyTorch is not importable by " << SY_SYSTEM_PYTHON3
+                            << ": install python3-torch (scripts/setup.sh)";
+    ASSERT_TRUE(made_) << ReadTextFile(*dir_ / "log.txt");
+  }
+  static std::string Dir(const std::string& family) { return *dir_ / family; }
+
+  static std::unique_ptr<testing::TempDir> dir_;
+  static bool has_torch_;
+  static bool made_;
+};
+std::unique_ptr<testing::TempDir> HfEval::dir_;
+bool HfEval::has_torch_ = false;
+bool HfEval::made_ = false;
+
+void ExpectClose(const Tensor& got, const Tensor& want, double atol, double rtol,
+                 const std::string& what) {
+  ASSERT_EQ(got.numel(), want.numel()) << what;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double w = want.data<float>()[i];
+    ASSERT_NEAR(got.data<float>()[i], w, atol + rtol * std::abs(w)) << what << "[" << i << "]";
+  }
+}
+
+// Every tensor of a family maps to a distinct place in switchyard's model, experts by global id.
+TEST_F(HfEval, NameTableIsOneToOne) {
+  for (const char* family : {"mixtral", "olmoe"}) {
+    const ModelConfig c = ReadModelConfig(Dir(family));
+    std::set<std::string> places;
+    for (const NameMapping& n : NameTable(c)) {
+      EXPECT_TRUE(places.insert(n.sy_name + "#" + std::to_string(n.expert)).second) << n.hf_name;
+    }
+    EXPECT_EQ(places.size(), ParameterTable(c).size());
+    // Reading and emitting again gives the directory's tensors bit for bit.
+    const CheckpointReader reader(Dir(family));
+    const TensorMap sy = ReadSwitchyardTensors(reader, c);
+    int64_t seen = 0;
+    ForEachHfTensor(
+        c, [&](const std::string& name) { return sy.at(name); },
+        [&](const std::string& name, const Tensor& t) {
+          const Tensor want = reader.ReadFloat32(name, t.shape());
+          ASSERT_EQ(0, std::memcmp(t.raw(), want.raw(), want.nbytes())) << name;
+          ++seen;
+        });
+    EXPECT_EQ(seen, static_cast<int64_t>(ParameterTable(c).size()));
+  }
+}
+
+// eval's output equals the PyTorch reference: logits, the three losses, every gradient.
+TEST_F(HfEval, EqualsThePyTorchReference) {
+  for (const char* family : {"mixtral", "olmoe"}) {
+    const std::string dir = Dir(family);
+    const std::string out = *dir_ / (std::string(family) + "_eval.safetensors");
+    const auto r = RunSwitchyard("eval --model " + dir + " --tokens " + dir +
+                                 "/tokens.json --grads --out " + out);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const TensorMap got = ReadSafetensors(out);
+    const TensorMap ref = ReadSafetensors(dir + "/reference.safetensors");
+    ASSERT_EQ(got.at("logits").shape(), ref.at("logits").shape()) << family;
+    ExpectClose(got.at("logits"), ref.at("logits"), 2e-5, 0, std::string(family) + " logits");
+    for (const char* loss : {"ce_loss", "aux_loss", "loss"}) {
+      ExpectClose(got.at(loss), ref.at(loss), 2e-6, 0, std::string(family) + " " + loss);
+    }
+    const ModelConfig c = ReadModelConfig(dir);
+    EXPECT_EQ(got.size(), 4 + ParameterTable(c).size()) << family;
+    for (const TensorSpec& spec : ParameterTable(c)) {
+      const std::string name = "grad." + spec.name;
+      ASSERT_EQ(got.count(name), 1u) << name;
+      ExpectClose(got.at(name), ref.at(name), 1e-5, 1e-3, std::string(family) + " " + name);
+    }
+  }
+}
+
+// The gradient EvaluateModel returns against central differences of its loss, for a sample of
+// entries of every kind of parameter (embedding, attention, QK-norm, router, experts, head).
+TEST_F(HfEval, GradientsMatchFiniteDifferences) {
+  const std::string dir = Dir("olmoe");
+  const ModelConfig c = ReadModelConfig(dir);
+  TrainConfig tc = TrainConfigFromJson(TrainKeysJson(c, dir));
+  tc.model.seq_len = 6;
+  TensorMap w = ReadSwitchyardTensors(CheckpointReader(dir), c);
+  Tensor tokens = Tensor::Empty({2, 6}, DType::kInt32);
+  for (int64_t i = 0; i < 12; ++i) tokens.data<int32_t>()[i] = static_cast<int32_t>((i * 7) % 64);
+  // A larger coefficient so that the aux loss's gradient is visible next to the ce loss's.
+  const double coef = 0.5;
+  const EvalResult base = EvaluateModel(tc, w, tokens, coef, true);
+  int checked = 0;
+  for (const auto& [name, grad] : base.grads) {
+    Tensor value = w.at(name);
+    for (int64_t i : {int64_t{0}, value.numel() / 2 + 1, value.numel() - 1}) {
+      const float keep = value.data<float>()[i];
+      const float h = 3e-3f;
+      value.data<float>()[i] = keep + h;
+      const double up = EvaluateModel(tc, w, tokens, coef, false).loss;
+      value.data<float>()[i] = keep - h;
+      const double down = EvaluateModel(tc, w, tokens, coef, false).loss;
+      value.data<float>()[i] = keep;
+      const double fd = (up - down) / (2 * h);
+      EXPECT_NEAR(grad.data<float>()[i], fd, 2e-3 + 2e-2 * std::abs(fd)) << name << "[" << i << "]";
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 3 * 15);
+}
+
+// Bad input: exit 2, a message naming the file and the key, no output written.
+TEST_F(HfEval, BadInputIsAClearError) {
+  const std::string dir = Dir("mixtral");
+  const std::string out = *dir_ / "bad.safetensors";
+  auto run = [&](const std::string& model, const std::string& tokens, const std::string& o) {
+    return RunSwitchyard("eval --model " + model + " --tokens " + tokens + " --out " + o);
+  };
+  // A non-rectangular tokens file.
+  const std::string ragged = *dir_ / "ragged.json";
+  {
+    std::ofstream f(ragged);
+    f << R"({"input_ids": [[1, 2, 3], [4, 5]]})";
+  }
+  auto r = run(dir, ragged, out);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("ragged.json: key 'input_ids[1]'"), std::string::npos) << r.err;
+  // A token outside the vocabulary.
+  const std::string big = *dir_ / "big.json";
+  {
+    std::ofstream f(big);
+    f << R"({"input_ids": [[1, 2, 64]]})";
+  }
+  r = run(dir, big, out);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("outside the vocabulary"), std::string::npos) << r.err;
+  // --out equal to the input directory.
+  r = run(dir, dir + "/tokens.json", dir);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--out"), std::string::npos) << r.err;
+  // --out naming the tokens file.
+  r = run(dir, dir + "/tokens.json", dir + "/tokens.json");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--out"), std::string::npos) << r.err;
+  // Qwen2-MoE with its gated shared expert and a dense layer: refused naming the key.
+  r = run(Dir("qwen2_moe"), Dir("qwen2_moe") + "/tokens.json", out);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("config.json: keys 'mlp_only_layers'"), std::string::npos) << r.err;
+  // An index naming a shard that is not there.
+  const std::string broken = *dir_ / "broken";
+  std::filesystem::copy(dir, broken);
+  ASSERT_TRUE(std::filesystem::remove(broken + "/model-00002-of-00002.safetensors"));
+  r = run(broken, dir + "/tokens.json", out);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("model.safetensors.index.json: key 'weight_map."), std::string::npos)
+      << r.err;
+  EXPECT_FALSE(std::filesystem::exists(out));
+}
+
+// BF16 weights are converted on load: eval runs and its loss stays near the float32 one.
+TEST_F(HfEval, Bf16WeightsAreConvertedOnLoad) {
+  const std::string bf16 = *dir_ / "bf16";
+  const std::string make = std::string(SY_SYSTEM_PYTHON3) + " " + SY_MAKE_TINY_HF + " --out " +
+                           bf16 + " --family mixtral --dtype bf16 --no-reference > /dev/null 2>&1";
+  ASSERT_EQ(std::system(make.c_str()), 0);
+  const std::string out = *dir_ / "bf16.safetensors";
+  const auto r = RunSwitchyard("eval --model " + bf16 + "/mixtral --tokens " + Dir("mixtral") +
+                               "/tokens.json --out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const TensorMap got = ReadSafetensors(out);
+  const TensorMap ref = ReadSafetensors(Dir("mixtral") + "/reference.safetensors");
+  EXPECT_NEAR(got.at("ce_loss").data<float>()[0], ref.at("ce_loss").data<float>()[0], 2e-2);
+}
+
+// A Mixtral-style run exported, a new run initialized from the export (learning rate 0, so its
+// weights stay), exported again: the two exports hold the same tensors bit for bit. The run
+// trained in ep 2 / tp 2 exports the same names and shapes, and its export evaluates like the
+// checkpoint it came from.
+TEST_F(HfEval, ExportInitFromExportRoundTripsBitForBit) {
+  const std::string corpus = *dir_ / "corpus.txt";
+  {
+    std::ofstream f(corpus);
+    for (int i = 0; i < 200; ++i) f << "the quick brown fox jumps over the lazy dog " << i << "\n";
+  }
+  const std::string common =
+      "train --plain --data " + corpus +
+      " --arch mixtral --seq_len 16 --model_dim 32 --num_layers 2 --num_heads 4 --hidden_dim 48 "
+      "--num_experts 4 --top_k 2 --batch_size 8 --log_every 1 --eval_every 0 --sample_tokens 0 "
+      "--num_kv_heads 2 --threads 1 ";
+  const std::string run = *dir_ / "run_a";
+  auto r = RunSwitchyard(common + "--steps 2 --ranks 4 --ep 2 --tp 2 --out " + run);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string hf1 = *dir_ / "export_1";
+  r = RunSwitchyard("export --run " + run + " --to hf --out " + hf1 + " --max-shard-size 40KB");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(std::filesystem::exists(hf1 + "/model.safetensors.index.json"));
+  const ModelConfig c = ReadModelConfig(hf1);
+  EXPECT_EQ(c.family, Family::kMixtral);
+  CheckpointReader(hf1).Validate(c);
+
+  const std::string run_b = *dir_ / "run_b";
+  r = RunSwitchyard(common + "--steps 1 --lr 0 --min_lr 0 --ranks 2 --ep 2 --init-from " + hf1 +
+                    " --out " + run_b);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("initialized from"), std::string::npos) << r.out;
+  const std::string hf2 = *dir_ / "export_2";
+  r = RunSwitchyard("export --run " + run_b + " --to hf --out " + hf2);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const CheckpointReader a(hf1), b(hf2);
+  ASSERT_EQ(a.Names(), b.Names());
+  for (const TensorSpec& spec : ParameterTable(c)) {
+    const Tensor x = a.ReadFloat32(spec.name, spec.shape), y = b.ReadFloat32(spec.name, spec.shape);
+    ASSERT_EQ(0, std::memcmp(x.raw(), y.raw(), x.nbytes())) << spec.name;
+  }
+
+  // The same run on one rank exports the same tensors up to float summation order.
+  const std::string run_1 = *dir_ / "run_1";
+  r = RunSwitchyard(common + "--steps 2 --ranks 1 --out " + run_1);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string hf_1 = *dir_ / "export_one_rank";
+  r = RunSwitchyard("export --run " + run_1 + " --to hf --out " + hf_1);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const CheckpointReader one(hf_1);
+  for (const TensorSpec& spec : ParameterTable(c)) {
+    ExpectClose(a.ReadFloat32(spec.name, spec.shape), one.ReadFloat32(spec.name, spec.shape), 2e-4,
+                0, "ranks 4 ep 2 tp 2 vs one rank: " + spec.name);
+  }
+
+  // A flag that contradicts the directory's config is an error naming both.
+  r = RunSwitchyard(common + "--steps 1 --rope_theta 5 --init-from " + hf1 + " --out " +
+                    (*dir_ / "run_c"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("'rope_theta': --rope_theta gives 5"), std::string::npos) << r.err;
+  // --out equal to the run directory.
+  r = RunSwitchyard("export --run " + run + " --to hf --out " + run);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--out"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace switchyard::train::hf
