@@ -173,7 +173,9 @@ struct FromJsonVisitor {
       dst = PrecisionFromName(v.get<std::string>());
     } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
       // A JSON array, or the command line's "4,8" (a string).
-      const char* expected = "a list of integers >= 1 ([4, 8] or \"4,8\")";
+      // Entries below the row's lower bound (1 unless the row says, e.g. 0 for block indices).
+      const int64_t lo = info.values.ranged ? info.values.int_lo : 1;
+      const std::string expected = fmt::format("a list of integers >= {} ([4, 8] or \"4,8\")", lo);
       std::vector<int64_t> out;
       if (v.is_string()) {
         const std::string text = v.get<std::string>();
@@ -188,16 +190,16 @@ struct FromJsonVisitor {
           } catch (const std::exception&) {
             throw bad(expected);
           }
-          if (used_chars != item.size() || n < 1) throw bad(expected);
+          if (used_chars != item.size() || n < lo) throw bad(expected);
           out.push_back(n);
           at = comma + 1;
         }
       } else if (v.is_number_integer()) {  // one MoE block
-        if (v.get<int64_t>() < 1) throw bad(expected);
+        if (v.get<int64_t>() < lo) throw bad(expected);
         out.push_back(v.get<int64_t>());
       } else if (v.is_array()) {
         for (const json& e : v) {
-          if (!e.is_number_integer() || e.get<int64_t>() < 1) throw bad(expected);
+          if (!e.is_number_integer() || e.get<int64_t>() < lo) throw bad(expected);
           out.push_back(e.get<int64_t>());
         }
       } else {
@@ -327,12 +329,16 @@ void SetTrainConfigValue(TrainConfig& config, std::string_view key, std::string_
 }
 
 int64_t NumMoeBlocks(const ModelConfig& model) {
-  return model.moe_every > 0 ? model.num_layers / model.moe_every : 0;
+  int64_t n = 0;
+  for (int64_t i = 0; i < model.num_layers; ++i) n += IsMoeBlock(model, i) ? 1 : 0;
+  return n;
 }
 
 int64_t BlockExperts(const TrainConfig& c, int64_t block) {
   if (c.experts_per_block.empty() || c.model.moe_every <= 0) return c.num_experts;
-  const auto ordinal = static_cast<size_t>(block / c.model.moe_every);
+  // The MoE blocks before this one (mlp_only_layers may leave gaps).
+  size_t ordinal = 0;
+  for (int64_t i = 0; i < block; ++i) ordinal += IsMoeBlock(c.model, i) ? 1 : 0;
   SY_CHECK(ordinal < c.experts_per_block.size(), "block {} has no experts_per_block entry", block);
   return c.experts_per_block[ordinal];
 }
@@ -505,6 +511,8 @@ json ArchPreset(Arch arch, const TrainConfig& c) {
     case Arch::kQwen2Moe:
       j["norm_eps"] = 1e-6;
       j["attention_bias"] = "qkv";
+      // Qwen2MoeConfig's defaults make the shared expert as wide as the dense MLP (both 5632).
+      j["gated_shared_expert_hidden"] = c.model.hidden_dim;
       break;
     case Arch::kOlmoe:
       j["qk_norm"] = true;

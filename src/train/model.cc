@@ -7,6 +7,7 @@
 
 #include "switchyard/comm/self.h"
 #include "switchyard/kernels/gemm.h"
+#include "switchyard/train/gated_shared_moe.h"
 #include "switchyard/train/weight_grad.h"
 #include "train/parallel_for.h"
 
@@ -68,6 +69,14 @@ void ValidateModelConfig(const ModelConfig& c) {
              c.pad_token_id, c.vocab_size);
   SY_REQUIRE(c.mlp_bias || c.mlp == MlpKind::kSwiGlu, InvalidArgument,
              "model config: 'mlp_bias' false needs 'mlp' swiglu (the gelu MLP has biases)");
+  for (const int64_t layer : c.mlp_only_layers) {
+    SY_REQUIRE(layer >= 0 && layer < c.num_layers, InvalidArgument,
+               "model config: 'mlp_only_layers' entry {} is not a block of 'num_layers' {}", layer,
+               c.num_layers);
+  }
+  SY_REQUIRE(c.gated_shared_expert_hidden >= 0, InvalidArgument,
+             "model config: 'gated_shared_expert_hidden' must be >= 0, got {}",
+             c.gated_shared_expert_hidden);
 }
 
 bool UsesGqaAttention(const ModelConfig& c) {
@@ -90,6 +99,9 @@ double TrainingFlopsPerToken(const ModelConfig& c, int64_t num_experts, int64_t 
       double h = static_cast<double>(expert_hidden_dim > 0 ? expert_hidden_dim : c.hidden_dim);
       matrix +=
           static_cast<double>(num_experts) * m + static_cast<double>(top_k) * mlp_matrices * m * h;
+      // The gated shared expert: its SwiGLU and the [1, M] gate.
+      matrix += (3 * static_cast<double>(c.gated_shared_expert_hidden) + 1) * m *
+                (c.gated_shared_expert_hidden > 0 ? 1 : 0);
     } else {
       matrix += mlp_matrices * m * static_cast<double>(c.hidden_dim);
     }
@@ -99,7 +111,9 @@ double TrainingFlopsPerToken(const ModelConfig& c, int64_t num_experts, int64_t 
 }
 
 bool IsMoeBlock(const ModelConfig& c, int64_t i) {
-  return c.moe_every > 0 && i % c.moe_every == c.moe_every - 1;
+  return c.moe_every > 0 && i % c.moe_every == c.moe_every - 1 &&
+         std::find(c.mlp_only_layers.begin(), c.mlp_only_layers.end(), i) ==
+             c.mlp_only_layers.end();
 }
 
 // ---- TransformerLm ----
@@ -317,7 +331,10 @@ TransformerLm::TransformerLm(ModelConfig config, uint64_t seed, FeedForwardFacto
                  c.moe_every);
       auto ffn = moe_factory(i, prefix + "moe.", params_, seed);
       SY_CHECK(ffn != nullptr && ffn->is_moe(), "MoE factory returned no MoE FFN for block {}", i);
-      return ffn;
+      if (c.gated_shared_expert_hidden == 0) return ffn;
+      return std::make_unique<GatedSharedExpertMoe>(
+          std::move(ffn), params_, prefix + "moe.", c.model_dim, c.gated_shared_expert_hidden,
+          c.init_std, out_std, seed, *tp_.group, tp_.options, &tp_stats_);
     };
     blocks_[static_cast<size_t>(i)] =
         std::make_unique<Block>(params_, prefix, c, make_ffn, seed, tp_, &tp_stats_,

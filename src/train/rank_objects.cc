@@ -69,7 +69,11 @@ std::unique_ptr<RankObjects> BuildRankObjects(const TrainConfig& run_config,
   }
   // The run's process groups: built once, shared by every MoE block and the optimizer (every
   // block's experts split over them alike, TrainParallelOptions checks).
-  const moe::LayerConfig first = MoeBlockLayerConfig(config, config.model.moe_every - 1);
+  int64_t first_block = config.model.moe_every - 1;  // mlp_only_layers may skip it
+  while (first_block + 1 < config.model.num_layers && !IsMoeBlock(config.model, first_block)) {
+    ++first_block;
+  }
+  const moe::LayerConfig first = MoeBlockLayerConfig(config, first_block);
   r->groups = parallel::MakeLayerGroups(world, first, options);
   const parallel::Mesh& mesh = r->groups->mesh();
   // DeepSpeed's TP de-duplication (parallel::ParallelOptions::tp_dedup): each tp rank runs the

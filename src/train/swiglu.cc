@@ -88,25 +88,31 @@ Tensor GatedSharedExpert::Forward(const Tensor& x, GatedSharedExpertCache* cache
   return y;
 }
 
-Tensor GatedSharedExpert::Backward(const GatedSharedExpertCache& c, const Tensor& dy,
-                                   int threads) const {
-  const int64_t n = c.mlp_y.size(0), m = c.mlp_y.size(1);
+void SigmoidGateBackward(const Tensor& gate, const Tensor& a, const Tensor& dy, Tensor* d_a,
+                         Tensor* d_logit) {
+  const int64_t n = a.size(0), m = a.size(1);
   ExpectShape("shared expert dy", dy, {n, m});
-  const float* g = c.gate.data<float>();
-  const float* a = c.mlp_y.data<float>();
+  const float* g = gate.data<float>();
+  const float* ap = a.data<float>();
   const float* dyp = dy.data<float>();
-  Tensor d_mlp = Tensor::Empty({n, m});
-  Tensor d_logit = Tensor::Empty({n, 1});
-  float* dm = d_mlp.data<float>();
-  float* dl = d_logit.data<float>();
+  *d_a = Tensor::Empty({n, m});
+  *d_logit = Tensor::Empty({n, 1});
+  float* dm = d_a->data<float>();
+  float* dl = d_logit->data<float>();
   for (int64_t t = 0; t < n; ++t) {
     double dg = 0;
     for (int64_t j = 0; j < m; ++j) {
       dm[t * m + j] = g[t] * dyp[t * m + j];
-      dg += static_cast<double>(dyp[t * m + j]) * a[t * m + j];
+      dg += static_cast<double>(dyp[t * m + j]) * ap[t * m + j];
     }
     dl[t] = static_cast<float>(dg) * g[t] * (1.0f - g[t]);  // sigmoid' = g (1 - g)
   }
+}
+
+Tensor GatedSharedExpert::Backward(const GatedSharedExpertCache& c, const Tensor& dy,
+                                   int threads) const {
+  Tensor d_mlp, d_logit;
+  SigmoidGateBackward(c.gate, c.mlp_y, dy, &d_mlp, &d_logit);
   Tensor dx = mlp_.Backward(c.mlp, d_mlp, threads);
   Tensor dx_gate = gate_.Backward(c.mlp.x, d_logit, threads);
   float* dxp = dx.data<float>();

@@ -3,9 +3,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include "switchyard/comm/self.h"
 #include "switchyard/train/rope.h"
 #include "train/parallel_for.h"
 #include "train/qkv_layout.h"
@@ -24,11 +26,14 @@ TpGqaOptions Checked(TpGqaOptions o, const std::string& prefix, int p) {
   SY_REQUIRE(o.num_kv_heads > 0 && o.num_heads % o.num_kv_heads == 0, InvalidArgument,
              "{}: 'num_kv_heads' {} must divide 'num_heads' {}", prefix, o.num_kv_heads,
              o.num_heads);
-  SY_REQUIRE(o.num_kv_heads % p == 0, InvalidArgument,
-             "{}: 'num_kv_heads' {} does not divide by the tensor-parallel size {} (each rank "
-             "holds whole kv heads; tp above num_kv_heads, which would replicate them, is not "
-             "supported)",
+  SY_REQUIRE(o.num_kv_heads % p == 0 || p % o.num_kv_heads == 0, InvalidArgument,
+             "{}: 'num_kv_heads' {} and the tensor-parallel size {}: one must divide the other "
+             "(each rank holds whole kv heads, or one kv head replicated over tp / num_kv_heads "
+             "ranks)",
              prefix, o.num_kv_heads, p);
+  SY_REQUIRE(o.num_heads % p == 0, InvalidArgument,
+             "{}: 'num_heads' {} does not divide by the tensor-parallel size {}", prefix,
+             o.num_heads, p);
   SY_REQUIRE(!o.rope || (o.model_dim / o.num_heads) % 2 == 0, InvalidArgument,
              "{}: RoPE needs an even head_dim, got {}", prefix, o.model_dim / o.num_heads);
   return o;
@@ -109,13 +114,18 @@ TensorParallelGqaAttention::TensorParallelGqaAttention(
       options_(Checked(options, prefix, group.size())),
       head_dim_(options_.model_dim / options_.num_heads),
       local_heads_(options_.num_heads / group.size()),
-      local_kv_heads_(options_.num_kv_heads / group.size()),
+      local_kv_heads_(std::max<int64_t>(1, options_.num_kv_heads / group.size())),
+      kv_self_(group.size() > options_.num_kv_heads ? comm::CreateSelfCommunicator(prefix + "kv")
+                                                    : nullptr),
+      kv_head_(group.rank() / std::max<int64_t>(1, group.size() / options_.num_kv_heads)),
       q_(params, prefix + "q_proj.", options_.model_dim, options_.num_heads * head_dim_,
          options_.qkv_bias, options_.init_std, options_.seed, group, tp_options),
       k_(params, prefix + "k_proj.", options_.model_dim, options_.num_kv_heads * head_dim_,
-         options_.qkv_bias, options_.init_std, options_.seed, group, tp_options),
+         options_.qkv_bias, options_.init_std, options_.seed, kv_self_ ? *kv_self_ : group,
+         tp_options),
       v_(params, prefix + "v_proj.", options_.model_dim, options_.num_kv_heads * head_dim_,
-         options_.qkv_bias, options_.init_std, options_.seed, group, tp_options),
+         options_.qkv_bias, options_.init_std, options_.seed, kv_self_ ? *kv_self_ : group,
+         tp_options),
       o_(params, prefix + "o_proj.", options_.num_heads * head_dim_, options_.model_dim,
          options_.o_bias, options_.o_init_std, options_.seed, group, tp_options),
       stats_(stats) {
@@ -125,7 +135,55 @@ TensorParallelGqaAttention::TensorParallelGqaAttention(
              prefix);
   if (options_.qk_norm) {
     q_norm_ = AddNormWeight(params, prefix + "q_norm.weight", local_heads_ * head_dim_, group);
-    k_norm_ = AddNormWeight(params, prefix + "k_norm.weight", local_kv_heads_ * head_dim_, group);
+    k_norm_ = replicated_kv() ? AddNormWeight(params, prefix + "k_norm.weight",
+                                              options_.num_kv_heads * head_dim_, *kv_self_)
+                              : AddNormWeight(params, prefix + "k_norm.weight",
+                                              local_kv_heads_ * head_dim_, group);
+  }
+}
+
+Tensor TensorParallelGqaAttention::KvColumns(const Tensor& full) const {
+  const int64_t n = full.size(0), d = head_dim_, width = full.size(1);
+  Tensor out = Tensor::Empty({n, d});
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(out.data<float>() + i * d, full.data<float>() + i * width + kv_head_ * d,
+                static_cast<size_t>(d) * sizeof(float));
+  }
+  return out;
+}
+
+Tensor TensorParallelGqaAttention::PadKvColumns(const Tensor& local) const {
+  const int64_t n = local.size(0), d = head_dim_, width = options_.num_kv_heads * d;
+  Tensor out = Tensor::Zeros({n, width});
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(out.data<float>() + i * width + kv_head_ * d, local.data<float>() + i * d,
+                static_cast<size_t>(d) * sizeof(float));
+  }
+  return out;
+}
+
+void TensorParallelGqaAttention::SumKvGradsOverReplicas(
+    const std::function<Tensor()>& backward) const {
+  // With sequence parallelism the data-parallel reduction of replicated parameters spans the tp
+  // ranks and sums the replicas' gradients itself.
+  std::vector<Parameter*> kv = {&k_.local().weight(), &v_.local().weight()};
+  for (Parameter* b : {k_.local().bias(), v_.local().bias(), k_norm_}) {
+    if (b != nullptr) kv.push_back(b);
+  }
+  if (tp_options_.sequence_parallel || group_.size() == 1) {
+    (void)backward();
+    return;
+  }
+  // This call's gradients alone, summed over the group, then added to what was there.
+  std::vector<Tensor> kept;
+  for (Parameter* p : kv) {
+    kept.push_back(p->grad.Clone());
+    std::fill_n(p->grad.data<float>(), p->grad.numel(), 0.0f);
+  }
+  (void)backward();
+  for (size_t i = 0; i < kv.size(); ++i) {
+    AllReduceTensor(group_, kv[i]->grad, stats_);
+    AddInPlaceParallel(kv[i]->grad, kept[i], 1);
   }
 }
 
@@ -148,13 +206,15 @@ Tensor TensorParallelGqaAttention::ProjectQkv(const Tensor& x, std::span<const i
     Tensor q_rstd, k_rstd;
     Tensor qn = ShardedRmsNormForward(group_, q, *q_norm_, options_.num_heads * d,
                                       options_.norm_eps, &q_rstd, stats_);
-    Tensor kn = ShardedRmsNormForward(group_, k, *k_norm_, options_.num_kv_heads * d,
-                                      options_.norm_eps, &k_rstd, stats_);
+    Tensor kn =
+        ShardedRmsNormForward(replicated_kv() ? *kv_self_ : group_, k, *k_norm_,
+                              options_.num_kv_heads * d, options_.norm_eps, &k_rstd, stats_);
     if (cache != nullptr) {
       cache->q_pre = q, cache->k_pre = k, cache->q_rstd = q_rstd, cache->k_rstd = k_rstd;
     }
     q = qn, k = kn;
   }
+  if (replicated_kv()) k = KvColumns(k), v = KvColumns(v);
   if (options_.rope) {
     q = RopeForward(q, positions, d, options_.rope_theta, threads);
     k = RopeForward(k, positions, d, options_.rope_theta, threads);
@@ -168,7 +228,8 @@ Tensor TensorParallelGqaAttention::ProjectQkvBackward(const TpGqaCache& cache, c
   const int64_t n = cache.x.size(0), d = head_dim_, heads = local_heads_;
   const int64_t qd = heads * d;
   ExpectShape("attention d(qkv)", dqkv, {n, 3 * qd});
-  auto [dq, dk, dv] = RepeatKvQkvBackward(dqkv, heads, local_kv_heads_, d);
+  QkvGrads grads = RepeatKvQkvBackward(dqkv, heads, local_kv_heads_, d);
+  Tensor dq = grads.dq, dk = grads.dk, dv = grads.dv;
   if (options_.rope) {
     dq = RopeBackward(dq, cache.positions, d, options_.rope_theta, threads);
     dk = RopeBackward(dk, cache.positions, d, options_.rope_theta, threads);
@@ -176,12 +237,23 @@ Tensor TensorParallelGqaAttention::ProjectQkvBackward(const TpGqaCache& cache, c
   if (options_.qk_norm) {
     dq = ShardedRmsNormBackward(group_, cache.q_pre, cache.q_rstd, *q_norm_, options_.num_heads * d,
                                 dq, stats_);
-    dk = ShardedRmsNormBackward(group_, cache.k_pre, cache.k_rstd, *k_norm_,
-                                options_.num_kv_heads * d, dk, stats_);
   }
   Tensor dx = q_.local().Backward(cache.x, dq, threads);
-  AddInPlaceParallel(dx, k_.local().Backward(cache.x, dk, threads), threads);
-  AddInPlaceParallel(dx, v_.local().Backward(cache.x, dv, threads), threads);
+  auto kv_backward = [&]() {
+    if (replicated_kv()) dk = PadKvColumns(dk), dv = PadKvColumns(dv);
+    if (options_.qk_norm) {
+      dk = ShardedRmsNormBackward(replicated_kv() ? *kv_self_ : group_, cache.k_pre, cache.k_rstd,
+                                  *k_norm_, options_.num_kv_heads * d, dk, stats_);
+    }
+    AddInPlaceParallel(dx, k_.local().Backward(cache.x, dk, threads), threads);
+    AddInPlaceParallel(dx, v_.local().Backward(cache.x, dv, threads), threads);
+    return dx;
+  };
+  if (replicated_kv()) {
+    SumKvGradsOverReplicas(kv_backward);
+  } else {
+    kv_backward();
+  }
   return EnterTensorParallelBackward(group_, tp_options_, dx, stats_);
 }
 

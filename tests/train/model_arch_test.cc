@@ -14,7 +14,9 @@
 #include "switchyard/core/rng.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/train/config.h"
+#include "switchyard/train/gated_shared_moe.h"
 #include "switchyard/train/gqa_attention.h"
+#include "switchyard/train/moe_feed_forward.h"
 #include "switchyard/train/rope.h"
 #include "switchyard/train/swiglu.h"
 #include "switchyard/train/tensor_parallel_gqa.h"
@@ -43,6 +45,11 @@ float MaxDiff(const Tensor& a, const Tensor& b) {
     worst = std::max(worst, std::abs(a.data<float>()[i] - b.data<float>()[i]));
   }
   return worst;
+}
+
+void AddInPlace(const Tensor& acc, const Tensor& x) {
+  ASSERT_EQ(acc.shape(), x.shape());
+  for (int64_t i = 0; i < acc.numel(); ++i) acc.data<float>()[i] += x.data<float>()[i];
 }
 
 // Copies every parameter of `from` into the parameter of `to` with the same name (both sets
@@ -128,6 +135,87 @@ TEST(ModelArchTest, TensorParallelSwiGluEqualsPlainLayer) {
   }
 }
 
+// The gated shared expert around an MoE FFN, over a one-rank group, equals the routed FFN plus
+// the plain GatedSharedExpert (swiglu.h, checked against PyTorch by hf_reference_test), forward
+// and backward, with the same names; and its gradients agree with finite differences.
+TEST(ModelArchTest, GatedSharedExpertMoeEqualsPlainLayers) {
+  moe::LayerConfig layer;
+  layer.model_dim = 16;
+  layer.hidden_dim = 12;
+  layer.num_experts = 4;
+  layer.top_k = 2;
+  layer.gated = true;
+  layer.activation = kernels::Activation::kSilu;
+  layer.fc_bias = false;
+  layer.dropless = true;
+  // No loss terms: the objective of the finite differences below is sum(y * dy) alone.
+  layer.aux_loss_coef = 0;
+  layer.z_loss_coef = 0;
+  ParameterSet ref_params;
+  MoeFeedForward ref_moe(ref_params, "moe.", layer, 3);
+  GatedSharedExpert ref_shared(ref_params, "moe.", 16, 20, 0.3f, 0.3f, 4);
+  auto group = comm::CreateSelfCommunicator();
+  ParameterSet params;
+  GatedSharedExpertMoe ffn(std::make_unique<MoeFeedForward>(params, "moe.", layer, 3), params,
+                           "moe.", 16, 20, 0.3f, 0.3f, 9, *group, {});
+  CopyParameters(ref_params, params);
+  const Tensor x = RandomTensor({6, 16}, 1);
+  const Tensor dy = RandomTensor({6, 16}, 2);
+  FeedForwardOutput routed = ref_moe.Forward(x, FeedForwardContext{});
+  GatedSharedExpertCache shared_cache;
+  Tensor want = ref_shared.Forward(x, &shared_cache);
+  AddInPlace(want, routed.y);
+  FeedForwardOutput out = ffn.Forward(x, FeedForwardContext{});
+  EXPECT_LT(MaxDiff(out.y, want), 1e-6f);
+  EXPECT_EQ(out.loss, routed.loss);
+  Tensor dx_want = ref_moe.Backward(routed, dy, 1.0f, 1);
+  AddInPlace(dx_want, ref_shared.Backward(shared_cache, dy));
+  const Tensor dx = ffn.Backward(out, dy, 1.0f, 1);
+  EXPECT_LT(MaxDiff(dx, dx_want), 1e-5f);
+  for (const Parameter& p : ref_params.all()) {
+    EXPECT_LT(MaxDiff(params.Find(p.name)->grad, p.grad), 1e-5f) << p.name;
+  }
+  // Finite differences of sum(y * dy) for the gate's weight, a shared-expert weight and the
+  // input, in double precision sums of float32 forwards.
+  params.ZeroGrad();
+  FeedForwardOutput again = ffn.Forward(x, FeedForwardContext{});
+  const Tensor dx0 = ffn.Backward(again, dy, 1.0f, 1);
+  auto objective = [&]() {
+    FeedForwardContext no_save;
+    no_save.save_for_backward = false;
+    const Tensor y = ffn.Forward(x, no_save).y;
+    double s = 0;
+    for (int64_t i = 0; i < y.numel(); ++i) s += double{y.data<float>()[i]} * dy.data<float>()[i];
+    return s;
+  };
+  const float h = 1e-2f;
+  auto central = [&](float* v) {
+    const float keep = *v;
+    *v = keep + h;
+    const double plus = objective();
+    *v = keep - h;
+    const double minus = objective();
+    *v = keep;
+    return (plus - minus) / (2 * h);
+  };
+  Parameter& gate = params.Get("moe.shared_expert_gate.weight");
+  for (int64_t j : {0, 5, 15}) {
+    const double fd = central(gate.value.data<float>() + j);
+    EXPECT_NEAR(gate.grad.data<float>()[j], fd, 2e-3 * (1 + std::abs(fd))) << "gate " << j;
+  }
+  Parameter& up = params.Get("moe.shared_expert.up_proj.weight");
+  for (int64_t j : {0, 77, 319}) {
+    const double fd = central(up.value.data<float>() + j);
+    EXPECT_NEAR(up.grad.data<float>()[j], fd, 2e-3 * (1 + std::abs(fd))) << "up " << j;
+  }
+  // The input (far from routing ties: a small step keeps the experts chosen).
+  Tensor& xm = const_cast<Tensor&>(x);
+  for (int64_t j : {3, 40, 90}) {
+    const double fd = central(xm.data<float>() + j);
+    EXPECT_NEAR(dx0.data<float>()[j], fd, 2e-2 * (1 + std::abs(fd))) << "x " << j;
+  }
+}
+
 // pad_token_id: the padding token's embedding row gets no gradient from the lookup; other rows
 // and the same model without it do.
 TEST(ModelArchTest, PadTokenRowGetsNoGradient) {
@@ -204,14 +292,59 @@ TEST(ModelArchTest, ArchPresetsSetFamilyDefaults) {
   const TrainConfig qwen = Resolve(defaults, {{"arch", "qwen2_moe"}}).config;
   EXPECT_TRUE(qwen.model.attention_bias == AttentionBias::kQkv);
   EXPECT_EQ(qwen.model.norm_eps, 1e-6);
+  EXPECT_EQ(qwen.model.gated_shared_expert_hidden, defaults.model.hidden_dim);
+  EXPECT_EQ(m.model.gated_shared_expert_hidden, 0);
+}
+
+// mlp_only_layers (Hugging Face's semantics with moe_every as decoder_sparse_step): block i is an
+// MoE block iff (i + 1) % moe_every == 0 and i is not listed; the dense blocks get the dense MLP's
+// parameters, the MoE blocks the experts and the gated shared expert with Hugging Face's names.
+TEST(ModelArchTest, MlpOnlyLayersAndSharedExpertParameters) {
+  ModelConfig c;
+  c.num_layers = 6;
+  c.moe_every = 2;
+  c.mlp_only_layers = {3};
+  c.mlp = MlpKind::kSwiGlu;
+  c.mlp_bias = false;
+  c.gated_shared_expert_hidden = 24;
+  std::vector<bool> moe;
+  for (int64_t i = 0; i < c.num_layers; ++i) moe.push_back(IsMoeBlock(c, i));
+  EXPECT_EQ(moe, (std::vector<bool>{false, true, false, false, false, true}));
+  TrainConfig t;
+  t.model = c;
+  EXPECT_EQ(NumMoeBlocks(t.model), 2);
+  t.model.mlp_only_layers = {6};
+  EXPECT_THROW(ValidateModelConfig(t.model), InvalidArgument);
+  moe::LayerConfig layer;
+  layer.model_dim = c.model_dim;
+  layer.hidden_dim = 32;
+  layer.num_experts = 4;
+  layer.top_k = 2;
+  layer.gated = true;
+  layer.activation = kernels::Activation::kSilu;
+  layer.fc_bias = false;
+  TransformerLm model(c, 1, MoeFeedForwardFactory(layer));
+  const ParameterSet& p = model.parameters();
+  EXPECT_NE(p.Find("blocks.3.mlp.gate_proj.weight"), nullptr);
+  EXPECT_EQ(p.Find("blocks.3.moe.gate.weight"), nullptr);
+  EXPECT_NE(p.Find("blocks.5.moe.experts.fc1.weight"), nullptr);
+  ASSERT_NE(p.Find("blocks.5.moe.shared_expert.gate_proj.weight"), nullptr);
+  EXPECT_EQ(p.Find("blocks.5.moe.shared_expert.up_proj.weight")->value.shape(), (Shape{24, 128}));
+  EXPECT_EQ(p.Find("blocks.5.moe.shared_expert.down_proj.weight")->value.shape(), (Shape{128, 24}));
+  EXPECT_EQ(p.Find("blocks.5.moe.shared_expert_gate.weight")->value.shape(), (Shape{1, 128}));
+  EXPECT_EQ(p.Find("blocks.1.moe.shared_expert.up_proj.bias"), nullptr);
 }
 
 // A small model of the family: the tiny MoE run's sizes with 4 heads (2 kv heads), MoE in
 // every block.
+// qwen2_moe: its gated shared expert (the preset's, hidden_dim wide) and block 0 dense
+// (mlp_only_layers), so that a pipeline stage holds no experts.
 TrainConfig Family(const TempDir& dir, const char* arch) {
   TrainConfig base = testing::TinyMoeConfig(dir);
   base.model.num_heads = 4;
-  return Resolve(base, {{"arch", arch}, {"num_kv_heads", "2"}}).config;
+  std::map<std::string, std::string> flags = {{"arch", arch}, {"num_kv_heads", "2"}};
+  if (std::string(arch) == "qwen2_moe") flags["mlp_only_layers"] = "0";
+  return Resolve(base, flags).config;
 }
 
 struct Layout {
@@ -260,6 +393,9 @@ TEST_P(FamilyLayoutTest, EveryLayoutMatchesOneRank) {
       {.ranks = 4, .tp = 2, .sp = true, .ep = 2, .zero = 1},
       {.ranks = 2, .tp = 2, .recompute = "full"},
       {.ranks = 1, .recompute = "selective"},
+      // tp 4 over 2 kv heads: each kv head replicated on two ranks.
+      {.ranks = 4, .tp = 4},
+      {.ranks = 4, .tp = 4, .sp = true},
   };
   for (const Layout& l : layouts) {
     ExpectSameRun(want, OnRanks(WithLayout(base, l), kSteps), GetParam() + (" " + Describe(l)));
@@ -283,7 +419,8 @@ TEST_P(FamilyLayoutTest, EveryLayoutMatchesOneRank) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, FamilyLayoutTest, ::testing::Values("mixtral", "olmoe"));
+INSTANTIATE_TEST_SUITE_P(Families, FamilyLayoutTest,
+                         ::testing::Values("mixtral", "olmoe", "qwen2_moe"));
 
 }  // namespace
 }  // namespace switchyard::train

@@ -100,8 +100,9 @@ TEST(TrainConfigTest, JsonRoundTripAndErrors) {
   // data_format, tokenizer; the router keys num_groups, group_topk, aux_loss,
   // expert_bias_update_rate, router_group_by, router_trace, router_trace_steps, router_replay; the
   // model architecture block: arch, position_embedding, rope_theta, num_kv_heads, norm_eps,
-  // attention_bias, qk_norm, mlp, mlp_bias, pad_token_id, hf_router, norm_topk_prob.
-  EXPECT_EQ(TrainConfigKeys().size(), 97u);
+  // attention_bias, qk_norm, mlp, mlp_bias, pad_token_id, hf_router, norm_topk_prob,
+  // gated_shared_expert_hidden, mlp_only_layers.
+  EXPECT_EQ(TrainConfigKeys().size(), 99u);
   s.batch_size = 0;
   EXPECT_THROW(ValidateTrainConfig(s), InvalidArgument);
 }

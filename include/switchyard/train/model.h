@@ -55,8 +55,8 @@ struct ModelConfig {
   NormKind norm = NormKind::kLayerNorm;
   kernels::Activation activation = kernels::Activation::kGelu;
   bool tied_head = true;
-  // Block i has an MoE FFN iff moe_every > 0 and i % moe_every == moe_every - 1 (moe_every 2:
-  // blocks 1, 3, ...; 1: every block; 0: a dense model).
+  // Block i has an MoE FFN iff moe_every > 0, i % moe_every == moe_every - 1 (moe_every 2:
+  // blocks 1, 3, ...; 1: every block; 0: a dense model) and i is not in mlp_only_layers.
   int64_t moe_every = 0;
   float init_std = 0.02f;  // N(0, init_std^2); residual projections use init_std / sqrt(2 L)
   // The Hugging Face families' components (docs/models.md). The defaults are GPT-2's; any other
@@ -76,6 +76,12 @@ struct ModelConfig {
   // The padding token: its embedding row gets no gradient from the lookup (nn.Embedding's
   // padding_idx; a tied head still trains it). -1: none.
   int64_t pad_token_id = -1;
+  // Qwen2-MoE: every MoE block adds sigmoid(x . w_g) * SwiGLU(x) of this hidden size
+  // (GatedSharedExpertMoe, train/gated_shared_moe.h). 0: none.
+  int64_t gated_shared_expert_hidden = 0;
+  // Blocks that stay dense though moe_every makes them MoE blocks (Hugging Face's
+  // mlp_only_layers; moe_every is its decoder_sparse_step).
+  std::vector<int64_t> mlp_only_layers;
   // How a training step computes, not what the model is (a checkpoint resumes under any value).
   Recompute recompute = Recompute::kNone;
   Precision precision = Precision::kFloat32;  // bf16: mixed precision (mixed_precision.h)

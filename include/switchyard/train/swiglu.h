@@ -48,6 +48,11 @@ struct GatedSharedExpertCache {
   Tensor gate;   // [num_tokens] sigmoid(x · shared_expert_gate.weight^T)
 };
 
+// The backward of the shared expert's per-token gate y = g * a (g [n] the sigmoid values, a
+// [n, M]): d_a = g * dy and d_logit [n, 1] = (dy · a) g (1 - g), the gradient of the gate's logit.
+void SigmoidGateBackward(const Tensor& gate, const Tensor& a, const Tensor& dy, Tensor* d_a,
+                         Tensor* d_logit);
+
 // Qwen2-MoE's shared expert: a SwiGLU MLP every token passes through, scaled per token by a
 // sigmoid gate (the layer adds this to the routed experts' output):
 //   y = sigmoid(x · w_g^T) * SwiGLU(x)

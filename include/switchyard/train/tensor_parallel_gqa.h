@@ -9,8 +9,12 @@
 //   whole heads), "<prefix>o_proj.weight" [M, H * d / P] (columns); optional biases (q, k, v,
 //   and o for AttentionBias::kAll); optional QK-norm (RMSNorm over the whole projected q and k,
 //   its sums of squares all-reduced over the group: "<prefix>q_norm.weight" [H * d / P],
-//   "<prefix>k_norm.weight" [KV * d / P]); RoPE with one position per gathered row. KV must
-//   divide by P (tp > num_kv_heads is refused: InvalidArgument naming the key).
+//   "<prefix>k_norm.weight" [KV * d / P]); RoPE with one position per gathered row. KV divides
+//   by P, or P by KV: then (Megatron's rule for tp > num_kv_heads) each kv head serves P / KV
+//   ranks: k_proj, v_proj (and k_norm) are replicated whole on every rank ([KV * d, M], not tp
+//   shards), each rank uses the rows of kv head rank / (P / KV), and the gradients of the
+//   replicas are summed over the group (without sequence parallelism in the layer; with it the
+//   data-parallel reduction of replicated parameters, which spans the tp ranks, sums them).
 //   The layer is split in two around the attention core, as the model runs it: ProjectQkv gives
 //   the core's q | k | v layout [n, 3 * (H / P) * d] with the kv heads repeated, and the core's
 //   output goes through o_proj() (row-parallel).
@@ -21,6 +25,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -72,12 +78,23 @@ class TensorParallelGqaAttention {
   Tensor ProjectQkvBackward(const TpGqaCache& cache, const Tensor& dqkv, int threads) const;
 
  private:
+  // P > KV: this rank's kv columns of the full (replicated) k / v, and the sum of the replicas'
+  // gradients (SumKvGradsOverReplicas).
+  Tensor KvColumns(const Tensor& full) const;
+  Tensor PadKvColumns(const Tensor& local) const;
+  void SumKvGradsOverReplicas(const std::function<Tensor()>& backward) const;
+  bool replicated_kv() const { return kv_self_ != nullptr; }
+
   comm::Communicator& group_;
   TensorParallelOptions tp_options_;
   TpGqaOptions options_;
   int64_t head_dim_;
   int64_t local_heads_;
   int64_t local_kv_heads_;
+  // P > KV (Megatron's rule): k_proj, v_proj (and k_norm) are whole on every rank, built over
+  // this one-rank group, and the rank uses kv head kv_head_ = rank / (P / KV). Null otherwise.
+  std::unique_ptr<comm::Communicator> kv_self_;
+  int64_t kv_head_ = 0;
   ColumnParallelLinear q_;
   ColumnParallelLinear k_;
   ColumnParallelLinear v_;
