@@ -102,17 +102,6 @@ std::string TrainKeysJson(const ModelConfig& c, const std::string& what) {
              "{}: key 'head_dim': {} is not hidden_size / num_attention_heads = {} / {}; "
              "switchyard's model has head_dim = model_dim / num_heads",
              what, c.head_dim, c.hidden_size, c.num_attention_heads);
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    SY_REQUIRE(c.IsMoeLayer(l), InvalidArgument,
-               "{}: keys 'mlp_only_layers' / 'decoder_sparse_step': layer {} is a dense layer "
-               "among MoE layers, which switchyard's model does not build yet (every layer must "
-               "be MoE)",
-               what, l);
-  }
-  SY_REQUIRE(c.shared_expert_intermediate_size == 0, InvalidArgument,
-             "{}: key 'shared_expert_intermediate_size': {}: the gated shared expert of Qwen2-MoE "
-             "is not in switchyard's model yet (0 expected)",
-             what, c.shared_expert_intermediate_size);
   const int64_t expert_hidden =
       c.family == Family::kQwen2Moe ? c.moe_intermediate_size : c.intermediate_size;
   Json j = {{"arch", std::string(FamilyName(c.family))},
@@ -125,7 +114,9 @@ std::string TrainKeysJson(const ModelConfig& c, const std::string& what) {
             {"expert_hidden_dim", expert_hidden},
             {"num_experts", c.num_experts},
             {"top_k", c.num_experts_per_tok},
-            {"moe_every", 1},
+            {"moe_every", c.decoder_sparse_step},
+            {"mlp_only_layers", c.mlp_only_layers},
+            {"gated_shared_expert_hidden", c.shared_expert_intermediate_size},
             {"norm", "rmsnorm"},
             {"norm_eps", c.rms_norm_eps},
             {"position_embedding", "rope"},
@@ -213,9 +204,13 @@ ModelConfig ModelConfigFromTrain(const TrainConfig& t, const std::string& what) 
   const int64_t expert_hidden = t.expert_hidden_dim > 0 ? t.expert_hidden_dim : t.model.hidden_dim;
   c.intermediate_size = family == Family::kQwen2Moe ? t.model.hidden_dim : expert_hidden;
   c.moe_intermediate_size = expert_hidden;
-  c.shared_expert_intermediate_size = 0;
-  c.mlp_only_layers.clear();
-  c.decoder_sparse_step = 1;
+  // Qwen2-MoE's gated shared expert and dense layers; the other families have neither, and the
+  // key-by-key comparison below refuses a run that has them.
+  if (family == Family::kQwen2Moe) {
+    c.shared_expert_intermediate_size = t.model.gated_shared_expert_hidden;
+    c.mlp_only_layers = t.model.mlp_only_layers;
+    c.decoder_sparse_step = std::max<int64_t>(t.model.moe_every, 1);
+  }
   c.norm_topk_prob = t.norm_topk_prob;
   c.router_aux_loss_coef = t.aux_loss_coef;
   c.pad_token_id.reset();
