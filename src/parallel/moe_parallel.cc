@@ -183,8 +183,10 @@ void RequireSameGroups(const Mesh& want, const Mesh& have) {
     return fmt::format(
         "world {}, tp {}, pp {}, cp {}, ep {}, etp {}, arrangement {}, order {}, {} H-shard(s) per "
         "expert",
-        m.world_size(), c.tp, c.pp, c.cp, m.ep(), c.etp, ArrangementName(m.arrangement()), c.order,
-        m.shards());
+        m.world_size(), c.tp, c.pp, c.cp, m.ep(),
+        // The etp key is Megatron's; DeepSpeed's H-shards are the last figure.
+        m.arrangement() == Arrangement::kMegatron ? c.etp : 1, ArrangementName(m.arrangement()),
+        c.order, m.shards());
   };
   SY_REQUIRE(want.SameLayout(have), InvalidArgument,
              "process groups: built for the mesh ({}), but the layer's options ask for ({})",

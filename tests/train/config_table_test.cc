@@ -266,6 +266,7 @@ TEST(ConfigTableTest, ResolveLayoutDerivesEpArrangementAndAttentionCore) {
 // experts are checked against the layout in config_validate.cc.
 TEST(ConfigTableTest, ResolveLayoutDerivesExpertShardsAndChecksTheExperts) {
   TrainConfig c;
+  c.model.moe_every = 2;
   c.num_experts = 2;
   ResolvedLayout l = ResolveLayout(c, 8);
   EXPECT_EQ(l.ep, 8);
@@ -273,6 +274,10 @@ TEST(ConfigTableTest, ResolveLayoutDerivesExpertShardsAndChecksTheExperts) {
   ValidateExpertLayout(c, l);
   c.num_experts = 16;
   EXPECT_EQ(ResolveLayout(c, 8).expert_shards, 1);
+  c.num_experts = 2;
+  c.model.moe_every = 0;  // a dense model has no H-shards
+  EXPECT_EQ(ResolveLayout(c, 8).expert_shards, 1);
+  c.model.moe_every = 2;
   c.sequence_parallel = true;  // Megatron: the 'etp' key
   c.tp = 2;
   c.etp = 2;
@@ -297,6 +302,7 @@ TEST(ConfigTableTest, ResolveLayoutDerivesExpertShardsAndChecksTheExperts) {
   EXPECT_NE(message(bad, 4).find("'ep' 3 must divide the number of ranks 4"), std::string::npos);
   // adaptive_r against the H-shards: 4 experts over 8 ranks are 2 H-shards each.
   TrainConfig r;
+  r.model.moe_every = 2;
   r.num_experts = 4;
   r.adaptive_r = "2";
   ValidateAdaptiveR(r, ResolveLayout(r, 8));
