@@ -33,6 +33,7 @@
 #include "switchyard/moe/layer.h"
 #include "switchyard/moe/plan.h"
 #include "switchyard/parallel/driver.h"
+#include "switchyard/parallel/expert_shard.h"
 #include "switchyard/parallel/schedule.h"
 #include "switchyard/parallel/trace.h"
 
@@ -187,7 +188,7 @@ ParallelSetup MakeParallelSetup(const BenchParallelOptions& o) {
   s.per_rank_threads = o.threads > 0
                            ? o.threads
                            : ComputeThreadsPerRank(s.launcher->ranks_in_process(), UsableCores());
-  s.mesh.emplace(p.mesh, s.config.num_experts, s.config.hidden_dim);
+  s.mesh.emplace(parallel::ExpertMesh(p.mesh, s.config.num_experts, s.config.hidden_dim));
   s.t_global = o.global_tokens > 0 ? o.global_tokens : o.layer.tokens * s.mesh->data_shards();
 
   RequireMemory(
@@ -428,7 +429,7 @@ nlohmann::json RouteVolumeJson(const ParallelSetup& s, const parallel::LayerRunR
   const RouteVolume v = RouteVolumeOf(
       std::span<const int32_t>(topk.data<int32_t>(), static_cast<size_t>(topk.numel())),
       topk.size(1), run, parallel::EvenSplit(s.t_global, s.mesh->data_shards()),
-      s.mesh->local_experts(), s.config.model_dim);
+      parallel::LocalExperts(*s.mesh, s.config.num_experts), s.config.model_dim);
   double measured = 0, predicted = 0, slowest = 0;
   for (size_t r = 0; r < run.ranks.size(); ++r) {
     const parallel::RankReport& rep = run.ranks[r];
@@ -542,7 +543,7 @@ void PrintParallelHeader(const BenchParallelOptions& o, const ParallelSetup& s,
       "layer-parallel: {} ranks ({}), {} tp {} ep {} etp {}: expert group {} ({} experts/rank{}), "
       "dispatch {}, r {}{}, scope {}\n",
       o.ranks, s.transport, o.layout.arrangement, o.layout.tp, mesh.ep(), o.layout.etp, f.group,
-      mesh.local_experts(),
+      parallel::LocalExperts(mesh, s.config.num_experts),
       mesh.shards() > 1 ? fmt::format(", H split {}", mesh.shards()) : std::string(),
       o.layout.dispatch, m.last.adaptive_r,
       o.layout.hierarchical ? fmt::format(", 2DH {} ranks/node", o.layout.hierarchical) : "",

@@ -12,7 +12,7 @@
 #include "cli/command.h"
 #include "cli/flags.h"
 #include "switchyard/core/limits.h"
-#include "switchyard/parallel/mesh.h"
+#include "switchyard/parallel/expert_shard.h"
 
 namespace switchyard::cli {
 namespace {
@@ -57,18 +57,15 @@ int RunGroups(const GroupsOptions& o) {
   c.arrangement = o.arrangement != "auto" ? parallel::ArrangementFromName(o.arrangement)
                   : c.sequence_parallel.value_or(false) ? parallel::Arrangement::kMegatron
                                                         : parallel::Arrangement::kDeepSpeed;
-  int64_t experts = o.experts;
-  if (experts == 0) {
-    // One expert per EP rank: the EP size the mesh resolves with experts that any ep divides.
-    const parallel::Mesh probe(c, int64_t{1} << 20, int64_t{1} << 20);
-    experts = probe.ep();
-  }
+  // Default: one expert per EP rank.
+  const int64_t experts = o.experts > 0 ? o.experts : parallel::ResolvedExpertParallel(c);
   const int64_t hidden = o.hidden > 0 ? o.hidden : int64_t{1} << 20;
-  parallel::Mesh mesh(c, experts, hidden);
+  // The degrees with the experts' H-shards (DeepSpeed: ep / E when E < ep), checked against them.
+  const parallel::Mesh mesh = parallel::ExpertMesh(c, experts, hidden);
   std::vector<parallel::GroupKind> kinds = mesh.DescribedKinds();
   if (o.all) kinds.assign(parallel::kAllGroupKinds.begin(), parallel::kAllGroupKinds.end());
   if (!o.json) {
-    fmt::print("{}", mesh.Describe());
+    fmt::print("{}{}", mesh.Describe(), parallel::DescribeExperts(mesh, experts));
     if (o.all) {
       for (parallel::GroupKind kind : kinds) {
         fmt::print("{:<14}", parallel::GroupKindName(kind));
@@ -92,7 +89,7 @@ int RunGroups(const GroupsOptions& o) {
                       {"etp", mesh.etp()},
                       {"edp", mesh.edp()},
                       {"experts", experts},
-                      {"local_experts", mesh.local_experts()},
+                      {"local_experts", parallel::LocalExperts(mesh, experts)},
                       {"expert_shards", mesh.shards()},
                       {"data_shards", mesh.data_shards()}};
   for (parallel::GroupKind kind : kinds) {

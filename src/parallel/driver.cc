@@ -403,7 +403,7 @@ LayerRunResult Assemble(const moe::LayerConfig& config, const Mesh& mesh,
   if (config.gated) full.fc3_weight = Tensor::Zeros({e, h, m});
   for (const RankResult& r : ranks) {
     if (r.report.coords.expert_group != 0) continue;
-    PlaceShard(r.grad_experts, ShardOf(mesh, r.report.coords.rank, m), &full);
+    PlaceShard(r.grad_experts, ShardOf(mesh, r.report.coords.rank, config), &full);
   }
   return res;
 }
@@ -474,7 +474,7 @@ LayerRunResult RunLayerOnRanks(comm::Launcher& launcher, const moe::LayerConfig&
   SY_REQUIRE(w == launched, InvalidArgument,
              "ranks {}: the launcher starts {} ranks ({}); ask for {} ranks or start {}", w,
              launched, launcher.kind(), launched, w);
-  const Mesh mesh(o.parallel.mesh, config.num_experts, config.hidden_dim);
+  const Mesh mesh = ExpertMesh(o.parallel.mesh, config.num_experts, config.hidden_dim);
   SY_REQUIRE(mesh.pp() == 1, InvalidArgument,
              "pp {}: one MoE layer runs on one pipeline stage (pp 1)", mesh.pp());
   std::vector<int64_t> split =

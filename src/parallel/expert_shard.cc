@@ -1,5 +1,7 @@
 #include "switchyard/parallel/expert_shard.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -51,17 +53,84 @@ Shapes ShardShapes(const ShardSpec& s) {
 
 }  // namespace
 
-ShardSpec ShardOf(const Mesh& mesh, int rank, int64_t model_dim) {
+MeshConfig ExpertMeshConfig(MeshConfig mesh, int64_t num_experts) {
+  SY_REQUIRE(num_experts >= 1, InvalidArgument, "num_experts: expected >= 1, got {}", num_experts);
+  if (mesh.arrangement == Arrangement::kMegatron) return mesh;
+  const int ep = ResolvedExpertParallel(mesh);
+  int shards = 1;
+  if (num_experts < ep) {
+    SY_REQUIRE(ep % num_experts == 0, InvalidArgument,
+               "ep {} is not a multiple of num_experts {}: with fewer experts than EP ranks each "
+               "expert is split over ep / num_experts ranks",
+               ep, num_experts);
+    shards = static_cast<int>(ep / num_experts);
+  }
+  SY_REQUIRE(mesh.etp == 1 || mesh.etp == shards, InvalidArgument,
+             "etp {}: expert tensor parallelism is Megatron's folding (arrangement megatron); "
+             "the DeepSpeed arrangement shards experts along H only when num_experts < ep",
+             mesh.etp);
+  mesh.etp = shards;
+  return mesh;
+}
+
+void CheckExpertsFit(const Mesh& mesh, int64_t num_experts, int64_t hidden_dim) {
+  SY_REQUIRE(num_experts >= 1, InvalidArgument, "num_experts: expected >= 1, got {}", num_experts);
+  const int n = mesh.shards(), ep = mesh.ep();
+  if (mesh.arrangement() == Arrangement::kDeepSpeed) {
+    const int64_t want = num_experts >= ep ? 1 : ep / num_experts;
+    SY_REQUIRE(n == want, InvalidArgument,
+               "{} experts over ep {} with {} H-shard(s) per expert: the DeepSpeed arrangement "
+               "splits each expert over ep / num_experts ranks when num_experts < ep, else not",
+               num_experts, ep, n);
+  }
+  SY_REQUIRE(num_experts % mesh.positions() == 0, InvalidArgument,
+             "num_experts {} is not divisible by ep {}: every EP rank must hold the same number "
+             "of experts",
+             num_experts, mesh.positions());
+  SY_REQUIRE(hidden_dim % n == 0, InvalidArgument,
+             "hidden_dim {} is not divisible by the {} H-shards of each expert", hidden_dim, n);
+}
+
+Mesh ExpertMesh(const MeshConfig& mesh, int64_t num_experts, int64_t hidden_dim) {
+  Mesh m(ExpertMeshConfig(mesh, num_experts));
+  CheckExpertsFit(m, num_experts, hidden_dim);
+  return m;
+}
+
+int64_t LocalExperts(const Mesh& mesh, int64_t num_experts) {
+  SY_CHECK(num_experts % mesh.positions() == 0, "{} experts over {} positions", num_experts,
+           mesh.positions());
+  return num_experts / mesh.positions();
+}
+
+ShardSpec ShardOf(const Mesh& mesh, int rank, const moe::LayerConfig& config) {
+  CheckExpertsFit(mesh, config.num_experts, config.hidden_dim);
   RankCoords c = mesh.Coords(rank);
   ShardSpec s;
-  s.num_experts = mesh.num_experts();
-  s.local_experts = mesh.local_experts();
+  s.num_experts = config.num_experts;
+  s.local_experts = LocalExperts(mesh, config.num_experts);
   s.first_expert = static_cast<int64_t>(c.expert_position) * s.local_experts;
-  s.model_dim = model_dim;
-  s.hidden_dim = mesh.hidden_dim();
+  s.model_dim = config.model_dim;
+  s.hidden_dim = config.hidden_dim;
   s.shards = mesh.shards();
   s.shard = c.expert_shard;
   return s;
+}
+
+std::string DescribeExperts(const Mesh& mesh, int64_t num_experts) {
+  const int n = mesh.shards();
+  const int64_t el = LocalExperts(mesh, num_experts);
+  std::string out =
+      fmt::format("{} experts ({} per expert position{}); ", num_experts, el,
+                  n > 1 ? fmt::format(", each split along H over {} ranks", n) : std::string());
+  out += "experts of each expert-group member (position: experts, H-shard):";
+  for (int m = 0; m < mesh.expert_group_size(); ++m) {
+    const int64_t first = (m / n) * el;
+    out += fmt::format(" {}:", m);
+    out += el == 1 ? fmt::format("e{}", first) : fmt::format("e{}-{}", first, first + el - 1);
+    if (n > 1) out += fmt::format("/h{}", m % n);
+  }
+  return out + "\n";
 }
 
 moe::ExpertWeights ShardExperts(const moe::ExpertWeights& full, const ShardSpec& s) {

@@ -120,8 +120,13 @@ std::string_view GroupKindName(GroupKind kind) {
   return "?";
 }
 
-Mesh::Mesh(const MeshConfig& config, int64_t num_experts, int64_t hidden_dim)
-    : config_(config), num_experts_(num_experts), hidden_dim_(hidden_dim) {
+int ResolvedExpertParallel(const MeshConfig& c) {
+  if (c.ep > 0) return c.ep;
+  const int per = c.arrangement == Arrangement::kMegatron ? c.etp * c.pp : c.tp * c.pp;
+  return std::max(1, per > 0 ? c.world_size / per : 1);
+}
+
+Mesh::Mesh(const MeshConfig& config) : config_(config) {
   const int w = config.world_size, t = config.tp, npp = config.pp, ncp = config.cp;
   SY_REQUIRE(w >= 1, InvalidArgument, "world size: expected >= 1, got {}", w);
   for (const auto& [name, v] : {std::pair<const char*, int>{"tp", t}, {"pp", npp}, {"cp", ncp}}) {
@@ -132,7 +137,6 @@ Mesh::Mesh(const MeshConfig& config, int64_t num_experts, int64_t hidden_dim)
              "/ (tp × pp × cp)",
              w, t, npp, ncp);
   dp_ = w / (t * npp * ncp);
-  SY_REQUIRE(num_experts >= 1, InvalidArgument, "num_experts: expected >= 1, got {}", num_experts);
   SY_REQUIRE(config.ep >= 0, InvalidArgument,
              "ep: expected >= 0 (0 = as large as possible), got {}", config.ep);
   SY_REQUIRE(config.etp >= 1, InvalidArgument, "etp: expected >= 1, got {}", config.etp);
@@ -146,54 +150,33 @@ Mesh::Mesh(const MeshConfig& config, int64_t num_experts, int64_t hidden_dim)
                         : "builds its EP groups from tp ranks holding the same tokens, so it "
                           "needs it off");
   }
+  shards_ = config.etp;
+  ep_ = ResolvedExpertParallel(config);
   int nedp = 1;
   if (!megatron) {
-    SY_REQUIRE(config.etp == 1, InvalidArgument,
-               "etp {}: expert tensor parallelism is Megatron's folding (arrangement megatron); "
-               "the DeepSpeed arrangement shards experts along H only when num_experts < ep",
-               config.etp);
     const int d = dp_ * ncp;
-    ep_ = config.ep > 0 ? config.ep : d;
     SY_REQUIRE(d % ep_ == 0, InvalidArgument,
                "ep {} does not divide the {} data-parallel ranks (dp {} × cp {}) of each tp rank "
                "and stage: EP groups are built from the ranks with the same tp rank",
                ep_, d, dp_, ncp);
-    if (num_experts >= ep_) {
-      SY_REQUIRE(num_experts % ep_ == 0, InvalidArgument,
-                 "num_experts {} is not divisible by ep {}: every EP rank must hold the same "
-                 "number of experts",
-                 num_experts, ep_);
-      shards_ = 1;
-    } else {
-      SY_REQUIRE(ep_ % num_experts == 0, InvalidArgument,
-                 "ep {} is not a multiple of num_experts {}: with fewer experts than EP ranks each "
-                 "expert is split over ep / num_experts ranks",
-                 ep_, num_experts);
-      shards_ = static_cast<int>(ep_ / num_experts);
-    }
+    SY_REQUIRE(ep_ % shards_ == 0, InvalidArgument,
+               "etp {} does not divide ep {}: the DeepSpeed arrangement splits each expert over "
+               "etp consecutive members of its EP group",
+               shards_, ep_);
     expert_group_size_ = ep_;
     nedp = d / ep_;
   } else {
-    shards_ = config.etp;
     SY_REQUIRE(w % (shards_ * npp) == 0, InvalidArgument,
                "world {} is not divisible by etp {} × pp {}: the expert mesh is etp × ep × edp × "
                "pp",
                w, shards_, npp);
-    ep_ = config.ep > 0 ? config.ep : w / (shards_ * npp);
     SY_REQUIRE(w % (shards_ * ep_ * npp) == 0, InvalidArgument,
                "world {} is not divisible by etp {} × ep {} × pp {}: the expert mesh is etp × ep × "
                "edp × pp",
                w, shards_, ep_, npp);
-    SY_REQUIRE(num_experts % ep_ == 0, InvalidArgument,
-               "num_experts {} is not divisible by ep {}: every EP rank must hold the same number "
-               "of experts",
-               num_experts, ep_);
     expert_group_size_ = shards_ * ep_;
     nedp = w / (shards_ * ep_ * npp);
   }
-  SY_REQUIRE(hidden_dim % shards_ == 0, InvalidArgument,
-             "hidden_dim {} is not divisible by the {} H-shards of each expert", hidden_dim,
-             shards_);
 
   std::array<bool, 5> named{};
   order_dims_ = ParseOrder(config.order, &named);
@@ -409,12 +392,13 @@ std::string Join(const std::vector<int>& v) {
 
 std::string Mesh::Describe() const {
   std::string out = fmt::format(
-      "arrangement {}: world {}, tp {}{}, cp {}, dp {}, pp {}, order {}; ep {}, {} experts ({} "
-      "per EP rank{}), expert group of {} ranks, {} data shard(s) per stage\n",
+      "arrangement {}: world {}, tp {}{}, cp {}, dp {}, pp {}, order {}; ep {}, {} expert "
+      "position(s){}, expert group of {} ranks, {} data shard(s) per stage\n",
       ArrangementName(config_.arrangement), config_.world_size, config_.tp,
       sequence_parallel_ ? " (sequence parallel)" : "", config_.cp, dp_, config_.pp, order_, ep_,
-      num_experts_, local_experts(),
-      shards_ > 1 ? fmt::format(", each split along H over {} ranks", shards_) : std::string(),
+      positions(),
+      shards_ > 1 ? fmt::format(", each expert split along H over {} ranks", shards_)
+                  : std::string(),
       expert_group_size_, data_shards());
   for (GroupKind kind : DescribedKinds()) {
     std::vector<std::vector<int>> groups = Groups(kind);
@@ -425,15 +409,7 @@ std::string Mesh::Describe() const {
     for (const auto& g : groups) out.append(" ").append(Join(g));
     out += "\n";
   }
-  out += "experts of each expert-group member (position: experts, H-shard):";
-  const int64_t el = local_experts();
-  for (int m = 0; m < expert_group_size_; ++m) {
-    int64_t first = (m / shards_) * el;
-    out += fmt::format(" {}:", m);
-    out += el == 1 ? fmt::format("e{}", first) : fmt::format("e{}-{}", first, first + el - 1);
-    if (shards_ > 1) out += fmt::format("/h{}", m % shards_);
-  }
-  return out + "\n";
+  return out;
 }
 
 }  // namespace switchyard::parallel

@@ -164,7 +164,7 @@ Mesh LayerMesh(const moe::LayerConfig& config, const ParallelOptions& options, i
   SY_REQUIRE(mc.world_size == world_size, InvalidArgument,
              "mesh world size {} differs from the communicator's {} ranks", mc.world_size,
              world_size);
-  return Mesh(mc, config.num_experts, config.hidden_dim);
+  return ExpertMesh(mc, config.num_experts, config.hidden_dim);
 }
 
 std::shared_ptr<ProcessGroups> MakeLayerGroups(comm::Communicator& world,
@@ -183,8 +183,10 @@ void RequireSameGroups(const Mesh& want, const Mesh& have) {
     return fmt::format(
         "world {}, tp {}, pp {}, cp {}, ep {}, etp {}, arrangement {}, order {}, {} H-shard(s) per "
         "expert",
-        m.world_size(), c.tp, c.pp, c.cp, m.ep(), c.etp, ArrangementName(m.arrangement()), c.order,
-        m.shards());
+        m.world_size(), c.tp, c.pp, c.cp, m.ep(),
+        // The etp key is Megatron's; DeepSpeed's H-shards are the last figure.
+        m.arrangement() == Arrangement::kMegatron ? c.etp : 1, ArrangementName(m.arrangement()),
+        c.order, m.shards());
   };
   SY_REQUIRE(want.SameLayout(have), InvalidArgument,
              "process groups: built for the mesh ({}), but the layer's options ask for ({})",
@@ -255,8 +257,8 @@ ParallelMoeLayer::ParallelMoeLayer(moe::LayerConfig config, ParallelOptions opti
                  "shadow: expert {} does not exist (expected 0 .. {})", e, config_.num_experts - 1);
     }
   }
-  spec_ = ShardOf(mesh, groups_->world().rank(), config_.model_dim);
-  internal::DispatcherSetup setup{groups_, config_, options_, mesh.shards(), mesh.local_experts(),
+  spec_ = ShardOf(mesh, groups_->world().rank(), config_);
+  internal::DispatcherSetup setup{groups_, config_, options_, mesh.shards(), spec_.local_experts,
                                   dedup_};
   local_ = internal::MakeLocalDispatcher(setup);
   dispatcher_ = options_.dispatch == DispatchKind::kAllGather

@@ -54,12 +54,6 @@ void CheckpointLayout::Slice(ParameterSet& params, TensorMap& map,
   for (const std::string& suffix : suffixes) SliceTensorParallel(params, map, suffix);
 }
 
-parallel::Mesh CheckpointLayout::BlockMesh(const MoeBlock& block) const {
-  // The run's mesh with this block's experts (blocks may hold different numbers,
-  // experts_per_block).
-  return parallel::Mesh(mesh_.config(), block.config.num_experts, block.config.hidden_dim);
-}
-
 void CheckpointLayout::GatherExperts(TensorMap& map, const std::string& suffix) {
   // Over the ranks of this stage (the stages hold different MoE blocks), in world-rank order.
   comm::Communicator& stage = stage_ != nullptr ? *stage_ : world_;
@@ -71,7 +65,6 @@ void CheckpointLayout::GatherExperts(TensorMap& map, const std::string& suffix) 
   SY_CHECK(static_cast<int>(members.size()) == w, "stage group of {} ranks, mesh says {}", w,
            members.size());
   for (const MoeBlock& block : moe_blocks_) {
-    const parallel::Mesh mesh = BlockMesh(block);
     for (const ExpertField& f : kExpertFields) {
       const std::string key = block.prefix + "experts." + f.name + suffix;
       auto it = map.find(key);
@@ -88,9 +81,9 @@ void CheckpointLayout::GatherExperts(TensorMap& map, const std::string& suffix) 
       for (int r = 0; r < w; ++r) {
         moe::ExpertWeights shard;
         shard.*f.member = all.Slice(r * n, (r + 1) * n).Reshape(local.shape());
+        // Blocks may hold different numbers of experts (experts_per_block) over the run's mesh.
         parallel::PlaceShard(
-            shard, parallel::ShardOf(mesh, members[static_cast<size_t>(r)], block.config.model_dim),
-            &full);
+            shard, parallel::ShardOf(mesh_, members[static_cast<size_t>(r)], block.config), &full);
       }
       it->second = full.*f.member;
     }
@@ -99,8 +92,7 @@ void CheckpointLayout::GatherExperts(TensorMap& map, const std::string& suffix) 
 
 void CheckpointLayout::SliceExperts(TensorMap& map, const std::string& suffix) const {
   for (const MoeBlock& block : moe_blocks_) {
-    const parallel::ShardSpec spec =
-        parallel::ShardOf(BlockMesh(block), world_.rank(), block.config.model_dim);
+    const parallel::ShardSpec spec = parallel::ShardOf(mesh_, world_.rank(), block.config);
     for (const ExpertField& f : kExpertFields) {
       const std::string key = block.prefix + "experts." + f.name + suffix;
       auto it = map.find(key);

@@ -1,5 +1,6 @@
 // ValidateTrainConfig: every check of a run's keys, in one place (config.h).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -109,19 +110,76 @@ ResolvedLayout ResolveLayout(const TrainConfig& c, int world_size) {
     case ArrangementChoice::kDeepSpeed: l.arrangement = parallel::Arrangement::kDeepSpeed; break;
     case ArrangementChoice::kMegatron: l.arrangement = parallel::Arrangement::kMegatron; break;
   }
-  // ep 0: as large as the arrangement allows. DeepSpeed's EP groups sit inside the data-parallel
-  // ranks of each tp rank, Megatron's fold over all ranks of the etp groups.
-  if (c.ep > 0) {
-    l.ep = static_cast<int>(c.ep);
-  } else if (l.arrangement == parallel::Arrangement::kMegatron) {
-    l.ep = std::max(1, world_size / (l.etp * l.pp));
-  } else {
-    l.ep = std::max(1, world_size / (l.tp * l.pp));
+  // ep 0: as large as the arrangement allows (DeepSpeed's EP groups sit inside the data-parallel
+  // ranks of each tp rank, Megatron's fold over all ranks of the etp groups); the mesh's rule.
+  parallel::MeshConfig degrees;
+  degrees.world_size = world_size;
+  degrees.tp = l.tp;
+  degrees.pp = l.pp;
+  degrees.etp = l.etp;
+  degrees.ep = static_cast<int>(c.ep);
+  degrees.arrangement = l.arrangement;
+  l.ep = parallel::ResolvedExpertParallel(degrees);
+  // The H-shards per expert: Megatron's 'etp'; DeepSpeed splits each of the first MoE block's E
+  // experts over ep / E ranks when E < ep (ValidateExpertLayout checks that E and ep fit).
+  l.expert_shards = l.etp;
+  if (l.arrangement == parallel::Arrangement::kDeepSpeed) {
+    const int64_t e = c.model.moe_every > 0 ? BlockExperts(c, c.model.moe_every - 1) : l.ep;
+    l.expert_shards = e >= 1 && e < l.ep && l.ep % e == 0 ? static_cast<int>(l.ep / e) : 1;
   }
   l.attention_core = c.attention_core != AttentionCore::kAuto ? c.attention_core.value()
                      : c.cp > 1                               ? AttentionCore::kFlash
                                                               : AttentionCore::kSoftmax;
   return l;
+}
+
+void ValidateExpertLayout(const TrainConfig& config, const ResolvedLayout& layout) {
+  const int ep = layout.ep, world_size = layout.world_size;
+  SY_REQUIRE(layout.arrangement == parallel::Arrangement::kMegatron || config.etp == 1,
+             InvalidArgument,
+             "config: 'etp' {}: expert tensor parallelism is Megatron's folding ('arrangement' "
+             "megatron); the DeepSpeed arrangement shards experts along H only when "
+             "'num_experts' < 'ep'",
+             config.etp);
+  SY_REQUIRE(world_size % ep == 0, InvalidArgument,
+             "config: 'ep' {} must divide the number of ranks {}", ep, world_size);
+  const int64_t e = config.num_experts;
+  SY_REQUIRE(e % ep == 0 || ep % e == 0, InvalidArgument,
+             "config: 'num_experts' {} and 'ep' {}: one must divide the other (E / ep experts per "
+             "rank, or each expert split over ep / E ranks)",
+             e, ep);
+  // Every MoE block shares the run's process groups: each block's experts must split over the
+  // ep ranks the same way (as many H-shards per expert: 1 when E >= ep, else ep / E).
+  auto shards = [ep](int64_t experts) { return experts >= ep ? int64_t{1} : ep / experts; };
+  for (int64_t block : config.experts_per_block) {
+    SY_REQUIRE((block % ep == 0 || ep % block == 0) &&
+                   shards(block) == shards(config.experts_per_block.front()),
+               InvalidArgument,
+               "config: 'experts_per_block' {} with 'ep' {}: every MoE block must split its "
+               "experts over the ep ranks the same way (every count a multiple of ep, or every "
+               "count the same divisor of ep)",
+               fmt::format("[{}]", fmt::join(config.experts_per_block, ", ")), ep);
+  }
+  SY_REQUIRE(
+      config.a2a_algo != A2aAlgo::k2dh || config.dispatch == parallel::DispatchKind::kAllToAll,
+      InvalidArgument,
+      "config: 'a2a_algo' 2dh is the fixed-capacity all-to-all's: it needs 'dispatch' "
+      "alltoall, got \"{}\"",
+      config.dispatch);
+}
+
+void ValidateAdaptiveR(const TrainConfig& config, const ResolvedLayout& layout) {
+  const int shards = layout.expert_shards;
+  const auto entries =
+      static_cast<int64_t>(std::count(config.adaptive_r.begin(), config.adaptive_r.end(), ',') + 1);
+  for (int64_t s = 0; s < entries; ++s) {
+    const int r = AdaptiveRAtStep(config.adaptive_r, s);
+    SY_REQUIRE(r < 0 || r == 0 || shards % r == 0, InvalidArgument,
+               "config: 'adaptive_r' \"{}\": r = {} is neither 0 nor a divisor of the {} "
+               "H-shard(s) of each expert (ep / num_experts when the experts are fewer than "
+               "the ep ranks, else 1)",
+               config.adaptive_r, r, shards);
+  }
 }
 
 void ValidateTrainConfig(const TrainConfig& c) {
@@ -354,6 +412,13 @@ std::vector<std::string> ValidateTrainConfig(const ResolvedTrainConfig& resolved
              InvalidArgument,
              "config: 'threads' {} x 'ranks' {} = {} compute threads in this process: at most {}",
              c.threads, c.ranks, c.threads * c.ranks, config_keys::kMaxRanks);
+  if (!run.dense) {
+    // The experts against the layout, before anything is written (the trainer's own checks
+    // repeat these for library callers; one rank alone has no expert layout).
+    const ResolvedLayout layout = ResolveLayout(c, static_cast<int>(c.ranks));
+    ValidateExpertLayout(c, layout);
+    if (NumMoeBlocks(c.model) > 0) ValidateAdaptiveR(c, layout);
+  }
   std::vector<std::string> notices;
   for (const auto& [key, source] : resolved.explicit_keys) {
     if (!source.starts_with("--")) continue;

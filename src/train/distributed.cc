@@ -91,44 +91,20 @@ int TrainExpertParallelSize(const TrainConfig& config, int world_size) {
 
 parallel::ParallelOptions TrainParallelOptions(const TrainConfig& config, int world_size) {
   const ResolvedLayout layout = ResolveLayout(config, world_size);
-  const parallel::Arrangement arrangement = layout.arrangement;
-  const int ep = layout.ep;
-  SY_REQUIRE(world_size % ep == 0, InvalidArgument,
-             "config: 'ep' {} must divide the number of ranks {}", ep, world_size);
-  const int64_t e = config.num_experts;
-  SY_REQUIRE(e % ep == 0 || ep % e == 0, InvalidArgument,
-             "config: 'num_experts' {} and 'ep' {}: one must divide the other (E / ep experts per "
-             "rank, or each expert split over ep / E ranks)",
-             e, ep);
-  // Every MoE block shares the run's process groups: each block's experts must split over the
-  // ep ranks the same way (as many H-shards per expert: 1 when E >= ep, else ep / E).
-  auto shards = [ep](int64_t experts) { return experts >= ep ? int64_t{1} : ep / experts; };
-  for (int64_t block : config.experts_per_block) {
-    SY_REQUIRE((block % ep == 0 || ep % block == 0) &&
-                   shards(block) == shards(config.experts_per_block.front()),
-               InvalidArgument,
-               "config: 'experts_per_block' {} with 'ep' {}: every MoE block must split its "
-               "experts over the ep ranks the same way (every count a multiple of ep, or every "
-               "count the same divisor of ep)",
-               fmt::format("[{}]", fmt::join(config.experts_per_block, ", ")), ep);
-  }
+  ValidateExpertLayout(config, layout);
   parallel::ParallelOptions o;
   o.mesh.world_size = world_size;
   o.mesh.tp = static_cast<int>(config.tp);
   o.mesh.pp = static_cast<int>(config.pp);
   o.mesh.cp = static_cast<int>(config.cp);
-  o.mesh.ep = ep;
-  o.mesh.etp = static_cast<int>(config.etp);
-  o.mesh.arrangement = arrangement;
+  o.mesh.ep = layout.ep;
+  o.mesh.etp = static_cast<int>(config.etp);  // each MoE layer derives DeepSpeed's H-shards
+  o.mesh.arrangement = layout.arrangement;
   if (config.tp > 1) o.mesh.sequence_parallel = config.sequence_parallel;
   o.dispatch = config.dispatch;
   o.batch_scope = config.routing_scope;
   o.overlap_degree = static_cast<int>(config.overlap_degree);
   if (config.a2a_algo == A2aAlgo::k2dh) {
-    SY_REQUIRE(o.dispatch == parallel::DispatchKind::kAllToAll, InvalidArgument,
-               "config: 'a2a_algo' 2dh is the fixed-capacity all-to-all's: it needs 'dispatch' "
-               "alltoall, got \"{}\"",
-               config.dispatch);
     // 0: the machine's ranks per node (RankTrainer takes them from the world's topology).
     o.hierarchical_ranks_per_node =
         config.a2a_ranks_per_node > 0 ? static_cast<int>(config.a2a_ranks_per_node) : world_size;

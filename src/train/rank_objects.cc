@@ -24,21 +24,6 @@ TrainConfig OneRankLayout(TrainConfig c) {
   return c;
 }
 
-// Every adaptive r the run will use must suit the experts' H-shards (n = ep / E when the experts
-// are fewer than the ep ranks, else 1): 0 or a divisor of n.
-void RequireAdaptiveR(const TrainConfig& config, int shards) {
-  const auto entries =
-      static_cast<int64_t>(std::count(config.adaptive_r.begin(), config.adaptive_r.end(), ',') + 1);
-  for (int64_t s = 0; s < entries; ++s) {
-    const int r = AdaptiveRAtStep(config.adaptive_r, s);
-    SY_REQUIRE(r < 0 || r == 0 || shards % r == 0, InvalidArgument,
-               "config: 'adaptive_r' \"{}\": r = {} is neither 0 nor a divisor of the {} "
-               "H-shard(s) of each expert (ep / num_experts when the experts are fewer than "
-               "the ep ranks, else 1)",
-               config.adaptive_r, r, shards);
-  }
-}
-
 // Whether this rank's stage holds MoE blocks (the run's header then names the expert layout).
 bool StageHoldsExperts(const TrainConfig& config, int pp_rank) {
   if (config.pp == 1) return NumMoeBlocks(config.model) > 0;
@@ -67,14 +52,13 @@ std::unique_ptr<RankObjects> BuildRankObjects(const TrainConfig& run_config,
     options.hierarchical_ranks_per_node =
         std::gcd(std::max(1, world.topology().ranks_per_node), options.mesh.ep);
   }
-  // The run's process groups: built once, shared by every MoE block and the optimizer (every
-  // block's experts split over them alike, TrainParallelOptions checks).
-  int64_t first_block = config.model.moe_every - 1;  // mlp_only_layers may skip it
-  while (first_block + 1 < config.model.num_layers && !IsMoeBlock(config.model, first_block)) {
-    ++first_block;
-  }
-  const moe::LayerConfig first = MoeBlockLayerConfig(config, first_block);
-  r->groups = parallel::MakeLayerGroups(world, first, options);
+  // The run's process groups, from the layout's degrees only: built once, shared by every MoE
+  // block and the optimizer (every block's experts split over them alike, ValidateExpertLayout
+  // checks; each MoE layer checks that its experts fit).
+  const ResolvedLayout layout = ResolveLayout(config, world.size());
+  parallel::MeshConfig degrees = options.mesh;
+  degrees.etp = layout.expert_shards;
+  r->groups = std::make_shared<parallel::ProcessGroups>(world, parallel::Mesh(degrees));
   const parallel::Mesh& mesh = r->groups->mesh();
   // DeepSpeed's TP de-duplication (parallel::ParallelOptions::tp_dedup): each tp rank runs the
   // experts on its share of the rows, so expert gradients are summed over tp too.
@@ -92,7 +76,9 @@ std::unique_ptr<RankObjects> BuildRankObjects(const TrainConfig& run_config,
     r->trace = std::make_unique<StepTrace>(world, config.trace_step, config.out + "/trace.json");
     r->buffer->SetTrace(r->trace.get());
   }
-  if (config.model.moe_every > 0 && !alone) RequireAdaptiveR(config, mesh.shards());
+  if (config.model.moe_every > 0 && !alone) {
+    ValidateAdaptiveR(config, layout);
+  }
   ContextParallelOptions cp;
   if (config.cp > 1) {
     cp = ContextParallelOptions{

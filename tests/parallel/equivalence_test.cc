@@ -117,7 +117,7 @@ TEST_P(EquivalenceTest, GlobalScopeEqualsWholeBatch) {
         DriverOptions o;
         o.parallel = layout.options;
         if (uneven) {
-          Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
+          Mesh mesh = ExpertMesh(layout.options.mesh, config.num_experts, config.hidden_dim);
           o.token_split = UnevenSplit(in.x.size(0), mesh.data_shards());
         }
         LayerRunResult run;
@@ -141,7 +141,7 @@ TEST_P(EquivalenceTest, PerRankScopeEqualsOneLayerPerShard) {
     DriverOptions o;
     o.parallel = layout.options;
     o.parallel.batch_scope = BatchScope::kPerRank;
-    Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
+    Mesh mesh = ExpertMesh(layout.options.mesh, config.num_experts, config.hidden_dim);
     o.token_split = UnevenSplit(in.x.size(0), mesh.data_shards());
     const testing::Reference ref = testing::PerShardReference(config, in, o.token_split);
     LayerRunResult run;

@@ -77,7 +77,7 @@ MeshConfig Config(int w, int tp, int pp, int ep) {
 TEST(ProcessGroups, KindsWithTheSameMembersShareOneCommunicator) {
   // 4 ranks, ep 2: tp, etp, pp, cp, tp_cp, mp and embedding are the same single ranks; dp,
   // dp_cp and tokens are the world; expert = ep; ep_dp = expert_holders.
-  const Mesh mesh(Config(4, 1, 1, 2), 4, 64);
+  const Mesh mesh(Config(4, 1, 1, 2));
   comm::RunInProcess(4, [&](comm::Communicator& world) {
     ProcessGroups groups(world, mesh);
     EXPECT_EQ(groups.communicator_count(), 3);  // singletons, expert, ep_dp
@@ -112,7 +112,7 @@ TEST(ProcessGroups, KindsWithTheSameMembersShareOneCommunicator) {
 }
 
 TEST(ProcessGroups, EmbeddingGroupOnlyOnTheFirstAndLastStage) {
-  const Mesh mesh(Config(4, 1, 4, 0), 1, 64);  // 4 stages of one rank each
+  const Mesh mesh(Config(4, 1, 4, 0));  // 4 stages of one rank each
   comm::RunInProcess(4, [&](comm::Communicator& world) {
     ProcessGroups groups(world, mesh);
     EXPECT_EQ(&groups.Get(GroupKind::kPipeline), &world);
@@ -134,7 +134,7 @@ TEST(ProcessGroups, EmbeddingGroupOnlyOnTheFirstAndLastStage) {
 }
 
 TEST(ProcessGroups, WorldOfAnotherSizeIsRefused) {
-  const Mesh mesh(Config(4, 1, 1, 2), 4, 64);
+  const Mesh mesh(Config(4, 1, 1, 2));
   comm::RunInProcess(2, [&](comm::Communicator& world) {
     EXPECT_THROW(ProcessGroups(world, mesh), InvalidArgument);
   });

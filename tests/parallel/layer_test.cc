@@ -144,7 +144,7 @@ TEST_P(ConfigTest, GlobalScopeEqualsWholeBatch) {
     for (const Layout& layout : MainLayouts(4, experts)) {
       DriverOptions o;
       o.parallel = layout.options;
-      Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
+      Mesh mesh = ExpertMesh(layout.options.mesh, config.num_experts, config.hidden_dim);
       o.token_split = EvenSplit(in.x.size(0), mesh.data_shards());
       o.token_split.back() += o.token_split.front();
       o.token_split.front() = 0;
@@ -168,7 +168,7 @@ TEST_P(ConfigTest, PerRankScopeEqualsOneLayerPerShard) {
     DriverOptions o;
     o.parallel = layout.options;
     o.parallel.batch_scope = BatchScope::kPerRank;
-    Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
+    Mesh mesh = ExpertMesh(layout.options.mesh, config.num_experts, config.hidden_dim);
     o.token_split = EvenSplit(in.x.size(0), mesh.data_shards());
     // capacity_factor <= 0 takes the largest load over the expert group, which covers every
     // shard in these layouts: give the reference that.
@@ -373,7 +373,7 @@ TEST(ParallelLayer, SyncedGradientsAreEqualOnEveryHolder) {
                 ys[r] = out.layer.y;
                 coords[r] = layer.coords();
               });
-      Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
+      Mesh mesh = ExpertMesh(layout.options.mesh, config.num_experts, config.hidden_dim);
       for (int r = 0; r < 8; ++r) {
         EXPECT_TRUE(SameBits(grads[r].gate_weight, grads[0].gate_weight))
             << c.name << " rank " << r;
@@ -619,7 +619,7 @@ TEST(ParallelLayer, ResidualAndSharedExpertsEqualTheSingleRankLayer) {
         DriverOptions o;
         o.parallel = layout.options;
         o.parallel.batch_scope = BatchScope::kPerRank;
-        Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
+        Mesh mesh = ExpertMesh(layout.options.mesh, config.num_experts, config.hidden_dim);
         o.token_split = EvenSplit(in.x.size(0), mesh.data_shards());
         const testing::Reference per_shard = testing::PerShardReference(config, in, o.token_split);
         LayerRunResult run;

@@ -71,7 +71,7 @@ TEST(PerRankCapacity, MaxLoadIsTakenOverTheExpertGroupNotTheWorld) {
     const Inputs in = MakeInputs(config, 40, 41);
     const std::vector<int64_t> split = {17, 13, 6, 4};
     const std::vector<int64_t> offsets = Offsets(split);
-    const Mesh mesh(layout.mesh, config.num_experts, config.hidden_dim);
+    const Mesh mesh = ExpertMesh(layout.mesh, config.num_experts, config.hidden_dim);
     ASSERT_EQ(mesh.data_shards(), w);
     ASSERT_EQ(mesh.expert_group_size(), 2);
 
@@ -189,7 +189,7 @@ TEST(EquivalenceInputs, HaveExpertsAndRanksWithoutTokens) {
       // The parallel run sees the same: an expert no rank routes a token to, and (uneven split)
       // a rank without tokens that still joins every collective.
       const ParallelOptions layout = LayoutNamed(wc.world_size, wc.num_experts, "ds_alltoall");
-      const Mesh mesh(layout.mesh, config.num_experts, config.hidden_dim);
+      const Mesh mesh = ExpertMesh(layout.mesh, config.num_experts, config.hidden_dim);
       DriverOptions o;
       o.parallel = layout;
       o.token_split = EquivalenceUnevenSplit(37, mesh.data_shards());

@@ -24,20 +24,20 @@ MeshConfig DeepSpeed(int w, int tp, int ep) {
 TEST(Mesh, DeepSpeedSixteenRanksEpFour) {
   // DeepSpeed's documented example (docs/parallel.md, "The mesh"): 16 ranks, ep_size 4 -> ep groups
   // [0..3], [4..7], ...; ep_dp [0,4,8,12], ...
-  Mesh mesh(DeepSpeed(16, 1, 4), 8, 64);
+  Mesh mesh = ExpertMesh(DeepSpeed(16, 1, 4), 8, 64);
   EXPECT_EQ(mesh.Groups(GroupKind::kExpert),
             (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}));
   EXPECT_EQ(mesh.Groups(GroupKind::kExpertData),
             (Groups{{0, 4, 8, 12}, {1, 5, 9, 13}, {2, 6, 10, 14}, {3, 7, 11, 15}}));
   EXPECT_EQ(mesh.Groups(GroupKind::kTokens).size(), 1u);
-  EXPECT_EQ(mesh.local_experts(), 2);
+  EXPECT_EQ(LocalExperts(mesh, 8), 2);
   EXPECT_EQ(mesh.shards(), 1);
   EXPECT_EQ(mesh.data_shards(), 16);
 }
 
 TEST(Mesh, DeepSpeedTensorParallelBuildsEpGroupsFromSameTpRank) {
   // DeepSpeed with tensor parallel: tp 2, 8 ranks, ep 4: ep groups [0,2,4,6], [1,3,5,7].
-  Mesh mesh(DeepSpeed(8, 2, 4), 4, 64);
+  Mesh mesh = ExpertMesh(DeepSpeed(8, 2, 4), 4, 64);
   EXPECT_EQ(mesh.Groups(GroupKind::kExpert), (Groups{{0, 2, 4, 6}, {1, 3, 5, 7}}));
   EXPECT_EQ(mesh.Groups(GroupKind::kTensor), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
   EXPECT_EQ(mesh.Groups(GroupKind::kData), (Groups{{0, 2, 4, 6}, {1, 3, 5, 7}}));
@@ -48,7 +48,7 @@ TEST(Mesh, DeepSpeedTensorParallelBuildsEpGroupsFromSameTpRank) {
 
 TEST(Mesh, DeepSpeedDocumentedExpertModelDataExample) {
   // deepspeed/utils/groups.py, _get_expert_parallel_ranks: world 16, model 2, expert 4.
-  Mesh mesh(DeepSpeed(16, 2, 4), 8, 64);
+  Mesh mesh = ExpertMesh(DeepSpeed(16, 2, 4), 8, 64);
   EXPECT_EQ(mesh.Groups(GroupKind::kData),
             (Groups{{0, 2, 4, 6, 8, 10, 12, 14}, {1, 3, 5, 7, 9, 11, 13, 15}}));
   EXPECT_EQ(mesh.Groups(GroupKind::kExpert),
@@ -58,14 +58,18 @@ TEST(Mesh, DeepSpeedDocumentedExpertModelDataExample) {
 }
 
 TEST(Mesh, TutelShardedExpertsWhenFewerExpertsThanRanks) {
-  Mesh mesh(DeepSpeed(8, 1, 0), 2, 64);
+  Mesh mesh = ExpertMesh(DeepSpeed(8, 1, 0), 2, 64);
   EXPECT_EQ(mesh.shards(), 4);
-  EXPECT_EQ(mesh.local_experts(), 1);
+  EXPECT_EQ(LocalExperts(mesh, 2), 1);
   EXPECT_EQ(mesh.Groups(GroupKind::kExpertTensor), (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}}));
   RankCoords c = mesh.Coords(6);
   EXPECT_EQ(c.expert_position, 1);
   EXPECT_EQ(c.expert_shard, 2);
-  ShardSpec s = ShardOf(mesh, 6, 10);
+  moe::LayerConfig layer;
+  layer.num_experts = 2;
+  layer.hidden_dim = 64;
+  layer.model_dim = 10;
+  ShardSpec s = ShardOf(mesh, 6, layer);
   EXPECT_EQ(s.first_expert, 1);
   EXPECT_EQ(s.shard_hidden(), 16);
   EXPECT_EQ(s.bias_chunk(), 3);  // ceil(10 / 4)
@@ -78,7 +82,7 @@ TEST(Mesh, MegatronFoldingExpertTensorFastest) {
   c.etp = 2;
   c.ep = 4;
   c.arrangement = Arrangement::kMegatron;
-  Mesh mesh(c, 8, 64);
+  Mesh mesh = ExpertMesh(c, 8, 64);
   EXPECT_EQ(mesh.Groups(GroupKind::kExpertTensor).front(), (std::vector<int>{0, 1}));
   EXPECT_EQ(mesh.Groups(GroupKind::kExpertParallel).front(), (std::vector<int>{0, 2, 4, 6}));
   EXPECT_EQ(mesh.Groups(GroupKind::kExpert),
@@ -87,7 +91,7 @@ TEST(Mesh, MegatronFoldingExpertTensorFastest) {
   EXPECT_EQ(mesh.Groups(GroupKind::kTensor).front(), (std::vector<int>{0, 1, 2, 3}));
   EXPECT_EQ(mesh.Groups(GroupKind::kTokens).size(), 1u);  // sequence parallel: all ranks
   EXPECT_EQ(mesh.data_shards(), 16);
-  EXPECT_EQ(mesh.local_experts(), 2);
+  EXPECT_EQ(LocalExperts(mesh, 8), 2);
   EXPECT_FALSE(mesh.tp_duplicates_tokens());
 }
 
@@ -99,7 +103,7 @@ TEST(Mesh, EveryGroupKindPartitionsTheWorld) {
     c.arrangement = a;
     c.ep = a == Arrangement::kDeepSpeed ? 2 : 2;
     c.etp = a == Arrangement::kMegatron ? 2 : 1;
-    Mesh mesh(c, 4, 64);
+    Mesh mesh = ExpertMesh(c, 4, 64);
     for (GroupKind kind : kAllGroupKinds) {
       std::vector<int> seen(8, 0);
       for (const auto& g : mesh.Groups(kind)) {
@@ -113,7 +117,7 @@ TEST(Mesh, EveryGroupKindPartitionsTheWorld) {
 TEST(Mesh, NonDividingLayoutsAreClearErrors) {
   auto message = [](const MeshConfig& c, int64_t e, int64_t h) -> std::string {
     try {
-      Mesh mesh(c, e, h);
+      Mesh mesh = ExpertMesh(c, e, h);
     } catch (const InvalidArgument& err) {
       return err.what();
     }
@@ -174,7 +178,7 @@ void ExpectPartitions(const Mesh& mesh) {
 
 TEST(Mesh, MegatronDocumentedSixteenRanksTpTwoPpFour) {
   // Megatron-Core's initialize_model_parallel docstring: 16 GPUs, tp 2, pp 4 (so dp 2).
-  Mesh mesh(Dense(16, 2, 4, 1), 8, 64);
+  Mesh mesh(Dense(16, 2, 4, 1));
   EXPECT_EQ(mesh.dp(), 2);
   EXPECT_EQ(mesh.Groups(GroupKind::kData),
             (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}, {8, 10}, {9, 11}, {12, 14}, {13, 15}}));
@@ -204,7 +208,7 @@ TEST(Mesh, MegatronDocumentedSixteenRanksTpTwoPpFour) {
 TEST(Mesh, MegatronDocumentedOrderTpPpDp) {
   // generate_masked_orthogonal_rank_groups' docstring: 8 ranks, order tp-pp-dp, sizes 2-2-2:
   // dp groups [0,4], [1,5], [2,6], [3,7].
-  Mesh mesh(Dense(8, 2, 2, 1, "tp-pp-dp"), 4, 64);
+  Mesh mesh(Dense(8, 2, 2, 1, "tp-pp-dp"));
   EXPECT_EQ(mesh.order(), "tp-pp-dp-cp-ep");
   EXPECT_EQ(mesh.Groups(GroupKind::kData), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
   EXPECT_EQ(mesh.Groups(GroupKind::kPipeline), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
@@ -216,7 +220,7 @@ TEST(Mesh, MegatronDocumentedOrderTpPpDp) {
 TEST(Mesh, MegatronDocumentedContextParallel) {
   // initialize_model_parallel's docstring: 8 GPUs, tp 4, cp 2: cp groups [0,4], [1,5], [2,6],
   // [3,7]; each chunk is processed by 4 GPUs (0-3 and 4-7).
-  Mesh mesh(Dense(8, 4, 1, 2), 4, 64);
+  Mesh mesh(Dense(8, 4, 1, 2));
   EXPECT_EQ(mesh.dp(), 1);
   EXPECT_EQ(mesh.Groups(GroupKind::kContext), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
   EXPECT_EQ(mesh.Groups(GroupKind::kTensor), (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}}));
@@ -233,7 +237,7 @@ TEST(Mesh, MegatronDocumentedContextParallel) {
 TEST(Mesh, DataContextGroupsFollowTheOrder) {
   // 16 ranks, tp 2, cp 2, dp 4 in the default order (tp fastest, then cp, then dp):
   // rank = tp + 2 cp + 4 dp.
-  Mesh mesh(Dense(16, 2, 1, 2), 8, 64);
+  Mesh mesh(Dense(16, 2, 1, 2));
   EXPECT_EQ(mesh.Groups(GroupKind::kDataContext),
             (Groups{{0, 2, 4, 6, 8, 10, 12, 14}, {1, 3, 5, 7, 9, 11, 13, 15}}));
   EXPECT_EQ(mesh.Groups(GroupKind::kData),
@@ -243,13 +247,13 @@ TEST(Mesh, DataContextGroupsFollowTheOrder) {
   // EP groups of 8 = the dp-cp group; of 4: its consecutive halves.
   MeshConfig c = Dense(16, 2, 1, 2);
   c.ep = 4;
-  Mesh ep4(c, 8, 64);
+  Mesh ep4(c);
   EXPECT_EQ(ep4.Groups(GroupKind::kExpert),
             (Groups{{0, 2, 4, 6}, {1, 3, 5, 7}, {8, 10, 12, 14}, {9, 11, 13, 15}}));
   EXPECT_EQ(ep4.Groups(GroupKind::kExpertData).front(), (std::vector<int>{0, 8}));
   ExpectPartitions(ep4);
   // Order dp-tp-cp: dp fastest.
-  Mesh other(Dense(16, 2, 1, 2, "dp-tp-cp"), 8, 64);
+  Mesh other(Dense(16, 2, 1, 2, "dp-tp-cp"));
   EXPECT_EQ(other.Groups(GroupKind::kData),
             (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}));
   EXPECT_EQ(other.Groups(GroupKind::kTensor).front(), (std::vector<int>{0, 4}));
@@ -260,7 +264,7 @@ TEST(Mesh, DataContextGroupsFollowTheOrder) {
 TEST(Mesh, DeepSpeedExpertGroupsStayInsideAStage) {
   MeshConfig c = Dense(8, 1, 2, 1);
   c.ep = 2;
-  Mesh mesh(c, 4, 64);
+  Mesh mesh(c);
   EXPECT_EQ(mesh.Groups(GroupKind::kPipeline), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
   EXPECT_EQ(mesh.Groups(GroupKind::kExpert), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
   EXPECT_EQ(mesh.Groups(GroupKind::kExpertData), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
@@ -277,7 +281,7 @@ TEST(Mesh, MegatronFoldingWithPipelineStages) {
   MeshConfig c = Dense(16, 2, 2, 1);
   c.arrangement = Arrangement::kMegatron;
   c.ep = 4;
-  Mesh mesh(c, 8, 64);
+  Mesh mesh(c);
   EXPECT_TRUE(mesh.sequence_parallel());
   EXPECT_EQ(mesh.edp(), 2);
   EXPECT_EQ(mesh.Groups(GroupKind::kExpert),
@@ -290,7 +294,7 @@ TEST(Mesh, MegatronFoldingWithPipelineStages) {
   ExpectPartitions(mesh);
   // Every order with pp last keeps the stages of both meshes on the same ranks.
   c.order = "ep-tp-dp-cp-pp";
-  Mesh reordered(c, 8, 64);
+  Mesh reordered(c);
   EXPECT_EQ(reordered.Groups(GroupKind::kExpertParallel).front(), (std::vector<int>{0, 1, 2, 3}));
   EXPECT_EQ(reordered.Groups(GroupKind::kTensor).front(), (std::vector<int>{0, 1}));
   ExpectPartitions(reordered);
@@ -308,7 +312,7 @@ TEST(Mesh, KeepsTheExistingGroupsForPpAndCpOne) {
     explicit_order.order = "tp-cp-ep-dp-pp";
     MeshConfig short_order = c;
     short_order.order = a == Arrangement::kMegatron ? "tp-ep-dp" : "tp-dp";
-    Mesh m1(c, 4, 64), m2(explicit_order, 4, 64), m3(short_order, 4, 64);
+    Mesh m1(c), m2(explicit_order), m3(short_order);
     for (GroupKind kind : kAllGroupKinds) {
       EXPECT_EQ(m1.Groups(kind), m2.Groups(kind)) << GroupKindName(kind);
       EXPECT_EQ(m1.Groups(kind), m3.Groups(kind)) << GroupKindName(kind);
@@ -320,7 +324,7 @@ TEST(Mesh, KeepsTheExistingGroupsForPpAndCpOne) {
 TEST(Mesh, ConstraintsAreNamed) {
   auto message = [](const MeshConfig& c) -> std::string {
     try {
-      Mesh mesh(c, 8, 64);
+      Mesh mesh(c);
     } catch (const InvalidArgument& err) {
       return err.what();
     }
@@ -353,13 +357,68 @@ TEST(Mesh, ConstraintsAreNamed) {
 }
 
 TEST(Mesh, DescribeListsTheGroups) {
-  Mesh mesh(DeepSpeed(16, 2, 4), 8, 64);
+  Mesh mesh = ExpertMesh(DeepSpeed(16, 2, 4), 8, 64);
   std::string text = mesh.Describe();
   EXPECT_NE(text.find("[0,2,4,6]"), std::string::npos) << text;
   EXPECT_NE(text.find("ep_dp"), std::string::npos) << text;
-  const std::string pipeline = Mesh(Dense(16, 2, 4, 1), 8, 64).Describe();
+  const std::string pipeline = Mesh(Dense(16, 2, 4, 1)).Describe();
   EXPECT_NE(pipeline.find("embedding"), std::string::npos) << pipeline;
   EXPECT_NE(pipeline.find("[0,12] [1,13] [2,14] [3,15]"), std::string::npos) << pipeline;
+  // The experts are the layer's: 8 over the 4 positions of each EP group, 2 each.
+  const std::string experts = DescribeExperts(mesh, 8);
+  EXPECT_NE(experts.find(" 0:e0-1 1:e2-3 2:e4-5 3:e6-7"), std::string::npos) << experts;
+  EXPECT_NE(DescribeExperts(ExpertMesh(DeepSpeed(8, 1, 0), 2, 64), 2).find(" 5:e1/h1"),
+            std::string::npos);
+}
+
+// ---- The mesh is the degrees only; expert sharding is the layer's ----
+
+TEST(Mesh, DegreesAloneGiveTheExpertLayoutsGroups) {
+  // DeepSpeed with 2 experts over ep 8: the layer asks for etp = ep / E = 4 H-shards; a mesh
+  // given that degree directly has the same groups.
+  MeshConfig degrees = DeepSpeed(8, 1, 0);
+  EXPECT_EQ(ExpertMeshConfig(degrees, 2).etp, 4);
+  EXPECT_EQ(ExpertMeshConfig(degrees, 8).etp, 1);
+  EXPECT_EQ(ExpertMeshConfig(degrees, 16).etp, 1);
+  degrees.etp = 4;
+  const Mesh mesh(degrees);
+  EXPECT_TRUE(mesh.SameLayout(ExpertMesh(DeepSpeed(8, 1, 0), 2, 64)));
+  EXPECT_EQ(mesh.positions(), 2);
+  EXPECT_EQ(LocalExperts(mesh, 2), 1);
+  EXPECT_EQ(LocalExperts(mesh, 4), 2);  // the mesh itself allows E_l > 1 at 4 H-shards
+  // Megatron: etp is the key's; the experts only have to divide over ep.
+  MeshConfig m = Dense(8, 2, 1, 1);
+  m.arrangement = Arrangement::kMegatron;
+  m.etp = 2;
+  EXPECT_EQ(ExpertMeshConfig(m, 4).etp, 2);
+}
+
+TEST(Mesh, ExpertsThatDoNotFitAreTheLayersClearErrors) {
+  auto message = [](const auto& f) -> std::string {
+    try {
+      f();
+    } catch (const InvalidArgument& err) {
+      return err.what();
+    }
+    return "";
+  };
+  MeshConfig four = DeepSpeed(8, 1, 0);
+  four.etp = 4;
+  const Mesh mesh(four);
+  // A DeepSpeed mesh with 4 H-shards serves only ep / 4 = 2 experts.
+  EXPECT_NE(message([&] { CheckExpertsFit(mesh, 8, 64); }).find("8 experts over ep 8 with 4"),
+            std::string::npos);
+  EXPECT_NE(message([&] { CheckExpertsFit(mesh, 2, 6); }).find("hidden_dim 6 is not divisible"),
+            std::string::npos);
+  MeshConfig two = DeepSpeed(8, 1, 0);
+  two.etp = 2;  // neither 1 nor ep / E = 4
+  EXPECT_NE(message([&] { (void)ExpertMeshConfig(two, 2); }).find("etp 2"), std::string::npos);
+  EXPECT_NE(message([&] { (void)ExpertMeshConfig(two, 0); }).find("num_experts: expected >= 1"),
+            std::string::npos);
+  MeshConfig bad_etp = DeepSpeed(8, 1, 4);
+  bad_etp.etp = 3;
+  EXPECT_NE(message([&] { Mesh m(bad_etp); }).find("etp 3 does not divide ep 4"),
+            std::string::npos);
 }
 
 }  // namespace

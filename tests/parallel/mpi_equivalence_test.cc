@@ -39,7 +39,7 @@ void CheckLayouts(bool dropless, BatchScope scope, int64_t experts) {
     o.parallel = layout.options;
     o.parallel.batch_scope = scope;
     o.threads = 1;  // 4 processes share 2 cores
-    Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
+    Mesh mesh = ExpertMesh(layout.options.mesh, config.num_experts, config.hidden_dim);
     o.token_split = EvenSplit(in.x.size(0), mesh.data_shards());
     if (o.token_split.size() > 1) {  // one rank without tokens
       o.token_split[0] += o.token_split[1];

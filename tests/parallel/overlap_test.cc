@@ -129,7 +129,7 @@ TEST_P(OverlapTest, EveryScheduleEqualsWholeBatch) {
       for (bool empty_ranks : {false, true}) {
         DriverOptions o = WithDeadline(layout.options);
         if (empty_ranks) {
-          Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
+          Mesh mesh = ExpertMesh(layout.options.mesh, config.num_experts, config.hidden_dim);
           o.token_split = SplitWithEmptyRanks(in.x.size(0), mesh.data_shards());
         }
         LayerRunResult run;
@@ -154,7 +154,7 @@ TEST_P(OverlapTest, EveryScheduleEqualsWholeBatch) {
           EXPECT_GE(run.smart_group, 1) << layout.name;
           // A group as large as the EP group would be the plain exchange in one step: over the
           // bandwidth-bound links smart_auto is given, auto must pick a real schedule.
-          const Mesh mesh(p.mesh, config.num_experts, config.hidden_dim);
+          const Mesh mesh = ExpertMesh(p.mesh, config.num_experts, config.hidden_dim);
           const auto ep = static_cast<int>(mesh.GroupOf(GroupKind::kExpert, 0).size());
           if (layout.name == "smart_auto") {
             EXPECT_LT(run.smart_group, ep) << layout.name << " W=" << wc.world_size;
@@ -174,7 +174,7 @@ TEST_P(OverlapTest, PerRankScopeEqualsOneLayerPerShard) {
   for (const Layout& layout : layouts) {
     DriverOptions o = WithDeadline(layout.options);
     o.parallel.batch_scope = BatchScope::kPerRank;
-    Mesh mesh(layout.options.mesh, config.num_experts, config.hidden_dim);
+    Mesh mesh = ExpertMesh(layout.options.mesh, config.num_experts, config.hidden_dim);
     o.token_split = SplitWithEmptyRanks(in.x.size(0), mesh.data_shards());
     const testing::Reference ref = testing::PerShardReference(config, in, o.token_split);
     LayerRunResult run;

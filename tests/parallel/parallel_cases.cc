@@ -12,6 +12,7 @@
 #include "switchyard/comm/mpi.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/rng.h"
+#include "switchyard/parallel/expert_shard.h"
 #include "switchyard/parallel/mesh.h"
 
 namespace switchyard::parallel::testing {
@@ -285,7 +286,7 @@ bool MegatronFits(int w, int etp, int ep, int64_t e) {
 // The mesh of a layout its rules call valid; a rejection names the layout.
 Mesh MeshOf(const std::string& name, const ParallelOptions& o, int64_t e) {
   try {
-    return Mesh(o.mesh, e, kHidden);
+    return ExpertMesh(o.mesh, e, kHidden);
   } catch (const InvalidArgument& err) {
     throw std::logic_error(
         "layout " + name + " (W=" + std::to_string(o.mesh.world_size) + ", E=" + std::to_string(e) +

@@ -262,5 +262,60 @@ TEST(ConfigTableTest, ResolveLayoutDerivesEpArrangementAndAttentionCore) {
   }
 }
 
+// The experts' H-shards (the mesh's etp) come from the keys and the world size alone, and the
+// experts are checked against the layout in config_validate.cc.
+TEST(ConfigTableTest, ResolveLayoutDerivesExpertShardsAndChecksTheExperts) {
+  TrainConfig c;
+  c.model.moe_every = 2;
+  c.num_experts = 2;
+  ResolvedLayout l = ResolveLayout(c, 8);
+  EXPECT_EQ(l.ep, 8);
+  EXPECT_EQ(l.expert_shards, 4);  // DeepSpeed, E < ep: each expert over ep / E ranks
+  ValidateExpertLayout(c, l);
+  c.num_experts = 16;
+  EXPECT_EQ(ResolveLayout(c, 8).expert_shards, 1);
+  c.num_experts = 2;
+  c.model.moe_every = 0;  // a dense model has no H-shards
+  EXPECT_EQ(ResolveLayout(c, 8).expert_shards, 1);
+  c.model.moe_every = 2;
+  c.sequence_parallel = true;  // Megatron: the 'etp' key
+  c.tp = 2;
+  c.etp = 2;
+  EXPECT_EQ(ResolveLayout(c, 8).expert_shards, 2);
+  auto message = [](const TrainConfig& config, int ranks) -> std::string {
+    try {
+      ValidateExpertLayout(config, ResolveLayout(config, ranks));
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "";
+  };
+  TrainConfig bad;
+  bad.num_experts = 3;
+  EXPECT_NE(message(bad, 4).find("'num_experts' 3 and 'ep' 4"), std::string::npos);
+  bad.num_experts = 4;
+  bad.etp = 2;  // DeepSpeed
+  EXPECT_NE(message(bad, 4).find("'etp' 2: expert tensor parallelism is Megatron's"),
+            std::string::npos);
+  bad.etp = 1;
+  bad.ep = 3;
+  EXPECT_NE(message(bad, 4).find("'ep' 3 must divide the number of ranks 4"), std::string::npos);
+  // adaptive_r against the H-shards: 4 experts over 8 ranks are 2 H-shards each.
+  TrainConfig r;
+  r.model.moe_every = 2;
+  r.num_experts = 4;
+  r.adaptive_r = "2";
+  ValidateAdaptiveR(r, ResolveLayout(r, 8));
+  r.adaptive_r = "4";
+  try {
+    ValidateAdaptiveR(r, ResolveLayout(r, 8));
+    ADD_FAILURE() << "adaptive_r 4 accepted with 2 H-shards";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("r = 4 is neither 0 nor a divisor of the 2"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace switchyard::train

@@ -41,7 +41,7 @@ TEST(ParallelContextTest, FollowsTheMeshCoordinatesAndGroups) {
   std::mutex mu;
   std::vector<ParallelContext> contexts(8);
   comm::RunInProcess(8, [&](comm::Communicator& world) {
-    const parallel::Mesh mesh(config, 8, 16);
+    const parallel::Mesh mesh(config);
     parallel::ProcessGroups groups(world, mesh);
     const ContextParallelOptions cp{.algorithm = CpAlgorithm::kUlysses};
     ParallelContext c = MakeParallelContext(groups, 8, {}, cp, {.zero_stage = 2});
@@ -83,7 +83,7 @@ TEST(ParallelContextTest, FollowsTheMeshCoordinatesAndGroups) {
 // One pipeline stage still has its (one-rank) pipeline group: every step runs its schedule on it.
 TEST(ParallelContextTest, OneStageHasAOneRankPipelineGroup) {
   comm::RunInProcess(2, [&](comm::Communicator& world) {
-    const parallel::Mesh mesh(Mesh(2, 1, 1, 1), 2, 16);
+    const parallel::Mesh mesh(Mesh(2, 1, 1, 1));
     parallel::ProcessGroups groups(world, mesh);
     const ParallelContext c = MakeParallelContext(groups, 2, {}, {}, {.experts = true});
     ASSERT_NE(c.pipeline, nullptr);
@@ -101,7 +101,7 @@ TEST(ParallelContextTest, RefusesAModelWhoseSequenceParallelismIsNotTheMeshs) {
   comm::RunInProcess(2, [&](comm::Communicator& world) {
     parallel::MeshConfig config = Mesh(2, 2, 1, 1);
     config.sequence_parallel = false;
-    const parallel::Mesh mesh(config, 2, 16);
+    const parallel::Mesh mesh(config);
     parallel::ProcessGroups groups(world, mesh);
     EXPECT_THROW(MakeParallelContext(groups, 2, {.sequence_parallel = true}, {}, {}),
                  InvalidArgument);

@@ -20,10 +20,10 @@
 //   DeepSpeed  EP groups inside the dense data-parallel ranks: the ranks with the same tp rank and
 //              stage (the dp-cp group, tp ranks holding identical tokens) are cut into EP groups
 //              of `ep` consecutive members (tp 2, 8 ranks, ep 4: [0,2,4,6], [1,3,5,7]); the ranks
-//              holding the same experts form the expert-data-parallel (ep_dp) groups. With fewer
-//              experts than `ep` (Tutel's sharded experts), each expert is split along H over
-//              n = ep / E consecutive members of its EP group. The ep position of the order is
-//              not used.
+//              holding the same experts form the expert-data-parallel (ep_dp) groups. Each expert
+//              may be split along H over n = etp consecutive members of its EP group (Tutel's
+//              sharded experts; the MoE layer sets etp = ep / E when it has fewer experts than
+//              ep, expert_shard.h's ExpertMeshConfig). The ep position of the order is not used.
 //   Megatron   "parallel folding": expert-TP x EP x expert-DP x pp, read along the same order
 //              string with etp in tp's place, edp (= world / (etp * ep * pp)) in dp's and cp of
 //              size 1, independent of the dense tp x cp x dp (default order: rank =
@@ -33,7 +33,8 @@
 //              same pipeline groups (true whenever pp is last in the order).
 // In both, the ranks that exchange tokens with each other form the "expert group" (DeepSpeed's EP
 // group; Megatron's tp_ep group) of n * (number of expert positions) ranks; member m of it is
-// expert position m / n (it holds experts [pos * E_l, (pos + 1) * E_l)) and H-shard m % n.
+// expert position m / n and H-shard m % n. The mesh knows only these degrees: which experts a
+// position holds and how wide an H-shard is belong to the MoE layer (expert_shard.h).
 //
 // Thread-safety: immutable after construction.
 #pragma once
@@ -61,15 +62,21 @@ struct MeshConfig {
   int tp = 1;   // dense tensor-parallel degree
   int pp = 1;   // pipeline stages
   int cp = 1;   // context-parallel degree
-  int ep = 0;   // expert-parallel size; 0 = as large as possible (DeepSpeed: dp * cp, Megatron:
-                // world / (etp * pp))
-  int etp = 1;  // expert tensor parallel (Megatron only; DeepSpeed derives the H split from E)
+  int ep = 0;   // expert-parallel size; 0 = as large as possible (ResolvedExpertParallel)
+  int etp = 1;  // H-shards per expert: Megatron's expert tensor parallel; DeepSpeed: members of an
+                // EP group splitting each expert (a divisor of ep; see ExpertMeshConfig)
   Arrangement arrangement = Arrangement::kDeepSpeed;
   // Sequence parallel as the mode of tp; unset = the arrangement's (DeepSpeed: off, its tp ranks
   // hold identical tokens; Megatron: on). Each arrangement accepts only its own mode when tp > 1.
   std::optional<bool> sequence_parallel;
   std::string order = std::string(kDefaultMeshOrder);
 };
+
+// The expert-parallel size of `config`: its `ep`, or for 0 as large as the arrangement allows
+// (DeepSpeed: world / (tp * pp), the dp * cp ranks of each tp rank and stage; Megatron:
+// world / (etp * pp)), at least 1. The one place of this default (train's ResolveLayout and the
+// mesh use it).
+int ResolvedExpertParallel(const MeshConfig& config);
 
 enum class GroupKind : uint8_t {
   kTensor,          // dense tensor-parallel group ("tp")
@@ -109,7 +116,7 @@ struct RankCoords {
   int token_shard = 0;      // which part of its stage's batch it holds (0 .. data_shards() - 1)
   int expert_group = 0;     // index of its kExpert group
   int expert_member = 0;    // position in its kExpert group
-  int expert_position = 0;  // expert_member / n: holds experts [pos * E_l, (pos + 1) * E_l)
+  int expert_position = 0;  // expert_member / n (holds experts [pos * E_l, (pos + 1) * E_l))
   int expert_shard = 0;     // expert_member % n: H-shard index
   int expert_replica = 0;   // position in its kExpertData group
   int cp_rank = 0;          // position in its kContext group
@@ -119,10 +126,10 @@ struct RankCoords {
 
 class Mesh {
  public:
-  // Validates the config against the experts: throws InvalidArgument naming the constraint that
-  // fails (e.g. "world 12 is not divisible by tp 2 × pp 4 × cp 1", "num_experts 7 is not
-  // divisible by ep 2: every EP rank must hold the same number of experts").
-  Mesh(const MeshConfig& config, int64_t num_experts, int64_t hidden_dim);
+  // Validates the degrees: throws InvalidArgument naming the constraint that fails (e.g. "world
+  // 12 is not divisible by tp 2 × pp 4 × cp 1"). Whether a layer's experts fit is the layer's
+  // check (expert_shard.h, CheckExpertsFit).
+  explicit Mesh(const MeshConfig& config);
 
   const MeshConfig& config() const { return config_; }
   int world_size() const { return config_.world_size; }
@@ -130,32 +137,26 @@ class Mesh {
   int tp() const { return config_.tp; }
   int pp() const { return config_.pp; }
   int cp() const { return config_.cp; }
-  int dp() const { return dp_; }  // world / (tp * cp * pp)
-  int ep() const { return ep_; }  // resolved (never 0)
-  int etp() const { return config_.etp; }
+  int dp() const { return dp_; }           // world / (tp * cp * pp)
+  int ep() const { return ep_; }           // resolved (never 0)
+  int etp() const { return config_.etp; }  // = shards()
   // Megatron: world / (etp * ep * pp); DeepSpeed: the EP groups per tp rank and stage.
   int edp() const;
   bool sequence_parallel() const { return sequence_parallel_; }
   // The order in use: all five names (left-out ones appended).
   const std::string& order() const { return order_; }
-  int64_t num_experts() const { return num_experts_; }
-  int64_t hidden_dim() const { return hidden_dim_; }
-
   // Ranks in one expert group (P).
   int expert_group_size() const { return expert_group_size_; }
-  // H-shards per expert (n): etp (Megatron) or max(1, ep / E) (DeepSpeed).
+  // H-shards per expert (n): etp.
   int shards() const { return shards_; }
-  // Expert positions per expert group (P / n).
+  // Expert positions per expert group (P / n); a layer's E experts split evenly over them.
   int positions() const { return expert_group_size_ / shards_; }
-  // Experts held per position (E_l).
-  int64_t local_experts() const { return num_experts_ / positions(); }
   // Distinct token shards of one stage: dp * cp, times tp with sequence parallel.
   int data_shards() const;
   // True when tp ranks hold identical tokens (tp > 1 without sequence parallel).
   bool tp_duplicates_tokens() const { return config_.tp > 1 && !sequence_parallel_; }
   // True when `other` has the same groups of every kind, arrangement, sequence-parallel mode and
-  // H-shards per expert (the expert count may differ otherwise; orders that differ only in
-  // dimensions of size 1 are the same layout).
+  // H-shards per expert (orders that differ only in dimensions of size 1 are the same layout).
   bool SameLayout(const Mesh& other) const;
 
   RankCoords Coords(int rank) const;
@@ -178,8 +179,6 @@ class Mesh {
   void ColorKey(GroupKind kind, int rank, int* color, int* key) const;
 
   MeshConfig config_;
-  int64_t num_experts_ = 0;
-  int64_t hidden_dim_ = 0;
   int dp_ = 1;
   int ep_ = 1;
   int expert_group_size_ = 1;

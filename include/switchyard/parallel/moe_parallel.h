@@ -176,7 +176,8 @@ struct ParallelGradients {
 };
 
 // The mesh that `options` ask for with `config`'s experts on a world of `world_size` ranks
-// (options.mesh.world_size 0 or 1 means `world_size`). Throws InvalidArgument as Mesh does.
+// (options.mesh.world_size 0 or 1 means `world_size`): expert_shard.h's ExpertMesh, which derives
+// the DeepSpeed H-shards from the experts. Throws InvalidArgument as Mesh and CheckExpertsFit do.
 Mesh LayerMesh(const moe::LayerConfig& config, const ParallelOptions& options, int world_size);
 // The process groups of that mesh over `world`: collective over `world`, which must outlive them.
 // Build them once per run and share them between every layer with the same mesh.

@@ -54,9 +54,6 @@ class CheckpointLayout {
   void GatherTensorParallel(ParameterSet& params, TensorMap& map, const std::string& suffix);
   void SliceTensorParallel(ParameterSet& params, TensorMap& map, const std::string& suffix) const;
   void GatherStages(TensorMap& map);
-  // The run's mesh with this block's experts (blocks may hold different numbers,
-  // experts_per_block).
-  parallel::Mesh BlockMesh(const MoeBlock& block) const;
 
   std::shared_ptr<parallel::ProcessGroups> groups_;
   comm::Communicator& world_;

@@ -78,7 +78,10 @@ struct ResolvedLayout {
   int tp = 1, pp = 1, cp = 1;
   int dp = 1;   // data-parallel size: world_size / (tp x pp x cp)
   int ep = 1;   // 'ep', or for 0 as large as the arrangement allows
-  int etp = 1;  // expert tensor-parallel size (Megatron arrangement)
+  int etp = 1;  // expert tensor-parallel size ('etp'; Megatron arrangement)
+  // H-shards per expert, the mesh's etp: Megatron's 'etp'; DeepSpeed ep / E (the first MoE
+  // block's experts) when E < ep, else 1.
+  int expert_shards = 1;
   // 'arrangement' auto: Megatron with sequence_parallel, else DeepSpeed.
   parallel::Arrangement arrangement = parallel::Arrangement::kDeepSpeed;
   // 'attention_core' auto: flash with cp > 1, else softmax (never kAuto here).
@@ -88,6 +91,12 @@ struct ResolvedLayout {
 // the ranks": InvalidArgument naming the keys otherwise ("config: 'tp' 3 must divide 'ranks'
 // 4 ..."). The arrangement and the attention core do not depend on world_size.
 ResolvedLayout ResolveLayout(const TrainConfig& config, int world_size);
+// The experts against the layout (needs the keys and the world size only): 'ep' divides the
+// ranks, 'num_experts' and every 'experts_per_block' entry split over the ep ranks alike,
+// 'a2a_algo' 2dh with 'dispatch' alltoall. InvalidArgument naming the keys otherwise.
+void ValidateExpertLayout(const TrainConfig& config, const ResolvedLayout& layout);
+// Every entry of 'adaptive_r' is 0, auto/default or a divisor of the layout's expert_shards.
+void ValidateAdaptiveR(const TrainConfig& config, const ResolvedLayout& layout);
 // The batch's split over a layout, as the trainer checks it before the first step: every one of
 // `data_shards` data-parallel ranks gets at least one row of every micro-batch, and with
 // `sequence_parallel` its tokens of a micro-batch divide by `tp_size`. InvalidArgument naming
