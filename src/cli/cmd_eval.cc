@@ -1,5 +1,6 @@
 // `switchyard eval --model DIR --tokens FILE --out OUT.safetensors [--grads]` (docs/models.md,
-// "eval"): a Hugging Face MoE model directory through switchyard's model, writing what the
+// "eval"): a Hugging Face MoE model directory (or a run directory / checkpoint of switchyard's
+// own) through switchyard's model, writing what the
 // ForCausalLM classes compute with labels = input_ids: logits [B, T, V], ce_loss, aux_loss, loss
 // and, with --grads, grad.<Hugging Face name> for every parameter (the gradient of loss).
 #include <fmt/format.h>
@@ -14,6 +15,8 @@
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/json.h"
 #include "switchyard/core/safetensors.h"
+#include "switchyard/train/checkpoint.h"
+#include "switchyard/train/config.h"
 #include "switchyard/train/hf_checkpoint.h"
 #include "switchyard/train/hf_eval.h"
 #include "switchyard/train/hf_names.h"
@@ -71,8 +74,9 @@ int RunEval(const EvalOptions& o) {
   std::error_code ec;
   SY_REQUIRE(!fs::is_directory(o.out, ec), InvalidArgument,
              "--out '{}' is a directory: expected the path of a .safetensors file to write", o.out);
-  const std::string config_path = (fs::path(o.model) / "config.json").string();
-  RequireDistinctOutput({"--out", o.out}, {{"--tokens", o.tokens}, {"config.json", config_path}});
+  // A Hugging Face directory, or switchyard's own run directory / checkpoint: its
+  // model.safetensors holds whole tensors under switchyard's names whatever layout trained it.
+  const bool is_hf = hf::IsHfDirectory(o.model);
   // A directory that cannot be read as a model is bad input (exit 2), like a bad config.
   auto as_bad_input = [](auto read) {
     try {
@@ -81,16 +85,33 @@ int RunEval(const EvalOptions& o) {
       throw InvalidArgument(e.what());
     }
   };
-  const hf::ModelConfig config = as_bad_input([&] { return hf::ReadModelConfig(o.model); });
-  const hf::CheckpointReader reader = as_bad_input([&] { return hf::CheckpointReader(o.model); });
+  const std::string dir =
+      is_hf ? o.model : as_bad_input([&] { return train::ResolveCheckpoint(o.model); });
+  const std::string config_path = (fs::path(dir) / (is_hf ? "config.json" : "state.json")).string();
+  RequireDistinctOutput({"--out", o.out},
+                        {{"--tokens", o.tokens}, {"the model's config", config_path}});
+  const hf::ModelConfig config = as_bad_input([&] {
+    if (is_hf) return hf::ReadModelConfig(dir);
+    return hf::ModelConfigFromTrain(
+        train::TrainConfigFromJson(train::ReadCheckpointConfigJson(dir)), config_path);
+  });
+  const hf::CheckpointReader reader = as_bad_input([&] { return hf::CheckpointReader(dir); });
   for (const std::string& name : reader.Names()) {
     RequireDistinctOutput({"--out", o.out},
-                          {{"a weights file", (fs::path(o.model) / reader.FileOf(name)).string()}});
+                          {{"a weights file", (fs::path(dir) / reader.FileOf(name)).string()}});
   }
   const Tensor tokens = ReadTokens(o.tokens);
   train::TrainConfig tc = train::TrainConfigFromJson(hf::TrainKeysJson(config, config_path));
   tc.model.seq_len = tokens.size(1);
-  const TensorMap weights = as_bad_input([&] { return hf::ReadSwitchyardTensors(reader, config); });
+  const TensorMap weights = as_bad_input([&] {
+    if (is_hf) return hf::ReadSwitchyardTensors(reader, config);
+    TensorMap w;
+    for (const hf::NameMapping& n : hf::NameTable(config)) {
+      if (w.count(n.sy_name) == 0)
+        w[n.sy_name] = reader.ReadFloat32(n.sy_name, reader.ShapeOf(n.sy_name));
+    }
+    return w;
+  });
   hf::EvalResult r;
   try {
     r = hf::EvaluateModel(tc, weights, tokens, config.router_aux_loss_coef, o.grads, o.threads);
@@ -120,7 +141,8 @@ SY_REGISTER_COMMAND(Command{
     .setup = [](CLI::App& app) -> Action {
       auto o = std::make_shared<EvalOptions>();
       app.add_option("--model", o->model,
-                     "Hugging Face model directory (config.json and safetensors)")
+                     "Hugging Face model directory (config.json and safetensors), or a run "
+                     "directory or checkpoint of switchyard")
           ->required();
       app.add_option("--tokens", o->tokens, "JSON file {\"input_ids\": [[...], ...]} (rectangular)")
           ->required();

@@ -60,7 +60,12 @@ uint64_t ParseShardSize(const std::string& text) {
 
 // The checkpoint of --run (and --step).
 std::string CheckpointOf(const ExportOptions& o) {
-  const std::string latest = train::ResolveCheckpoint(o.run);
+  std::string latest;
+  try {
+    latest = train::ResolveCheckpoint(o.run);
+  } catch (const IoError& e) {
+    throw InvalidArgument(e.what());  // a missing run is bad input (exit 2)
+  }
   if (o.step < 0) return latest;
   const std::string dir =
       (fs::path(latest).parent_path() / fmt::format("step_{:08d}", o.step)).string();

@@ -20,6 +20,7 @@
 #include "cli/launch.h"
 #include "cli/peak_flops.h"
 #include "cli/plan_check.h"
+#include "switchyard/core/error.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/gemm_backend.h"
@@ -55,7 +56,13 @@ train::TrainConfig DefaultTrainConfig() {
 // --init-from PATH: the model keys are PATH's (its config.json, or its checkpoint's); a flag or
 // --config value that differs is an error naming both.
 void TakeInitFromModelKeys(const std::string& path, train::ResolvedTrainConfig& resolved) {
-  const nlohmann::json keys = nlohmann::json::parse(train::hf::InitFromModelKeysJson(path));
+  nlohmann::json keys;
+  try {
+    keys = nlohmann::json::parse(train::hf::InitFromModelKeysJson(path));
+  } catch (const IoError& e) {
+    // A missing or unreadable --init-from is bad input (exit 2), named with its flag.
+    throw InvalidArgument(fmt::format("--init-from {}: {}", path, e.what()));
+  }
   const nlohmann::json mine = nlohmann::json::parse(train::TrainConfigToJson(resolved.config));
   std::vector<std::string> conflicts;
   for (const auto& [key, value] : keys.items()) {

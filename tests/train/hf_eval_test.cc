@@ -259,6 +259,39 @@ TEST_F(HfEval, ExportInitFromExportRoundTripsBitForBit) {
                 0, "ranks 4 ep 2 tp 2 vs one rank: " + spec.name);
   }
 
+  // eval takes the run directory itself: the same model as its export, so the same outputs.
+  const std::string tokens = *dir_ / "run_tokens.json";
+  {
+    std::ofstream f(tokens);
+    f << R"({"input_ids": [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]})";
+  }
+  const std::string from_run = *dir_ / "eval_run.safetensors";
+  const std::string from_hf = *dir_ / "eval_hf.safetensors";
+  r = RunSwitchyard("eval --model " + run + " --tokens " + tokens + " --grads --out " + from_run);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = RunSwitchyard("eval --model " + hf1 + " --tokens " + tokens + " --grads --out " + from_hf);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const TensorMap er = ReadSafetensors(from_run), eh = ReadSafetensors(from_hf);
+  ASSERT_EQ(er.size(), eh.size());
+  EXPECT_EQ(er.size(), 4 + ParameterTable(c).size());
+  for (const auto& [name, t] : eh) {
+    ASSERT_EQ(er.count(name), 1u) << name;
+    ASSERT_EQ(er.at(name).shape(), t.shape()) << name;
+    EXPECT_EQ(0, std::memcmp(er.at(name).raw(), t.raw(), t.nbytes())) << name;
+  }
+  // A run directory that does not exist: bad input for eval and export (exit 2), naming it.
+  const std::string missing = *dir_ / "no_such_run";
+  r = RunSwitchyard("eval --model " + missing + " --tokens " + tokens + " --out " + from_run);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("no_such_run"), std::string::npos) << r.err;
+  r = RunSwitchyard("export --run " + missing + " --to hf --out " + (*dir_ / "export_x"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("no_such_run"), std::string::npos) << r.err;
+  r = RunSwitchyard(common + "--steps 1 --init-from " + missing + " --out " + (*dir_ / "run_x"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--init-from " + missing), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(*dir_ / "run_x"));
+
   // A flag that contradicts the directory's config is an error naming both.
   r = RunSwitchyard(common + "--steps 1 --rope_theta 5 --init-from " + hf1 + " --out " +
                     (*dir_ / "run_c"));
