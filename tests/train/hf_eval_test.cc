@@ -19,7 +19,7 @@
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/safetensors.h"
 #include "switchyard/train/hf_names.h"
-#include "train/temp_dir.h"
+#include "train/tiny_hf.h"
 
 namespace switchyard::train::hf {
 namespace {
@@ -29,31 +29,15 @@ using switchyard::testing::RunSwitchyard;
 class HfEval : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = std::make_unique<testing::TempDir>();
-    const std::string cmd = std::string(SY_SYSTEM_PYTHON3) + " -c 'import torch' > /dev/null 2>&1";
-    has_torch_ = std::system(cmd.c_str()) == 0;
-    if (!has_torch_) return;
-    const std::string make = std::string(SY_SYSTEM_PYTHON3) + " " + SY_MAKE_TINY_HF + " --out " +
-                             dir_->path() + " --family mixtral --family olmoe --family qwen2_moe" +
-                             " --max-shard-bytes 30000 > " + dir_->path() + "/log.txt 2>&1";
-    made_ = std::system(make.c_str()) == 0;
+    hf_.Make("--family mixtral --family olmoe --family qwen2_moe --max-shard-bytes 30000");
   }
-  static void TearDownTestSuite() { dir_.reset(); }
-  void SetUp() override {
-    // python3-torch is a test dependency (scripts/setup.sh): its absence fails, never skips.
-    ASSERT_TRUE(has_torch_) << "PyTorch is not importable by " << SY_SYSTEM_PYTHON3
-                            << ": install python3-torch (scripts/setup.sh)";
-    ASSERT_TRUE(made_) << ReadTextFile(*dir_ / "log.txt");
-  }
-  static std::string Dir(const std::string& family) { return *dir_ / family; }
+  static void TearDownTestSuite() { hf_.dir.reset(); }
+  void SetUp() override { ASSERT_NO_FATAL_FAILURE(hf_.RequireMade()); }
+  static std::string Dir(const std::string& family) { return *hf_.dir / family; }
 
-  static std::unique_ptr<testing::TempDir> dir_;
-  static bool has_torch_;
-  static bool made_;
+  static testing::TinyHfDirs hf_;
 };
-std::unique_ptr<testing::TempDir> HfEval::dir_;
-bool HfEval::has_torch_ = false;
-bool HfEval::made_ = false;
+testing::TinyHfDirs HfEval::hf_;
 
 void ExpectClose(const Tensor& got, const Tensor& want, double atol, double rtol,
                  const std::string& what) {
@@ -93,7 +77,7 @@ TEST_F(HfEval, EqualsThePyTorchReference) {
   // qwen2_moe's tiny model has the gated shared expert and a dense layer among its MoE layers.
   for (const char* family : {"mixtral", "olmoe", "qwen2_moe"}) {
     const std::string dir = Dir(family);
-    const std::string out = *dir_ / (std::string(family) + "_eval.safetensors");
+    const std::string out = *hf_.dir / (std::string(family) + "_eval.safetensors");
     const auto r = RunSwitchyard("eval --model " + dir + " --tokens " + dir +
                                  "/tokens.json --grads --out " + out);
     ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -149,12 +133,12 @@ TEST_F(HfEval, GradientsMatchFiniteDifferences) {
 // Bad input: exit 2, a message naming the file and the key, no output written.
 TEST_F(HfEval, BadInputIsAClearError) {
   const std::string dir = Dir("mixtral");
-  const std::string out = *dir_ / "bad.safetensors";
+  const std::string out = *hf_.dir / "bad.safetensors";
   auto run = [&](const std::string& model, const std::string& tokens, const std::string& o) {
     return RunSwitchyard("eval --model " + model + " --tokens " + tokens + " --out " + o);
   };
   // A non-rectangular tokens file.
-  const std::string ragged = *dir_ / "ragged.json";
+  const std::string ragged = *hf_.dir / "ragged.json";
   {
     std::ofstream f(ragged);
     f << R"({"input_ids": [[1, 2, 3], [4, 5]]})";
@@ -163,7 +147,7 @@ TEST_F(HfEval, BadInputIsAClearError) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("ragged.json: key 'input_ids[1]'"), std::string::npos) << r.err;
   // A token outside the vocabulary.
-  const std::string big = *dir_ / "big.json";
+  const std::string big = *hf_.dir / "big.json";
   {
     std::ofstream f(big);
     f << R"({"input_ids": [[1, 2, 64]]})";
@@ -180,7 +164,7 @@ TEST_F(HfEval, BadInputIsAClearError) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("--out"), std::string::npos) << r.err;
   // An index naming a shard that is not there.
-  const std::string broken = *dir_ / "broken";
+  const std::string broken = *hf_.dir / "broken";
   std::filesystem::copy(dir, broken);
   ASSERT_TRUE(std::filesystem::remove(broken + "/model-00002-of-00002.safetensors"));
   r = run(broken, dir + "/tokens.json", out);
@@ -192,11 +176,11 @@ TEST_F(HfEval, BadInputIsAClearError) {
 
 // BF16 weights are converted on load: eval runs and its loss stays near the float32 one.
 TEST_F(HfEval, Bf16WeightsAreConvertedOnLoad) {
-  const std::string bf16 = *dir_ / "bf16";
+  const std::string bf16 = *hf_.dir / "bf16";
   const std::string make = std::string(SY_SYSTEM_PYTHON3) + " " + SY_MAKE_TINY_HF + " --out " +
                            bf16 + " --family mixtral --dtype bf16 --no-reference > /dev/null 2>&1";
   ASSERT_EQ(std::system(make.c_str()), 0);
-  const std::string out = *dir_ / "bf16.safetensors";
+  const std::string out = *hf_.dir / "bf16.safetensors";
   const auto r = RunSwitchyard("eval --model " + bf16 + "/mixtral --tokens " + Dir("mixtral") +
                                "/tokens.json --out " + out);
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -210,7 +194,7 @@ TEST_F(HfEval, Bf16WeightsAreConvertedOnLoad) {
 // trained in ep 2 / tp 2 exports the same names and shapes, and its export evaluates like the
 // checkpoint it came from.
 TEST_F(HfEval, ExportInitFromExportRoundTripsBitForBit) {
-  const std::string corpus = *dir_ / "corpus.txt";
+  const std::string corpus = *hf_.dir / "corpus.txt";
   {
     std::ofstream f(corpus);
     for (int i = 0; i < 200; ++i) f << "the quick brown fox jumps over the lazy dog " << i << "\n";
@@ -220,10 +204,10 @@ TEST_F(HfEval, ExportInitFromExportRoundTripsBitForBit) {
       " --arch mixtral --seq_len 16 --model_dim 32 --num_layers 2 --num_heads 4 --hidden_dim 48 "
       "--num_experts 4 --top_k 2 --batch_size 8 --log_every 1 --eval_every 0 --sample_tokens 0 "
       "--num_kv_heads 2 --threads 1 ";
-  const std::string run = *dir_ / "run_a";
+  const std::string run = *hf_.dir / "run_a";
   auto r = RunSwitchyard(common + "--steps 2 --ranks 4 --ep 2 --tp 2 --out " + run);
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  const std::string hf1 = *dir_ / "export_1";
+  const std::string hf1 = *hf_.dir / "export_1";
   r = RunSwitchyard("export --run " + run + " --to hf --out " + hf1 + " --max-shard-size 40KB");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(std::filesystem::exists(hf1 + "/model.safetensors.index.json"));
@@ -231,12 +215,12 @@ TEST_F(HfEval, ExportInitFromExportRoundTripsBitForBit) {
   EXPECT_EQ(c.family, Family::kMixtral);
   CheckpointReader(hf1).Validate(c);
 
-  const std::string run_b = *dir_ / "run_b";
+  const std::string run_b = *hf_.dir / "run_b";
   r = RunSwitchyard(common + "--steps 1 --lr 0 --min_lr 0 --ranks 2 --ep 2 --init-from " + hf1 +
                     " --out " + run_b);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("initialized from"), std::string::npos) << r.out;
-  const std::string hf2 = *dir_ / "export_2";
+  const std::string hf2 = *hf_.dir / "export_2";
   r = RunSwitchyard("export --run " + run_b + " --to hf --out " + hf2);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const CheckpointReader a(hf1), b(hf2);
@@ -247,10 +231,10 @@ TEST_F(HfEval, ExportInitFromExportRoundTripsBitForBit) {
   }
 
   // The same run on one rank exports the same tensors up to float summation order.
-  const std::string run_1 = *dir_ / "run_1";
+  const std::string run_1 = *hf_.dir / "run_1";
   r = RunSwitchyard(common + "--steps 2 --ranks 1 --out " + run_1);
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  const std::string hf_1 = *dir_ / "export_one_rank";
+  const std::string hf_1 = *hf_.dir / "export_one_rank";
   r = RunSwitchyard("export --run " + run_1 + " --to hf --out " + hf_1);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const CheckpointReader one(hf_1);
@@ -260,13 +244,13 @@ TEST_F(HfEval, ExportInitFromExportRoundTripsBitForBit) {
   }
 
   // eval takes the run directory itself: the same model as its export, so the same outputs.
-  const std::string tokens = *dir_ / "run_tokens.json";
+  const std::string tokens = *hf_.dir / "run_tokens.json";
   {
     std::ofstream f(tokens);
     f << R"({"input_ids": [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]})";
   }
-  const std::string from_run = *dir_ / "eval_run.safetensors";
-  const std::string from_hf = *dir_ / "eval_hf.safetensors";
+  const std::string from_run = *hf_.dir / "eval_run.safetensors";
+  const std::string from_hf = *hf_.dir / "eval_hf.safetensors";
   r = RunSwitchyard("eval --model " + run + " --tokens " + tokens + " --grads --out " + from_run);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   r = RunSwitchyard("eval --model " + hf1 + " --tokens " + tokens + " --grads --out " + from_hf);
@@ -280,21 +264,21 @@ TEST_F(HfEval, ExportInitFromExportRoundTripsBitForBit) {
     EXPECT_EQ(0, std::memcmp(er.at(name).raw(), t.raw(), t.nbytes())) << name;
   }
   // A run directory that does not exist: bad input for eval and export (exit 2), naming it.
-  const std::string missing = *dir_ / "no_such_run";
+  const std::string missing = *hf_.dir / "no_such_run";
   r = RunSwitchyard("eval --model " + missing + " --tokens " + tokens + " --out " + from_run);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("no_such_run"), std::string::npos) << r.err;
-  r = RunSwitchyard("export --run " + missing + " --to hf --out " + (*dir_ / "export_x"));
+  r = RunSwitchyard("export --run " + missing + " --to hf --out " + (*hf_.dir / "export_x"));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("no_such_run"), std::string::npos) << r.err;
-  r = RunSwitchyard(common + "--steps 1 --init-from " + missing + " --out " + (*dir_ / "run_x"));
+  r = RunSwitchyard(common + "--steps 1 --init-from " + missing + " --out " + (*hf_.dir / "run_x"));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("--init-from " + missing), std::string::npos) << r.err;
-  EXPECT_FALSE(std::filesystem::exists(*dir_ / "run_x"));
+  EXPECT_FALSE(std::filesystem::exists(*hf_.dir / "run_x"));
 
   // A flag that contradicts the directory's config is an error naming both.
   r = RunSwitchyard(common + "--steps 1 --rope_theta 5 --init-from " + hf1 + " --out " +
-                    (*dir_ / "run_c"));
+                    (*hf_.dir / "run_c"));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("'rope_theta': --rope_theta gives 5"), std::string::npos) << r.err;
   // --out equal to the run directory.

@@ -27,7 +27,7 @@
 #include "switchyard/train/layers.h"
 #include "switchyard/train/rope.h"
 #include "switchyard/train/swiglu.h"
-#include "train/temp_dir.h"
+#include "train/tiny_hf.h"
 
 namespace switchyard::train::hf {
 namespace {
@@ -276,32 +276,16 @@ class TinyModel {
 
 class HfReference : public ::testing::TestWithParam<const char*> {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = std::make_unique<testing::TempDir>();
-    const std::string cmd = std::string(SY_SYSTEM_PYTHON3) + " -c 'import torch' > /dev/null 2>&1";
-    has_torch_ = std::system(cmd.c_str()) == 0;
-    if (!has_torch_) return;
-    const std::string make = std::string(SY_SYSTEM_PYTHON3) + " " + SY_MAKE_TINY_HF + " --out " +
-                             dir_->path() + " --max-shard-bytes 30000 > " + dir_->path() +
-                             "/log.txt 2>&1";
-    made_ = std::system(make.c_str()) == 0;
-  }
-  static void TearDownTestSuite() { dir_.reset(); }
+  static void SetUpTestSuite() { hf_.Make("--max-shard-bytes 30000"); }
+  static void TearDownTestSuite() { hf_.dir.reset(); }
 
-  static std::unique_ptr<testing::TempDir> dir_;
-  static bool has_torch_;
-  static bool made_;
+  static testing::TinyHfDirs hf_;
 };
-std::unique_ptr<testing::TempDir> HfReference::dir_;
-bool HfReference::has_torch_ = false;
-bool HfReference::made_ = false;
+testing::TinyHfDirs HfReference::hf_;
 
 TEST_P(HfReference, LogitsAndLossesEqualThePyTorchForward) {
-  // python3-torch is a test dependency (scripts/setup.sh): its absence fails, never skips.
-  ASSERT_TRUE(has_torch_) << "PyTorch is not importable by " << SY_SYSTEM_PYTHON3
-                          << ": install python3-torch (scripts/setup.sh)";
-  ASSERT_TRUE(made_) << ReadTextFile(*dir_ / "log.txt");
-  const std::string dir = *dir_ / GetParam();
+  ASSERT_NO_FATAL_FAILURE(hf_.RequireMade());
+  const std::string dir = *hf_.dir / GetParam();
   nlohmann::json tokens = nlohmann::json::parse(ReadTextFile(dir + "/tokens.json"));
   const auto ids = tokens["input_ids"].get<std::vector<std::vector<int32_t>>>();
   const TensorMap ref = ReadSafetensors(dir + "/reference.safetensors");
