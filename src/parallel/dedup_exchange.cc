@@ -10,6 +10,7 @@
 #include "parallel/collectives.h"
 #include "parallel/trace_context.h"
 #include "switchyard/core/error.h"
+#include "switchyard/core/thread_pool.h"
 #include "switchyard/kernels/reduce.h"
 
 namespace switchyard::parallel::internal {
@@ -17,6 +18,8 @@ namespace {
 
 // Words of a sent row's routing record: per choice (local expert or -1, slot, weight bits).
 constexpr int64_t kWordsPerChoice = 3;
+// Rows per chunk of the threaded row loops (each row is written by one thread).
+constexpr int64_t kRowGrain = 64;
 
 // dst = s * src, or dst += s * src, over n floats.
 void Scale(float* __restrict dst, const float* __restrict src, float s, int64_t n) {
@@ -55,8 +58,9 @@ Tensor TokenAllToAllV(comm::Communicator& group, const Tensor& send,
 }  // namespace
 
 DedupExchange::DedupExchange(comm::Communicator& group, int64_t local_experts, bool prescore,
-                             const moe::DispatchPlan& plan, const Tensor& x, CommStats* stats)
-    : group_(group), prescore_(prescore) {
+                             int threads, const moe::DispatchPlan& plan, const Tensor& x,
+                             CommStats* stats)
+    : group_(group), prescore_(prescore), threads_(std::max(1, threads)) {
   const int p_num = group.size();
   const int64_t el = local_experts, k = plan.top_k, m = x.size(1);
   SY_CHECK(el * p_num == plan.num_experts, "{} ranks x {} experts", p_num, el);
@@ -171,6 +175,19 @@ DedupExchange::DedupExchange(comm::Communicator& group, int64_t local_experts, b
   }
 }
 
+void DedupExchange::ForEachPair(
+    const std::function<void(int64_t i, size_t pair, int32_t row)>& fn) const {
+  const int64_t k = top_k_;
+  ParallelFor(x_recv_.size(0), threads_, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t j = 0; j < k; ++j) {
+        const auto pair = static_cast<size_t>(i * k + j);
+        if (row_of_[pair] >= 0) fn(i, pair, row_of_[pair]);
+      }
+    }
+  });
+}
+
 Tensor DedupExchange::ToDestinations(const Tensor& rows_by_token, const char* name,
                                      CommStats* stats) const {
   const int64_t m = rows_by_token.size(1);
@@ -198,20 +215,15 @@ void DedupExchange::AddAtSource(const Tensor& returned, const Tensor& out) const
 }
 
 Tensor DedupExchange::Combine(const Tensor& expert_out, CommStats* stats) const {
-  const int64_t m = model_dim_, k = top_k_, r_num = x_recv_.size(0);
+  const int64_t m = model_dim_, r_num = x_recv_.size(0);
   Tensor partial = Tensor::Zeros({r_num, m});
   const float* ep = expert_out.data<float>();
   float* pp = partial.data<float>();
   {
     TraceSpan span("local combine");
-    for (int64_t i = 0; i < r_num; ++i) {
-      for (int64_t j = 0; j < k; ++j) {
-        const int32_t row = row_of_[static_cast<size_t>(i * k + j)];
-        if (row < 0) continue;
-        const float w = prescore_ ? 1.0f : recv_weights_[static_cast<size_t>(i * k + j)];
-        Axpy(pp + i * m, ep + int64_t{row} * m, w, m);
-      }
-    }
+    ForEachPair([&](int64_t i, size_t pair, int32_t row) {
+      Axpy(pp + i * m, ep + int64_t{row} * m, prescore_ ? 1.0f : recv_weights_[pair], m);
+    });
   }
   Tensor back = ToSources(partial, "return c0", stats);
   TraceSpan span("decode");
@@ -230,20 +242,15 @@ Tensor DedupExchange::CombineBackward(const Tensor& dy, const Tensor& expert_out
   const float* dp = dy_recv.data<float>();
   const float* ep = expert_out.data<float>();
   float* op = d_out.data<float>();
-  for (int64_t i = 0; i < r_num; ++i) {
-    for (int64_t j = 0; j < k; ++j) {
-      const auto pair = static_cast<size_t>(i * k + j);
-      const int32_t row = row_of_[pair];
-      if (row < 0) continue;
-      float* dst = op + int64_t{row} * m;
-      if (prescore_) {
-        std::memcpy(dst, dp + i * m, static_cast<size_t>(m) * sizeof(float));
-      } else {
-        Scale(dst, dp + i * m, recv_weights_[pair], m);
-        d_weights_[pair] = kernels::Dot(dp + i * m, ep + int64_t{row} * m, m);
-      }
+  ForEachPair([&](int64_t i, size_t pair, int32_t row) {
+    float* dst = op + int64_t{row} * m;
+    if (prescore_) {
+      std::memcpy(dst, dp + i * m, static_cast<size_t>(m) * sizeof(float));
+    } else {
+      Scale(dst, dp + i * m, recv_weights_[pair], m);
+      d_weights_[pair] = kernels::Dot(dp + i * m, ep + int64_t{row} * m, m);
     }
-  }
+  });
   return d_out;
 }
 
@@ -255,16 +262,11 @@ DedupExchange::Grads DedupExchange::DispatchBackward(const Tensor& d_expert_in, 
     const float* dp = d_expert_in.data<float>();
     const float* xr = x_recv_.data<float>();
     float* dxp = dx_partial.data<float>();
-    for (int64_t i = 0; i < r_num; ++i) {
-      for (int64_t j = 0; j < k; ++j) {
-        const auto pair = static_cast<size_t>(i * k + j);
-        const int32_t row = row_of_[pair];
-        if (row < 0) continue;
-        const float* src = dp + int64_t{row} * m;
-        Axpy(dxp + i * m, src, prescore_ ? recv_weights_[pair] : 1.0f, m);
-        if (prescore_) d_weights_[pair] += kernels::Dot(xr + i * m, src, m);
-      }
-    }
+    ForEachPair([&](int64_t i, size_t pair, int32_t row) {
+      const float* src = dp + int64_t{row} * m;
+      Axpy(dxp + i * m, src, prescore_ ? recv_weights_[pair] : 1.0f, m);
+      if (prescore_) d_weights_[pair] += kernels::Dot(xr + i * m, src, m);
+    });
   }
   Grads g;
   g.x = Tensor::Zeros({num_tokens_, m});

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "switchyard/comm/communicator.h"
@@ -37,8 +38,9 @@ class DedupExchange {
  public:
   // x [T, M] float32 and its plan (any layout: packed or fixed stride; kept pairs have
   // plan.rows >= 0). Sends the tokens and their routing over `group` (the expert group, E_l
-  // experts per rank). Collective.
-  DedupExchange(comm::Communicator& group, int64_t local_experts, bool prescore,
+  // experts per rank). `threads` run the per-row loops (results do not depend on it).
+  // Collective.
+  DedupExchange(comm::Communicator& group, int64_t local_experts, bool prescore, int threads,
                 const moe::DispatchPlan& plan, const Tensor& x, CommStats* stats);
 
   // The rows this rank computes [rows, M], one group per local expert.
@@ -62,11 +64,15 @@ class DedupExchange {
   // rows per peer on the wire: source -> destination (send_rows_) and back (recv_rows_).
   Tensor ToDestinations(const Tensor& rows_by_token, const char* name, CommStats* stats) const;
   Tensor ToSources(const Tensor& partial, const char* name, CommStats* stats) const;
+  // fn(received row i, pair i * k + j, expert row) for every choice computed here, in choice
+  // order per row; rows split over threads_ (each row on one thread).
+  void ForEachPair(const std::function<void(int64_t i, size_t pair, int32_t row)>& fn) const;
   // Adds the partial rows [sum(send_rows_), C] returned by the destinations into out [T, C].
   void AddAtSource(const Tensor& returned, const Tensor& out) const;
 
   comm::Communicator& group_;
   bool prescore_;
+  int threads_ = 1;
   int64_t num_tokens_ = 0, top_k_ = 0, model_dim_ = 0;
   // Source side: the token of each sent row, packed by destination rank.
   std::vector<int32_t> sent_tokens_;

@@ -150,8 +150,9 @@ class ExchangeDispatcher : public Dispatcher {
     info->overlap_degree = es.overlap_degree;
     info->smart_group = es.smart_group;
     if (UsesDedup(es, in, shadowed)) {
-      auto step = std::make_unique<DedupStep>(s_.groups->Get(GroupKind::kExpert), s_.local_experts,
-                                              s_.config.prescore, in.plan, in.x, stats);
+      auto step =
+          std::make_unique<DedupStep>(s_.groups->Get(GroupKind::kExpert), s_.local_experts,
+                                      s_.config.prescore, experts.threads, in.plan, in.x, stats);
       *y = step->Forward(in, experts, stats);
       return step;
     }

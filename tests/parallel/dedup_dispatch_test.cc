@@ -75,7 +75,8 @@ std::vector<double> DedupFormula(const LayerRunResult& run, int64_t num_tokens, 
 
 // dp x ep and ep layouts, capacity with drops and dropless, post- and pre-score: outputs, l_aux,
 // routing and every gradient equal the single-rank layer; each rank's token bytes (forward and
-// backward alike) equal the formula; the per-pair exchange of the same run moves more.
+// backward alike) equal the formula; the per-pair exchange of the same run moves more; 3 threads
+// per rank give the same bits as one.
 TEST(DedupDispatch, GroupLimitedTopKEqualsOneRankAndMovesOneRowPerTokenAndRank) {
   const int64_t t_num = 48;
   for (const bool dropless : {false, true}) {
@@ -112,6 +113,27 @@ TEST(DedupDispatch, GroupLimitedTopKEqualsOneRankAndMovesOneRowPerTokenAndRank) 
             } else {
               pair_total += fwd + bwd;
             }
+          }
+        }
+        // The per-row loops on 3 threads per rank (512 tokens: several chunks of 64 rows) give
+        // the same bits as on one.
+        {
+          const Inputs big = MakeInputs(config, 512, 89);
+          DriverOptions o;
+          o.parallel.mesh.world_size = world;
+          o.parallel.mesh.ep = ep;
+          o.parallel.dispatch = DispatchKind::kAllToAllV;
+          LayerRunResult one, three;
+          o.threads = 1;
+          ASSERT_NO_THROW(one = RunLayerOnRanks(config, big.params, big.x, big.dy, o)) << what;
+          o.threads = 3;
+          ASSERT_NO_THROW(three = RunLayerOnRanks(config, big.params, big.x, big.dy, o)) << what;
+          ASSERT_EQ(one.output.y.numel(), three.output.y.numel());
+          for (int64_t i = 0; i < one.output.y.numel(); ++i) {
+            ASSERT_EQ(one.output.y.data<float>()[i], three.output.y.data<float>()[i]) << what;
+          }
+          for (int64_t i = 0; i < one.grad_x.numel(); ++i) {
+            ASSERT_EQ(one.grad_x.data<float>()[i], three.grad_x.data<float>()[i]) << what;
           }
         }
         // k = 4 choices in 2 groups of 2 experts: with ep 4 each token has 2 choices on each of
