@@ -57,7 +57,8 @@ parallel::ParallelOptions OptionsFromDict(const py::dict& d) {
                                 "hierarchical_ranks_per_node",
                                 "overlap_degree",
                                 "smart_group",
-                                "tp_dedup"};
+                                "tp_dedup",
+                                "dispatch_dedup"};
   for (auto item : d) {
     std::string key = py::cast<std::string>(py::str(item.first));
     bool known = false;
@@ -65,7 +66,8 @@ parallel::ParallelOptions OptionsFromDict(const py::dict& d) {
     SY_REQUIRE(known, InvalidArgument,
                "parallel option '{}': unknown (expected one of ep, tp, etp, arrangement, "
                "sequence_parallel, dispatch, batch_scope, adaptive_r, "
-               "hierarchical_ranks_per_node, overlap_degree, smart_group, tp_dedup)",
+               "hierarchical_ranks_per_node, overlap_degree, smart_group, tp_dedup, "
+               "dispatch_dedup)",
                key);
   }
   parallel::ParallelOptions o;
@@ -89,6 +91,7 @@ parallel::ParallelOptions OptionsFromDict(const py::dict& d) {
         parallel::SmartGroupFromString(py::cast<std::string>(py::str(d["smart_group"])));
   }
   o.tp_dedup = Get<bool>(d, "tp_dedup", true);
+  o.dispatch_dedup = Get<bool>(d, "dispatch_dedup", true);
   return o;
 }
 

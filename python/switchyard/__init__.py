@@ -75,7 +75,8 @@ class ParallelMoeLayer:
     Every process of the job is one rank; each holds its own tokens and its shard of the experts
     (shard_params). options: ep, tp, etp, arrangement ("deepspeed" | "megatron"), dispatch
     ("alltoall" | "alltoallv" | "allgather"), batch_scope ("global" | "per_rank"), adaptive_r,
-    overlap_degree, smart_group, hierarchical_ranks_per_node, sequence_parallel, tp_dedup.
+    overlap_degree, smart_group, hierarchical_ranks_per_node, sequence_parallel, tp_dedup,
+    dispatch_dedup.
     Construction, forward and backward are collective: call them in the same order on every rank.
     """
 

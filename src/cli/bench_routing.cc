@@ -49,6 +49,9 @@ RouteVolume RouteVolumeOf(std::span<const int32_t> routes, int64_t k,
   v.pairs_out.assign(ranks, 0);
   v.pairs_in.assign(ranks, 0);
   v.predicted_bytes.assign(ranks, 0);
+  v.rows_out.assign(ranks, 0);
+  v.rows_in.assign(ranks, 0);
+  v.predicted_dedup_bytes.assign(ranks, 0);
   // The rank holding each token shard (tp 1: one), and the rank of each expert position that
   // serves that shard's expert group.
   std::vector<size_t> rank_of_shard(split.size(), 0);
@@ -67,16 +70,20 @@ RouteVolume RouteVolumeOf(std::span<const int32_t> routes, int64_t k,
         if (position == mine.expert_position) continue;
         ++v.pairs_off;
         ++v.pairs_out[rank_of_shard[shard]];
-        // The rank of the same expert group at that position receives the pair.
+        // The rank of the same expert group at that position receives the pair (and the token
+        // once, with its first pair there).
+        const bool first = std::find(others.begin(), others.end(), position) == others.end();
         for (size_t r = 0; r < ranks; ++r) {
           const parallel::RankCoords& c = run.ranks[r].coords;
           if (c.expert_group == mine.expert_group && c.expert_position == position) {
             ++v.pairs_in[r];
+            if (first) ++v.rows_in[r];
             break;
           }
         }
-        if (std::find(others.begin(), others.end(), position) == others.end()) {
+        if (first) {
           others.push_back(position);
+          ++v.rows_out[rank_of_shard[shard]];
         }
       }
       distinct += static_cast<int64_t>(others.size());
@@ -87,6 +94,8 @@ RouteVolume RouteVolumeOf(std::span<const int32_t> routes, int64_t k,
   for (size_t r = 0; r < ranks; ++r) {
     v.predicted_bytes[r] = 2.0 * static_cast<double>(v.pairs_out[r] + v.pairs_in[r]) *
                            static_cast<double>(model_dim) * 4.0;
+    v.predicted_dedup_bytes[r] = 2.0 * static_cast<double>(v.rows_out[r] + v.rows_in[r]) *
+                                 static_cast<double>(model_dim) * 4.0;
   }
   return v;
 }

@@ -32,6 +32,11 @@ struct RouteVolume {
   // one float32 row of model_dim per kept pair (alltoallv, nothing dropped):
   // 2 x (pairs_out + pairs_in) x model_dim x 4 (dispatch and combine, each also in backward).
   std::vector<double> predicted_bytes;
+  // Per rank: (token, destination rank) rows of its tokens sent to other ranks, and of other
+  // ranks' tokens it receives; and the bytes of the dispatch that sends a token once per
+  // destination rank (ParallelOptions::dispatch_dedup): 2 x (rows_out + rows_in) x model_dim x 4.
+  std::vector<int64_t> rows_out, rows_in;
+  std::vector<double> predicted_dedup_bytes;
 };
 
 // The volume of `routes` ([T * k], the whole batch in token order) on the ranks of `run` (their

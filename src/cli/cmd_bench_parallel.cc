@@ -420,9 +420,20 @@ nlohmann::json ScheduleJson(const BenchParallelOptions& o, const ParallelSetup& 
   return schedule;
 }
 
+// Whether the run's exchange sends a token once per destination rank: the rule of the exchange
+// dispatcher (ExchangeDispatcher::UsesDedup, src/parallel/dispatcher_exchange.cc) for a layout
+// without shadow experts.
+bool PerRankDispatch(const ParallelSetup& s) {
+  const parallel::ParallelOptions& p = s.run.parallel;
+  return p.dispatch == parallel::DispatchKind::kAllToAllV && p.dispatch_dedup &&
+         s.mesh->shards() == 1 && s.mesh->expert_group_size() > 1 && p.overlap_degree == 1 &&
+         p.smart_group == parallel::kSmartOff && p.shadow.policy == parallel::ShadowPolicy::kNone;
+}
+
 // The routing's token all-to-all of one run (tp 1): the pairs that leave their rank, the distinct
 // other ranks per token, and the busiest rank's token bytes measured against the formula of
-// RouteVolume (exact for alltoallv without drops).
+// RouteVolume for the dispatch the run used (exact for alltoallv without drops), and both
+// formulas.
 nlohmann::json RouteVolumeJson(const ParallelSetup& s, const parallel::LayerRunResult& run) {
   const Tensor& topk = run.output.topk_idx;
   if (!topk.defined() || topk.dim() != 2 || s.mesh->tp() != 1) return nullptr;
@@ -430,12 +441,13 @@ nlohmann::json RouteVolumeJson(const ParallelSetup& s, const parallel::LayerRunR
       std::span<const int32_t>(topk.data<int32_t>(), static_cast<size_t>(topk.numel())),
       topk.size(1), run, parallel::EvenSplit(s.t_global, s.mesh->data_shards()),
       parallel::LocalExperts(*s.mesh, s.config.num_experts), s.config.model_dim);
-  double measured = 0, predicted = 0, slowest = 0;
+  double measured = 0, predicted = 0, predicted_dedup = 0, slowest = 0;
   for (size_t r = 0; r < run.ranks.size(); ++r) {
     const parallel::RankReport& rep = run.ranks[r];
     measured = std::max(measured, rep.forward.Bytes(parallel::Traffic::kTokens) +
                                       rep.backward.Bytes(parallel::Traffic::kTokens));
     predicted = std::max(predicted, v.predicted_bytes[r]);
+    predicted_dedup = std::max(predicted_dedup, v.predicted_dedup_bytes[r]);
     slowest = std::max(slowest, Median(rep.step_seconds));
   }
   return {{"pairs", v.pairs},
@@ -443,7 +455,10 @@ nlohmann::json RouteVolumeJson(const ParallelSetup& s, const parallel::LayerRunR
           {"off_rank_share", v.off_share},
           {"distinct_other_ranks_per_token", v.distinct_off_ranks},
           {"max_rank_token_bytes", measured},
-          {"max_rank_token_bytes_formula", predicted},
+          {"per_rank_dispatch", PerRankDispatch(s)},
+          {"max_rank_token_bytes_formula", PerRankDispatch(s) ? predicted_dedup : predicted},
+          {"max_rank_token_bytes_formula_per_pair", predicted},
+          {"max_rank_token_bytes_formula_per_rank", predicted_dedup},
           {"slowest_rank_step_ms", slowest * 1e3}};
 }
 
@@ -466,12 +481,14 @@ void PrintRouting(const nlohmann::json& j) {
     if (v.is_null()) return;
     fmt::print(
         "  {}: {} of {} (token, choice) pairs leave their rank ({:.1f}%), {:.2f} other ranks "
-        "per token; busiest rank's token all-to-all {:.3f} MB (formula 2 (out + in) M 4 = {:.3f} "
-        "MB)\n",
+        "per token; busiest rank's token all-to-all {:.3f} MB (formula 2 (out + in) M 4 {:.3f} "
+        "MB; one row per pair {:.3f} MB, per (token, rank) {:.3f} MB)\n",
         what, v["pairs_off_rank"].get<int64_t>(), v["pairs"].get<int64_t>(),
         100 * v["off_rank_share"].get<double>(), v["distinct_other_ranks_per_token"].get<double>(),
         v["max_rank_token_bytes"].get<double>() / 1e6,
-        v["max_rank_token_bytes_formula"].get<double>() / 1e6);
+        v["max_rank_token_bytes_formula"].get<double>() / 1e6,
+        v["max_rank_token_bytes_formula_per_pair"].get<double>() / 1e6,
+        v["max_rank_token_bytes_formula_per_rank"].get<double>() / 1e6);
   };
   line(j["imbalance"].get<double>() > 0
            ? fmt::format("routes Zipf({})", j["imbalance"].get<double>()).c_str()

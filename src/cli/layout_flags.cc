@@ -17,6 +17,7 @@ parallel::ParallelOptions MoeLayoutFlags::Options(int world_size) const {
   p.adaptive_r = parallel::AdaptiveRFromString(adaptive_r);
   p.hierarchical_ranks_per_node = hierarchical;
   p.tp_dedup = !no_tp_dedup;
+  p.dispatch_dedup = !no_dispatch_dedup;
   p.batch_scope = parallel::BatchScopeFromName(scope);
   p.overlap_degree = overlap_degree;
   p.smart_group = parallel::SmartGroupFromString(smart);
@@ -37,6 +38,9 @@ void AddMoeLayoutFlags(CLI::App& app, MoeLayoutFlags* f, std::string_view trace_
   AddIntOption(app, "--2dh", &f->hierarchical, 0, 4096,
                "hierarchical all-to-all with this many ranks/node");
   app.add_flag("--no-tp-dedup", f->no_tp_dedup, "DeepSpeed arrangement: no TP de-duplication");
+  app.add_flag("--no-dispatch-dedup", f->no_dispatch_dedup,
+               "alltoallv: send a token once per kept (token, choice), not once per destination "
+               "rank");
   app.add_option("--scope", f->scope,
                  "global (capacity, slots and l_aux over the batch: equals the single-rank run) | "
                  "per_rank (Tutel/DeepSpeed default)")

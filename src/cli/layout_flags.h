@@ -1,7 +1,7 @@
 // The layout of one MoE layer on W ranks and its overlap schedules as flags (docs/parallel.md,
 // docs/overlap.md), declared once for `switchyard layer`, `bench layer-parallel` and `bench layer
-// --ranks W`: --tp --ep --etp --arrangement --dispatch --adaptive-r --2dh --no-tp-dedup --scope
-// --transport --overlap-degree --smart-schedule --shadow --trace.
+// --ranks W`: --tp --ep --etp --arrangement --dispatch --adaptive-r --2dh --no-tp-dedup
+// --no-dispatch-dedup --scope --transport --overlap-degree --smart-schedule --shadow --trace.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -19,6 +19,7 @@ struct MoeLayoutFlags {
   std::string adaptive_r = "default";
   int hierarchical = 0;  // --2dh: ranks per node of the hierarchical all-to-all (0: off)
   bool no_tp_dedup = false;
+  bool no_dispatch_dedup = false;  // alltoallv: one row per (token, choice), not per (token, rank)
   std::string scope = "global";
   std::string transport = "auto";  // auto: mpi when started by an MPI launcher, else inproc
   int overlap_degree = 1;

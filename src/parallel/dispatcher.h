@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "switchyard/core/tensor.h"
@@ -106,6 +107,40 @@ class Dispatcher {
 
   // The cost model the schedules use (measured fields filled after first use).
   virtual const CostModel& cost_model() const = 0;
+};
+
+// The step of a dispatcher whose transport computes the rows itself and combines them where the
+// experts are (allgather_dispatch.h, dedup_exchange.h): Transport gives expert_input(),
+// groups(), Combine, CombineBackward and DispatchBackward (returning x and weights gradients).
+template <typename Transport>
+class TransportStep : public DispatchStep {
+ public:
+  template <typename... Args>
+  explicit TransportStep(Args&&... args) : transport_(std::forward<Args>(args)...) {}
+
+  Tensor Forward(const StepInput& in, const ExpertKernels& experts, CommStats* stats) {
+    expert_out_ =
+        experts.Forward(in.weights, transport_.expert_input(), transport_.groups(), &acts_);
+    return transport_.Combine(expert_out_, stats);
+  }
+
+  DispatchGradients Backward(const StepInput& in, const ExpertKernels& experts, const Tensor& dy,
+                             CommStats* stats) const override {
+    Tensor d_out = transport_.CombineBackward(dy, expert_out_, stats);
+    moe::ExpertGradients eg = experts.Backward(in.weights, acts_, d_out);
+    auto tg = transport_.DispatchBackward(eg.input, stats);
+    DispatchGradients g;
+    g.x = tg.x;
+    g.weights = std::move(tg.weights);
+    g.experts = eg.weights;
+    return g;
+  }
+
+ private:
+  // CombineBackward keeps the weight gradients that DispatchBackward completes.
+  mutable Transport transport_;
+  moe::ExpertActivations acts_;
+  Tensor expert_out_;  // rows computed by this rank
 };
 
 // What every dispatcher is built from.

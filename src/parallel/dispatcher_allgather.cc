@@ -7,35 +7,7 @@
 namespace switchyard::parallel::internal {
 namespace {
 
-class AllGatherStep : public DispatchStep {
- public:
-  AllGatherStep(comm::Communicator& expert, const AllGatherSpec& spec, const StepInput& in,
-                CommStats* stats)
-      : dispatch_(expert, spec, in.plan, in.x, stats) {}
-
-  Tensor Forward(const StepInput& in, const ExpertKernels& experts, CommStats* stats) {
-    expert_out_ = experts.Forward(in.weights, dispatch_.expert_input(), dispatch_.groups(), &acts_);
-    return dispatch_.Combine(expert_out_, stats);
-  }
-
-  DispatchGradients Backward(const StepInput& in, const ExpertKernels& experts, const Tensor& dy,
-                             CommStats* stats) const override {
-    Tensor d_out = dispatch_.CombineBackward(dy, expert_out_, stats);
-    moe::ExpertGradients eg = experts.Backward(in.weights, acts_, d_out);
-    AllGatherDispatch::Grads ag = dispatch_.DispatchBackward(eg.input, stats);
-    DispatchGradients g;
-    g.x = ag.x;
-    g.weights = std::move(ag.weights);
-    g.experts = eg.weights;
-    return g;
-  }
-
- private:
-  // CombineBackward keeps the weight gradients that DispatchBackward completes.
-  mutable AllGatherDispatch dispatch_;
-  moe::ExpertActivations acts_;
-  Tensor expert_out_;  // rows computed by this rank
-};
+using AllGatherStep = TransportStep<AllGatherDispatch>;
 
 class AllGatherDispatcher : public Dispatcher {
  public:
@@ -46,8 +18,8 @@ class AllGatherDispatcher : public Dispatcher {
   std::unique_ptr<DispatchStep> Forward(const StepInput& in, const ExpertKernels& experts,
                                         Tensor* y, DispatchInfo*, CommStats* stats) override {
     const AllGatherSpec spec{s_.shards, in.r, s_.local_experts, s_.config.prescore};
-    auto step =
-        std::make_unique<AllGatherStep>(s_.groups->Get(GroupKind::kExpert), spec, in, stats);
+    auto step = std::make_unique<AllGatherStep>(s_.groups->Get(GroupKind::kExpert), spec, in.plan,
+                                                in.x, stats);
     *y = step->Forward(in, experts, stats);
     return step;
   }

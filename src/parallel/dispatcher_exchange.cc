@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "parallel/collectives.h"
+#include "parallel/dedup_exchange.h"
 #include "parallel/dispatcher.h"
 #include "parallel/exchange.h"
 #include "parallel/shadow.h"
@@ -111,6 +112,9 @@ class ExchangeStep : public BufferStep {
   moe::ExpertActivations shadow_acts_;
 };
 
+// One step of the per-destination-rank exchange.
+using DedupStep = TransportStep<DedupExchange>;
+
 class ExchangeDispatcher : public Dispatcher {
  public:
   explicit ExchangeDispatcher(DispatcherSetup setup)
@@ -143,11 +147,18 @@ class ExchangeDispatcher : public Dispatcher {
     es.overlap_degree = s_.options.overlap_degree;
     es.smart_group = SmartGroup(in.plan, experts.threads, stats);
     std::vector<int64_t> shadowed = ChooseShadows(in.plan, in.r, experts.threads, stats);
+    info->overlap_degree = es.overlap_degree;
+    info->smart_group = es.smart_group;
+    if (UsesDedup(es, in, shadowed)) {
+      auto step =
+          std::make_unique<DedupStep>(s_.groups->Get(GroupKind::kExpert), s_.local_experts,
+                                      s_.config.prescore, experts.threads, in.plan, in.x, stats);
+      *y = step->Forward(in, experts, stats);
+      return step;
+    }
     auto step = std::make_unique<ExchangeStep>(*s_.groups, s_.dedup, s_.config.prescore,
                                                s_.config.num_experts, s_.local_experts, es,
                                                std::move(shadowed), in, stats);
-    info->overlap_degree = es.overlap_degree;
-    info->smart_group = es.smart_group;
     if (step->shadow()) info->shadowed = step->shadow()->experts();
     *y = step->Forward(in, experts, stats);
     return step;
@@ -157,6 +168,15 @@ class ExchangeDispatcher : public Dispatcher {
 
  private:
   bool fixed() const { return s_.options.dispatch == DispatchKind::kAllToAll; }
+
+  // Whether this step sends a token once per destination rank (dedup_exchange.h): variable size,
+  // every expert whole on one rank of a group of several, one phase, nothing shadowed.
+  bool UsesDedup(const ExchangeSpec& es, const StepInput& in,
+                 const std::vector<int64_t>& shadowed) const {
+    return s_.options.dispatch_dedup && !fixed() && s_.shards == 1 && in.r == 1 &&
+           es.tp_shares == 1 && es.overlap_degree == 1 && es.smart_group == kSmartOff &&
+           shadowed.empty() && s_.groups->Get(GroupKind::kExpert).size() > 1;
+  }
 
   // Resolves the cost model (measuring what is missing, once). Collective over the expert group.
   const CostModel& ResolvedCostModel(int threads) {

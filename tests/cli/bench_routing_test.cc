@@ -1,6 +1,7 @@
 // `switchyard bench layer --ranks W` with routing options: the token all-to-all bytes each rank
 // measured equal the formula recounted from the routes (docs/moe.md, "Device-limited routing and
-// the all-to-all volume"); group-limited routing bounds the other ranks a token reaches;
+// the all-to-all volume"); group-limited routing bounds the other ranks a token reaches, and
+// the per-destination-rank dispatch then moves fewer bytes than one row per pair;
 // --imbalance (Zipf forced routes) loads the busiest rank more than uniform routes; bad uses are
 // exit 2.
 #include <gtest/gtest.h>
@@ -49,6 +50,23 @@ TEST(BenchRoutingTest, GroupLimitBoundsTheRanksOfEveryToken) {
   const double free_ranks = free["volume"]["distinct_other_ranks_per_token"].get<double>();
   EXPECT_LE(limited_ranks, 1.0);
   EXPECT_GT(free_ranks, limited_ranks);
+}
+
+// alltoallv sends a token once per destination rank by default: with group_topk 1 a token's two
+// experts sit on one rank, so it moves fewer bytes than one row per pair (--no-dispatch-dedup),
+// and each run's measured bytes equal its own formula.
+TEST(BenchRoutingTest, PerRankDispatchMovesFewerBytesUnderTheGroupLimit) {
+  const std::string limit = "--ranks 4 --num-groups 4 --group-topk 1";
+  const nlohmann::json per_rank = Routing(limit).at("volume");
+  const nlohmann::json per_pair = Routing(limit + " --no-dispatch-dedup").at("volume");
+  ExpectVolumeMatches(per_rank, 4, "per rank");
+  ExpectVolumeMatches(per_pair, 4, "per pair");
+  EXPECT_TRUE(per_rank.at("per_rank_dispatch").get<bool>());
+  EXPECT_FALSE(per_pair.at("per_rank_dispatch").get<bool>());
+  EXPECT_EQ(per_pair.at("max_rank_token_bytes").get<double>(),
+            per_pair.at("max_rank_token_bytes_formula_per_pair").get<double>());
+  EXPECT_LT(per_rank.at("max_rank_token_bytes").get<double>(),
+            per_pair.at("max_rank_token_bytes").get<double>());
 }
 
 TEST(BenchRoutingTest, ImbalanceLoadsTheBusiestRankMoreThanUniformRoutes) {

@@ -121,6 +121,13 @@ struct ParallelOptions {
   int smart_group = kSmartOff;
   // FasterMoE's shadow experts (kAllToAll / kAllToAllV, unsharded experts, no TP de-duplication).
   ShadowOptions shadow;
+  // DeepSeek-V3 / DeepEP's dispatch for kAllToAllV: a token travels once per destination rank
+  // (with its choices there), the destination combines its experts' outputs locally and returns
+  // one row per (token, rank), so limiting a token to fewer ranks (group-limited routing) cuts
+  // the token bytes. Same results up to float summation order. Applies when the experts are
+  // unsharded, without TP de-duplication, overlap degree 1, no smart schedule and no shadowed
+  // experts in the step; otherwise (and when false) one row travels per kept (token, choice).
+  bool dispatch_dedup = true;
   // For kSmartAuto and shadow auto; zero fields are measured on first use (collective).
   CostModel cost_model;
 };
