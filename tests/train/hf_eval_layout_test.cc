@@ -13,6 +13,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cli/run_switchyard.h"
@@ -67,6 +68,8 @@ struct Layout {
   const char* name;
   int64_t ranks, tp, ep, pp, cp;
   bool sp;
+  int64_t etp = 1;
+  bool megatron = false;
 };
 
 // The layout's result on rank 0 (every rank's must be the same: checked too).
@@ -78,6 +81,8 @@ EvalResult RunLayout(TrainConfig c, const Layout& l, const RankWeightLoader& loa
   c.pp = l.pp;
   c.cp = l.cp;
   c.sequence_parallel = l.sp;
+  c.etp = l.etp;
+  if (l.megatron) c.arrangement = ArrangementChoice::kMegatron;
   ValidateTrainConfig(c);
   std::vector<EvalResult> results(static_cast<size_t>(l.ranks));
   comm::CreateInProcessLauncher(static_cast<int>(l.ranks))->Run([&](comm::Communicator& world) {
@@ -223,6 +228,46 @@ TEST_F(HfEvalLayout, PerRankReadsEqualSlicesOfTheFullTensors) {
         EXPECT_LT(held[r], model_elements) << what << ", rank " << r;
       }
     }
+  }
+}
+
+// The command line: `eval --tp 2 --dp 2 --ep 2` writes what one rank writes (up to the
+// summation order, tolerances as above); a layout the model does not fit is exit 2 naming the
+// key, with nothing written.
+TEST_F(HfEvalLayout, CommandLineTakesTheLayoutFlags) {
+  const std::string dir = Dir("mixtral");
+  const std::string tokens = *dir_ / "tokens.json";
+  {
+    std::ofstream f(tokens);
+    f << R"({"input_ids": [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16],)"
+      << R"( [17, 18, 19, 20, 21, 22, 23, 24], [25, 26, 27, 28, 29, 30, 31, 63]]})";
+  }
+  const std::string one = *dir_ / "one.safetensors", four = *dir_ / "four.safetensors";
+  const std::string eval = "eval --model " + dir + " --tokens " + tokens + " --grads --out ";
+  auto r = RunSwitchyard(eval + one);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = RunSwitchyard(eval + four + " --tp 2 --dp 2 --ep 2");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const TensorMap a = ReadSafetensors(one), b = ReadSafetensors(four);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(a.size(), 4 + ParameterTable(ReadModelConfig(dir)).size());
+  for (const auto& [name, t] : a) {
+    ASSERT_EQ(b.count(name), 1u) << name;
+    ASSERT_EQ(b.at(name).shape(), t.shape()) << name;
+    const double m = MaxAbs(t);
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      const double w = t.data<float>()[i];
+      ASSERT_NEAR(b.at(name).data<float>()[i], w, 1e-5 * m + 1e-6 * std::abs(w)) << name;
+    }
+  }
+  // Layouts that do not fit: 4 heads over tp 3, 4 experts over ep 3, 4 sequences over dp 3.
+  const std::string bad = *dir_ / "bad.safetensors";
+  for (const auto& [flags, key] : std::vector<std::pair<std::string, std::string>>{
+           {"--tp 3", "tp"}, {"--dp 3 --ep 3", "ep"}, {"--dp 3 --ep 1", "data-parallel"}}) {
+    r = RunSwitchyard(eval + bad + " " + flags);
+    EXPECT_EQ(r.exit_code, 2) << flags << ": " << r.err;
+    EXPECT_NE(r.err.find(key), std::string::npos) << flags << ": " << r.err;
+    EXPECT_FALSE(std::filesystem::exists(bad)) << flags;
   }
 }
 
