@@ -132,7 +132,8 @@ std::string TrainKeysJson(const ModelConfig& c, const std::string& what) {
             {"hf_router", true},
             {"norm_topk_prob", c.family == Family::kMixtral || c.norm_topk_prob},
             {"capacity_factor", 0.0},
-            {"aux_loss_coef", c.router_aux_loss_coef}};
+            {"aux_loss_coef", c.router_aux_loss_coef},
+            {"pad_token_id", c.pad_token_id.value_or(-1)}};
   return j.dump();
 }
 
@@ -294,6 +295,7 @@ ModelConfig ModelConfigFromTrain(const TrainConfig& t, const std::string& what) 
   c.norm_topk_prob = t.norm_topk_prob;
   c.router_aux_loss_coef = t.aux_loss_coef;
   c.pad_token_id.reset();
+  if (t.model.pad_token_id >= 0) c.pad_token_id = t.model.pad_token_id;
   c.bos_token_id.reset();
   c.eos_token_id.reset();
   // Every key the conversion back gives must be the run's.

@@ -55,12 +55,14 @@ class HfEvalLayout : public ::testing::Test {
 TempDir* HfEvalLayout::dir_ = nullptr;
 bool HfEvalLayout::made_ = false;
 
-// [4, 8] token ids of a 64-token vocabulary.
+// [4, 8] token ids of a 64-token vocabulary, OLMoE's pad_token_id 1 among them (as an input on
+// two ranks' rows and as a label).
 Tensor Tokens() {
   Tensor t = Tensor::Empty({4, 8}, DType::kInt32);
   for (int64_t i = 0; i < t.numel(); ++i) {
     t.data<int32_t>()[i] = static_cast<int32_t>((i * 37 + 11) % 64);
   }
+  t.data<int32_t>()[5] = t.data<int32_t>()[29] = 1;
   return t;
 }
 
@@ -122,6 +124,13 @@ TEST_F(HfEvalLayout, EveryLayoutEqualsOneRank) {
     const TensorMap weights = ReadSwitchyardTensors(CheckpointReader(Dir(family)), mc);
     const double coef = 0.5;  // large, so that the aux loss's share of the gradients is visible
     const EvalResult one = EvaluateModel(tc, weights, tokens, coef, true);
+    if (mc.pad_token_id) {  // nn.Embedding's padding_idx: the pad row gets no gradient
+      ASSERT_EQ(tc.model.pad_token_id, *mc.pad_token_id);
+      const Tensor& g = one.grads.at("embed.weight");
+      for (int64_t j = 0; j < g.size(1); ++j) {
+        ASSERT_EQ(g.data<float>()[tc.model.pad_token_id * g.size(1) + j], 0.0f) << family;
+      }
+    }
     std::set<std::string> parameters;
     for (const NameMapping& n : NameTable(mc)) parameters.insert(n.sy_name);
     ASSERT_EQ(one.grads.size(), parameters.size());

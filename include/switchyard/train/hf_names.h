@@ -54,7 +54,8 @@ std::vector<NameMapping> NameTable(const ModelConfig& config);
 // describes: arch, vocab_size, model_dim, num_layers, num_heads, num_kv_heads, hidden_dim,
 // expert_hidden_dim, num_experts, top_k, moe_every, norm, norm_eps, position_embedding,
 // rope_theta, attention_bias, qk_norm, mlp, mlp_bias, tied_head, hf_router, norm_topk_prob,
-// capacity_factor (0: dropless), aux_loss_coef. seq_len is the caller's. InvalidArgument naming
+// capacity_factor (0: dropless), aux_loss_coef, pad_token_id (-1 when
+// the config has none). seq_len is the caller's. InvalidArgument naming
 // `what` and the key for what the model does not build: a head_dim other than
 // hidden_size / num_attention_heads, Qwen2-MoE's gated shared expert and dense layers among
 // MoE layers (mlp_only_layers / decoder_sparse_step), and the dense families (upcycling's).
