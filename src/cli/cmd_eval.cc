@@ -1,20 +1,26 @@
-// `switchyard eval --model DIR --tokens FILE --out OUT.safetensors [--grads]` (docs/models.md,
-// "eval"): a Hugging Face MoE model directory (or a run directory / checkpoint of switchyard's
-// own) through switchyard's model, writing what the
+// `switchyard eval --model DIR --tokens FILE --out OUT.safetensors [--grads] [layout flags]`
+// (docs/models.md, "eval"): a Hugging Face MoE model directory (or a run directory / checkpoint of
+// switchyard's own) through switchyard's model in any layout train runs (--tp --sp --ep --etp
+// --pp --cp --dp: ranks as threads of this process), writing what the
 // ForCausalLM classes compute with labels = input_ids: logits [B, T, V], ce_loss, aux_loss, loss
 // and, with --grads, grad.<Hugging Face name> for every parameter (the gradient of loss).
 #include <fmt/format.h>
 
 #include <filesystem>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/launch.h"
+#include "cli/layout_flags.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/json.h"
 #include "switchyard/core/safetensors.h"
+#include "switchyard/kernels/gemm.h"
 #include "switchyard/train/checkpoint.h"
 #include "switchyard/train/config.h"
 #include "switchyard/train/hf_checkpoint.h"
@@ -32,6 +38,7 @@ struct EvalOptions {
   std::string out;
   bool grads = false;
   int threads = 1;
+  ModelLayoutFlags layout;
 };
 
 // {"input_ids": [[...], ...]}: a non-empty rectangle of integers -> int32 [B, T].
@@ -103,20 +110,44 @@ int RunEval(const EvalOptions& o) {
   const Tensor tokens = ReadTokens(o.tokens);
   train::TrainConfig tc = train::TrainConfigFromJson(hf::TrainKeysJson(config, config_path));
   tc.model.seq_len = tokens.size(1);
-  const TensorMap weights = as_bad_input([&] {
-    if (is_hf) return hf::ReadSwitchyardTensors(reader, config);
-    TensorMap w;
-    for (const hf::NameMapping& n : hf::NameTable(config)) {
-      if (w.count(n.sy_name) == 0)
-        w[n.sy_name] = reader.ReadFloat32(n.sy_name, reader.ShapeOf(n.sy_name));
-    }
-    return w;
-  });
+  tc = train::TrainConfigFromJson(o.layout.KeysJson(), tc);
+  // The layout is checked as train checks it (heads, kv heads, experts, vocabulary against tp,
+  // ep, cp, pp) before any rank starts and before anything is written.
+  train::ValidateTrainConfig(tc);
+  // Each rank reads only the parts of the tensors it holds (hf_names.h: LoadRankWeights); the
+  // directory is checked against the config first, before any rank starts.
+  if (is_hf)
+    as_bad_input([&] {
+      reader.Validate(config);
+      return 0;
+    });
+  const hf::ModelConfig* hf_names = is_hf ? &config : nullptr;
+  const hf::RankWeightLoader load = [&](train::ParameterSet& params,
+                                        const train::CheckpointLayout& layout) {
+    hf::LoadRankWeights(reader, hf_names, params, layout);
+  };
+  const hf::EvalOptions options{
+      .aux_coef = config.router_aux_loss_coef, .grads = o.grads, .threads = o.threads};
   hf::EvalResult r;
   try {
-    r = hf::EvaluateModel(tc, weights, tokens, config.router_aux_loss_coef, o.grads, o.threads);
+    kernels::SetBlasThreads(1);  // each rank computes on its own threads
+    if (tc.ranks == 1) {
+      r = hf::EvaluateOnRank(tc, nullptr, 1, load, tokens, options);
+    } else {
+      std::unique_ptr<comm::Launcher> launcher =
+          MakeLauncher("inproc", static_cast<int>(tc.ranks), {}, "eval");
+      launcher->Run([&](comm::Communicator& world) {
+        hf::EvalResult mine =
+            hf::EvaluateOnRank(tc, &world, static_cast<int>(tc.ranks), load, tokens, options);
+        if (world.rank() == 0) r = std::move(mine);
+      });
+    }
   } catch (const InvalidArgument& e) {
-    throw InvalidArgument(fmt::format("--tokens {}: {}", o.tokens, e.what()));
+    // The tokens' errors ("tokens: ...") name the file; the layout's name their keys.
+    if (std::string_view(e.what()).starts_with("tokens:")) {
+      throw InvalidArgument(fmt::format("--tokens {}: {}", o.tokens, e.what()));
+    }
+    throw;
   }
   TensorMap out = {{"logits", r.logits},
                    {"ce_loss", Scalar(r.ce_loss)},
@@ -148,7 +179,9 @@ SY_REGISTER_COMMAND(Command{
           ->required();
       app.add_option("--out", o->out, "safetensors file to write")->required();
       app.add_flag("--grads", o->grads, "also write grad.<name>: the gradient of loss");
-      app.add_option("--threads", o->threads, "compute threads")->check(CLI::Range(1, 1024));
+      app.add_option("--threads", o->threads, "compute threads of each rank")
+          ->check(CLI::Range(1, 1024));
+      AddModelLayoutFlags(app, &o->layout);
       return [o] { return RunEval(*o); };
     }});
 

@@ -1,6 +1,9 @@
 #include "cli/layout_flags.h"
 
+#include <nlohmann/json.hpp>
+
 #include "cli/flags.h"
+#include "switchyard/core/error.h"
 #include "switchyard/parallel/mesh.h"
 #include "switchyard/parallel/schedule.h"
 
@@ -53,6 +56,34 @@ void AddMoeLayoutFlags(CLI::App& app, MoeLayoutFlags* f, std::string_view trace_
                  "FasterMoE's pair-wise schedule: off | auto | group size g");
   app.add_option("--shadow", f->shadow, "FasterMoE's shadow experts: none | auto | E1,E2,...");
   app.add_option("--trace", f->trace_path, std::string(trace_help));
+}
+
+int64_t ModelLayoutFlags::ranks() const {
+  return int64_t{tp} * int64_t{cp} * int64_t{pp} * int64_t{dp};
+}
+
+std::string ModelLayoutFlags::KeysJson() const {
+  const nlohmann::json j = {{"ranks", ranks()}, {"tp", tp},           {"sequence_parallel", sp},
+                            {"ep", ep},         {"etp", etp},         {"pp", pp},
+                            {"cp", cp},         {"cp_algo", cp_algo}, {"arrangement", arrangement}};
+  return j.dump();
+}
+
+void AddModelLayoutFlags(CLI::App& app, ModelLayoutFlags* f) {
+  AddIntOption(app, "--tp", &f->tp, 1, 4096, "tensor-parallel size (train's tp)");
+  app.add_flag("--sp,--sequence-parallel", f->sp,
+               "sequence parallelism over the tp ranks (train's sequence_parallel)");
+  AddIntOption(app, "--ep", &f->ep, 0, 4096,
+               "expert-parallel size (default: as large as the arrangement allows)");
+  AddIntOption(app, "--etp", &f->etp, 1, 4096,
+               "expert tensor-parallel size (megatron arrangement)");
+  AddIntOption(app, "--pp", &f->pp, 1, 4096, "pipeline stages");
+  AddIntOption(app, "--cp", &f->cp, 1, 4096, "context-parallel size");
+  app.add_option("--cp-algo", f->cp_algo, "context-parallel attention: ring | ulysses")
+      ->check(CLI::IsMember({"ring", "ulysses"}));
+  AddIntOption(app, "--dp", &f->dp, 1, 4096, "data-parallel size (ranks = tp x cp x pp x dp)");
+  app.add_option("--arrangement", f->arrangement, "experts beside tp: auto | deepspeed | megatron")
+      ->check(CLI::IsMember({"auto", "deepspeed", "megatron"}));
 }
 
 }  // namespace switchyard::cli

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -34,5 +35,22 @@ struct MoeLayoutFlags {
 
 // Declares the flags on `app`, bound to *f; `trace_help` says which run --trace records.
 void AddMoeLayoutFlags(CLI::App& app, MoeLayoutFlags* f, std::string_view trace_help);
+
+// The layout of a whole model's ranks as `train` spells its keys, for the commands that build the
+// model without training it (`eval`): --tp, --sp (train's --sequence-parallel), --ep, --etp,
+// --pp, --cp, --cp-algo, --dp and --arrangement; ranks = tp x cp x pp x dp, ranks as threads.
+struct ModelLayoutFlags {
+  int tp = 1, ep = 0, etp = 1, pp = 1, cp = 1, dp = 1;  // ep 0: as large as possible
+  bool sp = false;
+  std::string cp_algo = "ring";
+  std::string arrangement = "auto";
+
+  int64_t ranks() const;
+  // The TrainConfig keys of the layout (ranks, tp, sequence_parallel, ep, etp, pp, cp, cp_algo,
+  // arrangement) as a JSON object for TrainConfigFromJson, which checks them as train does.
+  std::string KeysJson() const;
+};
+
+void AddModelLayoutFlags(CLI::App& app, ModelLayoutFlags* f);
 
 }  // namespace switchyard::cli

@@ -54,6 +54,68 @@ void CheckpointLayout::Slice(ParameterSet& params, TensorMap& map,
   for (const std::string& suffix : suffixes) SliceTensorParallel(params, map, suffix);
 }
 
+std::optional<CheckpointLayout::Part> CheckpointLayout::PartOf(const Parameter& p) const {
+  Part part;
+  Shape local = p.value.shape();
+  auto whole = [](const Shape& shape) {
+    Box b;
+    b.begin.assign(shape.size(), 0);
+    b.end.assign(shape.begin(), shape.end());
+    return b;
+  };
+  for (const MoeBlock& block : moe_blocks_) {
+    if (p.name.rfind(block.prefix + "experts.", 0) != 0) continue;
+    const std::string field = p.name.substr(block.prefix.size());
+    const parallel::ShardSpec s = parallel::ShardOf(mesh_, world_.rank(), block.config);
+    part.full_shape = FullShape(block.config, field);
+    Box b = whole(part.full_shape);
+    b.begin[0] = s.first_expert;
+    b.end[0] = s.first_expert + s.local_experts;
+    const int64_t h0 = s.shard * s.shard_hidden(), h1 = h0 + s.shard_hidden();
+    if (field == "experts.fc1.weight" || field == "experts.fc3.weight") {
+      b.begin[1] = h0;
+      b.end[1] = h1;  // [E, H, M]
+    } else if (field == "experts.fc2.weight" || field == "experts.fc1.bias") {
+      b.begin.back() = h0;
+      b.end.back() = h1;                       // [E, M, H], [E, H]
+    } else if (field == "experts.fc2.bias") {  // [E, M] in chunks of bias_chunk()
+      if (s.shards > 1 && s.bias_chunk() * s.shards != s.model_dim) return std::nullopt;
+      b.begin[1] = s.shard * s.bias_chunk();
+      b.end[1] = b.begin[1] + s.bias_chunk();
+    } else {
+      return std::nullopt;
+    }
+    part.boxes.push_back(std::move(b));
+    return part;
+  }
+  const int tp = mesh_.tp();
+  if (tp == 1 || !p.tp_shard.split()) {
+    part.full_shape = local;
+    part.boxes.push_back(whole(local));
+    return part;
+  }
+  const int rank = groups_->Get(parallel::GroupKind::kTensor).rank();
+  part.full_shape = local;
+  if (p.tp_shard.dim == TpShard::Dim::kColumns) {
+    part.full_shape[1] *= tp;
+    Box b = whole(part.full_shape);
+    b.begin[1] = rank * local[1];
+    b.end[1] = (rank + 1) * local[1];
+    part.boxes.push_back(std::move(b));
+    return part;
+  }
+  // Rows [f * part + r * n, f * part + (r + 1) * n) of every fused part f (ShardOf).
+  const int64_t parts = p.tp_shard.fused_parts, n = local[0] / parts;
+  part.full_shape[0] *= tp;
+  for (int64_t f = 0; f < parts; ++f) {
+    Box b = whole(part.full_shape);
+    b.begin[0] = f * n * tp + rank * n;
+    b.end[0] = b.begin[0] + n;
+    part.boxes.push_back(std::move(b));
+  }
+  return part;
+}
+
 void CheckpointLayout::GatherExperts(TensorMap& map, const std::string& suffix) {
   // Over the ranks of this stage (the stages hold different MoE blocks), in world-rank order.
   comm::Communicator& stage = stage_ != nullptr ? *stage_ : world_;

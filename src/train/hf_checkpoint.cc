@@ -2,6 +2,7 @@
 #include "switchyard/train/hf_checkpoint.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -135,29 +136,95 @@ const Shape& CheckpointReader::ShapeOf(const std::string& name) const {
   return Find(name).entry.shape;
 }
 
+namespace {
+
+// `raw` (F32, BF16 or F16 bits as stored) as float32.
+Tensor StoredToFloat32(const Tensor& raw, bool half) {
+  if (raw.dtype() == DType::kFloat32) return raw;
+  if (!half) return ToFloat32(raw, 1);
+  Tensor out = Tensor::Empty(raw.shape());
+  const auto* h = static_cast<const uint16_t*>(raw.raw());
+  float* o = out.data<float>();
+  for (int64_t i = 0; i < out.numel(); ++i) o[i] = HalfToFloat(h[i]);
+  return out;
+}
+
+void RequireFloatingPoint(const SafetensorsEntry& entry, const std::string& path,
+                          const std::string& name) {
+  SY_REQUIRE(entry.float16 || entry.dtype == DType::kFloat32 || entry.dtype == DType::kBFloat16,
+             IoError, "{}: tensor '{}': dtype {} is not a floating-point type (F32, BF16, F16)",
+             path, name, SafetensorsDTypeName(entry.dtype));
+}
+
+}  // namespace
+
 Tensor CheckpointReader::ReadFloat32(const std::string& name, const Shape& expected) const {
   const Location& loc = Find(name);
   const std::string path = dir_ + "/" + loc.file;
   SY_REQUIRE(loc.entry.shape == expected, InvalidArgument,
              "{}: tensor '{}': expected shape {}, got {}", path, name, ShapeToString(expected),
              ShapeToString(loc.entry.shape));
-  const bool half = loc.entry.float16;
-  SY_REQUIRE(half || loc.entry.dtype == DType::kFloat32 || loc.entry.dtype == DType::kBFloat16,
-             IoError, "{}: tensor '{}': dtype {} is not a floating-point type (F32, BF16, F16)",
-             path, name, SafetensorsDTypeName(loc.entry.dtype));
+  RequireFloatingPoint(loc.entry, path, name);
   RandomAccessFile file(path);
   Tensor raw = Tensor::Empty(expected, loc.entry.dtype);
   if (raw.nbytes() > 0) {
     file.ReadAt(loc.data_start + loc.entry.data_begin,
                 {static_cast<std::byte*>(raw.raw()), raw.nbytes()});
+    *bytes_read_ += raw.nbytes();
   }
-  if (loc.entry.dtype == DType::kFloat32) return raw;
-  if (!half) return ToFloat32(raw, 1);
-  Tensor out = Tensor::Empty(expected);
-  const auto* h = static_cast<const uint16_t*>(raw.raw());
-  float* o = out.data<float>();
-  for (int64_t i = 0; i < out.numel(); ++i) o[i] = HalfToFloat(h[i]);
-  return out;
+  return StoredToFloat32(raw, loc.entry.float16);
+}
+
+Tensor CheckpointReader::ReadBox(const std::string& name, const std::vector<int64_t>& begin,
+                                 const std::vector<int64_t>& end) const {
+  const Location& loc = Find(name);
+  const std::string path = dir_ + "/" + loc.file;
+  const Shape& full = loc.entry.shape;
+  const size_t dims = full.size();
+  bool inside = begin.size() == dims && end.size() == dims;
+  for (size_t d = 0; inside && d < dims; ++d) {
+    inside = 0 <= begin[d] && begin[d] <= end[d] && end[d] <= full[d];
+  }
+  SY_REQUIRE(inside, InvalidArgument,
+             "{}: tensor '{}' of shape {}: the part [{}) .. [{}) is not inside it", path, name,
+             ShapeToString(full), fmt::join(begin, ", "), fmt::join(end, ", "));
+  RequireFloatingPoint(loc.entry, path, name);
+  Shape shape(dims);
+  for (size_t d = 0; d < dims; ++d) shape[d] = end[d] - begin[d];
+  Tensor raw = Tensor::Empty(shape, loc.entry.dtype);
+  if (raw.nbytes() == 0) return StoredToFloat32(raw, loc.entry.float16);
+  const int64_t element = raw.nbytes() / raw.numel();
+  // The run: the box's extent in the last dimension that is not whole, times the whole ones
+  // after it; one read per combination of the indices before it.
+  size_t split = dims;  // dimensions [split, dims) are whole
+  while (split > 0 && begin[split - 1] == 0 && end[split - 1] == full[split - 1]) --split;
+  int64_t run = 1, stride = 1;  // elements of one run; elements per index of dim split - 1
+  for (size_t d = split; d < dims; ++d) run *= full[d];
+  const size_t outer = split == 0 ? 0 : split - 1;  // the dimension the run starts in
+  if (split > 0) {
+    stride = run;
+    run *= shape[outer];
+  }
+  RandomAccessFile file(path);
+  auto* out = static_cast<std::byte*>(raw.raw());
+  std::vector<int64_t> index(begin.begin(), begin.begin() + static_cast<int64_t>(outer));
+  const int64_t runs = raw.numel() / run;
+  for (int64_t k = 0; k < runs; ++k) {
+    // The element offset of (index..., begin[outer], 0...) in the stored tensor.
+    int64_t offset = 0;
+    for (size_t d = 0; d < outer; ++d) offset = offset * full[d] + index[d];
+    if (split > 0) offset = offset * full[outer] + begin[outer];
+    offset *= stride;
+    const auto bytes = static_cast<size_t>(run * element);
+    file.ReadAt(loc.data_start + loc.entry.data_begin + static_cast<uint64_t>(offset * element),
+                {out + k * run * element, bytes});
+    *bytes_read_ += bytes;
+    for (size_t d = outer; d-- > 0;) {  // the next index, last dimension fastest
+      if (++index[d] < end[d]) break;
+      index[d] = begin[d];
+    }
+  }
+  return StoredToFloat32(raw, loc.entry.float16);
 }
 
 void CheckpointReader::Validate(const ModelConfig& config) const {

@@ -5,8 +5,11 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string_view>
+#include <vector>
 
 #include "switchyard/core/error.h"
 #include "switchyard/train/checkpoint.h"
@@ -129,7 +132,8 @@ std::string TrainKeysJson(const ModelConfig& c, const std::string& what) {
             {"hf_router", true},
             {"norm_topk_prob", c.family == Family::kMixtral || c.norm_topk_prob},
             {"capacity_factor", 0.0},
-            {"aux_loss_coef", c.router_aux_loss_coef}};
+            {"aux_loss_coef", c.router_aux_loss_coef},
+            {"pad_token_id", c.pad_token_id.value_or(-1)}};
   return j.dump();
 }
 
@@ -151,6 +155,83 @@ TensorMap ReadSwitchyardTensors(const CheckpointReader& reader, const ModelConfi
     stacked.Slice(n.expert, n.expert + 1).Reshape(n.shape).CopyFrom(t);
   }
   return out;
+}
+
+namespace {
+
+// The box `b` of the full switchyard tensor `sy_name`, read from the directory.
+Tensor ReadPart(const CheckpointReader& reader, const std::vector<const NameMapping*>& hf,
+                const std::string& sy_name, const CheckpointLayout::Box& b) {
+  if (hf.empty()) return reader.ReadBox(sy_name, b.begin, b.end);  // switchyard's own names
+  if (hf[0]->expert < 0) return reader.ReadBox(hf[0]->hf_name, b.begin, b.end);
+  // Stacked experts: rows [begin[0], end[0]) are Hugging Face tensors of their own.
+  Shape shape(b.begin.size());
+  for (size_t d = 0; d < shape.size(); ++d) shape[d] = b.end[d] - b.begin[d];
+  Tensor out = Tensor::Empty(shape);
+  const std::vector<int64_t> begin(b.begin.begin() + 1, b.begin.end());
+  const std::vector<int64_t> end(b.end.begin() + 1, b.end.end());
+  for (int64_t e = b.begin[0]; e < b.end[0]; ++e) {
+    SY_CHECK(e < static_cast<int64_t>(hf.size()) && hf[static_cast<size_t>(e)]->expert == e,
+             "expert {} of '{}' not in the name table", e, sy_name);
+    const Tensor t = reader.ReadBox(hf[static_cast<size_t>(e)]->hf_name, begin, end);
+    out.Slice(e - b.begin[0], e - b.begin[0] + 1).Reshape(t.shape()).CopyFrom(t);
+  }
+  return out;
+}
+
+}  // namespace
+
+void LoadRankWeights(const CheckpointReader& reader, const ModelConfig* config,
+                     ParameterSet& params, const CheckpointLayout& layout) {
+  std::map<std::string, std::vector<const NameMapping*>> by_sy_name;
+  std::vector<NameMapping> table;
+  if (config != nullptr) {
+    reader.Validate(*config);
+    table = NameTable(*config);
+    for (const NameMapping& n : table) by_sy_name[n.sy_name].push_back(&n);
+  }
+  for (Parameter& p : params.all()) {
+    const std::optional<CheckpointLayout::Part> part = layout.PartOf(p);
+    const auto it = by_sy_name.find(p.name);
+    SY_REQUIRE(config == nullptr || it != by_sy_name.end(), InvalidArgument,
+               "{}: the model's parameter '{}' has no Hugging Face tensor", reader.dir(), p.name);
+    const std::vector<const NameMapping*> hf =
+        config != nullptr ? it->second : std::vector<const NameMapping*>{};
+    if (config == nullptr) {
+      const Shape want = part ? part->full_shape : reader.ShapeOf(p.name);
+      SY_REQUIRE(reader.ShapeOf(p.name) == want, InvalidArgument,
+                 "{}/{}: tensor '{}': expected shape {} for this model, got {}", reader.dir(),
+                 reader.FileOf(p.name), p.name, ShapeToString(want),
+                 ShapeToString(reader.ShapeOf(p.name)));
+    }
+    if (!part) {  // not a box: the full tensor, sliced as a checkpoint is
+      Tensor full;
+      if (config == nullptr) {
+        full = reader.ReadFloat32(p.name, reader.ShapeOf(p.name));
+      } else {
+        const std::vector<int64_t> zero(hf[0]->shape.size() + (hf[0]->expert >= 0 ? 1 : 0), 0);
+        std::vector<int64_t> end = {static_cast<int64_t>(hf.size())};
+        if (hf[0]->expert < 0) end.clear();
+        end.insert(end.end(), hf[0]->shape.begin(), hf[0]->shape.end());
+        full = ReadPart(reader, hf, p.name, {zero, end});
+      }
+      TensorMap one = {{p.name, full}};
+      layout.Slice(params, one, {""});
+      p.value.CopyFrom(one.at(p.name));
+      continue;
+    }
+    int64_t offset = 0;
+    Tensor flat = p.value.Reshape({p.value.numel()});
+    for (const CheckpointLayout::Box& b : part->boxes) {
+      const Tensor t = ReadPart(reader, hf, p.name, b);
+      SY_CHECK(offset + t.numel() <= flat.numel(), "parameter '{}': parts exceed {}", p.name,
+               p.value.ToString());
+      flat.Slice(offset, offset + t.numel()).CopyFrom(t.Reshape({t.numel()}));
+      offset += t.numel();
+    }
+    SY_CHECK(offset == flat.numel(), "parameter '{}': parts fill {} of {}", p.name, offset,
+             flat.numel());
+  }
 }
 
 void ForEachHfTensor(const ModelConfig& config,
@@ -214,6 +295,7 @@ ModelConfig ModelConfigFromTrain(const TrainConfig& t, const std::string& what) 
   c.norm_topk_prob = t.norm_topk_prob;
   c.router_aux_loss_coef = t.aux_loss_coef;
   c.pad_token_id.reset();
+  if (t.model.pad_token_id >= 0) c.pad_token_id = t.model.pad_token_id;
   c.bos_token_id.reset();
   c.eos_token_id.reset();
   // Every key the conversion back gives must be the run's.

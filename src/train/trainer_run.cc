@@ -20,6 +20,7 @@
 #include "switchyard/train/run_dir.h"
 #include "switchyard/train/svg.h"
 #include "switchyard/train/trainer.h"
+#include "train/rank_objects.h"
 
 namespace switchyard::train {
 
@@ -248,10 +249,17 @@ void Trainer::OpenRunDirectory(RunState& r) {
   if (!r.options.init_from.empty()) {
     SY_REQUIRE(r.options.resume.empty(), InvalidArgument,
                "--init-from starts a new run: it does not go with 'resume' ({})", r.options.resume);
-    CheckpointData init;
-    init.config_json = TrainConfigToJson(c);
-    init.model = hf::ReadInitFromWeights(r.options.init_from);
-    Restore(init, "--init-from " + r.options.init_from);
+    if (hf::IsHfDirectory(r.options.init_from)) {
+      // Each rank reads only the parts of the tensors it holds (hf_names.h: LoadRankWeights).
+      const hf::ModelConfig source = hf::ReadModelConfig(r.options.init_from);
+      hf::LoadRankWeights(hf::CheckpointReader(r.options.init_from), &source, model_->parameters(),
+                          *rank_->checkpoint);
+    } else {
+      CheckpointData init;
+      init.config_json = TrainConfigToJson(c);
+      init.model = hf::ReadInitFromWeights(r.options.init_from);
+      Restore(init, "--init-from " + r.options.init_from);
+    }
     if (r.writer) {
       fmt::print(r.out, "initialized from {}\n", EscapeForTerminal(r.options.init_from));
     }

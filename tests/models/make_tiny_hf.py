@@ -234,7 +234,9 @@ def reference(torch, c, weights, input_ids):
     def swiglu(x, pre, names=("gate_proj", "up_proj", "down_proj")):
         return lin(F.silu(lin(x, pre + names[0])) * lin(x, pre + names[1]), pre + names[2])
 
-    h = p["model.embed_tokens.weight"][ids]
+    # nn.Embedding(vocab, hidden, padding_idx=pad_token_id): the pad row gets no gradient from
+    # the lookup (a tied head still adds to it).
+    h = F.embedding(ids, p["model.embed_tokens.weight"], padding_idx=c.get("pad_token_id"))
     router_logits = []
     for layer in range(c["num_hidden_layers"]):
         pre = "model.layers.%d." % layer
@@ -327,6 +329,8 @@ def main():
         if torch is not None and not args.no_reference:
             rng = np.random.default_rng(args.seed + 7)
             ids = rng.integers(0, c["vocab_size"], size=(2, 6)).tolist()
+            if c.get("pad_token_id") is not None:  # the pad token as an input and a label
+                ids[0][2] = ids[1][4] = c["pad_token_id"]
             with open(os.path.join(out, "tokens.json"), "w") as f:
                 json.dump({"input_ids": ids}, f)
             ref = reference(torch, c, weights, ids)

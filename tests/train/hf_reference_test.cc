@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -234,6 +235,10 @@ class TinyModel {
     }
     embed_.Backward(ids_, dh);
     for (Parameter& p : ps_.all()) grads[p.name] = p.grad;
+    if (c_.pad_token_id) {  // nn.Embedding's padding_idx: the lookup adds nothing to that row
+      Tensor& g = grads["model.embed_tokens.weight"];
+      std::fill_n(g.data<float>() + *c_.pad_token_id * c_.hidden_size, c_.hidden_size, 0.0f);
+    }
     if (c_.tie_word_embeddings) {  // one matrix: the embedding's and the head's gradients add
       AddInto(grads["model.embed_tokens.weight"], grads["lm_head.weight"]);
       grads.erase("lm_head.weight");

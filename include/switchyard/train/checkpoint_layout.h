@@ -9,6 +9,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,7 @@ class CheckpointLayout {
   // gathered and sliced by global expert id.
   void AddMoeBlock(const std::string& prefix, const moe::LayerConfig& config);
   void set_stage(comm::Communicator* stage) { stage_ = stage; }
+  int world_rank() const { return world_.rank(); }
 
   // The full tensors of this rank's entries "<name><suffix>" of `map` for each suffix ("" for
   // the values; ".exp_avg", ".exp_avg_sq" for the optimizer state): the MoE blocks' experts over
@@ -39,6 +41,21 @@ class CheckpointLayout {
   // This rank's part of the full tensors in `map` (the inverse of Gather; other stages' entries
   // are left in the map).
   void Slice(ParameterSet& params, TensorMap& map, const std::vector<std::string>& suffixes) const;
+
+  // A box of a full tensor: [begin[d], end[d]) in each dimension d.
+  struct Box {
+    std::vector<int64_t> begin, end;
+  };
+  struct Part {
+    Shape full_shape;        // the full tensor's
+    std::vector<Box> boxes;  // their contents, each row-major, one after another: the rank's value
+  };
+  // Which part of its full tensor this rank's parameter `p` holds (the same as Slice takes):
+  // rows of its experts with their H-shard, its tensor-parallel shard (one box per fused part),
+  // or the whole tensor. Lets a reader read only that part (hf_names.h: LoadRankWeights).
+  // nullopt where the part is not a set of boxes (an expert bias chunk padded past model_dim):
+  // Slice the full tensor then.
+  std::optional<Part> PartOf(const Parameter& p) const;
 
  private:
   struct MoeBlock {

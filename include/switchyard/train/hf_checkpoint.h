@@ -20,8 +20,10 @@
 // Thread-safety: a reader may be shared by threads (its reads are const); a writer is used by one.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
@@ -53,6 +55,15 @@ class CheckpointReader {
   // the tensor and both shapes when its shape is not `expected`; IoError when it is missing or
   // its dtype is not a floating-point one.
   Tensor ReadFloat32(const std::string& name, const Shape& expected) const;
+  // The box [begin[d], end[d]) of each dimension d of the stored tensor `name`, as float32 of
+  // shape [end[d] - begin[d], ...]: only those bytes are read, one read per contiguous run (a
+  // range of rows is one read; a range of columns one read per row). InvalidArgument naming the
+  // file and the tensor for a box outside its shape; IoError as ReadFloat32.
+  Tensor ReadBox(const std::string& name, const std::vector<int64_t>& begin,
+                 const std::vector<int64_t>& end) const;
+  // Bytes of tensor data read by ReadFloat32 and ReadBox since the reader opened (every copy of
+  // the reader counts into the same total; thread-safe).
+  uint64_t bytes_read() const { return bytes_read_->load(); }
 
   // Every tensor of ParameterTable(config) is present with its shape, and no other tensor is
   // there (Hugging Face's non-persistent rotary buffers, "*.rotary_emb.inv_freq", excepted).
@@ -69,6 +80,7 @@ class CheckpointReader {
 
   std::string dir_;
   std::map<std::string, Location> tensors_;
+  std::shared_ptr<std::atomic<uint64_t>> bytes_read_ = std::make_shared<std::atomic<uint64_t>>(0);
 };
 
 struct WriterOptions {

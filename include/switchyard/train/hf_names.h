@@ -28,9 +28,11 @@
 #include <vector>
 
 #include "switchyard/core/tensor.h"
+#include "switchyard/train/checkpoint_layout.h"
 #include "switchyard/train/config.h"
 #include "switchyard/train/hf_checkpoint.h"
 #include "switchyard/train/hf_config.h"
+#include "switchyard/train/parameters.h"
 
 namespace switchyard::train::hf {
 
@@ -52,7 +54,8 @@ std::vector<NameMapping> NameTable(const ModelConfig& config);
 // describes: arch, vocab_size, model_dim, num_layers, num_heads, num_kv_heads, hidden_dim,
 // expert_hidden_dim, num_experts, top_k, moe_every, norm, norm_eps, position_embedding,
 // rope_theta, attention_bias, qk_norm, mlp, mlp_bias, tied_head, hf_router, norm_topk_prob,
-// capacity_factor (0: dropless), aux_loss_coef. seq_len is the caller's. InvalidArgument naming
+// capacity_factor (0: dropless), aux_loss_coef, pad_token_id (-1 when
+// the config has none). seq_len is the caller's. InvalidArgument naming
 // `what` and the key for what the model does not build: a head_dim other than
 // hidden_size / num_attention_heads, Qwen2-MoE's gated shared expert and dense layers among
 // MoE layers (mlp_only_layers / decoder_sparse_step), and the dense families (upcycling's).
@@ -69,6 +72,17 @@ ModelConfig ModelConfigFromTrain(const TrainConfig& config, const std::string& w
 // Face directory `reader` opened, read tensor by tensor and converted to float32; experts are
 // stacked by global id. Validates the directory against `config` first.
 TensorMap ReadSwitchyardTensors(const CheckpointReader& reader, const ModelConfig& config);
+
+// Fills this rank's parameters (values, in place) from the model directory `reader` opened,
+// reading only the part of each tensor the rank holds (CheckpointLayout::PartOf): a
+// tensor-parallel row shard is one contiguous read, a column shard one read per row, an expert
+// of another rank is not read at all (Hugging Face stores each expert as its own tensor), an
+// expert's H-shard reads its rows (gate, up) or its columns (down). `config` given: a Hugging
+// Face directory (its names through the table; validated against the config first); null:
+// switchyard's own model.safetensors (switchyard names, experts stacked [E, ...]).
+// InvalidArgument naming the directory and the tensor when one is missing or has another shape.
+void LoadRankWeights(const CheckpointReader& reader, const ModelConfig* config,
+                     ParameterSet& params, const CheckpointLayout& layout);
 
 // Calls `emit(hf_name, tensor)` for every tensor of the table, in order, taking each from
 // `lookup(sy_name)` (a full switchyard tensor; an expert's row is copied out of it).
