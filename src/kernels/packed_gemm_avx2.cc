@@ -186,12 +186,14 @@ SY_NOINLINE SY_AVX2 void PackB(const Operand& b, int64_t p0, int64_t kc, int64_t
   }
 }
 
-// The 6 x 16 tile: C[0:6, 0:16] = alpha * (A panel · B panel) + beta * C (beta = 0: C not read).
+// The MR x 16 tile (MR = 6 but at the last rows of op(A)): C[0:MR, 0:16] = alpha * (A panel ·
+// B panel) + beta * C (beta = 0: C not read). The A panel has 6 values per k whatever MR is.
+template <int MR>
 SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b, float* c,
                                      int64_t ldc, float alpha, float beta) {
-  __m256 acc0[kMr], acc1[kMr];
+  __m256 acc0[MR], acc1[MR];
 #pragma GCC unroll 6
-  for (int i = 0; i < kMr; ++i) {
+  for (int i = 0; i < MR; ++i) {
     acc0[i] = acc1[i] = _mm256_setzero_ps();
     _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc + 15), _MM_HINT_T0);
@@ -201,7 +203,7 @@ SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b,
     const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
     _mm_prefetch(reinterpret_cast<const char*>(b + 8 * kNr), _MM_HINT_T0);
 #pragma GCC unroll 6
-    for (int i = 0; i < kMr; ++i) {
+    for (int i = 0; i < MR; ++i) {
       const __m256 av = _mm256_broadcast_ss(a + i);
       acc0[i] = _mm256_fmadd_ps(av, b0, acc0[i]);
       acc1[i] = _mm256_fmadd_ps(av, b1, acc1[i]);
@@ -212,7 +214,7 @@ SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b,
   const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
   // Every loop over the tile is unrolled so the accumulators stay in registers.
 #pragma GCC unroll 6
-  for (int i = 0; i < kMr; ++i) {
+  for (int i = 0; i < MR; ++i) {
     float* cr = c + i * ldc;
     __m256 r0 = _mm256_mul_ps(va, acc0[i]), r1 = _mm256_mul_ps(va, acc1[i]);
     if (beta != 0.0f) {
@@ -224,11 +226,17 @@ SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b,
   }
 }
 
-// A tile at the edge of C (mr < 6 or nr < 16): computed into a buffer, then mr x nr stored.
+// Full-width tiles by their rows: the last row tile of a block computes only the rows it has
+// (an expert of 32 rows: 5 tiles of 6 and one of 2, not 6).
+using TileFn = void (*)(int64_t, const float*, const float*, float*, int64_t, float, float);
+constexpr TileFn kRowTiles[kMr] = {MicroKernel<1>, MicroKernel<2>, MicroKernel<3>,
+                                   MicroKernel<4>, MicroKernel<5>, MicroKernel<6>};
+
+// A tile at the right edge of C (nr < 16): computed into a buffer, then mr x nr stored.
 SY_AVX2 void EdgeKernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
                         int64_t mr, int64_t nr, float alpha, float beta) {
   alignas(32) float t[kMr * kNr];
-  MicroKernel(kc, a, b, t, kNr, alpha, 0.0f);
+  MicroKernel<kMr>(kc, a, b, t, kNr, alpha, 0.0f);
   for (int64_t i = 0; i < mr; ++i) {
     float* cr = c + i * ldc;
     for (int64_t j = 0; j < nr; ++j) {
@@ -308,8 +316,8 @@ SY_AVX2 void RunBlock(std::span<const Part> rows, std::span<const Part> cols, in
               const int64_t mr = std::min(kMr, mc - ir);
               const float* ap = pack_a + ir * kc;
               float* c = cv.p + (i0 + ir) * cv.ld + jr;
-              if (mr == kMr && nr == kNr) {
-                MicroKernel(kc, ap, bp, c, cv.ld, alpha, beta_block);
+              if (nr == kNr) {
+                kRowTiles[mr - 1](kc, ap, bp, c, cv.ld, alpha, beta_block);
               } else {
                 EdgeKernel(kc, ap, bp, c, cv.ld, mr, nr, alpha, beta_block);
               }

@@ -16,7 +16,8 @@ namespace {
 using testing::AllClose;
 using testing::RandomVector;
 
-// (m, n, k, trans_a, trans_b): m = an expert's rows (0, 1, odd, more than one 144-row block), n
+// (m, n, k, trans_a, trans_b): m = an expert's rows (0, 1, odd, more than one 144-row block; the
+// last row tile holds 1 to 5 rows: 7, 32, 147, 4, 17), n
 // and k not multiples of the 6 x 16 tile, k across the 256-deep block.
 class PackedGemmTest : public ::testing::TestWithParam<std::tuple<int, int, int, bool, bool>> {};
 
@@ -40,7 +41,7 @@ TEST_P(PackedGemmTest, MatchesFloat64Reference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PackedGemmTest,
-                         ::testing::Combine(::testing::Values(0, 1, 7, 13, 151),
+                         ::testing::Combine(::testing::Values(0, 1, 4, 7, 17, 32, 147, 151),
                                             ::testing::Values(0, 1, 17, 40),
                                             ::testing::Values(0, 1, 13, 300), ::testing::Bool(),
                                             ::testing::Bool()));
