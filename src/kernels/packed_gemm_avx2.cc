@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <new>
+#include <span>
 
 #include "switchyard/core/error.h"
 #include "switchyard/kernels/cpu_features.h"
@@ -185,12 +186,14 @@ SY_NOINLINE SY_AVX2 void PackB(const Operand& b, int64_t p0, int64_t kc, int64_t
   }
 }
 
-// The 6 x 16 tile: C[0:6, 0:16] = alpha * (A panel · B panel) + beta * C (beta = 0: C not read).
+// The MR x 16 tile (MR = 6 but at the last rows of op(A)): C[0:MR, 0:16] = alpha * (A panel ·
+// B panel) + beta * C (beta = 0: C not read). The A panel has 6 values per k whatever MR is.
+template <int MR>
 SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b, float* c,
                                      int64_t ldc, float alpha, float beta) {
-  __m256 acc0[kMr], acc1[kMr];
+  __m256 acc0[MR], acc1[MR];
 #pragma GCC unroll 6
-  for (int i = 0; i < kMr; ++i) {
+  for (int i = 0; i < MR; ++i) {
     acc0[i] = acc1[i] = _mm256_setzero_ps();
     _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc + 15), _MM_HINT_T0);
@@ -200,7 +203,7 @@ SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b,
     const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
     _mm_prefetch(reinterpret_cast<const char*>(b + 8 * kNr), _MM_HINT_T0);
 #pragma GCC unroll 6
-    for (int i = 0; i < kMr; ++i) {
+    for (int i = 0; i < MR; ++i) {
       const __m256 av = _mm256_broadcast_ss(a + i);
       acc0[i] = _mm256_fmadd_ps(av, b0, acc0[i]);
       acc1[i] = _mm256_fmadd_ps(av, b1, acc1[i]);
@@ -211,7 +214,7 @@ SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b,
   const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
   // Every loop over the tile is unrolled so the accumulators stay in registers.
 #pragma GCC unroll 6
-  for (int i = 0; i < kMr; ++i) {
+  for (int i = 0; i < MR; ++i) {
     float* cr = c + i * ldc;
     __m256 r0 = _mm256_mul_ps(va, acc0[i]), r1 = _mm256_mul_ps(va, acc1[i]);
     if (beta != 0.0f) {
@@ -223,11 +226,17 @@ SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b,
   }
 }
 
-// A tile at the edge of C (mr < 6 or nr < 16): computed into a buffer, then mr x nr stored.
+// Full-width tiles by their rows: the last row tile of a block computes only the rows it has
+// (an expert of 32 rows: 5 tiles of 6 and one of 2, not 6).
+using TileFn = void (*)(int64_t, const float*, const float*, float*, int64_t, float, float);
+constexpr TileFn kRowTiles[kMr] = {MicroKernel<1>, MicroKernel<2>, MicroKernel<3>,
+                                   MicroKernel<4>, MicroKernel<5>, MicroKernel<6>};
+
+// A tile at the right edge of C (nr < 16): computed into a buffer, then mr x nr stored.
 SY_AVX2 void EdgeKernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
                         int64_t mr, int64_t nr, float alpha, float beta) {
   alignas(32) float t[kMr * kNr];
-  MicroKernel(kc, a, b, t, kNr, alpha, 0.0f);
+  MicroKernel<kMr>(kc, a, b, t, kNr, alpha, 0.0f);
   for (int64_t i = 0; i < mr; ++i) {
     float* cr = c + i * ldc;
     for (int64_t j = 0; j < nr; ++j) {
@@ -257,39 +266,86 @@ void CheckProblem(Trans trans_a, Trans trans_b, const GemmProblem& p) {
              "PackedGemm: ldc={} smaller than the {} columns of C", p.ldc, p.n);
 }
 
-SY_AVX2 void Run(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta) {
-  const Operand a{p.a, p.lda, trans_a == Trans::kYes};
-  const Operand b{p.b, p.ldb, trans_b == Trans::kYes};
-  thread_local PackBuffer pack_a_buffer, pack_b_buffer;
-  const int64_t nc_max = std::min(kNc, (p.n + kNr - 1) / kNr * kNr);
-  const int64_t kc_max = std::min(kKc, p.k);
+// The calling thread's packs (up to one (kMc + kMr) x kKc block of op(A), one kKc x kNc of op(B)).
+thread_local PackBuffer pack_a_buffer, pack_b_buffer;
+
+// One stretch of op(A)'s rows (a row part) or of op(B)'s columns (a column part): a whole
+// operand, or one block of it, with the size of that stretch. A fused pair has two parts on one
+// side (PackedGemmSharedA: two column parts; PackedGemmSharedB: two row parts).
+struct Part {
+  Operand op;
+  int64_t size;
+};
+
+// C of the tile at (row part r, row i of it; column part s, column j of it).
+struct CView {
+  float* p;
+  int64_t ld;
+};
+
+// The products of every row part with every column part over all of k, with each column part at
+// most kNc wide: op(B) is packed once per k block for all column parts, op(A) once per (k block,
+// row block) for all column parts. c_of(r, s) gives the C of the pair (its row 0, column 0).
+template <typename COf>
+SY_AVX2 void RunBlock(std::span<const Part> rows, std::span<const Part> cols, int64_t k, COf&& c_of,
+                      float alpha, float beta) {
+  int64_t cols_padded = 0;
+  for (const Part& s : cols) cols_padded += (s.size + kNr - 1) / kNr * kNr;
+  const int64_t kc_max = std::min(kKc, k);
   float* pack_a = pack_a_buffer.Get((kMc + kMr) * kc_max);
-  float* pack_b = pack_b_buffer.Get(nc_max * kc_max);
-  for (int64_t j0 = 0; j0 < p.n; j0 += kNc) {
-    const int64_t nc = std::min(kNc, p.n - j0);
-    for (int64_t p0 = 0; p0 < p.k; p0 += kKc) {
-      const int64_t kc = std::min(kKc, p.k - p0);
-      const float beta_block = p0 == 0 ? beta : 1.0f;  // later k blocks accumulate
-      PackB(b, p0, kc, j0, nc, pack_b);
-      for (int64_t i0 = 0; i0 < p.m; i0 += kMc) {
-        const int64_t mc = std::min(kMc, p.m - i0);
-        PackA(a, i0, mc, p0, kc, pack_a);
-        for (int64_t jr = 0; jr < nc; jr += kNr) {
-          const int64_t nr = std::min(kNr, nc - jr);
-          const float* bp = pack_b + jr * kc;
-          for (int64_t ir = 0; ir < mc; ir += kMr) {
-            const int64_t mr = std::min(kMr, mc - ir);
-            const float* ap = pack_a + ir * kc;
-            float* c = p.c + (i0 + ir) * p.ldc + j0 + jr;
-            if (mr == kMr && nr == kNr) {
-              MicroKernel(kc, ap, bp, c, p.ldc, alpha, beta_block);
-            } else {
-              EdgeKernel(kc, ap, bp, c, p.ldc, mr, nr, alpha, beta_block);
+  float* pack_b = pack_b_buffer.Get(cols_padded * kc_max);
+  for (int64_t p0 = 0; p0 < k; p0 += kKc) {
+    const int64_t kc = std::min(kKc, k - p0);
+    const float beta_block = p0 == 0 ? beta : 1.0f;  // later k blocks accumulate
+    int64_t off = 0;
+    for (const Part& s : cols) {
+      PackB(s.op, p0, kc, 0, s.size, pack_b + off * kc);
+      off += (s.size + kNr - 1) / kNr * kNr;
+    }
+    for (size_t r = 0; r < rows.size(); ++r) {
+      for (int64_t i0 = 0; i0 < rows[r].size; i0 += kMc) {
+        const int64_t mc = std::min(kMc, rows[r].size - i0);
+        PackA(rows[r].op, i0, mc, p0, kc, pack_a);
+        const float* bp = pack_b;
+        for (size_t s = 0; s < cols.size(); ++s) {
+          const CView cv = c_of(r, s);
+          const int64_t nc = cols[s].size;
+          for (int64_t jr = 0; jr < nc; jr += kNr, bp += kNr * kc) {
+            const int64_t nr = std::min(kNr, nc - jr);
+            for (int64_t ir = 0; ir < mc; ir += kMr) {
+              const int64_t mr = std::min(kMr, mc - ir);
+              const float* ap = pack_a + ir * kc;
+              float* c = cv.p + (i0 + ir) * cv.ld + jr;
+              if (nr == kNr) {
+                kRowTiles[mr - 1](kc, ap, bp, c, cv.ld, alpha, beta_block);
+              } else {
+                EdgeKernel(kc, ap, bp, c, cv.ld, mr, nr, alpha, beta_block);
+              }
             }
           }
         }
       }
     }
+  }
+}
+
+// op(B)'s columns j0.. of a stored operand: the operand moved to that column.
+Operand ColumnsFrom(const Operand& b, int64_t j0) {
+  return {b.trans ? b.p + j0 * b.ld : b.p + j0, b.ld, b.trans};
+}
+
+SY_AVX2 void Run(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta) {
+  const Operand a{p.a, p.lda, trans_a == Trans::kYes};
+  const Operand b{p.b, p.ldb, trans_b == Trans::kYes};
+  const Part row{a, p.m};
+  for (int64_t j0 = 0; j0 < p.n; j0 += kNc) {
+    const Part col{ColumnsFrom(b, j0), std::min(kNc, p.n - j0)};
+    RunBlock(
+        std::span<const Part>(&row, 1), std::span<const Part>(&col, 1), p.k,
+        [&](size_t, size_t) {
+          return CView{p.c + j0, p.ldc};
+        },
+        alpha, beta);
   }
 }
 
@@ -306,6 +362,63 @@ void PackedGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha,
     return;
   }
   Run(trans_a, trans_b, p, alpha, beta);
+}
+
+namespace {
+
+// Checks both products of a pair; returns true when they have to run one after the other
+// (`apart`, or a size 0 that PackedGemm handles) and ran them so.
+bool RanApart(Trans trans_a, Trans trans_b, const GemmProblem& p1, const GemmProblem& p2,
+              float alpha, float beta, bool apart) {
+  SY_CHECK(PackedGemmAvailable(), "PackedGemm needs AVX2 and FMA");
+  CheckProblem(trans_a, trans_b, p1);
+  CheckProblem(trans_a, trans_b, p2);
+  apart = apart || p1.k == 0 || p1.m == 0 || p1.n == 0 || p2.m == 0 || p2.n == 0;
+  if (apart) {
+    PackedGemm(trans_a, trans_b, p1, alpha, beta);
+    PackedGemm(trans_a, trans_b, p2, alpha, beta);
+  }
+  return apart;
+}
+
+}  // namespace
+
+void PackedGemmSharedA(Trans trans_a, Trans trans_b, const GemmProblem& p1, const GemmProblem& p2,
+                       float alpha, float beta) {
+  SY_REQUIRE(p1.m == p2.m && p1.k == p2.k && p1.a == p2.a && p1.lda == p2.lda, InvalidArgument,
+             "PackedGemmSharedA: the products must share A (m, k, a, lda), got m={}/{} k={}/{}",
+             p1.m, p2.m, p1.k, p2.k);
+  const auto padded = [](int64_t n) { return (n + kNr - 1) / kNr * kNr; };
+  if (RanApart(trans_a, trans_b, p1, p2, alpha, beta, padded(p1.n) + padded(p2.n) > kNc)) return;
+  const Part row{{p1.a, p1.lda, trans_a == Trans::kYes}, p1.m};
+  const Part cols[2] = {{{p1.b, p1.ldb, trans_b == Trans::kYes}, p1.n},
+                        {{p2.b, p2.ldb, trans_b == Trans::kYes}, p2.n}};
+  RunBlock(
+      std::span<const Part>(&row, 1), cols, p1.k,
+      [&](size_t, size_t s) {
+        return s == 0 ? CView{p1.c, p1.ldc} : CView{p2.c, p2.ldc};
+      },
+      alpha, beta);
+}
+
+void PackedGemmSharedB(Trans trans_a, Trans trans_b, const GemmProblem& p1, const GemmProblem& p2,
+                       float alpha, float beta) {
+  SY_REQUIRE(p1.n == p2.n && p1.k == p2.k && p1.b == p2.b && p1.ldb == p2.ldb, InvalidArgument,
+             "PackedGemmSharedB: the products must share B (n, k, b, ldb), got n={}/{} k={}/{}",
+             p1.n, p2.n, p1.k, p2.k);
+  if (RanApart(trans_a, trans_b, p1, p2, alpha, beta, false)) return;
+  const Operand b{p1.b, p1.ldb, trans_b == Trans::kYes};
+  const Part rows[2] = {{{p1.a, p1.lda, trans_a == Trans::kYes}, p1.m},
+                        {{p2.a, p2.lda, trans_a == Trans::kYes}, p2.m}};
+  for (int64_t j0 = 0; j0 < p1.n; j0 += kNc) {
+    const Part col{ColumnsFrom(b, j0), std::min(kNc, p1.n - j0)};
+    RunBlock(
+        rows, std::span<const Part>(&col, 1), p1.k,
+        [&](size_t r, size_t) {
+          return r == 0 ? CView{p1.c + j0, p1.ldc} : CView{p2.c + j0, p2.ldc};
+        },
+        alpha, beta);
+  }
 }
 
 void PackedGroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,

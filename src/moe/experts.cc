@@ -246,13 +246,18 @@ Tensor ExpertsForward(const ExpertOptions& options, const ExpertWeights& w, cons
   ForEachTask(chunks, threads, [&](int64_t, const RowChunk& c) {
     const int64_t off = c.compact * h_dim;
     const float* xc = x + c.begin * m_dim;
-    RunOne(Trans::kNo, Trans::kYes, 0.0f,
-           {c.rows, h_dim, m_dim, xc, m_dim, w1 + c.group * h_dim * m_dim, m_dim,
-            pre1.data<float>() + off, h_dim});
-    if (options.gated) {
-      RunOne(Trans::kNo, Trans::kYes, 0.0f,
-             {c.rows, h_dim, m_dim, xc, m_dim, w3 + c.group * h_dim * m_dim, m_dim,
-              pre3.data<float>() + off, h_dim});
+    const GemmProblem fc1{c.rows, h_dim,
+                          m_dim,  xc,
+                          m_dim,  w1 + c.group * h_dim * m_dim,
+                          m_dim,  pre1.data<float>() + off,
+                          h_dim};
+    if (options.gated) {  // gate and up products in one pass over X
+      ExpertGemmPair(Trans::kNo, Trans::kYes, 1.0f, 0.0f, fc1,
+                     {c.rows, h_dim, m_dim, xc, m_dim, w3 + c.group * h_dim * m_dim, m_dim,
+                      pre3.data<float>() + off, h_dim},
+                     SharedOperand::kA);
+    } else {
+      RunOne(Trans::kNo, Trans::kYes, 0.0f, fc1);
     }
     ActivationForwardRows(options.activation, c.rows, h_dim, b1 ? b1 + c.group * h_dim : nullptr,
                           pre1.data<float>() + off,
@@ -341,12 +346,14 @@ ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeight
   g.weights.fc1_weight = Tensor::Empty(w.fc1_weight.shape());
   auto pw1 = WeightGradProblems(groups, d_pre1.data<float>(), compact, h_dim, x, groups.begin,
                                 m_dim, g.weights.fc1_weight.data<float>(), h_dim, m_dim);
-  ExpertGroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw1, threads);
-  if (options.gated) {
+  if (options.gated) {  // dW1 and dW3 in one pass over X per group
     g.weights.fc3_weight = Tensor::Empty(w.fc3_weight.shape());
     auto pw3 = WeightGradProblems(groups, d_pre3.data<float>(), compact, h_dim, x, groups.begin,
                                   m_dim, g.weights.fc3_weight.data<float>(), h_dim, m_dim);
-    ExpertGroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw3, threads);
+    ExpertGroupedGemmPairs(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw1, pw3, SharedOperand::kB,
+                           threads);
+  } else {
+    ExpertGroupedGemm(Trans::kYes, Trans::kNo, 1.0f, 0.0f, pw1, threads);
   }
   ZeroPadding(g.input, groups);
   return g;

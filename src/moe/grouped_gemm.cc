@@ -244,8 +244,8 @@ std::optional<SmallGemmIsa> SmallKernelFor(Trans trans_a, Trans trans_b, const G
   return SmallGemmIsa::kAvx2;
 }
 
-// Whether a problem the few-row kernels do not take runs on kernels::PackedGemm instead of the
-// GEMM backend (grouped_gemm.h, ExpertGemmKernel).
+// Whether a problem runs on kernels::PackedGemm instead of the few-row kernels or the GEMM
+// backend (grouped_gemm.h, ExpertGemmKernel).
 bool UsePacked(const GemmProblem& p) {
   if (ActiveExpertGemmKernel() != ExpertGemmKernel::kPacked) return false;
   const int64_t lo = std::min({p.m, p.n, p.k}), hi = std::max({p.m, p.n, p.k});
@@ -344,36 +344,50 @@ void SmallGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, 
   }
 }
 
-void ExpertGroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,
-                       std::span<const GemmProblem> problems, int threads) {
-  auto run = [&](const GemmProblem& p) {
-    if (auto isa = SmallKernelFor(trans_a, trans_b, p)) {
-      SmallGemm(trans_a, trans_b, p, alpha, beta, *isa);
-    } else if (UsePacked(p)) {
-      kernels::PackedGemm(trans_a, trans_b, p, alpha, beta);
-    } else {
-      kernels::Gemm(trans_a, trans_b, p.m, p.n, p.k, alpha, p.a, p.lda, p.b, p.ldb, beta, p.c,
-                    p.ldc);
-    }
-  };
-  // As kernels::GroupedGemm: spread problems over threads only when the GEMM budget is one thread.
-  int workers = std::min<int>(threads, static_cast<int>(problems.size()));
+namespace {
+
+// One product through the grouped GEMM's choice of kernel.
+void RunExpertProduct(Trans trans_a, Trans trans_b, float alpha, float beta, const GemmProblem& p) {
+  if (UsePacked(p)) {
+    kernels::PackedGemm(trans_a, trans_b, p, alpha, beta);
+  } else if (auto isa = SmallKernelFor(trans_a, trans_b, p)) {
+    SmallGemm(trans_a, trans_b, p, alpha, beta, *isa);
+  } else {
+    kernels::Gemm(trans_a, trans_b, p.m, p.n, p.k, alpha, p.a, p.lda, p.b, p.ldb, beta, p.c, p.ldc);
+  }
+}
+
+// Two products sharing an operand: one fused packed pass when both would run on the packed
+// kernel, else each through the grouped GEMM's choice.
+void RunExpertPair(Trans trans_a, Trans trans_b, float alpha, float beta, const GemmProblem& p1,
+                   const GemmProblem& p2, SharedOperand shared) {
+  if (!UsePacked(p1) || !UsePacked(p2)) {
+    RunExpertProduct(trans_a, trans_b, alpha, beta, p1);
+    RunExpertProduct(trans_a, trans_b, alpha, beta, p2);
+  } else if (shared == SharedOperand::kA) {
+    kernels::PackedGemmSharedA(trans_a, trans_b, p1, p2, alpha, beta);
+  } else {
+    kernels::PackedGemmSharedB(trans_a, trans_b, p1, p2, alpha, beta);
+  }
+}
+
+// run(i) for i in [0, count), largest cost first, spread over `threads` threads when the GEMM
+// budget (kernels::BlasThreads) is one thread (as kernels::GroupedGemm does).
+template <typename Cost, typename Run>
+void ForEachProblem(size_t count, int threads, Cost&& cost, Run&& run) {
+  int workers = std::min<int>(threads, static_cast<int>(count));
   if (workers <= 1 || kernels::BlasThreads() > 1) {
-    for (const auto& p : problems) run(p);
+    for (size_t i = 0; i < count; ++i) run(i);
     return;
   }
-  std::vector<size_t> order(problems.size());
+  std::vector<size_t> order(count);
   std::iota(order.begin(), order.end(), size_t{0});
-  std::sort(order.begin(), order.end(), [&](size_t x, size_t y) {
-    const auto& p = problems[x];
-    const auto& q = problems[y];
-    return p.m * p.n * p.k > q.m * q.n * q.k;
-  });
+  std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return cost(x) > cost(y); });
   std::atomic<size_t> next{0};
   std::vector<std::exception_ptr> errors(static_cast<size_t>(workers));
   auto worker = [&](int w) {
     try {
-      for (size_t i; (i = next.fetch_add(1)) < order.size();) run(problems[order[i]]);
+      for (size_t i; (i = next.fetch_add(1)) < order.size();) run(order[i]);
     } catch (...) {
       errors[static_cast<size_t>(w)] = std::current_exception();
     }
@@ -386,6 +400,33 @@ void ExpertGroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,
   for (auto& e : errors) {
     if (e) std::rethrow_exception(e);
   }
+}
+
+int64_t Cost(const GemmProblem& p) { return p.m * p.n * p.k; }
+
+}  // namespace
+
+void ExpertGroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,
+                       std::span<const GemmProblem> problems, int threads) {
+  ForEachProblem(
+      problems.size(), threads, [&](size_t i) { return Cost(problems[i]); },
+      [&](size_t i) { RunExpertProduct(trans_a, trans_b, alpha, beta, problems[i]); });
+}
+
+void ExpertGemmPair(Trans trans_a, Trans trans_b, float alpha, float beta, const GemmProblem& p1,
+                    const GemmProblem& p2, SharedOperand shared) {
+  RunExpertPair(trans_a, trans_b, alpha, beta, p1, p2, shared);
+}
+
+void ExpertGroupedGemmPairs(Trans trans_a, Trans trans_b, float alpha, float beta,
+                            std::span<const GemmProblem> first, std::span<const GemmProblem> second,
+                            SharedOperand shared, int threads) {
+  SY_REQUIRE(first.size() == second.size(), InvalidArgument,
+             "ExpertGroupedGemmPairs: {} first products but {} second", first.size(),
+             second.size());
+  ForEachProblem(
+      first.size(), threads, [&](size_t i) { return Cost(first[i]) + Cost(second[i]); },
+      [&](size_t i) { RunExpertPair(trans_a, trans_b, alpha, beta, first[i], second[i], shared); });
 }
 
 }  // namespace switchyard::moe

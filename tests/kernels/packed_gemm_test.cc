@@ -16,7 +16,8 @@ namespace {
 using testing::AllClose;
 using testing::RandomVector;
 
-// (m, n, k, trans_a, trans_b): m = an expert's rows (0, 1, odd, more than one 144-row block), n
+// (m, n, k, trans_a, trans_b): m = an expert's rows (0, 1, odd, more than one 144-row block; the
+// last row tile holds 1 to 5 rows: 7, 32, 147, 4, 17), n
 // and k not multiples of the 6 x 16 tile, k across the 256-deep block.
 class PackedGemmTest : public ::testing::TestWithParam<std::tuple<int, int, int, bool, bool>> {};
 
@@ -40,7 +41,7 @@ TEST_P(PackedGemmTest, MatchesFloat64Reference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PackedGemmTest,
-                         ::testing::Combine(::testing::Values(0, 1, 7, 13, 151),
+                         ::testing::Combine(::testing::Values(0, 1, 4, 7, 17, 32, 147, 151),
                                             ::testing::Values(0, 1, 17, 40),
                                             ::testing::Values(0, 1, 13, 300), ::testing::Bool(),
                                             ::testing::Bool()));
@@ -113,6 +114,97 @@ TEST(PackedGroupedGemm, ExpertFormsMatchReference) {
     }
     EXPECT_TRUE(AllClose(got, want, 1e-5, 1e-4 * 8)) << f.name;
   }
+}
+
+// The fused pairs (an expert's SwiGLU gate and up products) against two float64 products, on
+// odd shapes: m across the 144-row block, n not a multiple of 16 (the column parts' panels are
+// padded), k across the 256-deep block, every transposition (and below, a pair wider than one
+// column block of B: SharedA then runs the products one after the other).
+class PackedGemmPairTest : public ::testing::TestWithParam<std::tuple<int, int, int, bool, bool>> {
+};
+
+TEST_P(PackedGemmPairTest, MatchesFloat64Reference) {
+  if (!PackedGemmAvailable()) GTEST_SKIP() << "no AVX2/FMA on this CPU: the kernel is not used";
+  auto [m, n, k, ta, tb] = GetParam();
+  const Trans trans_a = ta ? Trans::kYes : Trans::kNo, trans_b = tb ? Trans::kYes : Trans::kNo;
+  for (bool shared_a : {true, false}) {
+    // The second product's non-shared size differs from the first's (n + 5 or m + 7).
+    const int64_t m2 = shared_a ? m : m + 7, n2 = shared_a ? n + 5 : n;
+    const int64_t lda1 = (ta ? m : k) + 3, lda2 = (ta ? m2 : k) + 1;
+    const int64_t ldb1 = (tb ? k : n) + 1, ldb2 = (tb ? k : n2) + 2;
+    auto a1 = RandomVector(static_cast<size_t>((ta ? k : m) * lda1), 11);
+    auto a2 = RandomVector(static_cast<size_t>((ta ? k : m2) * lda2), 12);
+    auto b1 = RandomVector(static_cast<size_t>((tb ? n : k) * ldb1), 13);
+    auto b2 = RandomVector(static_cast<size_t>((tb ? n2 : k) * ldb2), 14);
+    auto c1 = RandomVector(static_cast<size_t>(m * (n + 2)), 15);
+    auto c2 = RandomVector(static_cast<size_t>(m2 * (n2 + 4)), 16);
+    for (float beta : {0.0f, 1.0f}) {
+      auto got1 = c1, got2 = c2, want1 = c1, want2 = c2;
+      GemmProblem p1{m, n, k, a1.data(), lda1, b1.data(), ldb1, got1.data(), n + 2};
+      GemmProblem p2 =
+          shared_a ? GemmProblem{m2, n2, k, a1.data(), lda1, b2.data(), ldb2, got2.data(), n2 + 4}
+                   : GemmProblem{m2, n2, k, a2.data(), lda2, b1.data(), ldb1, got2.data(), n2 + 4};
+      if (shared_a) {
+        PackedGemmSharedA(trans_a, trans_b, p1, p2, 0.5f, beta);
+      } else {
+        PackedGemmSharedB(trans_a, trans_b, p1, p2, 0.5f, beta);
+      }
+      ref::Gemm(trans_a, trans_b, m, n, k, 0.5f, p1.a, p1.lda, p1.b, p1.ldb, beta, want1.data(),
+                n + 2);
+      ref::Gemm(trans_a, trans_b, m2, n2, k, 0.5f, p2.a, p2.lda, p2.b, p2.ldb, beta, want2.data(),
+                n2 + 4);
+      const double atol = 2e-5 * std::max(1, k);
+      EXPECT_TRUE(AllClose(got1, want1, 1e-5, atol)) << "first, shared_a " << shared_a;
+      EXPECT_TRUE(AllClose(got2, want2, 1e-5, atol)) << "second, shared_a " << shared_a;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PackedGemmPairTest,
+                         ::testing::Combine(::testing::Values(0, 1, 13, 151),
+                                            ::testing::Values(0, 17, 40),
+                                            ::testing::Values(0, 13, 300), ::testing::Bool(),
+                                            ::testing::Bool()));
+
+TEST(PackedGemm, WidePairsMatchReference) {
+  if (!PackedGemmAvailable()) GTEST_SKIP() << "no AVX2/FMA on this CPU: the kernel is not used";
+  const int64_t m = 9, n = 1100, k = 37;  // 2 x 1104 padded columns > one 2048-column block
+  auto a = RandomVector(static_cast<size_t>(m * k), 21);
+  auto b1 = RandomVector(static_cast<size_t>(n * k), 22);
+  auto b2 = RandomVector(static_cast<size_t>(n * k), 23);
+  std::vector<float> c1(static_cast<size_t>(m * n), 7.0f), c2 = c1, want1 = c1, want2 = c1;
+  for (bool shared_a : {true, false}) {
+    // SharedB: C1 = B1 A^T and C2 = B2 A^T ([n, m], 1100 rows: 8 row blocks of each part).
+    if (shared_a) {
+      PackedGemmSharedA(Trans::kNo, Trans::kYes, {m, n, k, a.data(), k, b1.data(), k, c1.data(), n},
+                        {m, n, k, a.data(), k, b2.data(), k, c2.data(), n}, 1.0f, 0.0f);
+      ref::Gemm(Trans::kNo, Trans::kYes, m, n, k, 1.0f, a.data(), k, b1.data(), k, 0.0f,
+                want1.data(), n);
+      ref::Gemm(Trans::kNo, Trans::kYes, m, n, k, 1.0f, a.data(), k, b2.data(), k, 0.0f,
+                want2.data(), n);
+    } else {
+      PackedGemmSharedB(Trans::kNo, Trans::kYes, {n, m, k, b1.data(), k, a.data(), k, c1.data(), m},
+                        {n, m, k, b2.data(), k, a.data(), k, c2.data(), m}, 1.0f, 0.0f);
+      ref::Gemm(Trans::kNo, Trans::kYes, n, m, k, 1.0f, b1.data(), k, a.data(), k, 0.0f,
+                want1.data(), m);
+      ref::Gemm(Trans::kNo, Trans::kYes, n, m, k, 1.0f, b2.data(), k, a.data(), k, 0.0f,
+                want2.data(), m);
+    }
+    EXPECT_TRUE(AllClose(c1, want1, 1e-5, 1e-4)) << "shared_a " << shared_a;
+    EXPECT_TRUE(AllClose(c2, want2, 1e-5, 1e-4)) << "shared_a " << shared_a;
+  }
+}
+
+TEST(PackedGemm, PairRejectsProductsThatDoNotShare) {
+  if (!PackedGemmAvailable()) GTEST_SKIP() << "no AVX2/FMA on this CPU: the kernel is not used";
+  std::vector<float> a(64), b(64), c(64), d(64);
+  const GemmProblem p1{4, 4, 4, a.data(), 4, b.data(), 4, c.data(), 4};
+  GemmProblem p2 = p1;
+  p2.a = d.data();
+  EXPECT_THROW(PackedGemmSharedA(Trans::kNo, Trans::kNo, p1, p2, 1.0f, 0.0f), InvalidArgument);
+  p2 = p1;
+  p2.k = 3;
+  EXPECT_THROW(PackedGemmSharedB(Trans::kNo, Trans::kNo, p1, p2, 1.0f, 0.0f), InvalidArgument);
 }
 
 TEST(PackedGemm, RejectsBadSizes) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "switchyard/core/error.h"
@@ -153,6 +154,65 @@ INSTANTIATE_TEST_SUITE_P(Kernel, ExpertGemmKernelTest,
                          [](const ::testing::TestParamInfo<ExpertGemmKernel>& p) {
                            return p.param == ExpertGemmKernel::kPacked ? "packed" : "backend";
                          });
+
+// The SwiGLU pairs (ExpertGroupedGemmPairs): gate and up products sharing X (forward, NT) and
+// the two weight gradients sharing X (TN), groups of 0, 1, 7, 13, 41 and 100 rows (the packed
+// kernel fuses the pairs of groups with >= 16 rows, the others run one product at a time), 1 and
+// 3 threads, against the float64 reference.
+TEST_P(ExpertGemmKernelTest, SharedOperandPairsMatchReference) {
+  if (GetParam() == ExpertGemmKernel::kPacked && !kernels::PackedGemmAvailable()) {
+    GTEST_SKIP() << "no AVX2/FMA on this CPU: the packed kernel is not used";
+  }
+  SetExpertGemmKernel(GetParam());
+  const std::vector<int64_t> rows = {0, 1, 7, 13, 41, 100};
+  const int64_t model = 70, hidden = 33, groups = static_cast<int64_t>(rows.size());
+  int64_t total = 0;
+  for (int64_t r : rows) total += r;
+  auto x = RandomVector(static_cast<size_t>(total * model), 6);
+  auto d1 = RandomVector(static_cast<size_t>(total * hidden), 7);
+  auto d3 = RandomVector(static_cast<size_t>(total * hidden), 8);
+  auto w1 = RandomVector(static_cast<size_t>(groups * hidden * model), 9);
+  auto w3 = RandomVector(static_cast<size_t>(groups * hidden * model), 10);
+  for (SharedOperand shared : {SharedOperand::kA, SharedOperand::kB}) {
+    const bool fwd = shared == SharedOperand::kA;
+    const Trans ta = fwd ? Trans::kNo : Trans::kYes, tb = fwd ? Trans::kYes : Trans::kNo;
+    for (int threads : {1, 3}) {
+      const size_t size = static_cast<size_t>(std::max(total, groups * hidden) * model);
+      std::vector<float> got1(size, 9.0f), got3 = got1, want1 = got1, want3 = got1;
+      std::vector<GemmProblem> p1, p3;
+      int64_t off = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        if (fwd) {  // X_g W1_g^T and X_g W3_g^T
+          for (auto [w, c, ps] : {std::tuple{&w1, &got1, &p1}, std::tuple{&w3, &got3, &p3}}) {
+            ps->push_back({rows[g], hidden, model, x.data() + off * model, model,
+                           w->data() + g * hidden * model, model, c->data() + off * hidden,
+                           hidden});
+          }
+        } else {  // dA1_g^T X_g and dA3_g^T X_g
+          for (auto [d, c, ps] : {std::tuple{&d1, &got1, &p1}, std::tuple{&d3, &got3, &p3}}) {
+            ps->push_back({hidden, model, rows[g], d->data() + off * hidden, hidden,
+                           x.data() + off * model, model, c->data() + g * hidden * model, model});
+          }
+        }
+        off += rows[g];
+      }
+      ExpertGroupedGemmPairs(ta, tb, 1.0f, 0.0f, p1, p3, shared, threads);
+      for (auto [ps, got, want] :
+           {std::tuple{&p1, &got1, &want1}, std::tuple{&p3, &got3, &want3}}) {
+        for (GemmProblem p : *ps) {
+          p.c = want->data() + (p.c - got->data());
+          kernels::ref::Gemm(ta, tb, p.m, p.n, p.k, 1.0f, p.a, p.lda, p.b, p.ldb, 0.0f, p.c, p.ldc);
+        }
+        EXPECT_TRUE(AllClose(*got, *want, 1e-5, 1e-4))
+            << (fwd ? "shared A" : "shared B") << ", " << threads << " threads";
+      }
+    }
+  }
+  std::vector<GemmProblem> one(1), two(2);
+  EXPECT_THROW(
+      ExpertGroupedGemmPairs(Trans::kNo, Trans::kYes, 1.0f, 0.0f, one, two, SharedOperand::kA),
+      InvalidArgument);
+}
 
 TEST(ExpertGemmKernel, ParseNamesTheChoices) {
   EXPECT_EQ(ParseExpertGemmKernel("SY_EXPERT_GEMM", "backend"), ExpertGemmKernel::kBackend);

@@ -33,6 +33,20 @@ bool PackedGemmAvailable();
 // or leading dimensions smaller than the columns they hold.
 void PackedGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta);
 
+// Two products that share an operand, in one pass that packs the shared operand once per block
+// (an expert's SwiGLU pair). Same contract as PackedGemm for each product.
+//   SharedA: C1 = alpha op(A) op(B1) + beta C1, C2 = alpha op(A) op(B2) + beta C2; p1 and p2 have
+//            the same m, k, a and lda (else InvalidArgument). E.g. the gate and up products
+//            X W1^T and X W3^T: X is packed once for both.
+//   SharedB: C1 = alpha op(A1) op(B) + beta C1, C2 = alpha op(A2) op(B) + beta C2; the same n, k,
+//            b and ldb. E.g. the weight gradients dA1^T X and dA3^T X: X is packed once.
+// SharedA runs the two products one after the other when their columns (each rounded up to 16)
+// exceed one 2048-column block of op(B).
+void PackedGemmSharedA(Trans trans_a, Trans trans_b, const GemmProblem& p1, const GemmProblem& p2,
+                       float alpha, float beta);
+void PackedGemmSharedB(Trans trans_a, Trans trans_b, const GemmProblem& p1, const GemmProblem& p2,
+                       float alpha, float beta);
+
 // Every problem in order on the calling thread (a grouped GEMM's share of one thread).
 void PackedGroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,
                        std::span<const GemmProblem> problems);

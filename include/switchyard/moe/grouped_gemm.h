@@ -40,7 +40,11 @@ inline constexpr int64_t kSmallGemmAvx2MaxRowsOneDnn = 16;
 inline constexpr int64_t kSmallGemmAvx512MaxRows = 128;
 
 // The products above those limits: the GEMM backend (kernels::Gemm) or switchyard's own packed
-// AVX2 kernel (kernels/packed_gemm.h). Default (DefaultExpertGemmKernel): packed on CPUs with AVX2
+// AVX2 kernel (kernels/packed_gemm.h). When the packed kernel is active it also takes the
+// products within those limits whose every dimension is at least kPackedGemmMinDim: on a Zen 3,
+// config C's products (32 rows per expert) ran 8 % faster on it than on the few-row kernels
+// (grouped / loop 0.86 against 0.95, docs/PERFORMANCE.md); the few-row kernels keep the products
+// with fewer rows. Default (DefaultExpertGemmKernel): packed on CPUs with AVX2
 // + FMA and no AVX-512 whose backend is OpenBLAS (measured faster there on the expert shapes,
 // docs/PERFORMANCE.md "Fine-grained experts"), the backend elsewhere. SY_EXPERT_GEMM=packed|backend
 // (read once) or SetExpertGemmKernel overrides it. With a GEMM budget above one thread
@@ -84,5 +88,23 @@ void SmallGemm(kernels::Trans trans_a, kernels::Trans trans_b, const kernels::Ge
 // thread.
 void ExpertGroupedGemm(kernels::Trans trans_a, kernels::Trans trans_b, float alpha, float beta,
                        std::span<const kernels::GemmProblem> problems, int threads = 1);
+
+// Two products that share an operand (an expert's SwiGLU gate and up products):
+//   kA: p1 and p2 have the same A (m, k, a, lda): C1 = op(A) op(B1), C2 = op(A) op(B2);
+//   kB: the same B (n, k, b, ldb): C1 = op(A1) op(B), C2 = op(A2) op(B).
+// When both go to the packed kernel (the choice above) they run as one pass that packs the shared
+// operand once (kernels::PackedGemmSharedA / SharedB); otherwise one after the other, each on
+// the kernel it would get alone. Same results either way up to float summation order (none: the
+// fused pass sums in the same order as the two products).
+enum class SharedOperand : uint8_t { kA, kB };
+void ExpertGemmPair(kernels::Trans trans_a, kernels::Trans trans_b, float alpha, float beta,
+                    const kernels::GemmProblem& p1, const kernels::GemmProblem& p2,
+                    SharedOperand shared);
+// ExpertGemmPair for first[i], second[i] of every i, spread over threads as ExpertGroupedGemm
+// spreads problems. first and second must have the same length.
+void ExpertGroupedGemmPairs(kernels::Trans trans_a, kernels::Trans trans_b, float alpha, float beta,
+                            std::span<const kernels::GemmProblem> first,
+                            std::span<const kernels::GemmProblem> second, SharedOperand shared,
+                            int threads = 1);
 
 }  // namespace switchyard::moe
