@@ -34,7 +34,9 @@ struct RankMemoryEstimate {
 // probabilities; a dense FFN's 2 hidden rows / tp, an MoE FFN's top_k (x capacity_factor with
 // the padded all-to-all) / tp slots of expert input and 2 hidden rows, and the gate's
 // probabilities; recompute full keeps the block's input only (and one block's state while it is
-// recomputed); the final norm's input and output, the logits and their gradient (2 x vocab / tp).
+// recomputed); the backward's working set: the gradients of the largest FFN's rows (an MoE
+// block's slots, a dense block's 2 hidden rows / tp); the final norm's input and output, the
+// logits and their gradient (2 x vocab / tp).
 // Sizes that overflow int64 are refused (InvalidArgument).
 RankMemoryEstimate EstimateRankMemory(const TrainConfig& config);
 
