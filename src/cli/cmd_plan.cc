@@ -118,7 +118,8 @@ json LayoutJson(const PlanOptions& o, const plan::Layout& l) {
           {"memory",
            {{"parameters_mib", MiB(static_cast<double>(p.memory.parameter_bytes))},
             {"optimizer_mib", MiB(static_cast<double>(p.memory.optimizer_bytes))},
-            {"activations_mib", MiB(static_cast<double>(p.memory.activation_bytes))}}}};
+            {"activations_mib", MiB(static_cast<double>(p.memory.activation_bytes))},
+            {"build_mib", MiB(static_cast<double>(p.memory.build_bytes))}}}};
 }
 
 void PrintTable(const PlanOptions& o, const plan::Cluster& cluster, const plan::PlanResult& r) {

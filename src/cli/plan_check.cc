@@ -120,7 +120,7 @@ LayoutCheck CheckLayoutHere(const plan::Layout& layout, int64_t position, int64_
           .predicted_s = p.step_s,
           .measured_s = static_cast<double>(c.batch_size * c.model.seq_len) / s.tokens_per_s,
           .predicted_bytes = static_cast<double>(p.memory.total()),
-          .peak_bytes = s.memory_peak_bytes,
+          .peak_bytes = s.memory_train_peak_bytes,
           .load = LoadAverage()};
 }
 

@@ -117,6 +117,9 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
     e.parameter_bytes += CheckedMul(2 * 4, block, what);
   }
   e.optimizer_bytes = sharded(1, 8);
+  // The build holds every value and gradient of the rank's share before the first step releases
+  // what ZeRO 2 / 3 shard (measured: the wide model of docs/planner.md's accuracy table).
+  e.build_bytes = CheckedMul(params + expert_params, 8, what) + e.optimizer_bytes;
   // Activations of the micro-batches in flight on this rank.
   const int64_t rows =
       std::max<int64_t>(1, c.batch_size / dp / std::max<int64_t>(1, c.microbatches));
@@ -157,7 +160,13 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   // the logits: the last stage runs a micro-batch's loss and backward in turn).
   const int64_t kept =
       CheckedMul(layers - moe_layers, dense_layer, what) + CheckedMul(moe_layers, moe_layer, what);
-  const int64_t transient = recomputed + probs_grad + 2 * d + CheckedMul(2, v / tp, what);
+  // The backward's working set beside what is kept (measured on the default model: about 3,000
+  // floats per token at the backward's peak): the gradients of the largest FFN's rows, an MoE
+  // block's slots or a dense block's two hidden rows.
+  const int64_t ffn_grads =
+      std::max(moe_layers > 0 ? moe_hidden : 0, layers > moe_layers ? 2 * m.hidden_dim / tp : 0);
+  const int64_t transient =
+      recomputed + probs_grad + ffn_grads + 2 * d + CheckedMul(2, v / tp, what);
   // With pp > 1, the kept rows of the most micro-batch chunks (of layers / virtual_stages
   // blocks each) whose forward has run and whose backward has not, on any rank of the schedule.
   const double in_flight = pp > 1 ? PipelineBlocksInFlight(c) : 1.0;
@@ -173,13 +182,14 @@ void RequireMemoryBudget(const TrainConfig& c) {
   const double budget = c.memory_budget_mib * 1024 * 1024;
   SY_REQUIRE(static_cast<double>(e.total()) <= budget, InvalidArgument,
              "config: the per-rank memory estimate {} (parameters and gradients {}, AdamW state "
-             "{}, activations {}; cp {}, tp {}, pp {}, attention_core {}) exceeds "
-             "'memory_budget_mib' {} ({}): split the sequence over more ranks ('cp'), the layers "
-             "('pp') or the weights ('tp'), or use a smaller batch_size",
+             "{}, activations {}; the model's build {}; cp {}, tp {}, pp {}, attention_core {}) "
+             "exceeds 'memory_budget_mib' {} ({}): split the sequence over more ranks ('cp'), "
+             "the layers ('pp') or the weights ('tp'), or use a smaller batch_size",
              FormatBytes(static_cast<uint64_t>(e.total())),
              FormatBytes(static_cast<uint64_t>(e.parameter_bytes)),
              FormatBytes(static_cast<uint64_t>(e.optimizer_bytes)),
-             FormatBytes(static_cast<uint64_t>(e.activation_bytes)), c.cp, c.tp, c.pp,
+             FormatBytes(static_cast<uint64_t>(e.activation_bytes)),
+             FormatBytes(static_cast<uint64_t>(e.build_bytes)), c.cp, c.tp, c.pp,
              ChoiceTraits<AttentionCore>::Name(ResolvedAttentionCore(c)), c.memory_budget_mib,
              FormatBytes(static_cast<uint64_t>(budget)));
 }

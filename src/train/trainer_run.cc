@@ -178,7 +178,10 @@ struct Trainer::RunState {
   double run_start = 0;
   int64_t first_step = 0;
   int64_t saved_step = -1;  // newest checkpoint in run_dir
-  std::string saved_dir;    // its directory (the writer's)
+  // This rank's memory account's peaks: before each checkpoint snapshot (the build and the
+  // steps), and of the whole run until the account's peak was last reset (after a snapshot).
+  int64_t train_peak = 0, run_peak = 0;
+  std::string saved_dir;  // its directory (the writer's)
   int keep = 0;
   Interval interval;
   // Over the run's steps: MoE, tensor- and context-parallel times and bytes, the rates logged.
@@ -409,13 +412,23 @@ bool Trainer::RecordStep(RunState& r, const StepMetrics& m) {
   }
   if (log_line) in.Reset();
   if ((c.checkpoint_every > 0 && step_ % c.checkpoint_every == 0) || last || stop != 0) {
-    CheckpointData snap = Snapshot();
-    StopIfAnyFailed(r, Capture([&] {
-                      if (r.writer) {
-                        r.saved_dir =
-                            SaveCheckpoint(r.checkpoints_dir, snap, r.keep, r.resumed_step);
-                      }
-                    }));
+    // The peak of the build and the steps so far, before the snapshot gathers the whole model
+    // and its optimizer state on this rank; the snapshot's own peak goes to the run's.
+    const std::shared_ptr<MemoryAccount>& account = CurrentMemoryAccount();
+    if (account) r.train_peak = std::max(r.train_peak, account->peak_bytes());
+    {
+      CheckpointData snap = Snapshot();
+      StopIfAnyFailed(r, Capture([&] {
+                        if (r.writer) {
+                          r.saved_dir =
+                              SaveCheckpoint(r.checkpoints_dir, snap, r.keep, r.resumed_step);
+                        }
+                      }));
+    }
+    if (account) {
+      r.run_peak = std::max(r.run_peak, account->peak_bytes());
+      account->ResetPeak();
+    }
     r.saved_step = step_;
   }
   if (stop != 0) r.summary.stop_signal = stop;
@@ -469,12 +482,17 @@ void Trainer::FinishRun(RunState& r) {
   }
   summary.memory_estimate_bytes = EstimateRankMemory(c).total();
   if (const std::shared_ptr<MemoryAccount>& account = CurrentMemoryAccount()) {
-    // Every rank's peak so far (the training steps and evaluations), in rank order.
-    std::vector<double> peaks(static_cast<size_t>(ctx_.world_size), 0.0);
-    peaks[static_cast<size_t>(ctx_.rank)] = static_cast<double>(account->peak_bytes());
+    // Every rank's peak so far (the model's build, the training steps, evaluations and
+    // checkpoints), in rank order; then without the checkpoint snapshots.
+    const size_t w = static_cast<size_t>(ctx_.world_size), me = static_cast<size_t>(ctx_.rank);
+    std::vector<double> peaks(2 * w, 0.0);
+    peaks[me] = static_cast<double>(std::max(r.run_peak, account->peak_bytes()));
+    peaks[w + me] = static_cast<double>(std::max(r.train_peak, account->peak_bytes()));
     buffer_->AllReduceSum(peaks);
-    summary.memory_peak_bytes = *std::max_element(peaks.begin(), peaks.end());
-    summary.memory_peak_min_bytes = *std::min_element(peaks.begin(), peaks.end());
+    const auto all = peaks.begin() + static_cast<std::ptrdiff_t>(w);
+    summary.memory_peak_bytes = *std::max_element(peaks.begin(), all);
+    summary.memory_peak_min_bytes = *std::min_element(peaks.begin(), all);
+    summary.memory_train_peak_bytes = *std::max_element(all, peaks.end());
   }
   if (r.moe && r.run_rank_time > 0) {
     summary.moe_time_share = r.run_moe / r.run_rank_time;

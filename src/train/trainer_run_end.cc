@@ -55,6 +55,7 @@ json SummaryJson(const RunSummary& summary) {
             {"memory_estimate_bytes_per_rank", summary.memory_estimate_bytes},
             {"memory_peak_bytes_per_rank_max", finite(summary.memory_peak_bytes)},
             {"memory_peak_bytes_per_rank_min", finite(summary.memory_peak_min_bytes)},
+            {"memory_train_peak_bytes_per_rank_max", finite(summary.memory_train_peak_bytes)},
             {"skipped_steps", summary.skipped_steps},
             {"grad_reduce_s", finite(summary.grad_reduce_s)},
             {"grad_reduce_blocked_s", finite(summary.grad_reduce_blocked_s)},

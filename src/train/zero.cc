@@ -58,9 +58,27 @@ Tensor View(const std::shared_ptr<PageArray>& array, int64_t offset, const Shape
 
 }  // namespace
 
+MemoryMeter::~MemoryMeter() {
+  if (account_) account_->Release(charged_);
+}
+
+void MemoryMeter::Register(const ShardedAdamW* opt) {
+  opts_.push_back(opt);
+  if (!account_) account_ = CurrentMemoryAccount();
+  ChargeAccount(Current().total());
+}
+
+void MemoryMeter::ChargeAccount(int64_t total) {
+  if (!account_) return;
+  if (total > charged_) account_->Charge(total - charged_);
+  if (total < charged_) account_->Release(charged_ - total);
+  charged_ = total;
+}
+
 void MemoryMeter::Sample() {
   ZeroMemory now = Current();
   if (now.total() > peak_.total()) peak_ = now;
+  ChargeAccount(now.total());
 }
 
 ZeroMemory MemoryMeter::Current() const {

@@ -14,7 +14,15 @@ struct RankMemoryEstimate {
   int64_t parameter_bytes = 0;   // values and gradients of this rank's parameters (float32)
   int64_t optimizer_bytes = 0;   // AdamW's two moments (ZeRO >= 1: this rank's share)
   int64_t activation_bytes = 0;  // what the micro-batches in flight keep for backward, logits
-  int64_t total() const { return parameter_bytes + optimizer_bytes + activation_bytes; }
+  // The model's build, before the first step shards anything: every value and (zero) gradient
+  // of this rank's tp / ep / pp share, unsharded over the data-parallel ranks, and the optimizer
+  // state as ZeRO shards it (param_grad_buffer.cc builds the optimizers on the built model).
+  int64_t build_bytes = 0;
+  // The training steps' parts.
+  int64_t steps() const { return parameter_bytes + optimizer_bytes + activation_bytes; }
+  // The run's peak: the larger of the build and the steps (the build only with ZeRO 2 and 3,
+  // whose steps hold less than every value and gradient).
+  int64_t total() const { return steps() > build_bytes ? steps() : build_bytes; }
 };
 
 // Per rank of `config`'s layout (tp, cp, pp, dp = ranks / (tp cp pp), ep, zero_stage): the
@@ -26,7 +34,9 @@ struct RankMemoryEstimate {
 // probabilities; a dense FFN's 2 hidden rows / tp, an MoE FFN's top_k (x capacity_factor with
 // the padded all-to-all) / tp slots of expert input and 2 hidden rows, and the gate's
 // probabilities; recompute full keeps the block's input only (and one block's state while it is
-// recomputed); the final norm's input and output, the logits and their gradient (2 x vocab / tp).
+// recomputed); the backward's working set: the gradients of the largest FFN's rows (an MoE
+// block's slots, a dense block's 2 hidden rows / tp); the final norm's input and output, the
+// logits and their gradient (2 x vocab / tp).
 // Sizes that overflow int64 are refused (InvalidArgument).
 RankMemoryEstimate EstimateRankMemory(const TrainConfig& config);
 

@@ -142,6 +142,10 @@ struct RunSummary {
   int64_t memory_estimate_bytes = 0;
   double memory_peak_bytes = NAN;
   double memory_peak_min_bytes = NAN;
+  // The same peak (max over ranks) without the checkpoint snapshots: the model's build and the
+  // training steps, what EstimateRankMemory estimates. (A snapshot gathers the whole model and
+  // its AdamW state on every rank: docs/planner.md, "Accuracy on this machine".)
+  double memory_train_peak_bytes = NAN;
   std::string sample;
   std::string run_dir;
 };

@@ -66,6 +66,7 @@
 #include <vector>
 
 #include "switchyard/comm/communicator.h"
+#include "switchyard/core/memory_account.h"
 #include "switchyard/core/safetensors.h"
 #include "switchyard/train/optimizer.h"
 #include "switchyard/train/page_array.h"
@@ -85,9 +86,19 @@ struct ZeroMemory {
 };
 
 // The peak of the summed MemoryUse of the optimizers registered with it (one rank's).
+//
+// The arrays are not Tensors, so the thread's MemoryAccount (core/memory_account.h) does not see
+// them: the meter charges the account of the thread that registered the first optimizer with the
+// sum it measured last (at Register and every Sample), and gives it back when destroyed. The
+// account's peak so covers the rank's tensors and its optimizers' arrays together, as of each
+// sample (the figure `switchyard train` reports as the measured peak per rank).
 class MemoryMeter {
  public:
-  void Register(const ShardedAdamW* opt) { opts_.push_back(opt); }
+  MemoryMeter() = default;
+  MemoryMeter(const MemoryMeter&) = delete;
+  MemoryMeter& operator=(const MemoryMeter&) = delete;
+  ~MemoryMeter();
+  void Register(const ShardedAdamW* opt);
   // Samples the current sum; keeps the largest total (and its parts).
   void Sample();
   const ZeroMemory& peak() const { return peak_; }
@@ -96,8 +107,11 @@ class MemoryMeter {
   ZeroMemory Current() const;
 
  private:
+  void ChargeAccount(int64_t total);
   std::vector<const ShardedAdamW*> opts_;
   ZeroMemory peak_;
+  std::shared_ptr<MemoryAccount> account_;
+  int64_t charged_ = 0;  // bytes charged to account_
 };
 
 // Time the reductions of a rank took and how much of it the rank spent blocked waiting for them.
