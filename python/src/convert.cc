@@ -53,6 +53,7 @@ py::object ArrayFromTensor(const Tensor& t) {
     case DType::kFloat32: dtype = py::dtype::of<float>(); break;
     case DType::kInt32: dtype = py::dtype::of<int32_t>(); break;
     case DType::kInt64: dtype = py::dtype::of<int64_t>(); break;
+    case DType::kInt16: dtype = py::dtype::of<int16_t>(); break;
     default: {
       Tensor f = t.To(DType::kFloat32);
       return ArrayFromTensor(f);

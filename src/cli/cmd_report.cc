@@ -20,6 +20,7 @@
 #include "switchyard/core/safetensors.h"
 #include "switchyard/moe/router_stats.h"
 #include "switchyard/train/metrics.h"
+#include "switchyard/train/router_trace.h"
 #include "switchyard/train/svg.h"
 
 namespace switchyard::cli {
@@ -114,10 +115,10 @@ LoadHistory FromTrace(const std::string& dir) {
     for (const auto& f : std::filesystem::directory_iterator(step_dir)) {
       if (f.path().extension() != ".safetensors") continue;
       const TensorMap t = ReadSafetensors(f.path().string());
-      for (const auto& [name, experts] : t) {
-        if (!name.ends_with("experts") || experts.dtype() != DType::kInt32 || experts.dim() != 2) {
-          continue;
-        }
+      for (const auto& [name, stored] : t) {
+        if (!name.ends_with("experts")) continue;
+        const Tensor experts = train::TraceExpertIdsAsInt32(stored);
+        if (!experts.defined()) continue;
         const std::string prefix = name.substr(0, name.size() - 7);
         auto tok = t.find(prefix + "tokens");
         SY_REQUIRE(tok != t.end() && tok->second.dtype() == DType::kInt64 &&

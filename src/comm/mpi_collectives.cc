@@ -25,6 +25,7 @@ MPI_Datatype ToMpi(DType dtype) {
     case DType::kBFloat16: return MPI_UINT16_T;
     case DType::kInt32: return MPI_INT32_T;
     case DType::kInt64: return MPI_INT64_T;
+    case DType::kInt16: return MPI_INT16_T;
   }
   return MPI_BYTE;
 }

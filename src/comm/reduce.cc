@@ -70,6 +70,10 @@ void ReduceInto(void* dst, const void* a, const void* b, size_t count, DType dty
       ReduceTyped(static_cast<int64_t*>(dst), static_cast<const int64_t*>(a),
                   static_cast<const int64_t*>(b), count, op);
       return;
+    case DType::kInt16:
+      ReduceTyped(static_cast<int16_t*>(dst), static_cast<const int16_t*>(a),
+                  static_cast<const int16_t*>(b), count, op);
+      return;
   }
   SY_CHECK(false, "unknown dtype {}", static_cast<int>(dtype));
 }

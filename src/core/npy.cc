@@ -33,6 +33,7 @@ std::string_view NpyDescr(DType dtype) {
     case DType::kFloat32: return "<f4";
     case DType::kInt32: return "<i4";
     case DType::kInt64: return "<i8";
+    case DType::kInt16: return "<i2";
     case DType::kBFloat16: break;
   }
   return "";
@@ -91,10 +92,12 @@ class HeaderParser {
       header.dtype = DType::kInt32;
     } else if (*descr == "<i8") {
       header.dtype = DType::kInt64;
+    } else if (*descr == "<i2") {
+      header.dtype = DType::kInt16;
     } else {
       Fail(
           fmt::format("dtype '{}' is not supported: switchyard reads '<f4' (float32), '<i4' "
-                      "(int32) and '<i8' (int64)",
+                      "(int32), '<i8' (int64) and '<i2' (int16)",
                       Shortened(*descr)));
     }
     if (*fortran_order) {

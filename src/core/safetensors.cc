@@ -23,14 +23,15 @@ struct DTypeEntry {
   DType dtype;
   int order;  // position in the reference implementation's Dtype enum; writers sort descending
 };
-constexpr std::array<DTypeEntry, 4> kSupportedDTypes = {{{"BF16", DType::kBFloat16, 8},
+constexpr std::array<DTypeEntry, 5> kSupportedDTypes = {{{"I16", DType::kInt16, 5},
+                                                         {"BF16", DType::kBFloat16, 8},
                                                          {"I32", DType::kInt32, 9},
                                                          {"F32", DType::kFloat32, 11},
                                                          {"I64", DType::kInt64, 13}}};
 // dtypes of the format that switchyard does not hold (named as such in errors).
-constexpr std::array<std::string_view, 16> kUnsupportedDTypes = {
-    "BOOL", "U8",  "I8",  "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16",     "U16",
-    "F16",  "U32", "F64", "U64",     "F4",      "F6_E2M3", "F6_E3M2", "C64"};
+constexpr std::array<std::string_view, 15> kUnsupportedDTypes = {
+    "BOOL", "U8",  "I8",  "F8_E5M2", "F8_E4M3", "F8_E8M0", "U16", "F16",
+    "U32",  "F64", "U64", "F4",      "F6_E2M3", "F6_E3M2", "C64"};
 
 // A valid header nests 3 levels deep (root object > entry > shape array > dimension); unknown
 // fields of an entry are ignored like the reference implementation does, so allow some room for
@@ -94,7 +95,7 @@ DType ParseDType(const Json& v, const Where& where, bool accept_float16, bool* f
   }
   for (std::string_view u : kUnsupportedDTypes) {
     if (u == name) {
-      where.Fail("dtype {} is not supported: switchyard reads F32, BF16, I32 and I64", name);
+      where.Fail("dtype {} is not supported: switchyard reads F32, BF16, I32, I64 and I16", name);
     }
   }
   where.Fail("unknown dtype {}: expected one of F32, BF16, I32, I64", Quoted(name));

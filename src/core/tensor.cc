@@ -48,7 +48,8 @@ bool IsKnownDType(DType dtype) {
     case DType::kFloat32:
     case DType::kBFloat16:
     case DType::kInt32:
-    case DType::kInt64: return true;
+    case DType::kInt64:
+    case DType::kInt16: return true;
   }
   return false;
 }
@@ -76,7 +77,7 @@ T ToInteger(double v, int64_t i) {
   constexpr double kEnd = static_cast<double>(std::numeric_limits<T>::max()) + 1.0;  // 2^31, 2^63
   if (v >= kLo && v < kEnd) return static_cast<T>(v);
   return static_cast<T>(
-      CheckedToInt64(v, fmt::format("To({}): element {}", sizeof(T) == 4 ? "int32" : "int64", i),
+      CheckedToInt64(v, fmt::format("To({}): element {}", DTypeName(DTypeOf<T>::kValue), i),
                      std::numeric_limits<T>::min(), std::numeric_limits<T>::max()));
 }
 
@@ -86,6 +87,7 @@ double ReadAsDouble(const void* p, DType dtype, int64_t i) {
     case DType::kBFloat16: return static_cast<float>(static_cast<const BFloat16*>(p)[i]);
     case DType::kInt32: return static_cast<const int32_t*>(p)[i];
     case DType::kInt64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
+    case DType::kInt16: return static_cast<const int16_t*>(p)[i];
   }
   return 0;
 }
@@ -270,6 +272,7 @@ Tensor Tensor::To(DType dtype) const {
       case DType::kFloat32: t.data<float>()[i] = static_cast<float>(v); break;
       case DType::kBFloat16: t.data<BFloat16>()[i] = BFloat16(static_cast<float>(v)); break;
       case DType::kInt32: t.data<int32_t>()[i] = ToInteger<int32_t>(v, i); break;
+      case DType::kInt16: t.data<int16_t>()[i] = ToInteger<int16_t>(v, i); break;
       case DType::kInt64:
         t.data<int64_t>()[i] = dtype_ == DType::kInt64 ? static_cast<const int64_t*>(src)[i]
                                                        : ToInteger<int64_t>(v, i);
@@ -286,6 +289,7 @@ void Tensor::Fill(double value) const {
     case DType::kBFloat16: FillTyped<BFloat16>(raw(), numel_, value); break;
     case DType::kInt32: FillTyped<int32_t>(raw(), numel_, value); break;
     case DType::kInt64: FillTyped<int64_t>(raw(), numel_, value); break;
+    case DType::kInt16: FillTyped<int16_t>(raw(), numel_, value); break;
   }
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <filesystem>
+#include <limits>
 #include <numeric>
 
 #include "switchyard/core/error.h"
@@ -23,6 +24,13 @@ std::string Joined(const std::vector<std::string>& names) {
 }
 
 }  // namespace
+
+Tensor TraceExpertIdsAsInt32(const Tensor& experts) {
+  if (!experts.defined() || experts.dim() != 2) return {};
+  if (experts.dtype() == DType::kInt32) return experts;
+  if (experts.dtype() == DType::kInt16) return experts.To(DType::kInt32);
+  return {};
+}
 
 std::vector<int64_t> RowTokens(int64_t rows, int64_t global_token_offset,
                                const std::vector<int64_t>* token_index) {
@@ -133,7 +141,12 @@ void RouterTrace::EndStep(int64_t step) {
   for (const auto& [prefix, r] : recorded_) {
     const auto n = static_cast<int64_t>(r.tokens.size());
     tensors[prefix + "tokens"] = Tensor::FromVector(r.tokens, {n});
-    tensors[prefix + "experts"] = Tensor::FromVector(r.experts, {n, r.top_k});
+    // int16 ids (half the bytes) whenever every id fits, as for any layer of <= 32768 experts.
+    const bool fits16 = std::all_of(r.experts.begin(), r.experts.end(), [](int32_t e) {
+      return e >= std::numeric_limits<int16_t>::min() && e <= std::numeric_limits<int16_t>::max();
+    });
+    Tensor ids = Tensor::FromVector(r.experts, {n, r.top_k});
+    tensors[prefix + "experts"] = fits16 ? ids.To(DType::kInt16) : ids;
     tensors[prefix + "weights"] = Tensor::FromVector(r.weights, {n, r.top_k}).To(DType::kBFloat16);
   }
   recorded_.clear();
@@ -168,17 +181,18 @@ void RouterTrace::LoadReplayStep(int64_t step) {
                "router replay: {} is not a router trace (metadata \"format\" is not \"{}\")", file,
                kFormat);
     const TensorMap t = ReadSafetensors(file);
-    for (const auto& [name, tensor] : t) {
+    for (const auto& [name, stored] : t) {
       if (!name.ends_with("experts")) continue;
+      const Tensor tensor = TraceExpertIdsAsInt32(stored);
       const std::string prefix = name.substr(0, name.size() - 7);
       auto tok = t.find(prefix + "tokens");
       SY_REQUIRE(tok != t.end(), InvalidArgument, "router replay: {} has {} but no {}tokens", file,
                  name, prefix);
-      SY_REQUIRE(
-          tensor.dtype() == DType::kInt32 && tensor.dim() == 2 &&
-              tok->second.dtype() == DType::kInt64 && tok->second.shape() == Shape{tensor.size(0)},
-          InvalidArgument, "router replay: {}: expected {} int32 [N, k] and {}tokens int64 [N]",
-          file, name, prefix);
+      SY_REQUIRE(tensor.defined() && tok->second.dtype() == DType::kInt64 &&
+                     tok->second.shape() == Shape{tensor.size(0)},
+                 InvalidArgument,
+                 "router replay: {}: expected {} int16 or int32 [N, k] and {}tokens int64 [N]",
+                 file, name, prefix);
       Replayed& r = replayed_[prefix];
       const int64_t k = tensor.size(1), n = tensor.size(0);
       SY_REQUIRE(r.top_k == 0 || r.top_k == k, InvalidArgument,

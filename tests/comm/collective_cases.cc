@@ -38,6 +38,7 @@ void Store(std::byte* base, size_t i, DType dtype, double v) {
       return;
     case DType::kInt32: reinterpret_cast<int32_t*>(base)[i] = static_cast<int32_t>(v); return;
     case DType::kInt64: reinterpret_cast<int64_t*>(base)[i] = static_cast<int64_t>(v); return;
+    case DType::kInt16: reinterpret_cast<int16_t*>(base)[i] = static_cast<int16_t>(v); return;
   }
 }
 
@@ -47,6 +48,7 @@ double Load(const std::byte* base, size_t i, DType dtype) {
     case DType::kBFloat16: return static_cast<float>(reinterpret_cast<const BFloat16*>(base)[i]);
     case DType::kInt32: return reinterpret_cast<const int32_t*>(base)[i];
     case DType::kInt64: return static_cast<double>(reinterpret_cast<const int64_t*>(base)[i]);
+    case DType::kInt16: return reinterpret_cast<const int16_t*>(base)[i];
   }
   return 0;
 }

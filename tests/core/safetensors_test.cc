@@ -84,12 +84,14 @@ TensorMap EveryDType() {
       {BFloat16(1.0f), BFloat16(-3.5f), BFloat16(1e10f), BFloat16(0.1f)}, {4});
   m["i32"] = Tensor::FromVector<int32_t>({7, -8, 2147483647}, {3, 1});
   m["i64"] = Tensor::FromVector<int64_t>({int64_t{1} << 40, -1, 0, 42}, {2, 2});
+  m["i16"] = Tensor::FromVector<int16_t>({-32768, 7, 32767, 0}, {2, 2});
   m["scalar.f32"] = Tensor::FromVector<float>({3.0f}, {});
   m["scalar.i64"] = Tensor::FromVector<int64_t>({-9}, {});
   m["empty.f32"] = Tensor::Zeros({0, 5}, DType::kFloat32);
   m["empty.bf16"] = Tensor::Zeros({0}, DType::kBFloat16);
   m["empty.i32"] = Tensor::Zeros({3, 0}, DType::kInt32);
   m["empty.i64"] = Tensor::Zeros({0, 0, 2}, DType::kInt64);
+  m["empty.i16"] = Tensor::Zeros({0}, DType::kInt16);
   m["weird name/with \"quotes\" \\ and \xc3\xa9\n"] = Tensor::FromVector<float>({1, 2}, {1, 2});
   return m;
 }
@@ -268,7 +270,7 @@ TEST(Safetensors, RejectsMalformedEntries) {
   ExpectRejected(one(R"({"dtype":"F32","data_offsets":[0,8]})"), {"tensor 'w'", "no 'shape'"});
   ExpectRejected(one(R"({"dtype":"F32","shape":[2]})"), {"tensor 'w'", "no 'data_offsets'"});
   ExpectRejected(one(R"({"dtype":"F16","shape":[4],"data_offsets":[0,8]})"),
-                 {"tensor 'w'", "dtype F16 is not supported", "F32, BF16, I32 and I64"});
+                 {"tensor 'w'", "dtype F16 is not supported", "F32, BF16, I32, I64 and I16"});
   ExpectRejected(one(R"({"dtype":"F64","shape":[1],"data_offsets":[0,8]})"),
                  {"tensor 'w'", "dtype F64 is not supported"});
   ExpectRejected(one(R"({"dtype":"Q7","shape":[2],"data_offsets":[0,8]})"),

@@ -204,3 +204,27 @@ TEST(RouterKeysTest, TraceKeysRecordTheChosenStepsAndReplayThem) {
 
 }  // namespace
 }  // namespace switchyard::train
+
+namespace switchyard::train {
+namespace {
+
+// Trace files hold int16 ids (int32 for huge layers, and in traces written before int16): both
+// read back as the same int32 ids; anything else is not an ids tensor.
+TEST(RouterTraceIds, Int16AndInt32ReadAsTheSameIds) {
+  const Tensor i32 = Tensor::FromVector<int32_t>({0, 5, 32767, 3, 1, 2}, {3, 2});
+  const Tensor i16 = i32.To(DType::kInt16);
+  ASSERT_EQ(i16.dtype(), DType::kInt16);
+  for (const Tensor& t : {i32, i16}) {
+    const Tensor ids = TraceExpertIdsAsInt32(t);
+    ASSERT_TRUE(ids.defined());
+    ASSERT_EQ(ids.dtype(), DType::kInt32);
+    ASSERT_EQ(ids.shape(), (Shape{3, 2}));
+    for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(ids.data<int32_t>()[i], i32.data<int32_t>()[i]);
+  }
+  EXPECT_FALSE(TraceExpertIdsAsInt32(i32.To(DType::kFloat32)).defined());
+  EXPECT_FALSE(TraceExpertIdsAsInt32(Tensor::FromVector<int32_t>({1, 2}, {2})).defined());
+  EXPECT_THROW(Tensor::FromVector<int32_t>({40000}, {1}).To(DType::kInt16), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace switchyard::train

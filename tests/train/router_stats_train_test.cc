@@ -54,8 +54,11 @@ std::map<std::string, Recount> RecountTrace(const std::string& dir, int64_t step
   for (const auto& entry :
        std::filesystem::directory_iterator(RouterTrace::StepDirectory(dir, step))) {
     const TensorMap file = ReadSafetensors(entry.path());
-    for (const auto& [name, experts] : file) {
+    for (const auto& [name, stored] : file) {
       if (!name.ends_with(".experts")) continue;
+      // Compact ids: int16 for any layer of <= 32768 experts.
+      EXPECT_EQ(stored.dtype(), DType::kInt16) << name;
+      const Tensor experts = TraceExpertIdsAsInt32(stored);
       const std::string prefix = name.substr(0, name.size() - std::string("experts").size());
       const Tensor& tokens = file.at(prefix + "tokens");
       const Tensor weights = file.at(prefix + "weights").To(DType::kFloat32);

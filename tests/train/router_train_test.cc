@@ -251,8 +251,9 @@ int64_t MostGroupsOfAToken(const std::string& dir, int64_t step, int64_t experts
   for (const auto& entry :
        std::filesystem::directory_iterator(RouterTrace::StepDirectory(dir, step))) {
     const TensorMap file = ReadSafetensors(entry.path());
-    for (const auto& [name, t] : file) {
+    for (const auto& [name, stored] : file) {
       if (!name.ends_with(".experts")) continue;
+      const Tensor t = TraceExpertIdsAsInt32(stored);
       const int64_t k = t.size(1);
       const int32_t* e = t.data<int32_t>();
       for (int64_t i = 0; i < t.size(0); ++i) {

@@ -9,11 +9,13 @@
 
 namespace switchyard {
 
-enum class DType : uint8_t { kFloat32, kBFloat16, kInt32, kInt64 };
+// kInt16 is last so that the other values keep their numbers; it holds compact indices (router
+// traces) and is read and written by the file formats, not computed with.
+enum class DType : uint8_t { kFloat32, kBFloat16, kInt32, kInt64, kInt16 };
 
 // Bytes per element.
 size_t DTypeSize(DType dtype);
-// "float32", "bfloat16", "int32", "int64".
+// "float32", "bfloat16", "int32", "int64", "int16".
 std::string_view DTypeName(DType dtype);
 // Inverse of DTypeName; throws InvalidArgument naming the accepted names.
 DType DTypeFromName(std::string_view name);
@@ -56,6 +58,10 @@ struct DTypeOf<int32_t> {
 template <>
 struct DTypeOf<int64_t> {
   static constexpr DType kValue = DType::kInt64;
+};
+template <>
+struct DTypeOf<int16_t> {
+  static constexpr DType kValue = DType::kInt16;
 };
 
 }  // namespace switchyard

@@ -7,7 +7,8 @@
 // then the data: each tensor's elements, little-endian, C order, at [begin, end) relative to the
 // start of the data. See docs/formats.md for exactly what is accepted and rejected.
 //
-// dtypes: F32 <-> float32, BF16 <-> bfloat16, I32 <-> int32, I64 <-> int64. Any other dtype of the
+// dtypes: F32 <-> float32, BF16 <-> bfloat16, I32 <-> int32, I64 <-> int64, I16 <-> int16 (compact
+// indices such as router traces). Any other dtype of the
 // format (F16, F64, U8, BOOL, ...) is rejected with an IoError naming the tensor and the dtype.
 //
 // Reading validates like the reference implementation (and is at least as strict): the header

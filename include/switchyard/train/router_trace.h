@@ -7,7 +7,8 @@
 // Files: <dir>/step_<step, 6 digits>/rank_<world rank, 5 digits>.safetensors, one per rank that
 // routes tokens, each holding, per MoE layer with parameter prefix P (e.g. "blocks.1.moe."):
 //   P + "tokens"   int64 [N]       the global index of each token (micro-batch offset included)
-//   P + "experts"  int32 [N, k]    the chosen experts, in choice order
+//   P + "experts"  int16 [N, k]    the chosen experts, in choice order (int32 when an id does not
+//                                  fit int16: layers of more than 32768 experts)
 //   P + "weights"  bfloat16 [N, k] the combine weights (0 where the pair was dropped)
 // and the metadata {"format": "switchyard-router-trace", "step": "<step>"}. Ranks that hold the
 // same tokens (tensor parallelism) record the same routes; replay accepts duplicates that agree.
@@ -87,6 +88,10 @@ class RouterTrace {
 // step list, steps without router_trace, or the same directory recorded and replayed.
 RouterTraceOptions RouterTraceOptionsFromConfig(const std::string& trace, const std::string& steps,
                                                 const std::string& replay);
+
+// A trace's "experts" tensor as int32 ids (int16 and int32 files are both read: traces written
+// before int16 hold int32); an undefined tensor when `experts` is neither or is not [N, k].
+Tensor TraceExpertIdsAsInt32(const Tensor& experts);
 
 // Global token indices of `rows` rows: token_index when given, else offset, offset + 1, ...
 std::vector<int64_t> RowTokens(int64_t rows, int64_t global_token_offset,
