@@ -27,16 +27,20 @@ __attribute__((target("avx2,fma"))) void MicroKernel(int64_t k, const float* a, 
                                                      const float* b, int64_t ldb, float* c,
                                                      int64_t ldc, bool accumulate) {
   __m256 c0[R], c1[R];
+  // Every loop over r unrolled, so that the accumulators live in registers (not on the stack).
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
   for (int64_t p = 0; p < k; ++p) {
     const __m256 b0 = _mm256_loadu_ps(b + p * ldb);
     const __m256 b1 = _mm256_loadu_ps(b + p * ldb + 8);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 av = _mm256_broadcast_ss(a + r * lda + p);
       c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
       c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     float* cr = c + r * ldc;
     if (accumulate) {
