@@ -21,8 +21,9 @@ constexpr int64_t kRows = 6;  // register tile: kRows x 16 floats of C in 12 ymm
 
 int64_t Pad16(int64_t n) { return (n + 15) / 16 * 16; }
 
-// C[R, 16] (+)= A[R, k] B[k, 16] (B rows ldb apart).
-template <int R>
+// C[R, 16] (+)= op(A)[R, k] B[k, 16] (B rows ldb apart); op(A) = A (rows lda apart) or A^T
+// (A stored [k, R], rows lda apart).
+template <int R, bool kTransA>
 __attribute__((target("avx2,fma"))) void MicroKernel(int64_t k, const float* a, int64_t lda,
                                                      const float* b, int64_t ldb, float* c,
                                                      int64_t ldc, bool accumulate) {
@@ -35,7 +36,7 @@ __attribute__((target("avx2,fma"))) void MicroKernel(int64_t k, const float* a, 
     const __m256 b1 = _mm256_loadu_ps(b + p * ldb + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_broadcast_ss(a + r * lda + p);
+      const __m256 av = _mm256_broadcast_ss(kTransA ? a + p * lda + r : a + r * lda + p);
       c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
       c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
     }
@@ -52,33 +53,36 @@ __attribute__((target("avx2,fma"))) void MicroKernel(int64_t k, const float* a, 
   }
 }
 
+template <bool kTransA>
 __attribute__((target("avx2,fma"))) void TileGemmAvx2(int64_t m, int64_t n, int64_t k,
                                                       const float* a, int64_t lda, const float* b,
                                                       float* c, int64_t ldc, bool accumulate) {
+  // Row i of op(A): A's row i, or A's column i.
+  auto row = [&](int64_t i) { return kTransA ? a + i : a + i * lda; };
   for (int64_t j = 0; j < n; j += 16) {
     int64_t i = 0;
     for (; i + kRows <= m; i += kRows)
-      MicroKernel<kRows>(k, a + i * lda, lda, b + j, n, c + i * ldc + j, ldc, accumulate);
-    const float* ai = a + i * lda;
+      MicroKernel<kRows, kTransA>(k, row(i), lda, b + j, n, c + i * ldc + j, ldc, accumulate);
+    const float* ai = row(i);
     float* ci = c + i * ldc + j;
     switch (m - i) {
-      case 5: MicroKernel<5>(k, ai, lda, b + j, n, ci, ldc, accumulate); break;
-      case 4: MicroKernel<4>(k, ai, lda, b + j, n, ci, ldc, accumulate); break;
-      case 3: MicroKernel<3>(k, ai, lda, b + j, n, ci, ldc, accumulate); break;
-      case 2: MicroKernel<2>(k, ai, lda, b + j, n, ci, ldc, accumulate); break;
-      case 1: MicroKernel<1>(k, ai, lda, b + j, n, ci, ldc, accumulate); break;
+      case 5: MicroKernel<5, kTransA>(k, ai, lda, b + j, n, ci, ldc, accumulate); break;
+      case 4: MicroKernel<4, kTransA>(k, ai, lda, b + j, n, ci, ldc, accumulate); break;
+      case 3: MicroKernel<3, kTransA>(k, ai, lda, b + j, n, ci, ldc, accumulate); break;
+      case 2: MicroKernel<2, kTransA>(k, ai, lda, b + j, n, ci, ldc, accumulate); break;
+      case 1: MicroKernel<1, kTransA>(k, ai, lda, b + j, n, ci, ldc, accumulate); break;
       default: break;
     }
   }
 }
 
-void TileGemmPlain(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                   float* c, int64_t ldc, bool accumulate) {
+void TileGemmPlain(bool trans_a, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                   const float* b, float* c, int64_t ldc, bool accumulate) {
   for (int64_t i = 0; i < m; ++i) {
     float* ci = c + i * ldc;
     if (!accumulate) std::fill_n(ci, n, 0.0f);
     for (int64_t p = 0; p < k; ++p) {
-      const float av = a[i * lda + p];
+      const float av = trans_a ? a[p * lda + i] : a[i * lda + p];
       const float* bp = b + p * n;
       for (int64_t j = 0; j < n; ++j) ci[j] += av * bp[j];
     }
@@ -184,17 +188,19 @@ int64_t FlashProblem::ScratchFloats() const {
   const int64_t forward = static_cast<int64_t>(KeyTiles(*this).size()) * head_dim * kFlashKeyTile +
                           k.seq_rows * hd_pad + tile + kFlashQueryTile * (hd_pad + 2);
   const int64_t backward = 3 * q.seq_rows * hd_pad + 3 * head_dim * kFlashKeyTile +
-                           3 * kFlashKeyTile * hd_pad + 3 * tile;
+                           3 * kFlashKeyTile * hd_pad + 2 * tile;
   return std::max(forward, backward);
 }
 
-void FlashTileGemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                   float* c, int64_t ldc, bool accumulate) {
+void FlashTileGemm(bool trans_a, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                   const float* b, float* c, int64_t ldc, bool accumulate) {
   static const bool avx2 = kernels::HostCpuFeatures().HasAvx2Fma();
-  if (avx2) {
-    TileGemmAvx2(m, n, k, a, lda, b, c, ldc, accumulate);
+  if (!avx2) {
+    TileGemmPlain(trans_a, m, n, k, a, lda, b, c, ldc, accumulate);
+  } else if (trans_a) {
+    TileGemmAvx2<true>(m, n, k, a, lda, b, c, ldc, accumulate);
   } else {
-    TileGemmPlain(m, n, k, a, lda, b, c, ldc, accumulate);
+    TileGemmAvx2<false>(m, n, k, a, lda, b, c, ldc, accumulate);
   }
 }
 
@@ -228,11 +234,11 @@ void FlashForward(const FlashProblem& p, const Mat& out, float* lse, int threads
             const KeyTile& tile = tiles[x];
             if (p.Skipped(qc, i0, tq, *tile.kc, tile.j0)) continue;
             const int64_t nkp = Pad16(tile.nk);
-            FlashTileGemm(tq, nkp, hd, qrows, p.q.ld, kt.data() + x * kt_size, s.data(), nkp,
+            FlashTileGemm(false, tq, nkp, hd, qrows, p.q.ld, kt.data() + x * kt_size, s.data(), nkp,
                           false);
             OnlineSoftmaxTile(p, qc, i0, tq, tile, nkp, hd_pad, s.data(), m.data(), l.data(),
                               o.data());
-            FlashTileGemm(tq, hd_pad, tile.nk, s.data(), nkp,
+            FlashTileGemm(false, tq, hd_pad, tile.nk, s.data(), nkp,
                           vp.data() + (tile.kc->row + tile.j0) * hd_pad, o.data(), hd_pad, true);
           }
           for (int64_t i = 0; i < tq; ++i) {
@@ -261,12 +267,11 @@ struct BackwardScratch {
         dk(kFlashKeyTile * hd_pad),
         dv(kFlashKeyTile * hd_pad),
         s(kFlashQueryTile * kFlashKeyTile),
-        dp(kFlashQueryTile * kFlashKeyTile),
-        tr(kFlashQueryTile * kFlashKeyTile) {}
+        dp(kFlashQueryTile * kFlashKeyTile) {}
   std::vector<float> qp, dop, dqs;  // [q rows, hd_pad]: q, dout, the dq sum of the task
   std::vector<float> kt, vt;        // [hd, nkp]: the key tile's k^T, v^T
   std::vector<float> kp, dk, dv;    // [nk, hd_pad]: its k, and its dk, dv sums
-  std::vector<float> s, dp, tr;     // [tq, nkp]: P, dP then dS; a transposed tile
+  std::vector<float> s, dp;         // [tq, nkp]: P, dP then dS
 };
 
 // One (query tile, key tile) pair of the backward: dv, dk of the key tile and dq of the query
@@ -278,7 +283,8 @@ void BackwardPair(const FlashProblem& p, int64_t b, int64_t t, const float* lse,
   const int64_t r0 = qc.row + i0;
   const float scale = p.scale();
   // P = exp(scale q k^T - lse) over the visible keys.
-  FlashTileGemm(tq, nkp, hd, p.q.Row(b, r0) + hc, p.q.ld, w.kt.data(), w.s.data(), nkp, false);
+  FlashTileGemm(false, tq, nkp, hd, p.q.Row(b, r0) + hc, p.q.ld, w.kt.data(), w.s.data(), nkp,
+                false);
   for (int64_t i = 0; i < tq; ++i) {
     float* row = w.s.data() + i * nkp;
     const float li = lse[t * dout.seq_rows + r0 + i];
@@ -287,11 +293,11 @@ void BackwardPair(const FlashProblem& p, int64_t b, int64_t t, const float* lse,
     std::fill(row + vis, row + nkp, 0.0f);
   }
   // dv += P^T dout.
-  Transpose(w.s.data(), tq, nk, nkp, w.tr.data(), tq);
-  FlashTileGemm(nk, hd_pad, tq, w.tr.data(), tq, w.dop.data() + r0 * hd_pad, w.dv.data(), hd_pad,
-                true);
+  FlashTileGemm(true, nk, hd_pad, tq, w.s.data(), nkp, w.dop.data() + r0 * hd_pad, w.dv.data(),
+                hd_pad, true);
   // dS = P (dout v^T - delta).
-  FlashTileGemm(tq, nkp, hd, dout.Row(b, r0) + hc, dout.ld, w.vt.data(), w.dp.data(), nkp, false);
+  FlashTileGemm(false, tq, nkp, hd, dout.Row(b, r0) + hc, dout.ld, w.vt.data(), w.dp.data(), nkp,
+                false);
   for (int64_t i = 0; i < tq; ++i) {
     const float di = delta[t * dout.seq_rows + r0 + i];
     float* dpr = w.dp.data() + i * nkp;
@@ -299,11 +305,10 @@ void BackwardPair(const FlashProblem& p, int64_t b, int64_t t, const float* lse,
     for (int64_t j = 0; j < nk; ++j) dpr[j] = pr[j] * (dpr[j] - di);
   }
   // dq += dS k; dk += dS^T q.
-  FlashTileGemm(tq, hd_pad, nk, w.dp.data(), nkp, w.kp.data(), w.dqs.data() + r0 * hd_pad, hd_pad,
-                true);
-  Transpose(w.dp.data(), tq, nk, nkp, w.tr.data(), tq);
-  FlashTileGemm(nk, hd_pad, tq, w.tr.data(), tq, w.qp.data() + r0 * hd_pad, w.dk.data(), hd_pad,
-                true);
+  FlashTileGemm(false, tq, hd_pad, nk, w.dp.data(), nkp, w.kp.data(), w.dqs.data() + r0 * hd_pad,
+                hd_pad, true);
+  FlashTileGemm(true, nk, hd_pad, tq, w.dp.data(), nkp, w.qp.data() + r0 * hd_pad, w.dk.data(),
+                hd_pad, true);
 }
 
 }  // namespace

@@ -12,7 +12,8 @@
 //     log-sum-exp rule, so ring steps can add key blocks one after another;
 //   - backward: per (sequence, head) and key tile, the scores of every query tile recomputed from
 //     lse; dV += P^T dO, dP = dO v^T, dS = P (dP - delta), dQ += scale dS k, dK += scale dS^T q.
-// The tile products run on a 6 x 16 AVX2/FMA register kernel when the CPU has it (cpuid), plain
+// The tile products (A B and A^T B, so the backward transposes nothing) run on a 6 x 16 AVX2/FMA
+// register kernel when the CPU has it (cpuid), plain
 // loops otherwise; operands are packed into contiguous zero-padded tiles first.
 #pragma once
 
@@ -72,9 +73,10 @@ void FlashForward(const FlashProblem& p, const Mat& out, float* lse, int threads
 void FlashBackward(const FlashProblem& p, const float* lse, const ConstMat& dout,
                    const float* delta, const Mat& dq, const Mat& dk, const Mat& dv, int threads);
 
-// C[m, n] = (accumulate ? C : 0) + A[m, k] B[k, n] with B contiguous (ldb = n) and n a multiple of
-// 16: the tile product (AVX2 register kernel or plain loops, by cpuid). Exposed for the tests.
-void FlashTileGemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                   float* c, int64_t ldc, bool accumulate);
+// C[m, n] = (accumulate ? C : 0) + op(A)[m, k] B[k, n] with B contiguous (ldb = n) and n a
+// multiple of 16; op(A) = A (stored [m, k]) or A^T (stored [k, m]), rows lda apart: the tile
+// product (AVX2 register kernel or plain loops, by cpuid). Exposed for the tests.
+void FlashTileGemm(bool trans_a, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                   const float* b, float* c, int64_t ldc, bool accumulate);
 
 }  // namespace switchyard::train::internal

@@ -119,25 +119,29 @@ TEST(FlashAttention, GradientMatchesFiniteDifferences) {
 }
 
 TEST(FlashAttention, TileGemmEqualsPlainProduct) {
-  for (int64_t m : {1, 5, 6, 13, 64})
-    for (int64_t n : {16, 48, 64})
-      for (int64_t k : {1, 7, 64})
-        for (bool accumulate : {false, true}) {
-          const int64_t lda = k + 3;
-          const Tensor a = RandomTensor({m, lda}, m * 100 + k), b = RandomTensor({k, n}, n);
-          Tensor c = RandomTensor({m, n + 1}, 7), want = Tensor::Empty({m, n + 1});
-          for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j <= n; ++j) {
-              double s = j < n && accumulate ? c.data<float>()[i * (n + 1) + j] : 0.0;
-              if (j == n) s = c.data<float>()[i * (n + 1) + j];  // outside C: untouched
-              for (int64_t p = 0; j < n && p < k; ++p)
-                s += static_cast<double>(a.data<float>()[i * lda + p]) * b.data<float>()[p * n + j];
-              want.data<float>()[i * (n + 1) + j] = static_cast<float>(s);
-            }
-          internal::FlashTileGemm(m, n, k, a.data<float>(), lda, b.data<float>(), c.data<float>(),
-                                  n + 1, accumulate);
-          EXPECT_TRUE(AllClose(fmt::format("m {} n {} k {}", m, n, k), c, want, 1e-5, 1e-5));
-        }
+  for (bool trans : {false, true})
+    for (int64_t m : {1, 5, 6, 13, 64})
+      for (int64_t n : {16, 48, 64})
+        for (int64_t k : {1, 7, 64})
+          for (bool accumulate : {false, true}) {
+            // A [m, k] rows lda = k + 3 apart, or stored [k, m] rows lda = m + 3 apart.
+            const int64_t lda = trans ? m + 3 : k + 3;
+            const Tensor a = RandomTensor({trans ? k : m, lda}, m * 100 + k);
+            const Tensor b = RandomTensor({k, n}, n);
+            Tensor c = RandomTensor({m, n + 1}, 7), want = Tensor::Empty({m, n + 1});
+            for (int64_t i = 0; i < m; ++i)
+              for (int64_t j = 0; j <= n; ++j) {
+                double s = accumulate || j == n ? c.data<float>()[i * (n + 1) + j] : 0.0;
+                for (int64_t p = 0; j < n && p < k; ++p)  // column n is outside C: untouched
+                  s += static_cast<double>(a.data<float>()[trans ? p * lda + i : i * lda + p]) *
+                       b.data<float>()[p * n + j];
+                want.data<float>()[i * (n + 1) + j] = static_cast<float>(s);
+              }
+            internal::FlashTileGemm(trans, m, n, k, a.data<float>(), lda, b.data<float>(),
+                                    c.data<float>(), n + 1, accumulate);
+            EXPECT_TRUE(AllClose(fmt::format("trans {} m {} n {} k {}", trans, m, n, k), c, want,
+                                 1e-5, 1e-5));
+          }
 }
 
 }  // namespace
