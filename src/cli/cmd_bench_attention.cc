@@ -26,6 +26,7 @@
 #include "cli/flags.h"
 #include "cli/peak_flops.h"
 #include "cli/timing.h"
+#include "switchyard/core/error.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/gemm_backend.h"
 #include "switchyard/train/context_parallel.h"
@@ -77,6 +78,13 @@ void RunCore(const std::string& core, const Tensor& qkv, const Tensor& datt, int
 }
 
 int RunBenchAttention(const BenchAttentionOptions& o) {
+  for (int seq : o.seq) {
+    SY_REQUIRE(
+        seq % 2 == 0, InvalidArgument,
+        "bench attention --seq: {} is odd; the flash core of `attention_core flash` splits a "
+        "sequence into two halves (zigzag), so every length must be even",
+        seq);
+  }
   kernels::SetBlasThreads(o.threads);
   const std::string backend = kernels::GemmBackendName();
   const PeakFlops peak = MeasurePeakFlops();
