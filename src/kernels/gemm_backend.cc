@@ -194,4 +194,108 @@ std::string GemmBackendWarning() {
 
 std::string OpenBlasCoreName() { return openblas_get_corename(); }
 
+Bf16GemmChoice SelectBf16Gemm(const CpuFeatures& cpu, std::string_view override_name) {
+  if (override_name == "fp32")
+    return {false, "SY_BF16_GEMM=fp32: bf16 operands widened to fp32, the fp32 GEMM"};
+  if (override_name == "onednn")
+    return {true, "SY_BF16_GEMM=onednn: oneDNN's bf16 matmul (fp32 accumulation)"};
+  SY_REQUIRE(override_name.empty(), InvalidArgument,
+             "SY_BF16_GEMM: unknown value '{}', expected fp32 or onednn", override_name);
+  if (cpu.amx_bf16 || cpu.avx512_bf16) {
+    return {true, fmt::format("cpu has {}: oneDNN's bf16 matmul (fp32 accumulation)",
+                              cpu.amx_bf16 ? "amx_bf16" : "avx512_bf16")};
+  }
+  return {false,
+          "cpu has no bf16 arithmetic (no avx512_bf16, no amx_bf16): bf16 operands widened to "
+          "fp32, the fp32 GEMM; bf16 saves memory only"};
+}
+
+const Bf16GemmChoice& ActiveBf16Gemm() {
+  static const Bf16GemmChoice choice = [] {
+    const char* env = std::getenv("SY_BF16_GEMM");
+    return SelectBf16Gemm(HostCpuFeatures(), env ? env : "");
+  }();
+  return choice;
+}
+
+namespace {
+
+// Owns oneDNN handles for one call and releases them in reverse order.
+struct DnnlCall {
+  dnnl_engine_t engine = nullptr;
+  dnnl_stream_t stream = nullptr;
+  dnnl_primitive_attr_t attr = nullptr;
+  dnnl_post_ops_t post_ops = nullptr;
+  dnnl_primitive_desc_t pd = nullptr;
+  dnnl_primitive_t prim = nullptr;
+  dnnl_memory_t mem[3] = {nullptr, nullptr, nullptr};
+  ~DnnlCall() {
+    for (dnnl_memory_t m : mem)
+      if (m != nullptr) dnnl_memory_destroy(m);
+    if (prim != nullptr) dnnl_primitive_destroy(prim);
+    if (pd != nullptr) dnnl_primitive_desc_destroy(pd);
+    if (post_ops != nullptr) dnnl_post_ops_destroy(post_ops);
+    if (attr != nullptr) dnnl_primitive_attr_destroy(attr);
+    if (stream != nullptr) dnnl_stream_destroy(stream);
+    if (engine != nullptr) dnnl_engine_destroy(engine);
+  }
+};
+
+void DnnlOk(dnnl_status_t s, const char* what) {
+  SY_CHECK(s == dnnl_success, "oneDNN bf16 matmul: {} failed (status {})", what,
+           static_cast<int>(s));
+}
+
+}  // namespace
+
+bool OneDnnGemmBf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
+                    float* c, int64_t ldc, std::string* impl) {
+  SY_REQUIRE(m >= 0 && n >= 0 && k >= 0 && lda >= (trans_a ? m : k) && ldb >= (trans_b ? k : n) &&
+                 ldc >= n,
+             InvalidArgument,
+             "bf16 GEMM: sizes m {} n {} k {} with leading dimensions {}, {}, {} are not a "
+             "row-major product",
+             m, n, k, lda, ldb, ldc);
+  if (m == 0 || n == 0) return true;
+  DnnlCall d;
+  DnnlOk(dnnl_engine_create(&d.engine, dnnl_cpu, 0), "engine");
+  dnnl_memory_desc_t md[3];
+  const dnnl_dims_t a_dims = {m, k}, b_dims = {k, n}, c_dims = {m, n};
+  const dnnl_dims_t a_strides = {trans_a ? 1 : lda, trans_a ? lda : 1};
+  const dnnl_dims_t b_strides = {trans_b ? 1 : ldb, trans_b ? ldb : 1};
+  const dnnl_dims_t c_strides = {ldc, 1};
+  DnnlOk(dnnl_memory_desc_init_by_strides(&md[0], 2, a_dims, dnnl_bf16, a_strides), "A desc");
+  DnnlOk(dnnl_memory_desc_init_by_strides(&md[1], 2, b_dims, dnnl_bf16, b_strides), "B desc");
+  DnnlOk(dnnl_memory_desc_init_by_strides(&md[2], 2, c_dims, dnnl_f32, c_strides), "C desc");
+  dnnl_matmul_desc_t desc;
+  DnnlOk(dnnl_matmul_desc_init(&desc, &md[0], &md[1], nullptr, &md[2]), "matmul desc");
+  DnnlOk(dnnl_primitive_attr_create(&d.attr), "attr");
+  DnnlOk(dnnl_primitive_attr_set_output_scales(d.attr, 1, 0, &alpha), "alpha");
+  if (beta != 0.0f) {
+    DnnlOk(dnnl_post_ops_create(&d.post_ops), "post ops");
+    DnnlOk(dnnl_post_ops_append_sum(d.post_ops, beta), "beta");
+    DnnlOk(dnnl_primitive_attr_set_post_ops(d.attr, d.post_ops), "post ops");
+  }
+  if (dnnl_primitive_desc_create(&d.pd, &desc, d.attr, d.engine, nullptr) != dnnl_success) {
+    d.pd = nullptr;
+    return false;  // no bf16 matmul on this CPU
+  }
+  if (impl != nullptr) {
+    const char* name = nullptr;
+    dnnl_primitive_desc_query(d.pd, dnnl_query_impl_info_str, 0, &name);
+    *impl = name != nullptr ? name : "unknown";
+  }
+  DnnlOk(dnnl_primitive_create(&d.prim, d.pd), "primitive");
+  DnnlOk(dnnl_stream_create(&d.stream, d.engine, dnnl_stream_default_flags), "stream");
+  void* ptr[3] = {const_cast<uint16_t*>(a), const_cast<uint16_t*>(b), c};
+  for (int i = 0; i < 3; ++i)
+    DnnlOk(dnnl_memory_create(&d.mem[i], &md[i], d.engine, ptr[i]), "memory");
+  const dnnl_exec_arg_t args[3] = {
+      {DNNL_ARG_SRC, d.mem[0]}, {DNNL_ARG_WEIGHTS, d.mem[1]}, {DNNL_ARG_DST, d.mem[2]}};
+  DnnlOk(dnnl_primitive_execute(d.prim, d.stream, 3, args), "execute");
+  DnnlOk(dnnl_stream_wait(d.stream), "wait");
+  return true;
+}
+
 }  // namespace switchyard::kernels

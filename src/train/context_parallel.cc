@@ -13,14 +13,11 @@
 
 #include "parallel/collectives.h"
 #include "switchyard/core/error.h"
-#include "switchyard/kernels/gemm.h"
-#include "switchyard/kernels/reduce.h"
-#include "switchyard/kernels/vec_math.h"
+#include "train/attention_flash.h"
 #include "train/parallel_for.h"
 
 namespace switchyard::train {
 
-using kernels::Trans;
 using parallel::CommStats;
 using parallel::Traffic;
 using parallel::internal::AccountWork;
@@ -29,195 +26,42 @@ using parallel::internal::Now;
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Query rows per task of the attention kernels (bounds the per-thread score scratch).
-constexpr int64_t kQueryTile = 64;
+
+using internal::ConstMat;
+using internal::Mat;
 
 const char* SplitName(SequenceSplitKind kind) {
   return kind == SequenceSplitKind::kPlain ? "plain" : "zigzag";
 }
-
-// Rows of a float matrix: row i of sequence b at p + (b * seq_rows + i) * ld.
-struct ConstMat {
-  const float* p = nullptr;
-  int64_t ld = 0;
-  int64_t seq_rows = 0;
-  const float* Row(int64_t b, int64_t i) const { return p + (b * seq_rows + i) * ld; }
-};
-struct Mat {
-  float* p = nullptr;
-  int64_t ld = 0;
-  int64_t seq_rows = 0;
-  float* Row(int64_t b, int64_t i) const { return p + (b * seq_rows + i) * ld; }
-  operator ConstMat() const { return {p, ld, seq_rows}; }
-};
 
 // Column `col` of t [batch * seq_rows, cols] as the start of a matrix.
 Mat At(const Tensor& t, int64_t col, int64_t seq_rows) {
   return {t.data<float>() + col, t.size(1), seq_rows};
 }
 
-// One attention problem between the query rows `q_chunks` and the key rows `k_chunks` (per
-// sequence; row offsets into q and k/v, global positions for the causal mask).
-struct Attend {
-  int64_t batch = 0;
-  int64_t heads = 0;
-  int64_t head_dim = 0;
-  bool causal = true;
-  ConstMat q, k, v;  // column 0 = head 0's first column
-  std::vector<SequenceChunk> q_chunks, k_chunks;
-
-  float scale() const { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
-  // The key chunk is entirely in the future of every query of the query chunk.
-  bool Skipped(const SequenceChunk& qc, const SequenceChunk& kc) const {
-    return causal && kc.position > qc.position + qc.length - 1;
-  }
-  int64_t MaxKeyChunk() const {
-    int64_t m = 0;
-    for (const auto& c : k_chunks) m = std::max(m, c.length);
-    return m;
-  }
+// One attention problem between the query rows `q_chunks` and the key rows `k_chunks`, computed
+// by the flash core (train/attention_flash.h).
+struct Attend : internal::FlashProblem {
+  // Score elements computed: every key tile not skipped counts whole against its query tile
+  // (per sequence and head).
   int64_t ScoreElements() const {
     int64_t n = 0;
     for (const auto& qc : q_chunks)
-      for (const auto& kc : k_chunks)
-        if (!Skipped(qc, kc)) n += qc.length * kc.length;
+      for (int64_t i0 = 0; i0 < qc.length; i0 += internal::kFlashQueryTile)
+        for (const auto& kc : k_chunks)
+          for (int64_t j0 = 0; j0 < kc.length; j0 += internal::kFlashKeyTile) {
+            const int64_t tq = std::min(internal::kFlashQueryTile, qc.length - i0);
+            if (!Skipped(qc, i0, tq, kc, j0))
+              n += tq * std::min(internal::kFlashKeyTile, kc.length - j0);
+          }
     return n * batch * heads;
   }
-  // Scratch floats one task holds.
-  int64_t ScratchFloats() const { return 2 * kQueryTile * MaxKeyChunk() + kQueryTile * head_dim; }
-
-  // s [tq, nk] = scale * q k^T for query rows [i0, i0 + tq) of chunk qc against chunk kc, with
-  // -inf where the key is in the future of the query (causal).
-  void Scores(int64_t b, int64_t h, const SequenceChunk& qc, int64_t i0, int64_t tq,
-              const SequenceChunk& kc, float* s) const {
-    const int64_t nk = kc.length;
-    kernels::Gemm(Trans::kNo, Trans::kYes, tq, nk, head_dim, scale(),
-                  q.Row(b, qc.row + i0) + h * head_dim, q.ld, k.Row(b, kc.row) + h * head_dim, k.ld,
-                  0.0f, s, nk);
-    if (!causal) return;
-    for (int64_t i = 0; i < tq; ++i) {
-      const int64_t visible = qc.position + i0 + i - kc.position + 1;  // keys j < visible
-      for (int64_t j = std::max<int64_t>(visible, 0); j < nk; ++j) s[i * nk + j] = kNegInf;
-    }
-  }
-
-  // Merges this problem's attention into (out, lse) by the log-sum-exp rule: out and lse hold
-  // the normalized result and log-sum-exp over the keys seen so far (lse -inf: none yet).
-  // lse is [batch, heads, out.seq_rows] indexed by query row.
   void Forward(const Mat& out, float* lse, int threads) const {
-    struct Task {
-      int64_t b, h;
-      size_t qc;
-      int64_t i0;
-    };
-    std::vector<Task> tasks;
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t h = 0; h < heads; ++h)
-        for (size_t c = 0; c < q_chunks.size(); ++c)
-          for (int64_t i0 = 0; i0 < q_chunks[c].length; i0 += kQueryTile)
-            tasks.push_back({b, h, c, i0});
-    const int64_t max_nk = MaxKeyChunk();
-    ParallelFor(static_cast<int64_t>(tasks.size()), threads, [&](int64_t t0, int64_t t1) {
-      std::vector<float> s(static_cast<size_t>(kQueryTile * max_nk));
-      std::vector<float> o(static_cast<size_t>(kQueryTile * head_dim));
-      for (int64_t t = t0; t < t1; ++t) {
-        const Task& task = tasks[static_cast<size_t>(t)];
-        const SequenceChunk& qc = q_chunks[task.qc];
-        const int64_t tq = std::min(kQueryTile, qc.length - task.i0);
-        for (const SequenceChunk& kc : k_chunks) {
-          if (Skipped(qc, kc)) continue;
-          const int64_t nk = kc.length;
-          Scores(task.b, task.h, qc, task.i0, tq, kc, s.data());
-          // Softmax of each row within this block, and its log-sum-exp.
-          std::vector<float> block_lse(static_cast<size_t>(tq));
-          for (int64_t i = 0; i < tq; ++i) {
-            float* row = s.data() + i * nk;
-            const float m = kernels::Max(row, nk);
-            if (m == kNegInf) {  // every key masked for this query
-              block_lse[static_cast<size_t>(i)] = kNegInf;
-              std::fill_n(row, nk, 0.0f);
-              continue;
-            }
-            for (int64_t j = 0; j < nk; ++j) row[j] = kernels::vec::Exp(row[j] - m);  // masked: 0
-            const float sum = kernels::Sum(row, nk);
-            const float inv = 1.0f / sum;
-            for (int64_t j = 0; j < nk; ++j) row[j] *= inv;
-            block_lse[static_cast<size_t>(i)] = m + std::log(sum);
-          }
-          kernels::Gemm(Trans::kNo, Trans::kNo, tq, head_dim, nk, 1.0f, s.data(), nk,
-                        v.Row(task.b, kc.row) + task.h * head_dim, v.ld, 0.0f, o.data(), head_dim);
-          // out = out * exp(lse - lse') + o * exp(block_lse - lse'), lse' = log(e^lse + e^blse).
-          for (int64_t i = 0; i < tq; ++i) {
-            const float bl = block_lse[static_cast<size_t>(i)];
-            if (bl == kNegInf) continue;
-            const int64_t row = qc.row + task.i0 + i;
-            float& l = lse[(task.b * heads + task.h) * out.seq_rows + row];
-            float* dst = out.Row(task.b, row) + task.h * head_dim;
-            const float* src = o.data() + i * head_dim;
-            if (l == kNegInf) {
-              std::copy_n(src, head_dim, dst);
-              l = bl;
-              continue;
-            }
-            const float mx = std::max(l, bl);
-            const float merged = mx + std::log(std::exp(l - mx) + std::exp(bl - mx));
-            const float wa = std::exp(l - merged), wb = std::exp(bl - merged);
-            for (int64_t d = 0; d < head_dim; ++d) dst[d] = dst[d] * wa + src[d] * wb;
-            l = merged;
-          }
-        }
-      }
-    });
+    internal::FlashForward(*this, out, lse, threads);
   }
-
-  // Accumulates this problem's share of the gradients: dq += ..., dk += ..., dv += ... from the
-  // final output's log-sum-exp (lse, [batch, heads, dout.seq_rows]), dout and
-  // delta = rowsum(dout * out) ([batch, heads, dout.seq_rows]). Tasks are (sequence, head), so
-  // each task owns its columns of dk and dv.
   void Backward(const float* lse, const ConstMat& dout, const float* delta, const Mat& dq,
                 const Mat& dk, const Mat& dv, int threads) const {
-    const int64_t max_nk = MaxKeyChunk();
-    const float sc = scale();
-    ParallelFor(batch * heads, threads, [&](int64_t t0, int64_t t1) {
-      std::vector<float> p(static_cast<size_t>(kQueryTile * max_nk));
-      std::vector<float> dp(static_cast<size_t>(kQueryTile * max_nk));
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t b = t / heads, h = t % heads, hc = h * head_dim;
-        const float* l = lse + t * dout.seq_rows;
-        const float* dl = delta + t * dout.seq_rows;
-        for (const SequenceChunk& qc : q_chunks) {
-          for (int64_t i0 = 0; i0 < qc.length; i0 += kQueryTile) {
-            const int64_t tq = std::min(kQueryTile, qc.length - i0);
-            const int64_t r0 = qc.row + i0;
-            for (const SequenceChunk& kc : k_chunks) {
-              if (Skipped(qc, kc)) continue;
-              const int64_t nk = kc.length;
-              Scores(b, h, qc, i0, tq, kc, p.data());
-              for (int64_t i = 0; i < tq; ++i) {
-                const float li = l[r0 + i];
-                float* row = p.data() + i * nk;
-                for (int64_t j = 0; j < nk; ++j)
-                  row[j] = row[j] == kNegInf ? 0.0f : kernels::vec::Exp(row[j] - li);
-              }
-              const float* dor = dout.Row(b, r0) + hc;
-              // dv += p^T dout; dp = dout v^T; ds = p * (dp - delta).
-              kernels::Gemm(Trans::kYes, Trans::kNo, nk, head_dim, tq, 1.0f, p.data(), nk, dor,
-                            dout.ld, 1.0f, dv.Row(b, kc.row) + hc, dv.ld);
-              kernels::Gemm(Trans::kNo, Trans::kYes, tq, nk, head_dim, 1.0f, dor, dout.ld,
-                            v.Row(b, kc.row) + hc, v.ld, 0.0f, dp.data(), nk);
-              for (int64_t i = 0; i < tq; ++i)
-                for (int64_t j = 0; j < nk; ++j)
-                  dp[i * nk + j] = p[i * nk + j] * (dp[i * nk + j] - dl[r0 + i]);
-              // dq += scale * ds k; dk += scale * ds^T q.
-              kernels::Gemm(Trans::kNo, Trans::kNo, tq, head_dim, nk, sc, dp.data(), nk,
-                            k.Row(b, kc.row) + hc, k.ld, 1.0f, dq.Row(b, r0) + hc, dq.ld);
-              kernels::Gemm(Trans::kYes, Trans::kNo, nk, head_dim, tq, sc, dp.data(), nk,
-                            q.Row(b, r0) + hc, q.ld, 1.0f, dk.Row(b, kc.row) + hc, dk.ld);
-            }
-          }
-        }
-      }
-    });
+    internal::FlashBackward(*this, lse, dout, delta, dq, dk, dv, threads);
   }
 };
 

@@ -4,6 +4,7 @@
 
 #include "switchyard/core/error.h"
 #include "switchyard/core/thread_pool.h"
+#include "switchyard/kernels/gemm_backend.h"
 #include "train/parallel_for.h"
 
 namespace switchyard::train {
@@ -89,6 +90,15 @@ void ParallelGemmBFloat16(kernels::Trans trans_a, kernels::Trans trans_b, int64_
   SY_REQUIRE(lda >= a_cols && ldb >= b_cols, InvalidArgument,
              "bfloat16 GEMM: leading dimensions {} and {} are below the rows' lengths {} and {}",
              lda, ldb, a_cols, b_cols);
+  // bf16 arithmetic where the CPU has it (kernels/gemm_backend.h): bf16 operands, fp32
+  // accumulation; the same products as the widened ones up to the order of the float sums.
+  static_assert(sizeof(BFloat16) == sizeof(uint16_t));
+  if (kernels::ActiveBf16Gemm().onednn_bf16 &&
+      kernels::OneDnnGemmBf16(trans_a == Trans::kYes, trans_b == Trans::kYes, m, n, k, alpha,
+                              reinterpret_cast<const uint16_t*>(a), lda,
+                              reinterpret_cast<const uint16_t*>(b), ldb, beta, c, ldc)) {
+    return;
+  }
   std::vector<float> af = Unpack(a, a_rows, a_cols, lda, threads);
   std::vector<float> bf = Unpack(b, b_rows, b_cols, ldb, threads);
   ParallelGemm(trans_a, trans_b, m, n, k, alpha, af.data(), a_cols, bf.data(), b_cols, beta, c, ldc,

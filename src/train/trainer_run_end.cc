@@ -192,13 +192,7 @@ void Trainer::WriteRunEnd(const RunSummary& summary, bool moe) const {
                moe ? "; MoE FFN state not counted" : "");
   }
   if (c.model.precision == Precision::kBFloat16) {
-    const kernels::CpuFeatures& f = kernels::HostCpuFeatures();
-    fmt::print(out,
-               "  precision bf16: {}; the GEMMs convert bf16 operands to fp32 and run the fp32 "
-               "kernel, so bf16 saves memory here, not time\n",
-               f.avx512_bf16 || f.amx_bf16
-                   ? "this CPU has bf16 arithmetic (AVX512-BF16/AMX), not used by this version"
-                   : "this CPU has no bf16 arithmetic (no AVX512-BF16, no AMX)");
+    fmt::print(out, "  precision bf16 GEMMs: {}\n", kernels::ActiveBf16Gemm().reason);
   }
   if (std::isfinite(summary.cp_bytes_per_step)) {
     fmt::print(out,

@@ -6,9 +6,12 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <bit>
 #include <cstdlib>
+#include <string>
 #include <thread>
 #include <tuple>
+#include <vector>
 
 #include "switchyard/core/error.h"
 #include "switchyard/kernels/gemm.h"
@@ -243,6 +246,71 @@ INSTANTIATE_TEST_SUITE_P(
                                          Shape{7, 2100, 80}),
                        ::testing::Bool(), ::testing::Bool(), ::testing::Values(1, 2)),
     BackendGemmName);
+
+// bf16 GEMMs: oneDNN's bf16 matmul exactly when the (forced) feature mask has bf16 arithmetic.
+TEST(SelectBf16Gemm, OneDnnOnlyWhereTheCpuHasBf16Arithmetic) {
+  CpuFeatures avx512_bf16 = Avx512Cpu(), amx = Avx512Cpu();
+  avx512_bf16.avx512_bf16 = true;
+  amx.amx_tile = amx.amx_bf16 = true;
+  for (const CpuFeatures& cpu : {avx512_bf16, amx}) {
+    const Bf16GemmChoice c = SelectBf16Gemm(cpu, "");
+    EXPECT_TRUE(c.onednn_bf16) << c.reason;
+    EXPECT_NE(c.reason.find(cpu.amx_bf16 ? "amx_bf16" : "avx512_bf16"), std::string::npos);
+    EXPECT_FALSE(SelectBf16Gemm(cpu, "fp32").onednn_bf16);
+  }
+  for (const CpuFeatures& cpu : {Avx512Cpu(), Avx2Cpu(), CpuFeatures{}}) {
+    const Bf16GemmChoice c = SelectBf16Gemm(cpu, "");
+    EXPECT_FALSE(c.onednn_bf16) << c.reason;
+    EXPECT_NE(c.reason.find("saves memory only"), std::string::npos) << c.reason;
+    EXPECT_TRUE(SelectBf16Gemm(cpu, "onednn").onednn_bf16);
+  }
+  try {
+    (void)SelectBf16Gemm(Avx2Cpu(), "amx");
+    ADD_FAILURE() << "SY_BF16_GEMM=amx accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("fp32 or onednn"), std::string::npos) << e.what();
+  }
+  // This machine: the choice follows its own cpuid.
+  const CpuFeatures& host = HostCpuFeatures();
+  EXPECT_EQ(SelectBf16Gemm(host, "").onednn_bf16, host.avx512_bf16 || host.amx_bf16);
+}
+
+uint16_t Bf16Bits(float x) { return static_cast<uint16_t>(std::bit_cast<uint32_t>(x) >> 16); }
+float Bf16Value(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
+
+// oneDNN's bf16 matmul against the float64 product of the same bf16 values, every transpose and
+// beta 0 / 1; where oneDNN has no bf16 matmul for this CPU it says so and leaves C untouched.
+TEST(OneDnnGemmBf16, MatchesFloat64ReferenceOrDeclines) {
+  constexpr int64_t m = 7, n = 19, k = 33;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (float beta : {0.0f, 1.0f}) {
+        SCOPED_TRACE(fmt::format("trans_a {} trans_b {} beta {}", ta, tb, beta));
+        const std::vector<float> af = RandomVector(m * k, 1), bf = RandomVector(k * n, 2);
+        std::vector<uint16_t> a(af.size()), b(bf.size());
+        for (size_t i = 0; i < a.size(); ++i) a[i] = Bf16Bits(af[i]);
+        for (size_t i = 0; i < b.size(); ++i) b[i] = Bf16Bits(bf[i]);
+        std::vector<float> c = RandomVector(m * n, 3), want = c;
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t j = 0; j < n; ++j) {
+            double s = 0;
+            for (int64_t p = 0; p < k; ++p)
+              s += static_cast<double>(Bf16Value(a[ta ? p * m + i : i * k + p])) *
+                   Bf16Value(b[tb ? j * k + p : p * n + j]);
+            want[i * n + j] = static_cast<float>(0.5 * s + beta * c[i * n + j]);
+          }
+        const std::vector<float> before = c;
+        std::string impl;
+        const bool ran = OneDnnGemmBf16(ta, tb, m, n, k, 0.5f, a.data(), ta ? m : k, b.data(),
+                                        tb ? k : n, beta, c.data(), n, &impl);
+        if (ran) {
+          EXPECT_TRUE(AllClose(c, want, 1e-5, 1e-5)) << impl;
+        } else {
+          EXPECT_EQ(c, before);
+          EXPECT_FALSE(HostCpuFeatures().amx_bf16) << "oneDNN declined bf16 on an AMX cpu";
+        }
+      }
+}
 
 }  // namespace
 }  // namespace switchyard::kernels

@@ -87,4 +87,28 @@ std::string GemmBackendWarning();
 // OpenBLAS's core name on this machine (openblas_get_corename()), e.g. "Cooperlake".
 std::string OpenBlasCoreName();
 
+// ---- bfloat16 GEMMs (`precision bf16`) ----
+// Where the CPU has bf16 arithmetic (AVX512-BF16 or AMX-BF16, from cpuid), the bf16 operands go
+// to oneDNN's matmul primitive as bf16 with float32 accumulation and output; elsewhere they are
+// widened to float32 and run the float32 GEMM (bf16 then saves memory only). The CPU's family and
+// model never enter.
+struct Bf16GemmChoice {
+  bool onednn_bf16 = false;  // true: OneDnnGemmBf16; false: widen to float32
+  std::string reason;        // one line: why
+};
+// The rule. `override_name` is $SY_BF16_GEMM ("" = not set): "fp32" always widens, "onednn"
+// always uses oneDNN's bf16 matmul (where oneDNN has one: to measure it on CPUs without bf16
+// arithmetic); anything else is InvalidArgument naming the accepted values.
+Bf16GemmChoice SelectBf16Gemm(const CpuFeatures& cpu, std::string_view override_name);
+// SelectBf16Gemm(HostCpuFeatures(), $SY_BF16_GEMM), decided once per process.
+const Bf16GemmChoice& ActiveBf16Gemm();
+// C[m, n] = alpha * op(A) op(B) + beta * C through oneDNN's matmul primitive: A and B bfloat16
+// (their bits, row-major; op(A) = A [m, k] with lda, or A^T stored [k, m]; likewise B), C
+// float32 with ldc. One call builds and runs one primitive (threads: oneDNN's). Returns false
+// and leaves C untouched when oneDNN has no bf16 matmul for this CPU. `impl` (may be null)
+// receives oneDNN's implementation name, e.g. "brg:avx512_core_amx_bf16".
+bool OneDnnGemmBf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
+                    float* c, int64_t ldc, std::string* impl = nullptr);
+
 }  // namespace switchyard::kernels

@@ -97,7 +97,8 @@ struct ContextParallelOptions {
 // What one call computed and held on this rank (deterministic for given shapes).
 struct CpWork {
   // Attention score elements computed (q·k products of head_dim), summed over heads and batch;
-  // fully masked blocks are skipped and not counted, partially masked ones are counted whole.
+  // key tiles (of 64 keys, against query tiles of 64 rows; train/attention_flash.h) entirely in
+  // the future are skipped and not counted, partially masked ones are counted whole.
   int64_t score_elements = 0;
   // Largest sum of the bytes of the tensors the call held at once (its input and output, cache,
   // communication buffers and per-thread scratch).
