@@ -6,6 +6,7 @@
 // and, with --grads, grad.<Hugging Face name> for every parameter (the gradient of loss).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -114,6 +115,10 @@ int RunEval(const EvalOptions& o) {
   // The layout is checked as train checks it (heads, kv heads, experts, vocabulary against tp,
   // ep, cp, pp) before any rank starts and before anything is written.
   train::ValidateTrainConfig(tc);
+  SY_REQUIRE(tc.ranks > 1 || (o.layout.ep <= 1 && o.layout.etp == 1), InvalidArgument,
+             "--ep {} / --etp {}: one rank (tp x cp x pp x dp = 1) holds every expert whole; give "
+             "the ranks to split them over (e.g. --dp {})",
+             o.layout.ep, o.layout.etp, std::max(o.layout.ep, o.layout.etp));
   // Each rank reads only the parts of the tensors it holds (hf_names.h: LoadRankWeights); the
   // directory is checked against the config first, before any rank starts.
   if (is_hf)

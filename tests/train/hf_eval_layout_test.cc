@@ -269,10 +269,14 @@ TEST_F(HfEvalLayout, CommandLineTakesTheLayoutFlags) {
       ASSERT_NEAR(b.at(name).data<float>()[i], w, 1e-5 * m + 1e-6 * std::abs(w)) << name;
     }
   }
-  // Layouts that do not fit: 4 heads over tp 3, 4 experts over ep 3, 4 sequences over dp 3.
+  // Layouts that do not fit: 4 heads over tp 3, 4 experts over ep 3, 4 sequences over dp 3,
+  // experts split over one rank.
   const std::string bad = *dir_ / "bad.safetensors";
-  for (const auto& [flags, key] : std::vector<std::pair<std::string, std::string>>{
-           {"--tp 3", "tp"}, {"--dp 3 --ep 3", "ep"}, {"--dp 3 --ep 1", "data-parallel"}}) {
+  for (const auto& [flags, key] :
+       std::vector<std::pair<std::string, std::string>>{{"--tp 3", "tp"},
+                                                        {"--dp 3 --ep 3", "ep"},
+                                                        {"--dp 3 --ep 1", "data-parallel"},
+                                                        {"--ep 2", "--ep 2"}}) {
     r = RunSwitchyard(eval + bad + " " + flags);
     EXPECT_EQ(r.exit_code, 2) << flags << ": " << r.err;
     EXPECT_NE(r.err.find(key), std::string::npos) << flags << ": " << r.err;
