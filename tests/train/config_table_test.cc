@@ -327,7 +327,9 @@ TEST(ConfigTableTest, ResolveLayoutDerivesExpertShardsAndChecksTheExperts) {
   };
   TrainConfig bad;
   bad.num_experts = 3;
+  bad.ep = 4;  // explicit (the default ep takes the gcd, 1: DefaultEpDividesTheExpertsAndTheRanks)
   EXPECT_NE(message(bad, 4).find("'num_experts' 3 and 'ep' 4"), std::string::npos);
+  bad.ep = 0;
   bad.num_experts = 4;
   bad.etp = 2;  // DeepSpeed
   EXPECT_NE(message(bad, 4).find("'etp' 2: expert tensor parallelism is Megatron's"),
