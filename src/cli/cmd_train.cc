@@ -28,6 +28,7 @@
 #include "switchyard/train/distributed.h"
 #include "switchyard/train/hf_names.h"
 #include "switchyard/train/stop_signal.h"
+#include "switchyard/train/upcycle.h"
 
 namespace switchyard::cli {
 namespace {
@@ -35,7 +36,9 @@ namespace {
 struct TrainOptions {
   std::string config_file;
   std::string resume;
-  std::string init_from;      // a Hugging Face directory or a checkpoint: the new run's weights
+  std::string init_from;     // a Hugging Face directory or a checkpoint: the new run's weights
+  std::string upcycle_from;  // a dense checkpoint or Hugging Face directory: upcycled to MoE
+  bool upcycle_zero_router = false;
   bool resume_given = false;  // --resume was on the command line (also as "")
   std::string transport = "auto";
   bool plain = false;
@@ -53,16 +56,12 @@ train::TrainConfig DefaultTrainConfig() {
   return c;
 }
 
-// --init-from PATH: the model keys are PATH's (its config.json, or its checkpoint's); a flag or
-// --config value that differs is an error naming both.
-void TakeInitFromModelKeys(const std::string& path, train::ResolvedTrainConfig& resolved) {
-  nlohmann::json keys;
-  try {
-    keys = nlohmann::json::parse(train::hf::InitFromModelKeysJson(path));
-  } catch (const IoError& e) {
-    // A missing or unreadable --init-from is bad input (exit 2), named with its flag.
-    throw InvalidArgument(fmt::format("--init-from {}: {}", path, e.what()));
-  }
+// --init-from / --upcycle-from PATH (`flag`): the model keys `keys_json` are PATH's (its
+// config.json, or its checkpoint's); a flag or --config value that differs is an error naming
+// both.
+void TakeSourceModelKeys(const std::string& flag, const std::string& path,
+                         const std::string& keys_json, train::ResolvedTrainConfig& resolved) {
+  const nlohmann::json keys = nlohmann::json::parse(keys_json);
   const nlohmann::json mine = nlohmann::json::parse(train::TrainConfigToJson(resolved.config));
   std::vector<std::string> conflicts;
   for (const auto& [key, value] : keys.items()) {
@@ -78,18 +77,49 @@ void TakeInitFromModelKeys(const std::string& path, train::ResolvedTrainConfig& 
     }
   }
   SY_REQUIRE(conflicts.empty(), InvalidArgument,
-             "--init-from {}: the model comes from it; {} setting(s) conflict (leave them out): {}",
+             "{} {}: the model comes from it; {} setting(s) conflict (leave them out): {}", flag,
              path, conflicts.size(), fmt::join(conflicts, "; "));
   resolved.config = train::TrainConfigFromJson(keys.dump(), resolved.config);
-  for (const auto& [key, value] : keys.items()) resolved.explicit_keys[key] = "--init-from " + path;
+  for (const auto& [key, value] : keys.items()) resolved.explicit_keys[key] = flag + " " + path;
+}
+
+// Reads what PATH fixes; a missing or unreadable PATH is bad input (exit 2), named with `flag`.
+template <typename Fn>
+auto ReadSource(const std::string& flag, const std::string& path, Fn&& read) {
+  try {
+    return read(path);
+  } catch (const IoError& e) {
+    throw InvalidArgument(fmt::format("{} {}: {}", flag, path, e.what()));
+  }
 }
 
 int RunTrain(const TrainOptions& o) {
   // Defaults < the resumed checkpoint < --config < flags; the moe_layer_config file's values
   // for what none of them set (train/config.h: ResolveTrainConfig).
+  std::map<std::string, std::string> flags = o.values;
+  train::UpcycleSource upcycle;
+  if (!o.upcycle_from.empty()) {
+    SY_REQUIRE(o.resume.empty() && o.init_from.empty(), InvalidArgument,
+               "--upcycle-from starts a new MoE run from a dense model: it does not go with "
+               "--resume or --init-from");
+    upcycle = ReadSource("--upcycle-from", o.upcycle_from, train::ReadUpcycleSource);
+    // A Hugging Face source's MoE family is the run's arch, so that its preset sets the router
+    // and the other keys the dense model does not fix.
+    if (!upcycle.arch.empty()) {
+      auto given = flags.find("arch");
+      SY_REQUIRE(given == flags.end() || given->second == upcycle.arch, InvalidArgument,
+                 "--upcycle-from {}: a {} model upcycles to arch {}; --arch gives {}",
+                 o.upcycle_from, upcycle.arch == "mixtral" ? "llama" : "qwen2", upcycle.arch,
+                 given == flags.end() ? "" : given->second);
+      flags["arch"] = upcycle.arch;
+    }
+  } else {
+    SY_REQUIRE(!o.upcycle_zero_router, InvalidArgument,
+               "--upcycle-zero-router needs --upcycle-from");
+  }
   train::ResolvedTrainConfig resolved = train::ResolveTrainConfig({.defaults = DefaultTrainConfig(),
                                                                    .config_file = o.config_file,
-                                                                   .flags = o.values,
+                                                                   .flags = flags,
                                                                    .resume = o.resume});
   // The model's vocabulary follows a SentencePiece tokenizer (and must match a checkpoint's).
   train::ApplyTokenizerVocabulary(resolved);
@@ -104,7 +134,15 @@ int RunTrain(const TrainOptions& o) {
         resolved, {.ranks = 4, .link_latency_us = o.link_latency_us, .link_gbps = o.link_gbps},
         stdout);
   }
-  if (!o.init_from.empty()) TakeInitFromModelKeys(o.init_from, resolved);
+  if (!o.init_from.empty()) {
+    TakeSourceModelKeys("--init-from", o.init_from,
+                        ReadSource("--init-from", o.init_from, train::hf::InitFromModelKeysJson),
+                        resolved);
+  }
+  if (!o.upcycle_from.empty()) {
+    TakeSourceModelKeys("--upcycle-from", o.upcycle_from, upcycle.keys_json, resolved);
+    train::CheckUpcycleConfig(resolved.config);
+  }
   train::TrainConfig config = resolved.config;
   if (!resolved.out_given && !o.resume.empty()) {
     // A resumed run continues in its own run directory.
@@ -120,6 +158,8 @@ int RunTrain(const TrainOptions& o) {
   train::DistributedRunOptions run;
   run.run.resume = o.resume;
   run.run.init_from = o.init_from;
+  run.run.upcycle_from = o.upcycle_from;
+  run.run.upcycle_zero_router = o.upcycle_zero_router;
   run.run.config_file = o.config_file;
   if (o.plain) run.run.interactive = 0;
   // Every key checked (ranges before any narrowing, keys that cannot act in this layout) before
@@ -199,6 +239,13 @@ SY_REGISTER_COMMAND(Command{
                      "start a new run (step 0, fresh optimizer) from the weights of a Hugging "
                      "Face directory or a checkpoint; its config gives the model keys")
           ->type_name("PATH");
+      app.add_option("--upcycle-from", o->upcycle_from,
+                     "start a new MoE run from a dense model (a dense switchyard checkpoint or a "
+                     "Hugging Face Llama / Qwen2 directory): each expert a copy (or, with "
+                     "expert_hidden_dim below hidden_dim, a slice) of the dense MLP")
+          ->type_name("PATH");
+      app.add_flag("--upcycle-zero-router", o->upcycle_zero_router,
+                   "with --upcycle-from: routers start at zero (uniform routing) instead of fresh");
       app.add_option("--transport", o->transport,
                      "inproc (ranks as threads) | mpi (ranks as mpirun's processes) | auto");
       app.add_flag("--plain", o->plain, "print progress as plain lines even on a terminal");

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 
 #include "switchyard/core/error.h"
 
@@ -123,7 +124,10 @@ std::string_view GroupKindName(GroupKind kind) {
 int ResolvedExpertParallel(const MeshConfig& c) {
   if (c.ep > 0) return c.ep;
   const int per = c.arrangement == Arrangement::kMegatron ? c.etp * c.pp : c.tp * c.pp;
-  return std::max(1, per > 0 ? c.world_size / per : 1);
+  const int most = std::max(1, per > 0 ? c.world_size / per : 1);
+  const int64_t e = c.num_experts;
+  if (e <= 0 || e % most == 0 || most % e == 0) return most;
+  return static_cast<int>(std::gcd(static_cast<int64_t>(most), e));
 }
 
 Mesh::Mesh(const MeshConfig& config) : config_(config) {

@@ -119,6 +119,9 @@ ResolvedLayout ResolveLayout(const TrainConfig& c, int world_size) {
   degrees.etp = l.etp;
   degrees.ep = static_cast<int>(c.ep);
   degrees.arrangement = l.arrangement;
+  // ep 0 with num_experts that do not fit the ranks (6 experts, 4 ranks): the largest ep
+  // dividing both (ValidateExpertLayout checks num_experts against it).
+  degrees.num_experts = c.model.moe_every > 0 ? c.num_experts : 0;
   l.ep = parallel::ResolvedExpertParallel(degrees);
   // The H-shards per expert: Megatron's 'etp'; DeepSpeed splits each of the first MoE block's E
   // experts over ep / E ranks when E < ep (ValidateExpertLayout checks that E and ep fit).
@@ -401,7 +404,9 @@ std::vector<std::string> ValidateTrainConfig(const ResolvedTrainConfig& resolved
   const json defaults = json::parse(TrainConfigToJson(TrainConfig{}));
   for (const auto& [key, source] : resolved.explicit_keys) {
     if (!source.starts_with("--")) continue;  // the checkpoint's or the MoE layer file's
-    const bool flag = !source.starts_with("--config ");
+    // A flag's source is "--<key>"; "--config F", "--init-from P" and "--upcycle-from P" are
+    // files, whose empty strings are values (a checkpoint's moe_layer_config "").
+    const bool flag = source == "--" + key;
     const json& value = mine.at(key);
     SY_REQUIRE(!(flag && value.is_string() && value.get<std::string>().empty()), InvalidArgument,
                "{} is empty: leave the flag out for the default", source);

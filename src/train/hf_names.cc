@@ -96,45 +96,62 @@ std::vector<NameMapping> NameTable(const ModelConfig& config) {
   return table;
 }
 
-std::string TrainKeysJson(const ModelConfig& c, const std::string& what) {
-  SY_REQUIRE(c.is_moe(), InvalidArgument,
-             "{}: key 'model_type': {} is a dense family; eval, export and --init-from take "
-             "the MoE families (mixtral, qwen2_moe, olmoe)",
-             what, FamilyName(c.family));
+namespace {
+
+// The keys of the model's shape and components every family shares (no router, no experts).
+Json ShapeKeys(const ModelConfig& c, const std::string& what) {
   SY_REQUIRE(c.head_dim * c.num_attention_heads == c.hidden_size, InvalidArgument,
              "{}: key 'head_dim': {} is not hidden_size / num_attention_heads = {} / {}; "
              "switchyard's model has head_dim = model_dim / num_heads",
              what, c.head_dim, c.hidden_size, c.num_attention_heads);
+  return {{"vocab_size", c.vocab_size},
+          {"model_dim", c.hidden_size},
+          {"num_layers", c.num_hidden_layers},
+          {"num_heads", c.num_attention_heads},
+          {"num_kv_heads", c.num_key_value_heads},
+          {"hidden_dim", c.intermediate_size},
+          {"norm", "rmsnorm"},
+          {"norm_eps", c.rms_norm_eps},
+          {"position_embedding", "rope"},
+          {"rope_theta", c.rope_theta},
+          {"attention_bias", c.qkv_bias ? "qkv" : "none"},
+          {"qk_norm", c.qk_norm},
+          {"mlp", "swiglu"},
+          {"mlp_bias", false},
+          {"tied_head", c.tie_word_embeddings}};
+}
+
+}  // namespace
+
+std::string TrainKeysJson(const ModelConfig& c, const std::string& what) {
+  SY_REQUIRE(c.is_moe(), InvalidArgument,
+             "{}: key 'model_type': {} is a dense family; eval, export and --init-from take "
+             "the MoE families (mixtral, qwen2_moe, olmoe); --upcycle-from takes it",
+             what, FamilyName(c.family));
   const int64_t expert_hidden =
       c.family == Family::kQwen2Moe ? c.moe_intermediate_size : c.intermediate_size;
-  Json j = {{"arch", std::string(FamilyName(c.family))},
-            {"vocab_size", c.vocab_size},
-            {"model_dim", c.hidden_size},
-            {"num_layers", c.num_hidden_layers},
-            {"num_heads", c.num_attention_heads},
-            {"num_kv_heads", c.num_key_value_heads},
-            {"hidden_dim", c.intermediate_size},
+  Json j = ShapeKeys(c, what);
+  j.update({{"arch", std::string(FamilyName(c.family))},
             {"expert_hidden_dim", expert_hidden},
             {"num_experts", c.num_experts},
             {"top_k", c.num_experts_per_tok},
             {"moe_every", c.decoder_sparse_step},
             {"mlp_only_layers", c.mlp_only_layers},
             {"gated_shared_expert_hidden", c.shared_expert_intermediate_size},
-            {"norm", "rmsnorm"},
-            {"norm_eps", c.rms_norm_eps},
-            {"position_embedding", "rope"},
-            {"rope_theta", c.rope_theta},
-            {"attention_bias", c.qkv_bias ? "qkv" : "none"},
-            {"qk_norm", c.qk_norm},
-            {"mlp", "swiglu"},
-            {"mlp_bias", false},
-            {"tied_head", c.tie_word_embeddings},
             {"hf_router", true},
             {"norm_topk_prob", c.family == Family::kMixtral || c.norm_topk_prob},
             {"capacity_factor", 0.0},
             {"aux_loss_coef", c.router_aux_loss_coef},
-            {"pad_token_id", c.pad_token_id.value_or(-1)}};
+            {"pad_token_id", c.pad_token_id.value_or(-1)}});
   return j.dump();
+}
+
+std::string DenseTrainKeysJson(const ModelConfig& c, const std::string& what) {
+  SY_REQUIRE(!c.is_moe(), InvalidArgument,
+             "{}: key 'model_type': {} is already an MoE family; upcycling takes a dense model "
+             "(llama, qwen2)",
+             what, FamilyName(c.family));
+  return ShapeKeys(c, what).dump();
 }
 
 TensorMap ReadSwitchyardTensors(const CheckpointReader& reader, const ModelConfig& config) {

@@ -60,8 +60,16 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const int64_t dp = std::max<int64_t>(1, c.ranks / (tp * cp * pp));
   const int64_t d = m.model_dim, v = m.vocab_size, s = m.seq_len;
   const int64_t layers = (m.num_layers + pp - 1) / pp;
-  const int64_t moe_layers =
-      m.moe_every > 0 ? std::min(layers, (layers + m.moe_every - 1) / m.moe_every) : 0;
+  // The MoE blocks (IsMoeBlock: moe_every and mlp_only_layers) of the stage holding the most,
+  // with the blocks split evenly over the stages.
+  int64_t moe_layers = 0;
+  for (int64_t first = 0; first < m.num_layers; first += layers) {
+    int64_t here = 0;
+    for (int64_t b = first; b < std::min(m.num_layers, first + layers); ++b) {
+      here += IsMoeBlock(m, b) ? 1 : 0;
+    }
+    moe_layers = std::max(moe_layers, here);
+  }
   const int64_t eh = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : m.hidden_dim;
   // Parameters of this rank: embeddings (and an untied head), split over tp; the position
   // embedding; per layer attention, norms, and the dense FFN or this rank's experts and the gate.
@@ -95,7 +103,11 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const int64_t per_expert =
       CheckedMul(expert_matrices, CheckedMul(d, eh, what), what) + (layer.fc_bias ? eh + d : 0);
   const int64_t experts = CheckedMul(experts_held, per_expert, what);
-  const int64_t gate = CheckedMul(c.num_experts, d, what);
+  // Qwen2-MoE's gated shared expert of every MoE block: a SwiGLU MLP over tp and its [1, d] gate.
+  const int64_t shared_hidden = m.gated_shared_expert_hidden;
+  const int64_t shared =
+      CheckedMul(3, CheckedMul(d, shared_hidden, what), what) / tp + (shared_hidden > 0 ? d : 0);
+  const int64_t gate = CheckedMul(c.num_experts, d, what) + shared;
   params += CheckedMul(layers - moe_layers, attention + dense_ffn, what) +
             CheckedMul(moe_layers, attention + gate, what);
   const int64_t expert_params = CheckedMul(moe_layers, experts, what);
@@ -147,12 +159,15 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
                      "per-rank memory estimate (top_k x capacity_factor x expert rows)", 0,
                      std::numeric_limits<int64_t>::max());
   const int64_t dense_layer = full ? d : attention_rows + 2 * m.hidden_dim / tp;
-  const int64_t moe_layer = full ? d : attention_rows + moe_hidden + c.num_experts;
+  // The shared expert keeps its hidden rows like a dense FFN, and its gate value.
+  const int64_t shared_rows = shared_hidden > 0 ? 2 * shared_hidden / tp + 1 : 0;
+  const int64_t moe_layer = full ? d : attention_rows + moe_hidden + c.num_experts + shared_rows;
   // One block's state again while it is recomputed in backward (full), the final norm's input
   // and output and the logits' gradient (the logits themselves while the loss is computed).
-  const int64_t recomputed = full ? std::max(attention_rows + 2 * m.hidden_dim / tp,
-                                             attention_rows + moe_hidden + c.num_experts)
-                                  : 0;
+  const int64_t recomputed =
+      full ? std::max(attention_rows + 2 * m.hidden_dim / tp,
+                      attention_rows + moe_hidden + c.num_experts + shared_rows)
+           : 0;
   // The softmax core's gradient of one layer's probabilities in backward.
   const int64_t probs_grad = softmax ? CheckedMul(heads, s, what) : 0;
   // What the blocks keep per micro-batch until its backward, and what exists for one

@@ -20,6 +20,7 @@
 #include "switchyard/train/run_dir.h"
 #include "switchyard/train/svg.h"
 #include "switchyard/train/trainer.h"
+#include "switchyard/train/upcycle.h"
 #include "train/rank_objects.h"
 
 namespace switchyard::train {
@@ -265,6 +266,20 @@ void Trainer::OpenRunDirectory(RunState& r) {
     }
     if (r.writer) {
       fmt::print(r.out, "initialized from {}\n", EscapeForTerminal(r.options.init_from));
+    }
+  }
+  if (!r.options.upcycle_from.empty()) {
+    SY_REQUIRE(r.options.resume.empty() && r.options.init_from.empty(), InvalidArgument,
+               "--upcycle-from starts a new run: it does not go with 'resume' or --init-from");
+    CheckpointData init;
+    init.config_json = TrainConfigToJson(c);
+    // The new model as initialized (every rank gathers the full tensors: its fresh routers and
+    // the shapes), then the dense weights put in.
+    init.model = UpcycleWeights(ReadUpcycleWeights(r.options.upcycle_from), Snapshot().model, c,
+                                {.zero_router = r.options.upcycle_zero_router});
+    Restore(init, "--upcycle-from " + r.options.upcycle_from);
+    if (r.writer) {
+      fmt::print(r.out, "upcycled from {}\n", EscapeForTerminal(r.options.upcycle_from));
     }
   }
   if (!r.writer) return;

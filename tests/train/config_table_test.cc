@@ -12,6 +12,7 @@
 
 #include "switchyard/core/error.h"
 #include "switchyard/moe/config.h"
+#include "switchyard/parallel/mesh.h"
 #include "switchyard/train/config.h"
 #include "train/config_fields.h"
 
@@ -262,6 +263,40 @@ TEST(ConfigTableTest, ResolveLayoutDerivesEpArrangementAndAttentionCore) {
   }
 }
 
+// The default ep (ep 0) with experts that do not fit the ranks: the largest ep dividing both
+// (6 experts on 4 ranks: ep 2, 3 experts per rank), which the expert checks accept; experts that
+// fit keep the largest ep (fewer experts than ranks: H-shards), and an explicit ep is kept.
+TEST(ConfigTableTest, DefaultEpDividesTheExpertsAndTheRanks) {
+  TrainConfig c;
+  c.model.moe_every = 2;
+  c.num_experts = 6;
+  ResolvedLayout l = ResolveLayout(c, 4);
+  EXPECT_EQ(l.ep, 2);
+  EXPECT_EQ(l.expert_shards, 1);
+  EXPECT_NO_THROW(ValidateExpertLayout(c, l));
+  c.tp = 2;
+  EXPECT_EQ(ResolveLayout(c, 16).ep, 2);  // 8 ranks per tp rank, 6 experts
+  c.tp = 1;
+  c.num_experts = 9;
+  EXPECT_EQ(ResolveLayout(c, 6).ep, 3);
+  c.num_experts = 2;
+  EXPECT_EQ(ResolveLayout(c, 4).ep, 4);  // 2 experts, each over 2 ranks
+  c.num_experts = 8;
+  EXPECT_EQ(ResolveLayout(c, 4).ep, 4);
+  c.num_experts = 6;
+  c.ep = 4;  // explicit: kept, and refused by the expert checks
+  l = ResolveLayout(c, 4);
+  EXPECT_EQ(l.ep, 4);
+  EXPECT_THROW(ValidateExpertLayout(c, l), InvalidArgument);
+  parallel::MeshConfig m;  // the mesh's own default
+  m.world_size = 4;
+  m.num_experts = 6;
+  EXPECT_EQ(parallel::ResolvedExpertParallel(m), 2);
+  EXPECT_EQ(parallel::Mesh(m).ep(), 2);
+  m.num_experts = 0;
+  EXPECT_EQ(parallel::ResolvedExpertParallel(m), 4);
+}
+
 // The experts' H-shards (the mesh's etp) come from the keys and the world size alone, and the
 // experts are checked against the layout in config_validate.cc.
 TEST(ConfigTableTest, ResolveLayoutDerivesExpertShardsAndChecksTheExperts) {
@@ -292,7 +327,9 @@ TEST(ConfigTableTest, ResolveLayoutDerivesExpertShardsAndChecksTheExperts) {
   };
   TrainConfig bad;
   bad.num_experts = 3;
+  bad.ep = 4;  // explicit (the default ep takes the gcd, 1: DefaultEpDividesTheExpertsAndTheRanks)
   EXPECT_NE(message(bad, 4).find("'num_experts' 3 and 'ep' 4"), std::string::npos);
+  bad.ep = 0;
   bad.num_experts = 4;
   bad.etp = 2;  // DeepSpeed
   EXPECT_NE(message(bad, 4).find("'etp' 2: expert tensor parallelism is Megatron's"),

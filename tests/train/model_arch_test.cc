@@ -16,6 +16,7 @@
 #include "switchyard/train/config.h"
 #include "switchyard/train/gated_shared_moe.h"
 #include "switchyard/train/gqa_attention.h"
+#include "switchyard/train/memory_estimate.h"
 #include "switchyard/train/moe_feed_forward.h"
 #include "switchyard/train/rope.h"
 #include "switchyard/train/swiglu.h"
@@ -333,6 +334,39 @@ TEST(ModelArchTest, MlpOnlyLayersAndSharedExpertParameters) {
   EXPECT_EQ(p.Find("blocks.5.moe.shared_expert.down_proj.weight")->value.shape(), (Shape{128, 24}));
   EXPECT_EQ(p.Find("blocks.5.moe.shared_expert_gate.weight")->value.shape(), (Shape{1, 128}));
   EXPECT_EQ(p.Find("blocks.1.moe.shared_expert.up_proj.bias"), nullptr);
+}
+
+// The memory estimate counts what the model holds: blocks that mlp_only_layers keeps dense and
+// the gated shared expert change its parameter bytes (values and gradients, 8 per value on one
+// rank at ZeRO 0) by exactly the parameters they change in the model.
+TEST(ModelArchTest, MemoryEstimateCountsDenseBlocksAndSharedExpert) {
+  TrainConfig t;
+  t.model.num_layers = 4;
+  t.model.moe_every = 1;
+  t.model.model_dim = 32;
+  t.model.num_heads = 2;
+  t.model.hidden_dim = 48;
+  t.model.mlp = MlpKind::kSwiGlu;
+  t.model.mlp_bias = false;
+  t.num_experts = 4;
+  t.top_k = 2;
+  t.expert_hidden_dim = 16;
+  t.ranks = 1;
+  auto count = [](const TrainConfig& c) {
+    TransformerLm model(c.model, 1, MoeFeedForwardFactory(MoeLayerConfig(c)));
+    int64_t n = 0;
+    for (const Parameter& p : model.parameters().all()) n += p.value.numel();
+    return n;
+  };
+  auto estimate = [](const TrainConfig& c) { return EstimateRankMemory(c).parameter_bytes; };
+  TrainConfig dense_blocks = t;
+  dense_blocks.model.mlp_only_layers = {0, 2};
+  TrainConfig shared = dense_blocks;
+  shared.model.gated_shared_expert_hidden = 24;
+  EXPECT_EQ(estimate(dense_blocks) - estimate(t), 8 * (count(dense_blocks) - count(t)));
+  EXPECT_EQ(estimate(shared) - estimate(dense_blocks), 8 * (count(shared) - count(dense_blocks)));
+  EXPECT_GT(EstimateRankMemory(shared).activation_bytes,
+            EstimateRankMemory(dense_blocks).activation_bytes);
 }
 
 // A small model of the family: the tiny MoE run's sizes with 4 heads (2 kv heads), MoE in

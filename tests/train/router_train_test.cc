@@ -323,6 +323,7 @@ TEST_F(RouterTrainTest, GroupByLimitsTheRanksOfEveryTokenAndEqualsOneRank) {
   ExpectError([&] { (void)RouterGroupCount(d); }, "divide the expert-parallel size 4");
   d.router_group_by = "ep_rank";
   d.ranks = 2;
+  d.ep = 2;  // explicit: the default ep of 5 experts on 2 ranks is their gcd, 1
   d.num_experts = 5;
   ExpectError([&] { (void)RouterGroupCount(d); }, "5 experts do not divide by 'ep' 2");
 }

@@ -59,10 +59,12 @@ inline constexpr std::string_view kDefaultMeshOrder = "tp-cp-ep-dp-pp";
 
 struct MeshConfig {
   int world_size = 1;
-  int tp = 1;   // dense tensor-parallel degree
-  int pp = 1;   // pipeline stages
-  int cp = 1;   // context-parallel degree
-  int ep = 0;   // expert-parallel size; 0 = as large as possible (ResolvedExpertParallel)
+  int tp = 1;  // dense tensor-parallel degree
+  int pp = 1;  // pipeline stages
+  int cp = 1;  // context-parallel degree
+  int ep = 0;  // expert-parallel size; 0 = as large as possible (ResolvedExpertParallel)
+  // The experts of an MoE layer, for the default ep (ep 0); 0: not considered.
+  int64_t num_experts = 0;
   int etp = 1;  // H-shards per expert: Megatron's expert tensor parallel; DeepSpeed: members of an
                 // EP group splitting each expert (a divisor of ep; see ExpertMeshConfig)
   Arrangement arrangement = Arrangement::kDeepSpeed;
@@ -74,8 +76,11 @@ struct MeshConfig {
 
 // The expert-parallel size of `config`: its `ep`, or for 0 as large as the arrangement allows
 // (DeepSpeed: world / (tp * pp), the dp * cp ranks of each tp rank and stage; Megatron:
-// world / (etp * pp)), at least 1. The one place of this default (train's ResolveLayout and the
-// mesh use it).
+// world / (etp * pp)), at least 1 -- unless `num_experts` is set and neither it nor that size
+// divides the other: then the largest ep dividing both (their gcd; 6 experts on 4 ranks: ep 2).
+// When one divides the other the largest size stays (fewer experts than EP ranks: each expert
+// split over ep / num_experts ranks). The one place of this default (train's ResolveLayout and
+// the mesh use it).
 int ResolvedExpertParallel(const MeshConfig& config);
 
 enum class GroupKind : uint8_t {

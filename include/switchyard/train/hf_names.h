@@ -61,6 +61,11 @@ std::vector<NameMapping> NameTable(const ModelConfig& config);
 // MoE layers (mlp_only_layers / decoder_sparse_step), and the dense families (upcycling's).
 std::string TrainKeysJson(const ModelConfig& config, const std::string& what);
 
+// The switchyard keys of a dense family's model (llama, qwen2; upcycling's source): the shape
+// and component keys of TrainKeysJson, without arch, router and expert keys. InvalidArgument
+// naming `what` for an MoE family or a head_dim TrainKeysJson refuses.
+std::string DenseTrainKeysJson(const ModelConfig& config, const std::string& what);
+
 // The Hugging Face config of a switchyard run's model (export): the family is the run's `arch`
 // (mixtral, qwen2_moe, olmoe); sizes, norms, RoPE, biases, router and coefficient from its keys.
 // InvalidArgument naming `what` and the first key whose value a Hugging Face model of that

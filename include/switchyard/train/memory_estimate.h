@@ -26,18 +26,20 @@ struct RankMemoryEstimate {
 };
 
 // Per rank of `config`'s layout (tp, cp, pp, dp = ranks / (tp cp pp), ep, zero_stage): the
-// parameters of its shard and stage; per token of its share of a micro-batch (batch_size / dp /
+// parameters of its shard and stage (the stage with the most MoE blocks by IsMoeBlock, so
+// mlp_only_layers' dense blocks count as dense; an MoE block with its gate, this rank's experts
+// and a gated shared expert); per token of its share of a micro-batch (batch_size / dp /
 // microbatches sequences, seq_len / cp positions of each; pp > 1: every micro-batch in flight)
 // and block what the block keeps for backward: the two norms' inputs (/ tp with
 // sequence_parallel), the attention's and the FFN's inputs, q, k, v and the heads' output (/ tp),
 // with the "softmax" attention core and recompute none the num_heads / tp x seq_len
 // probabilities; a dense FFN's 2 hidden rows / tp, an MoE FFN's top_k (x capacity_factor with
 // the padded all-to-all) / tp slots of expert input and 2 hidden rows, and the gate's
-// probabilities; recompute full keeps the block's input only (and one block's state while it is
-// recomputed); the backward's working set: the gradients of the largest FFN's rows (an MoE
-// block's slots, a dense block's 2 hidden rows / tp); the final norm's input and output, the
-// logits and their gradient (2 x vocab / tp).
-// Sizes that overflow int64 are refused (InvalidArgument).
+// probabilities (and a gated shared expert's 2 hidden rows / tp and its gate value); recompute full
+// keeps the block's input only (and one block's state while it is recomputed); the backward's
+// working set: the gradients of the largest FFN's rows (an MoE block's slots, a dense block's 2
+// hidden rows / tp); the final norm's input and output, the logits and their gradient
+// (2 x vocab / tp). Sizes that overflow int64 are refused (InvalidArgument).
 RankMemoryEstimate EstimateRankMemory(const TrainConfig& config);
 
 // The attention core the layout runs: kSoftmax or kFlash (attention_core auto: flash with cp > 1;

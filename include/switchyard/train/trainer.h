@@ -64,6 +64,11 @@ struct RunOptions {
   // part (tp shards, its experts by global id, its stage's blocks). "": initialized as usual.
   // The model keys must already be the source's (InitFromModelKeysJson). Not with `resume`.
   std::string init_from;
+  // A fresh MoE run upcycled from the dense model at this path (upcycle.h): a dense switchyard
+  // checkpoint or a Hugging Face Llama / Qwen2 directory. The model keys must already hold the
+  // source's (ReadUpcycleSource). Not with `resume` or `init_from`.
+  std::string upcycle_from;
+  bool upcycle_zero_router = false;  // the routers start at zero (uniform routing), not fresh
   // The --config file the run's keys came from ("": none): an input, like the data, that the
   // run's writes must never replace.
   std::string config_file;
