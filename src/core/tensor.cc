@@ -164,6 +164,7 @@ template Tensor Tensor::FromVector<float>(const std::vector<float>&, Shape);
 template Tensor Tensor::FromVector<BFloat16>(const std::vector<BFloat16>&, Shape);
 template Tensor Tensor::FromVector<int32_t>(const std::vector<int32_t>&, Shape);
 template Tensor Tensor::FromVector<int64_t>(const std::vector<int64_t>&, Shape);
+template Tensor Tensor::FromVector<int16_t>(const std::vector<int16_t>&, Shape);
 
 Tensor Tensor::FromBlob(void* data, Shape shape, DType dtype) {
   return FromBlob(data, std::move(shape), dtype, nullptr);
