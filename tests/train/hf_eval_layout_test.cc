@@ -1,4 +1,5 @@
-// `eval` in every parallel layout equals `eval` on one rank (docs/models.md, "Evaluating a model"): the tiny
+// `eval` in every parallel layout equals `eval` on one rank (docs/models.md, "Exchange with
+// Hugging Face"): the tiny
 // Mixtral, OLMoE and Qwen2-MoE directories of tests/models/make_tiny_hf.py evaluated with the
 // logits, the three losses and every gradient compared; per-rank reads of the weights equal the
 // slices of the full tensors bit for bit and read about 1/tp of a sharded tensor; a layout that
