@@ -16,6 +16,7 @@ PACKAGES=(
   libsentencepiece-dev python3-sentencepiece  # tokenizer (docs/data.md); its Python twin for tests
   clang clang-format libclang-rt-14-dev  # libFuzzer targets, format check
   ccache                     # optional: cheap rebuilds across work trees (used when present)
+  lld                        # optional: faster linking of the test binaries (used when present)
   fortunes fortunes-min fortune-mod   # default training corpus (text under /usr/share/games/fortunes)
   pybind11-dev python3-dev   # the Python module (docs/python.md)
   python3-numpy python3-torch python3-mpi4py python3-pytest  # its tests and example
