@@ -42,6 +42,13 @@ struct RankMemoryEstimate {
 // (2 x vocab / tp). Sizes that overflow int64 are refused (InvalidArgument).
 RankMemoryEstimate EstimateRankMemory(const TrainConfig& config);
 
+// The MoE slots per token of a rank's share of the tokens that the busiest rank of the expert
+// group holds, of `experts_held` experts among `ep` expert-parallel ranks: top_k x
+// capacity_factor with the padded all-to-all; top_k with ep 1 or capacity_factor 0; otherwise the
+// capacity bound min(top_k x |capacity_factor|, ep x min(top_k, experts_held)), which an
+// untrained router reaches (docs/planner.md, "What the memory account measures").
+double MoeSlotsPerToken(const TrainConfig& config, double experts_held, int ep);
+
 // The attention core the layout runs: kSoftmax or kFlash (attention_core auto: flash with cp > 1;
 // ResolveLayout's).
 AttentionCore ResolvedAttentionCore(const TrainConfig& config);
