@@ -364,6 +364,29 @@ TEST(StepModelTest, MemoryEstimateIsTheBusiestExpertRanks) {
   std::filesystem::remove_all(dir, ec);
 }
 
+// With several micro-batches the gradients accumulate whole until the last backward reduces
+// them, whatever the ZeRO stage: ZeRO 2 with 2 micro-batches holds every value and every
+// gradient, which the estimate's parameter part counts (measured by the ZeRO meter).
+TEST(StepModelTest, MemoryEstimateGradientsAccumulateWhole) {
+  kernels::SetBlasThreads(1);
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / fmt::format("sy-plan-accumulate-{}", ::getpid());
+  train::TrainConfig c = TinyMoe();
+  c.batch_size = 8;
+  c.ranks = 2;
+  c.ep = 2;
+  c.zero_stage = 2;
+  c.microbatches = 2;
+  const train::RunSummary s = RunTwoSteps(c, dir);
+  const train::RankMemoryEstimate e = train::EstimateRankMemory(c);
+  const double measured = static_cast<double>(s.zero_peak_values + s.zero_peak_gradients);
+  EXPECT_NEAR(static_cast<double>(e.parameter_bytes) / measured, 1.0, 0.03)
+      << "estimate " << e.parameter_bytes << ", measured values " << s.zero_peak_values
+      << " and gradients " << s.zero_peak_gradients;
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
 TEST(StepModelTest, GradientAllReduceOverDataParallelRanks) {
   train::TrainConfig c = DenseModel();
   c.ranks = 2;

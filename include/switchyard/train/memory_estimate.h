@@ -11,7 +11,9 @@
 namespace switchyard::train {
 
 struct RankMemoryEstimate {
-  int64_t parameter_bytes = 0;   // values and gradients of this rank's parameters (float32)
+  // Values and gradients of this rank's parameters (float32); the gradients whole with several
+  // micro-batches (they accumulate until the last one's backward reduces them).
+  int64_t parameter_bytes = 0;
   int64_t optimizer_bytes = 0;   // AdamW's two moments (ZeRO >= 1: this rank's share)
   int64_t activation_bytes = 0;  // what the micro-batches in flight keep for backward, logits
   // The model's build, before the first step shards anything: every value and (zero) gradient
