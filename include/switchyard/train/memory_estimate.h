@@ -35,8 +35,9 @@ struct RankMemoryEstimate {
 // and block what the block keeps for backward: the two norms' inputs (/ tp with
 // sequence_parallel), the attention's and the FFN's inputs, q, k, v and the heads' output (/ tp),
 // with the "softmax" attention core and recompute none the num_heads / tp x seq_len
-// probabilities; a dense FFN's 2 hidden rows / tp, an MoE FFN's top_k (x capacity_factor with
-// the padded all-to-all) / tp slots of expert input and 2 hidden rows, and the gate's
+// probabilities; a dense FFN's 2 hidden rows / tp, an MoE FFN's slots of expert input and 2
+// hidden rows (the busiest expert rank's, MoeSlotsPerToken, / tp), the buffer dispatchers'
+// combine buffer (top_k, x capacity_factor padded, rows of model_dim / tp) and the gate's
 // probabilities (and a gated shared expert's 2 hidden rows / tp and its gate value); recompute full
 // keeps the block's input only (and one block's state while it is recomputed); the backward's
 // working set: the gradients of the largest FFN's rows (an MoE block's slots, a dense block's 2
