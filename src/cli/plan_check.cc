@@ -114,10 +114,14 @@ LayoutCheck CheckLayoutHere(const plan::Layout& layout, int64_t position, int64_
   if (sink != nullptr) std::fclose(sink);
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
+  // The machine's load changes from minute to minute (other processes): the prediction is the
+  // mean of those with the calibrations just before and just after the run.
   const plan::StepPrediction p = plan::PredictStep(layout.config, cluster);
+  const plan::StepPrediction after =
+      plan::PredictStep(layout.config, CalibrateThisMachine(calibration));
   return {.position = position,
           .flags = plan::FlagsText(layout.flags),
-          .predicted_s = p.step_s,
+          .predicted_s = (p.step_s + after.step_s) / 2,
           .measured_s = static_cast<double>(c.batch_size * c.model.seq_len) / s.tokens_per_s,
           .predicted_bytes = static_cast<double>(p.memory.total()),
           .peak_bytes = s.memory_train_peak_bytes,

@@ -46,11 +46,12 @@ struct LayoutCheck {
 // Indices of `k` of `n` ranked layouts, evenly spread, the first (the planner's choice) always.
 std::vector<int64_t> SpreadIndices(int64_t n, int64_t k);
 
-// Calibrates this machine (`calibration`: the ranks and emulated links), predicts `layout` on it
-// and runs it right after for `steps` steps (log every step, no evaluation, no sample, no
-// checkpoint; the run directory is a temporary one, removed after). Measured step time: the
-// batch's tokens over the run's median tokens per second. Calibrating right before each run
-// keeps the prediction and the measurement in the same window of this shared machine's load.
+// Calibrates this machine (`calibration`: the ranks and emulated links), runs `layout` right
+// after for `steps` steps (log every step, no evaluation, no sample, no checkpoint; the run
+// directory is a temporary one, removed after) and calibrates again. Predicted step time: the
+// mean of the predictions with the two calibrations; measured: the batch's tokens over the run's
+// median tokens per second. Calibrating around each run keeps the prediction and the measurement
+// in the same window of this shared machine's load.
 LayoutCheck CheckLayoutHere(const plan::Layout& layout, int64_t position, int64_t steps,
                             const CalibrationOptions& calibration);
 

@@ -184,15 +184,19 @@ void PredictGradients(const Cluster& c, const ModelView& m, const LayoutView& l,
       }
     }
   }
+  // Once per step over every rank: the gradient norm's all-reduce and the step's metrics (loss,
+  // routing statistics: Trainer::SumOverRanks), a few floats each.
+  Traffic step_sums;
+  step_sums.Add(c, Collective::kAllReduce, 64, l.ranks, l.ranks, "allreduce", 2);
   double grad_hidden = 0;
   if (l.overlap_grad_reduce && l.pp == 1 && blocks > 1) {
     grad_hidden = std::min(grads.seconds * (1.0 - 1.0 / blocks), bwd_compute);
   }
-  p->dp_comm_s = grads.seconds + gathers.seconds;
+  p->dp_comm_s = grads.seconds + gathers.seconds + step_sums.seconds;
   // ZeRO-3's gathers are prefetched one block ahead, so their bytes can move behind compute;
   // their latency cannot: each block waits for its gather, a synchronization of the ranks.
   p->dp_exposed_s =
-      grads.seconds - grad_hidden + gathers.latency_s +
+      grads.seconds - grad_hidden + gathers.latency_s + step_sums.seconds +
       std::max(0.0, gathers.seconds - gathers.latency_s - mbs * (fwd_compute + bwd_compute));
   const double bw = c.memory_bandwidth_gbps * 1e9;
   const double shards = l.zero_stage >= 1 ? static_cast<double>(dense_group) : 1.0;
@@ -363,6 +367,19 @@ StepPrediction internal::PredictStepOf(const train::TrainConfig& config, const M
               4 * moe_blocks * chunks);
     }
   }
+  // The MoE layers' routing collectives (global routing statistics, the row counts, the
+  // capacity or the sizes of the exchange; counted in train's --trace-step timelines): small, so
+  // their cost is their messages' latency, a synchronization of the ranks each. 5 per MoE block
+  // in forward, and one in backward with all-to-all-v (the sizes) and all-gather dispatch (the
+  // weights' gradients); over the expert group, or the data ranks with ep 1.
+  Traffic routing;
+  if (m.moe_blocks > 0 && m.num_experts > 0) {
+    const int64_t group = l.ep > 1 ? l.ep : l.dp * l.cp;
+    const int64_t span = l.ep > 1 ? l.ep * (l.megatron ? l.etp : l.tp) : stage_ranks;
+    const double per_block = l.dispatch == "alltoall" || l.ep == 1 ? 5.0 : 6.0;
+    routing.Add(c, Collective::kAllGather, 8.0 * static_cast<double>(m.num_experts * group), group,
+                span, "allgather", per_block * moe_blocks);
+  }
   const double ep_hidden = l.overlap_degree > 1 && l.dispatch == "alltoall"
                                ? std::min(epc.seconds, 3 * expert_gemm) *
                                      (1.0 - 1.0 / static_cast<double>(l.overlap_degree))
@@ -375,7 +392,8 @@ StepPrediction internal::PredictStepOf(const train::TrainConfig& config, const M
     const double boundary = T * d * act / (l.sequence_parallel ? tp : 1.0);
     ppc.Add(c, Collective::kSendRecv, boundary, 2, stage_ranks * l.pp, "sendrecv", 1);
   }
-  const double mb_exposed = (tpc.seconds - tp_hidden) + cpc.seconds + (epc.seconds - ep_hidden);
+  const double mb_exposed =
+      (tpc.seconds - tp_hidden) + cpc.seconds + (epc.seconds - ep_hidden) + routing.seconds;
   const double F = fwd_compute + mb_exposed / 2, B = bwd_compute + mb_exposed / 2;
 
   // ---- the pipeline ----
@@ -398,10 +416,10 @@ StepPrediction internal::PredictStepOf(const train::TrainConfig& config, const M
   p.elementwise_s = mbs * elementwise;
   p.tp_comm_s = mbs * tpc.seconds;
   p.cp_comm_s = mbs * cpc.seconds;
-  p.ep_comm_s = mbs * epc.seconds;
+  p.ep_comm_s = mbs * (epc.seconds + routing.seconds);
   p.tp_exposed_s = mbs * (tpc.seconds - tp_hidden);
   p.cp_exposed_s = mbs * cpc.seconds;
-  p.ep_exposed_s = mbs * (epc.seconds - ep_hidden);
+  p.ep_exposed_s = mbs * (epc.seconds - ep_hidden + routing.seconds);
   p.step_s = pipe + p.dp_exposed_s + p.optimizer_s;
   return p;
 }

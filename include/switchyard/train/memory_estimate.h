@@ -11,7 +11,9 @@
 namespace switchyard::train {
 
 struct RankMemoryEstimate {
-  int64_t parameter_bytes = 0;   // values and gradients of this rank's parameters (float32)
+  // Values and gradients of this rank's parameters (float32); the gradients whole with several
+  // micro-batches (they accumulate until the last one's backward reduces them).
+  int64_t parameter_bytes = 0;
   int64_t optimizer_bytes = 0;   // AdamW's two moments (ZeRO >= 1: this rank's share)
   int64_t activation_bytes = 0;  // what the micro-batches in flight keep for backward, logits
   // The model's build, before the first step shards anything: every value and (zero) gradient
@@ -33,14 +35,22 @@ struct RankMemoryEstimate {
 // and block what the block keeps for backward: the two norms' inputs (/ tp with
 // sequence_parallel), the attention's and the FFN's inputs, q, k, v and the heads' output (/ tp),
 // with the "softmax" attention core and recompute none the num_heads / tp x seq_len
-// probabilities; a dense FFN's 2 hidden rows / tp, an MoE FFN's top_k (x capacity_factor with
-// the padded all-to-all) / tp slots of expert input and 2 hidden rows, and the gate's
+// probabilities; a dense FFN's 2 hidden rows / tp, an MoE FFN's slots of expert input and 2
+// hidden rows (the busiest expert rank's, MoeSlotsPerToken, / tp), the buffer dispatchers'
+// combine buffer (top_k, x capacity_factor padded, rows of model_dim / tp) and the gate's
 // probabilities (and a gated shared expert's 2 hidden rows / tp and its gate value); recompute full
 // keeps the block's input only (and one block's state while it is recomputed); the backward's
 // working set: the gradients of the largest FFN's rows (an MoE block's slots, a dense block's 2
 // hidden rows / tp); the final norm's input and output, the logits and their gradient
 // (2 x vocab / tp). Sizes that overflow int64 are refused (InvalidArgument).
 RankMemoryEstimate EstimateRankMemory(const TrainConfig& config);
+
+// The MoE slots per token of a rank's share of the tokens that the busiest rank of the expert
+// group holds, of `experts_held` experts among `ep` expert-parallel ranks: top_k x
+// capacity_factor with the padded all-to-all; top_k with ep 1 or capacity_factor 0; otherwise the
+// capacity bound min(top_k x |capacity_factor|, ep x min(top_k, experts_held)), which an
+// untrained router reaches (docs/planner.md, "What the memory account measures").
+double MoeSlotsPerToken(const TrainConfig& config, double experts_held, int ep);
 
 // The attention core the layout runs: kSoftmax or kFlash (attention_core auto: flash with cp > 1;
 // ResolveLayout's).
