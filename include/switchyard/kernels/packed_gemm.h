@@ -31,7 +31,8 @@ bool PackedGemmAvailable();
 // every region [row, row + rows) x [col, col + cols) of C as soon as it holds its final value
 // (for a pair: of both C1 and C2 at the same place), before later regions are computed. The
 // regions cover C exactly once, in an unspecified order and size (a row block of up to 144 rows
-// by one 16-column panel when the product runs blocked; all of C when it does not). fn may
+// by all columns of C, or of one 2048-column block, when the product runs blocked; all of C when
+// it does not). fn may
 // rewrite those regions of C (and write elsewhere), but no other part of C and nothing the
 // product still reads. E.g. the SwiGLU's activation applied to the gate and up products' tiles.
 struct TileEpilogue {
