@@ -24,8 +24,8 @@ void ActivationForwardRows(kernels::Activation act, int64_t rows, int64_t cols, 
                            float* pre1, float* pre3, float* hidden, bool save_scales);
 // The same on a block of `rows` x `cols` inside buffers whose rows are `ld` floats apart (all
 // four; bias holds the block's `cols` columns): the fused SwiGLU epilogue of the gate and up
-// products runs it tile by tile (moe/experts.cc). Each element gets the same arithmetic as in
-// ActivationForwardRows.
+// products runs it row block by row block (moe/experts.cc). Each element gets the same arithmetic
+// as in ActivationForwardRows.
 void ActivationForwardBlock(kernels::Activation act, int64_t rows, int64_t cols, int64_t ld,
                             const float* bias, float* pre1, float* pre3, float* hidden,
                             bool save_scales);

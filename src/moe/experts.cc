@@ -305,8 +305,8 @@ Tensor ExpertsForward(const ExpertOptions& options, const ExpertWeights& w, cons
                           m_dim,  w1 + c.group * h_dim * m_dim,
                           m_dim,  pre1.data<float>() + off,
                           h_dim};
-    // The bias and activation are applied by the GEMM's epilogue, tile by tile while the gate
-    // (and up) values are in cache: no separate pass over the chunk's [rows, H] blocks.
+    // The bias and activation are applied by the GEMM's epilogue, row block by row block while the
+    // gate (and up) values are in cache: no separate pass over the chunk's [rows, H] blocks.
     ActivationTiles act{options.activation,
                         b1 ? b1 + c.group * h_dim : nullptr,
                         pre1.data<float>() + off,
@@ -383,7 +383,8 @@ ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeight
     const int64_t off = c.compact * h_dim;
     float* dp1 = d_pre1.data<float>() + off;
     float* dp3 = options.gated ? d_pre3.data<float>() + off : nullptr;
-    // The activation's backward as the GEMM's epilogue, tile by tile while dh is in cache.
+    // The activation's backward as the GEMM's epilogue, row block by row block while dh is in
+    // cache.
     ActivationGradTiles act{s.dh_da1.data<float>() + off,
                             options.gated ? s.dh_da3.data<float>() + off : nullptr,
                             dp1,

@@ -32,9 +32,9 @@ bool PackedGemmAvailable();
 // (for a pair: of both C1 and C2 at the same place), before later regions are computed. The
 // regions cover C exactly once, in an unspecified order and size (a row block of up to 144 rows
 // by all columns of C, or of one 2048-column block, when the product runs blocked; all of C when
-// it does not). fn may
-// rewrite those regions of C (and write elsewhere), but no other part of C and nothing the
-// product still reads. E.g. the SwiGLU's activation applied to the gate and up products' tiles.
+// it does not). fn may rewrite those regions of C (and write elsewhere), but no other part of C
+// and nothing the product still reads. E.g. the SwiGLU's activation applied to the gate and up
+// products' rows while they are in L2.
 struct TileEpilogue {
   void (*fn)(void* ctx, int64_t row, int64_t col, int64_t rows, int64_t cols);
   void* ctx;

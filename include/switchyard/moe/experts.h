@@ -13,7 +13,7 @@
 // block is read back from cache rather than in separate passes over the whole hidden tensor; a
 // backward task runs dh = dY W2 -> the activation's backward (and fc1 bias partial sums) -> dX.
 // The biases and activations are the GEMMs' epilogues (kernels::TileEpilogue): on the packed
-// kernel they run tile by tile while the product's tile is in cache.
+// kernel they run row block by row block while those rows are in cache.
 // The weight gradients, which reduce over a group's rows, are one grouped GEMM over the experts
 // after that. Each product goes through moe::ExpertGroupedGemm's choice of kernel. Padding rows
 // are neither read nor computed; their outputs and gradients are zero. Results do not depend on

@@ -98,8 +98,9 @@ void ExpertGroupedGemm(kernels::Trans trans_a, kernels::Trans trans_b, float alp
 // the kernel it would get alone. Same results either way up to float summation order (none: the
 // fused pass sums in the same order as the two products).
 // `epilogue` (may be null; kA only, p1.n == p2.n, else InvalidArgument) is called on regions of
-// C1 / C2 that hold their final values (kernels::TileEpilogue): tile by tile while they are in
-// cache on the packed kernel, once over all of C after the two products on the other kernels.
+// C1 / C2 that hold their final values (kernels::TileEpilogue): row block by row block while
+// they are in cache on the packed kernel, once over all of C after the two products on the other
+// kernels.
 enum class SharedOperand : uint8_t { kA, kB };
 void ExpertGemmPair(kernels::Trans trans_a, kernels::Trans trans_b, float alpha, float beta,
                     const kernels::GemmProblem& p1, const kernels::GemmProblem& p2,
