@@ -286,9 +286,13 @@ struct CView {
 // The products of every row part with every column part over all of k, with each column part at
 // most kNc wide: op(B) is packed once per k block for all column parts, op(A) once per (k block,
 // row block) for all column parts. c_of(r, s) gives the C of the pair (its row 0, column 0).
+// With an epilogue, after the last k block it is called on each finished row block (all columns
+// of the last column part), columns counted from `epi_col` (the column parts must then have the
+// same size: the region is final in every part).
 template <typename COf>
 SY_AVX2 void RunBlock(std::span<const Part> rows, std::span<const Part> cols, int64_t k, COf&& c_of,
-                      float alpha, float beta) {
+                      float alpha, float beta, const TileEpilogue* epi = nullptr,
+                      int64_t epi_col = 0) {
   int64_t cols_padded = 0;
   for (const Part& s : cols) cols_padded += (s.size + kNr - 1) / kNr * kNr;
   const int64_t kc_max = std::min(kKc, k);
@@ -297,6 +301,7 @@ SY_AVX2 void RunBlock(std::span<const Part> rows, std::span<const Part> cols, in
   for (int64_t p0 = 0; p0 < k; p0 += kKc) {
     const int64_t kc = std::min(kKc, k - p0);
     const float beta_block = p0 == 0 ? beta : 1.0f;  // later k blocks accumulate
+    const bool last_k = p0 + kc >= k;
     int64_t off = 0;
     for (const Part& s : cols) {
       PackB(s.op, p0, kc, 0, s.size, pack_b + off * kc);
@@ -324,6 +329,10 @@ SY_AVX2 void RunBlock(std::span<const Part> rows, std::span<const Part> cols, in
             }
           }
         }
+        // The row block's rows are final in every column part: one region of whole rows (the
+        // epilogue then streams along rows; per 16-column panel it ran 2-3x slower, measured
+        // on layer F).
+        if (epi != nullptr && last_k) epi->fn(epi->ctx, i0, epi_col, mc, cols.back().size);
       }
     }
   }
@@ -334,7 +343,8 @@ Operand ColumnsFrom(const Operand& b, int64_t j0) {
   return {b.trans ? b.p + j0 * b.ld : b.p + j0, b.ld, b.trans};
 }
 
-SY_AVX2 void Run(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta) {
+SY_AVX2 void Run(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta,
+                 const TileEpilogue* epi) {
   const Operand a{p.a, p.lda, trans_a == Trans::kYes};
   const Operand b{p.b, p.ldb, trans_b == Trans::kYes};
   const Part row{a, p.m};
@@ -345,7 +355,7 @@ SY_AVX2 void Run(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha
         [&](size_t, size_t) {
           return CView{p.c + j0, p.ldc};
         },
-        alpha, beta);
+        alpha, beta, epi, j0);
   }
 }
 
@@ -353,15 +363,17 @@ SY_AVX2 void Run(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha
 
 bool PackedGemmAvailable() { return HostCpuFeatures().HasAvx2Fma(); }
 
-void PackedGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta) {
+void PackedGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta,
+                const TileEpilogue* epilogue) {
   SY_CHECK(PackedGemmAvailable(), "PackedGemm needs AVX2 and FMA");
   CheckProblem(trans_a, trans_b, p);
   if (p.m == 0 || p.n == 0) return;
   if (p.k == 0) {
     ScaleC(p, beta);
+    if (epilogue != nullptr) epilogue->fn(epilogue->ctx, 0, 0, p.m, p.n);
     return;
   }
-  Run(trans_a, trans_b, p, alpha, beta);
+  Run(trans_a, trans_b, p, alpha, beta, epilogue);
 }
 
 namespace {
@@ -369,7 +381,7 @@ namespace {
 // Checks both products of a pair; returns true when they have to run one after the other
 // (`apart`, or a size 0 that PackedGemm handles) and ran them so.
 bool RanApart(Trans trans_a, Trans trans_b, const GemmProblem& p1, const GemmProblem& p2,
-              float alpha, float beta, bool apart) {
+              float alpha, float beta, bool apart, const TileEpilogue* epilogue = nullptr) {
   SY_CHECK(PackedGemmAvailable(), "PackedGemm needs AVX2 and FMA");
   CheckProblem(trans_a, trans_b, p1);
   CheckProblem(trans_a, trans_b, p2);
@@ -377,6 +389,9 @@ bool RanApart(Trans trans_a, Trans trans_b, const GemmProblem& p1, const GemmPro
   if (apart) {
     PackedGemm(trans_a, trans_b, p1, alpha, beta);
     PackedGemm(trans_a, trans_b, p2, alpha, beta);
+    if (epilogue != nullptr && p1.m > 0 && p1.n > 0) {
+      epilogue->fn(epilogue->ctx, 0, 0, p1.m, p1.n);
+    }
   }
   return apart;
 }
@@ -384,12 +399,18 @@ bool RanApart(Trans trans_a, Trans trans_b, const GemmProblem& p1, const GemmPro
 }  // namespace
 
 void PackedGemmSharedA(Trans trans_a, Trans trans_b, const GemmProblem& p1, const GemmProblem& p2,
-                       float alpha, float beta) {
+                       float alpha, float beta, const TileEpilogue* epilogue) {
   SY_REQUIRE(p1.m == p2.m && p1.k == p2.k && p1.a == p2.a && p1.lda == p2.lda, InvalidArgument,
              "PackedGemmSharedA: the products must share A (m, k, a, lda), got m={}/{} k={}/{}",
              p1.m, p2.m, p1.k, p2.k);
+  SY_REQUIRE(epilogue == nullptr || p1.n == p2.n, InvalidArgument,
+             "PackedGemmSharedA: an epilogue needs products of the same n, got n={}/{}", p1.n,
+             p2.n);
   const auto padded = [](int64_t n) { return (n + kNr - 1) / kNr * kNr; };
-  if (RanApart(trans_a, trans_b, p1, p2, alpha, beta, padded(p1.n) + padded(p2.n) > kNc)) return;
+  if (RanApart(trans_a, trans_b, p1, p2, alpha, beta, padded(p1.n) + padded(p2.n) > kNc,
+               epilogue)) {
+    return;
+  }
   const Part row{{p1.a, p1.lda, trans_a == Trans::kYes}, p1.m};
   const Part cols[2] = {{{p1.b, p1.ldb, trans_b == Trans::kYes}, p1.n},
                         {{p2.b, p2.ldb, trans_b == Trans::kYes}, p2.n}};
@@ -398,7 +419,7 @@ void PackedGemmSharedA(Trans trans_a, Trans trans_b, const GemmProblem& p1, cons
       [&](size_t, size_t s) {
         return s == 0 ? CView{p1.c, p1.ldc} : CView{p2.c, p2.ldc};
       },
-      alpha, beta);
+      alpha, beta, epilogue);
 }
 
 void PackedGemmSharedB(Trans trans_a, Trans trans_b, const GemmProblem& p1, const GemmProblem& p2,

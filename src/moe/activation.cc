@@ -43,12 +43,13 @@ inline float Act(float x) {
 }
 
 template <Activation kAct>
-void ForwardRows(int64_t rows, int64_t cols, const float* __restrict bias, float* __restrict pre1,
-                 float* __restrict pre3, float* __restrict hidden, bool save_scales) {
+void ForwardRows(int64_t rows, int64_t cols, int64_t ld, const float* __restrict bias,
+                 float* __restrict pre1, float* __restrict pre3, float* __restrict hidden,
+                 bool save_scales) {
   for (int64_t r = 0; r < rows; ++r) {
-    float* p = pre1 + r * cols;
-    float* h = hidden + r * cols;
-    float* q = pre3 ? pre3 + r * cols : nullptr;
+    float* p = pre1 + r * ld;
+    float* h = hidden + r * ld;
+    float* q = pre3 ? pre3 + r * ld : nullptr;
     if (bias) {
       for (int64_t j = 0; j < cols; ++j) p[j] += bias[j];
     }
@@ -79,31 +80,42 @@ void ForwardRows(int64_t rows, int64_t cols, const float* __restrict bias, float
 
 void ActivationForwardRows(Activation act, int64_t rows, int64_t cols, const float* bias,
                            float* pre1, float* pre3, float* hidden, bool save_scales) {
+  ActivationForwardBlock(act, rows, cols, cols, bias, pre1, pre3, hidden, save_scales);
+}
+
+void ActivationForwardBlock(Activation act, int64_t rows, int64_t cols, int64_t ld,
+                            const float* bias, float* pre1, float* pre3, float* hidden,
+                            bool save_scales) {
   switch (act) {
     case Activation::kRelu:
-      ForwardRows<Activation::kRelu>(rows, cols, bias, pre1, pre3, hidden, save_scales);
+      ForwardRows<Activation::kRelu>(rows, cols, ld, bias, pre1, pre3, hidden, save_scales);
       break;
     case Activation::kGelu:
-      ForwardRows<Activation::kGelu>(rows, cols, bias, pre1, pre3, hidden, save_scales);
+      ForwardRows<Activation::kGelu>(rows, cols, ld, bias, pre1, pre3, hidden, save_scales);
       break;
     case Activation::kSilu:
-      ForwardRows<Activation::kSilu>(rows, cols, bias, pre1, pre3, hidden, save_scales);
+      ForwardRows<Activation::kSilu>(rows, cols, ld, bias, pre1, pre3, hidden, save_scales);
       break;
     case Activation::kIdentity:
-      ForwardRows<Activation::kIdentity>(rows, cols, bias, pre1, pre3, hidden, save_scales);
+      ForwardRows<Activation::kIdentity>(rows, cols, ld, bias, pre1, pre3, hidden, save_scales);
       break;
   }
 }
 
-void ActivationBackwardRows(int64_t rows, int64_t cols, const float* __restrict scale1,
-                            const float* __restrict scale3, float* __restrict d,
-                            float* __restrict d_pre3, float* __restrict bias_grad) {
+void ActivationBackwardRows(int64_t rows, int64_t cols, const float* scale1, const float* scale3,
+                            float* d, float* d_pre3, float* bias_grad) {
+  ActivationBackwardBlock(rows, cols, cols, scale1, scale3, d, d_pre3, bias_grad);
+}
+
+void ActivationBackwardBlock(int64_t rows, int64_t cols, int64_t ld, const float* __restrict scale1,
+                             const float* __restrict scale3, float* __restrict d,
+                             float* __restrict d_pre3, float* __restrict bias_grad) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* s1 = scale1 + r * cols;
-    float* dr = d + r * cols;
+    const float* s1 = scale1 + r * ld;
+    float* dr = d + r * ld;
     if (scale3) {
-      const float* s3 = scale3 + r * cols;
-      float* d3 = d_pre3 + r * cols;
+      const float* s3 = scale3 + r * ld;
+      float* d3 = d_pre3 + r * ld;
       for (int64_t j = 0; j < cols; ++j) d3[j] = dr[j] * s3[j];
     }
     for (int64_t j = 0; j < cols; ++j) dr[j] *= s1[j];

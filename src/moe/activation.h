@@ -22,6 +22,13 @@ namespace switchyard::moe {
 // same with and without save_scales, bit for bit.
 void ActivationForwardRows(kernels::Activation act, int64_t rows, int64_t cols, const float* bias,
                            float* pre1, float* pre3, float* hidden, bool save_scales);
+// The same on a block of `rows` x `cols` inside buffers whose rows are `ld` floats apart (all
+// four; bias holds the block's `cols` columns): the fused SwiGLU epilogue of the gate and up
+// products runs it row block by row block (moe/experts.cc). Each element gets the same arithmetic
+// as in ActivationForwardRows.
+void ActivationForwardBlock(kernels::Activation act, int64_t rows, int64_t cols, int64_t ld,
+                            const float* bias, float* pre1, float* pre3, float* hidden,
+                            bool save_scales);
 
 // In: d holds d hidden; scale1 / scale3 are the buffers ActivationForwardRows left with
 // save_scales. Out: d holds d pre1 = d * scale1; d_pre3 (gated, scale3 != nullptr) receives
@@ -29,6 +36,11 @@ void ActivationForwardRows(kernels::Activation act, int64_t rows, int64_t cols, 
 // No two of the five buffers may overlap.
 void ActivationBackwardRows(int64_t rows, int64_t cols, const float* scale1, const float* scale3,
                             float* d, float* d_pre3, float* bias_grad);
+// The same on a block inside buffers whose rows are `ld` floats apart (bias_grad holds the
+// block's `cols` columns): the epilogue of the dh = dY W2 product (moe/experts.cc). Blocks of
+// one column visited in row order give ActivationBackwardRows' bias sums bit for bit.
+void ActivationBackwardBlock(int64_t rows, int64_t cols, int64_t ld, const float* scale1,
+                             const float* scale3, float* d, float* d_pre3, float* bias_grad);
 
 // Row-wise over [rows, cols]: y = softmax(x) (skipped when y is null) and lse[r] =
 // log(sum_j exp(x[r, j])), with the vectorized exp. y may alias x.

@@ -86,6 +86,60 @@ void RunOne(Trans trans_a, Trans trans_b, float beta, const GemmProblem& p) {
   ExpertGroupedGemm(trans_a, trans_b, 1.0f, beta, std::span<const GemmProblem>(&p, 1), 1);
 }
 
+// The fc1 bias and the activation on a region of a chunk's [rows, H] blocks (a GEMM epilogue,
+// kernels::TileEpilogue): ActivationForwardBlock on rows [row, row + rows), columns [col, col +
+// cols) of pre1 (pre3) -> hidden.
+struct ActivationTiles {
+  kernels::Activation act;
+  const float* bias;  // [H] or null
+  float* pre1;
+  float* pre3;  // null: not gated
+  float* hidden;
+  int64_t ld;
+  bool save_scales;
+  static void Run(void* ctx, int64_t row, int64_t col, int64_t rows, int64_t cols) {
+    const auto* t = static_cast<const ActivationTiles*>(ctx);
+    const int64_t at = row * t->ld + col;
+    ActivationForwardBlock(t->act, rows, cols, t->ld, t->bias ? t->bias + col : nullptr,
+                           t->pre1 + at, t->pre3 ? t->pre3 + at : nullptr, t->hidden + at,
+                           t->save_scales);
+  }
+};
+
+// The activation's backward on a region of a chunk's dh block (the epilogue of dh = dY W2):
+// ActivationBackwardBlock on rows [row, row + rows), columns [col, col + cols). The regions of
+// one column come in row order, so the bias sums are those of ActivationBackwardRows.
+struct ActivationGradTiles {
+  const float* scale1;
+  const float* scale3;  // null: not gated
+  float* d;
+  float* d_pre3;
+  float* bias_grad;  // [H] or null
+  int64_t ld;
+  static void Run(void* ctx, int64_t row, int64_t col, int64_t rows, int64_t cols) {
+    const auto* t = static_cast<const ActivationGradTiles*>(ctx);
+    const int64_t at = row * t->ld + col;
+    ActivationBackwardBlock(rows, cols, t->ld, t->scale1 + at, t->scale3 ? t->scale3 + at : nullptr,
+                            t->d + at, t->d_pre3 ? t->d_pre3 + at : nullptr,
+                            t->bias_grad ? t->bias_grad + col : nullptr);
+  }
+};
+
+// c[row.., col..] += bias[col..] on a region (the epilogue of a product with a bias).
+struct BiasTiles {
+  const float* bias;
+  float* c;
+  int64_t ld;
+  static void Run(void* ctx, int64_t row, int64_t col, int64_t rows, int64_t cols) {
+    const auto* t = static_cast<const BiasTiles*>(ctx);
+    for (int64_t r = row; r < row + rows; ++r) {
+      float* cr = t->c + r * t->ld + col;
+      const float* b = t->bias + col;
+      for (int64_t j = 0; j < cols; ++j) cr[j] += b[j];
+    }
+  }
+};
+
 // Zeroes the rows of `t` [rows, cols] that belong to no group.
 void ZeroPadding(const Tensor& t, const ExpertGroups& groups) {
   const int64_t cols = t.size(1);
@@ -235,8 +289,8 @@ Tensor ExpertsForward(const ExpertOptions& options, const ExpertWeights& w, cons
   Tensor out = Tensor::Empty({rows, m_dim});
   const float* x = input.data<float>();
 
-  // One task per chunk of a group's rows: fc1 (and fc3) GEMM, bias + activation on the block just
-  // written (still in cache), fc2 bias rows, fc2 GEMM reading the block from cache.
+  // One task per chunk of a group's rows: fc1 (and fc3) GEMM with bias + activation as its
+  // epilogue, fc2 GEMM reading the block from cache, with the fc2 bias as its epilogue.
   const float* w1 = w.fc1_weight.data<float>();
   const float* w3 = options.gated ? w.fc3_weight.data<float>() : nullptr;
   const float* w2 = w.fc2_weight.data<float>();
@@ -251,33 +305,37 @@ Tensor ExpertsForward(const ExpertOptions& options, const ExpertWeights& w, cons
                           m_dim,  w1 + c.group * h_dim * m_dim,
                           m_dim,  pre1.data<float>() + off,
                           h_dim};
+    // The bias and activation are applied by the GEMM's epilogue, row block by row block while the
+    // gate (and up) values are in cache: no separate pass over the chunk's [rows, H] blocks.
+    ActivationTiles act{options.activation,
+                        b1 ? b1 + c.group * h_dim : nullptr,
+                        pre1.data<float>() + off,
+                        options.gated ? pre3.data<float>() + off : nullptr,
+                        hidden.data<float>() + off,
+                        h_dim,
+                        saved != nullptr};
+    const kernels::TileEpilogue epilogue{&ActivationTiles::Run, &act};
     if (options.gated) {  // gate and up products in one pass over X
       ExpertGemmPair(Trans::kNo, Trans::kYes, 1.0f, 0.0f, fc1,
                      {c.rows, h_dim, m_dim, xc, m_dim, w3 + c.group * h_dim * m_dim, m_dim,
                       pre3.data<float>() + off, h_dim},
-                     SharedOperand::kA);
+                     SharedOperand::kA, &epilogue);
     } else {
-      RunOne(Trans::kNo, Trans::kYes, 0.0f, fc1);
+      ExpertGemm(Trans::kNo, Trans::kYes, 1.0f, 0.0f, fc1, &epilogue);
     }
-    ActivationForwardRows(options.activation, c.rows, h_dim, b1 ? b1 + c.group * h_dim : nullptr,
-                          pre1.data<float>() + off,
-                          options.gated ? pre3.data<float>() + off : nullptr,
-                          hidden.data<float>() + off, saved != nullptr);
-    if (b2) {
-      for (int64_t r = c.begin; r < c.begin + c.rows; ++r) {
-        std::memcpy(o + r * m_dim, b2 + c.group * m_dim,
-                    static_cast<size_t>(m_dim) * sizeof(float));
-      }
-    }
-    RunOne(Trans::kNo, Trans::kYes, b2 ? 1.0f : 0.0f,
-           {c.rows, m_dim, h_dim, hidden.data<float>() + off, h_dim, w2 + c.group * m_dim * h_dim,
-            h_dim, o + c.begin * m_dim, m_dim});
+    // fc2 with its bias added by the epilogue (no separate pass writing the bias rows first).
+    BiasTiles bias{b2 ? b2 + c.group * m_dim : nullptr, o + c.begin * m_dim, m_dim};
+    const kernels::TileEpilogue add_bias{&BiasTiles::Run, &bias};
+    ExpertGemm(Trans::kNo, Trans::kYes, 1.0f, 0.0f,
+               {c.rows, m_dim, h_dim, hidden.data<float>() + off, h_dim,
+                w2 + c.group * m_dim * h_dim, h_dim, o + c.begin * m_dim, m_dim},
+               b2 ? &add_bias : nullptr);
   });
   ZeroPadding(out, groups);
 
   if (saved) {
     saved->input = input;
-    saved->dh_da1 = pre1;  // overwritten by ActivationForwardRows (save_scales)
+    saved->dh_da1 = pre1;  // overwritten by the fc1 epilogue (save_scales)
     saved->dh_da3 = pre3;
     saved->hidden = hidden;
     saved->groups = groups;
@@ -325,12 +383,19 @@ ExpertGradients ExpertsBackward(const ExpertOptions& options, const ExpertWeight
     const int64_t off = c.compact * h_dim;
     float* dp1 = d_pre1.data<float>() + off;
     float* dp3 = options.gated ? d_pre3.data<float>() + off : nullptr;
-    RunOne(Trans::kNo, Trans::kNo, 0.0f,
-           {c.rows, h_dim, m_dim, dy + c.begin * m_dim, m_dim, w2 + c.group * m_dim * h_dim, h_dim,
-            dp1, h_dim});
-    ActivationBackwardRows(c.rows, h_dim, s.dh_da1.data<float>() + off,
-                           options.gated ? s.dh_da3.data<float>() + off : nullptr, dp1, dp3,
-                           bias1 ? b1_partial.data() + i * h_dim : nullptr);
+    // The activation's backward as the GEMM's epilogue, row block by row block while dh is in
+    // cache.
+    ActivationGradTiles act{s.dh_da1.data<float>() + off,
+                            options.gated ? s.dh_da3.data<float>() + off : nullptr,
+                            dp1,
+                            dp3,
+                            bias1 ? b1_partial.data() + i * h_dim : nullptr,
+                            h_dim};
+    const kernels::TileEpilogue epilogue{&ActivationGradTiles::Run, &act};
+    ExpertGemm(Trans::kNo, Trans::kNo, 1.0f, 0.0f,
+               {c.rows, h_dim, m_dim, dy + c.begin * m_dim, m_dim, w2 + c.group * m_dim * h_dim,
+                h_dim, dp1, h_dim},
+               &epilogue);
     RunOne(Trans::kNo, Trans::kNo, 0.0f,
            {c.rows, m_dim, h_dim, dp1, h_dim, w1 + c.group * h_dim * m_dim, m_dim,
             dx + c.begin * m_dim, m_dim});

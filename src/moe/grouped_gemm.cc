@@ -347,25 +347,34 @@ void SmallGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, 
 namespace {
 
 // One product through the grouped GEMM's choice of kernel.
-void RunExpertProduct(Trans trans_a, Trans trans_b, float alpha, float beta, const GemmProblem& p) {
+void RunExpertProduct(Trans trans_a, Trans trans_b, float alpha, float beta, const GemmProblem& p,
+                      const kernels::TileEpilogue* epilogue = nullptr) {
   if (UsePacked(p)) {
-    kernels::PackedGemm(trans_a, trans_b, p, alpha, beta);
-  } else if (auto isa = SmallKernelFor(trans_a, trans_b, p)) {
+    kernels::PackedGemm(trans_a, trans_b, p, alpha, beta, epilogue);
+    return;
+  }
+  if (auto isa = SmallKernelFor(trans_a, trans_b, p)) {
     SmallGemm(trans_a, trans_b, p, alpha, beta, *isa);
   } else {
     kernels::Gemm(trans_a, trans_b, p.m, p.n, p.k, alpha, p.a, p.lda, p.b, p.ldb, beta, p.c, p.ldc);
   }
+  if (epilogue != nullptr && p.m > 0 && p.n > 0) epilogue->fn(epilogue->ctx, 0, 0, p.m, p.n);
 }
 
 // Two products sharing an operand: one fused packed pass when both would run on the packed
 // kernel, else each through the grouped GEMM's choice.
 void RunExpertPair(Trans trans_a, Trans trans_b, float alpha, float beta, const GemmProblem& p1,
-                   const GemmProblem& p2, SharedOperand shared) {
+                   const GemmProblem& p2, SharedOperand shared,
+                   const kernels::TileEpilogue* epilogue = nullptr) {
+  SY_REQUIRE(epilogue == nullptr || (shared == SharedOperand::kA && p1.n == p2.n), InvalidArgument,
+             "ExpertGemmPair: an epilogue needs a shared A and products of the same n, got "
+             "n={}/{}",
+             p1.n, p2.n);
   if (!UsePacked(p1) || !UsePacked(p2)) {
     RunExpertProduct(trans_a, trans_b, alpha, beta, p1);
-    RunExpertProduct(trans_a, trans_b, alpha, beta, p2);
+    RunExpertProduct(trans_a, trans_b, alpha, beta, p2, epilogue);
   } else if (shared == SharedOperand::kA) {
-    kernels::PackedGemmSharedA(trans_a, trans_b, p1, p2, alpha, beta);
+    kernels::PackedGemmSharedA(trans_a, trans_b, p1, p2, alpha, beta, epilogue);
   } else {
     kernels::PackedGemmSharedB(trans_a, trans_b, p1, p2, alpha, beta);
   }
@@ -414,8 +423,14 @@ void ExpertGroupedGemm(Trans trans_a, Trans trans_b, float alpha, float beta,
 }
 
 void ExpertGemmPair(Trans trans_a, Trans trans_b, float alpha, float beta, const GemmProblem& p1,
-                    const GemmProblem& p2, SharedOperand shared) {
-  RunExpertPair(trans_a, trans_b, alpha, beta, p1, p2, shared);
+                    const GemmProblem& p2, SharedOperand shared,
+                    const kernels::TileEpilogue* epilogue) {
+  RunExpertPair(trans_a, trans_b, alpha, beta, p1, p2, shared, epilogue);
+}
+
+void ExpertGemm(Trans trans_a, Trans trans_b, float alpha, float beta, const GemmProblem& p,
+                const kernels::TileEpilogue* epilogue) {
+  RunExpertProduct(trans_a, trans_b, alpha, beta, p, epilogue);
 }
 
 void ExpertGroupedGemmPairs(Trans trans_a, Trans trans_b, float alpha, float beta,

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -205,6 +206,94 @@ TEST(PackedGemm, PairRejectsProductsThatDoNotShare) {
   p2 = p1;
   p2.k = 3;
   EXPECT_THROW(PackedGemmSharedB(Trans::kNo, Trans::kNo, p1, p2, 1.0f, 0.0f), InvalidArgument);
+}
+
+// The tile epilogue: called on every element of C exactly once, after that element (and, for a
+// pair, the second product's element at the same place) holds its final value, and what it
+// writes into C stays. The epilogue here records c1 * c2 (c1 alone for one product), then negates
+// C1; checked against float64 products on odd shapes: m across the 144-row block, n not a
+// multiple of 16, k across the 256-deep block and k = 0, a pair wider than one column block (run
+// apart, one call over all of C), NT (the SwiGLU's gate/up form) and NN.
+struct EpilogueProbe {
+  float* c1;
+  const float* c2;  // null: one product
+  int64_t ldc;
+  float* seen;  // [m, n] c1 * c2 at the call
+  int64_t n;
+  std::vector<int>* visits;  // [m, n]
+  static void Fn(void* ctx, int64_t row, int64_t col, int64_t rows, int64_t cols) {
+    auto* e = static_cast<EpilogueProbe*>(ctx);
+    for (int64_t i = row; i < row + rows; ++i) {
+      for (int64_t j = col; j < col + cols; ++j) {
+        float& v = e->c1[i * e->ldc + j];
+        e->seen[i * e->n + j] = e->c2 ? v * e->c2[i * e->ldc + j] : v;
+        v = -v;
+        ++(*e->visits)[static_cast<size_t>(i * e->n + j)];
+      }
+    }
+  }
+};
+
+TEST(PackedGemm, TileEpilogueSeesFinalValuesOnce) {
+  if (!PackedGemmAvailable()) GTEST_SKIP() << "no AVX2/FMA on this CPU: the kernel is not used";
+  for (auto [m, n, k] : {std::tuple{151, 40, 300}, std::tuple{13, 17, 13}, std::tuple{7, 1100, 37},
+                         std::tuple{5, 33, 0}}) {
+    for (bool pair : {true, false}) {
+      for (Trans tb : {Trans::kYes, Trans::kNo}) {
+        const int64_t ldc = n + 3, ldb = tb == Trans::kYes ? k + 1 : n + 1;
+        auto a = RandomVector(static_cast<size_t>(m * (k + 2)), 31);
+        auto b1 = RandomVector(static_cast<size_t>((tb == Trans::kYes ? n : k) * ldb), 32);
+        auto b2 = RandomVector(static_cast<size_t>((tb == Trans::kYes ? n : k) * ldb), 33);
+        std::vector<float> c1(static_cast<size_t>(m * ldc), 5.0f), c2 = c1, want1 = c1, want2 = c1;
+        std::vector<float> seen(static_cast<size_t>(m * n), 0.0f), want_seen = seen;
+        std::vector<int> visits(static_cast<size_t>(m * n), 0);
+        EpilogueProbe probe{c1.data(), pair ? c2.data() : nullptr, ldc, seen.data(), n, &visits};
+        const TileEpilogue epi{&EpilogueProbe::Fn, &probe};
+        const GemmProblem p1{m, n, k, a.data(), k + 2, b1.data(), ldb, c1.data(), ldc};
+        GemmProblem p2 = p1;
+        p2.b = b2.data();
+        p2.c = c2.data();
+        if (pair) {
+          PackedGemmSharedA(Trans::kNo, tb, p1, p2, 1.0f, 0.0f, &epi);
+        } else {
+          PackedGemm(Trans::kNo, tb, p1, 1.0f, 0.0f, &epi);
+        }
+        ref::Gemm(Trans::kNo, tb, m, n, k, 1.0f, a.data(), k + 2, b1.data(), ldb, 0.0f,
+                  want1.data(), ldc);
+        ref::Gemm(Trans::kNo, tb, m, n, k, 1.0f, a.data(), k + 2, b2.data(), ldb, 0.0f,
+                  want2.data(), ldc);
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            const float w1 = want1[static_cast<size_t>(i * ldc + j)];
+            want_seen[static_cast<size_t>(i * n + j)] =
+                pair ? w1 * want2[static_cast<size_t>(i * ldc + j)] : w1;
+            want1[static_cast<size_t>(i * ldc + j)] = -w1;
+          }
+        }
+        const std::string what = "m " + std::to_string(m) + " n " + std::to_string(n) + " k " +
+                                 std::to_string(k) + (pair ? " pair" : " single") +
+                                 (tb == Trans::kYes ? " NT" : " NN");
+        EXPECT_EQ(std::count(visits.begin(), visits.end(), 1), m * n) << what;
+        const double atol = 2e-5 * std::max(1, k);
+        EXPECT_TRUE(AllClose(seen, want_seen, 1e-4, atol * std::max(1, k))) << what;
+        EXPECT_TRUE(AllClose(c1, want1, 1e-5, atol)) << what;
+        if (pair) {
+          EXPECT_TRUE(AllClose(c2, want2, 1e-5, atol)) << what;
+        }
+      }
+    }
+  }
+  std::vector<float> a(64), b(64), c(64), d(64);
+  int calls = 0;
+  const TileEpilogue count{
+      [](void* ctx, int64_t, int64_t, int64_t, int64_t) { ++*static_cast<int*>(ctx); }, &calls};
+  const GemmProblem p1{4, 4, 4, a.data(), 4, b.data(), 4, c.data(), 4};
+  GemmProblem p2 = p1;
+  p2.n = 3;
+  p2.c = d.data();
+  EXPECT_THROW(PackedGemmSharedA(Trans::kNo, Trans::kNo, p1, p2, 1.0f, 0.0f, &count),
+               InvalidArgument);
+  EXPECT_EQ(calls, 0);
 }
 
 TEST(PackedGemm, RejectsBadSizes) {

@@ -27,11 +27,26 @@ namespace switchyard::kernels {
 // True when the CPU (and OS) supports AVX2 and FMA.
 bool PackedGemmAvailable();
 
+// Work on C done where it is still in cache: fn(ctx, row, col, rows, cols) is called once for
+// every region [row, row + rows) x [col, col + cols) of C as soon as it holds its final value
+// (for a pair: of both C1 and C2 at the same place), before later regions are computed. The
+// regions cover C exactly once, in an unspecified order and size (a row block of up to 144 rows
+// by all columns of C, or of one 2048-column block, when the product runs blocked; all of C when
+// it does not). fn may rewrite those regions of C (and write elsewhere), but no other part of C
+// and nothing the product still reads. E.g. the SwiGLU's activation applied to the gate and up
+// products' rows while they are in L2.
+struct TileEpilogue {
+  void (*fn)(void* ctx, int64_t row, int64_t col, int64_t rows, int64_t cols);
+  void* ctx;
+};
+
 // One product, any (trans_a, trans_b), any sizes (0 included; k = 0 scales C by beta). Single-
 // threaded; uses per-thread packing buffers (up to 2.2 MiB: one 256 x 2048 block of B and one
 // 150 x 256 block of A). Requires PackedGemmAvailable(); throws InvalidArgument for negative sizes
 // or leading dimensions smaller than the columns they hold.
-void PackedGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta);
+// `epilogue` (may be null): see TileEpilogue.
+void PackedGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha, float beta,
+                const TileEpilogue* epilogue = nullptr);
 
 // Two products that share an operand, in one pass that packs the shared operand once per block
 // (an expert's SwiGLU pair). Same contract as PackedGemm for each product.
@@ -41,9 +56,10 @@ void PackedGemm(Trans trans_a, Trans trans_b, const GemmProblem& p, float alpha,
 //   SharedB: C1 = alpha op(A1) op(B) + beta C1, C2 = alpha op(A2) op(B) + beta C2; the same n, k,
 //            b and ldb. E.g. the weight gradients dA1^T X and dA3^T X: X is packed once.
 // SharedA runs the two products one after the other when their columns (each rounded up to 16)
-// exceed one 2048-column block of op(B).
+// exceed one 2048-column block of op(B). SharedA's `epilogue` (may be null; then p1.n == p2.n,
+// else InvalidArgument) sees each region once both products' values there are final.
 void PackedGemmSharedA(Trans trans_a, Trans trans_b, const GemmProblem& p1, const GemmProblem& p2,
-                       float alpha, float beta);
+                       float alpha, float beta, const TileEpilogue* epilogue = nullptr);
 void PackedGemmSharedB(Trans trans_a, Trans trans_b, const GemmProblem& p1, const GemmProblem& p2,
                        float alpha, float beta);
 

@@ -7,11 +7,13 @@
 // Weights use PyTorch's Linear layout stacked over experts:
 //   fc1_weight [G, H, M], fc1_bias [G, H], fc2_weight [G, M, H], fc2_bias [G, M],
 //   fc3_weight [G, H, M] (gated only). Biases are optional (undefined = none).
-// The work is split into tasks of up to 256 rows of one group (variable-sized groups in dropless
+// The work is split into tasks of up to 1024 rows of one group (variable-sized groups in dropless
 // mode, the filled part of each expert's capacity in capacity mode), spread over `threads`. A
-// forward task runs fc1 (fc3) -> bias + activation -> fc2 bias + fc2 on its rows, so the [rows, H]
+// forward task runs fc1 (fc3) -> bias + activation -> fc2 + fc2 bias on its rows, so the [rows, H]
 // block is read back from cache rather than in separate passes over the whole hidden tensor; a
 // backward task runs dh = dY W2 -> the activation's backward (and fc1 bias partial sums) -> dX.
+// The biases and activations are the GEMMs' epilogues (kernels::TileEpilogue): on the packed
+// kernel they run row block by row block while those rows are in cache.
 // The weight gradients, which reduce over a group's rows, are one grouped GEMM over the experts
 // after that. Each product goes through moe::ExpertGroupedGemm's choice of kernel. Padding rows
 // are neither read nor computed; their outputs and gradients are zero. Results do not depend on

@@ -20,6 +20,7 @@
 #include <string_view>
 
 #include "switchyard/kernels/gemm.h"
+#include "switchyard/kernels/packed_gemm.h"
 
 namespace switchyard::moe {
 
@@ -96,10 +97,17 @@ void ExpertGroupedGemm(kernels::Trans trans_a, kernels::Trans trans_b, float alp
 // operand once (kernels::PackedGemmSharedA / SharedB); otherwise one after the other, each on
 // the kernel it would get alone. Same results either way up to float summation order (none: the
 // fused pass sums in the same order as the two products).
+// `epilogue` (may be null; kA only, p1.n == p2.n, else InvalidArgument) is called on regions of
+// C1 / C2 that hold their final values (kernels::TileEpilogue): row block by row block while
+// they are in cache on the packed kernel, once over all of C after the two products on the other
+// kernels.
 enum class SharedOperand : uint8_t { kA, kB };
 void ExpertGemmPair(kernels::Trans trans_a, kernels::Trans trans_b, float alpha, float beta,
                     const kernels::GemmProblem& p1, const kernels::GemmProblem& p2,
-                    SharedOperand shared);
+                    SharedOperand shared, const kernels::TileEpilogue* epilogue = nullptr);
+// One product through ExpertGroupedGemm's choice of kernel, with ExpertGemmPair's `epilogue`.
+void ExpertGemm(kernels::Trans trans_a, kernels::Trans trans_b, float alpha, float beta,
+                const kernels::GemmProblem& p, const kernels::TileEpilogue* epilogue = nullptr);
 // ExpertGemmPair for first[i], second[i] of every i, spread over threads as ExpertGroupedGemm
 // spreads problems. first and second must have the same length.
 void ExpertGroupedGemmPairs(kernels::Trans trans_a, kernels::Trans trans_b, float alpha, float beta,
