@@ -169,6 +169,13 @@ void ValidateExpertLayout(const TrainConfig& config, const ResolvedLayout& layou
       "config: 'a2a_algo' 2dh is the fixed-capacity all-to-all's: it needs 'dispatch' "
       "alltoall, got \"{}\"",
       config.dispatch);
+  // The a2a-FFN pipeline splits the exchanged tokens into chunks; the all-gather dispatcher
+  // exchanges none (the MoE layer refuses the pair when it is built: say so before the run).
+  SY_REQUIRE(config.overlap_degree == 1 || config.dispatch != parallel::DispatchKind::kAllGather,
+             InvalidArgument,
+             "config: 'overlap_degree' {} pipelines the all-to-all with the experts: it needs "
+             "'dispatch' alltoall or alltoallv, got \"allgather\"",
+             config.overlap_degree);
 }
 
 void ValidateAdaptiveR(const TrainConfig& config, const ResolvedLayout& layout) {

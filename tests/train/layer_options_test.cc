@@ -170,6 +170,16 @@ TEST_F(LayerOptionsTest, HierarchicalSmartScheduleAndShadowExpertsMatchOneRank) 
   EXPECT_EQ(TrainParallelOptions(c, 4).smart_group, 2);
   c.dispatch = "allgather";
   EXPECT_NE(ErrorOf([&] { TrainParallelOptions(c, 4); }).find("'a2a_algo' 2dh"), std::string::npos);
+  // The a2a-FFN pipeline needs exchanged tokens: refused with the config, not when the layer is
+  // built (the planner's layouts go through the same check).
+  c.a2a_algo = base.a2a_algo;
+  c.smart_schedule = base.smart_schedule;
+  c.shadow_experts = base.shadow_experts;
+  c.overlap_degree = 2;
+  EXPECT_NE(ErrorOf([&] { TrainParallelOptions(c, 4); }).find("'overlap_degree' 2 pipelines"),
+            std::string::npos);
+  c.dispatch = "alltoallv";
+  EXPECT_EQ(TrainParallelOptions(c, 4).overlap_degree, 2);
 }
 
 // The per-rank routing scope (Tutel's and DeepSpeed's default): capacity, drops and the balancing
