@@ -575,6 +575,15 @@ TEST_F(HfConcatTrainTest, HfConcatEveryLayoutMatchesOneRank) {
   for (const Layout& l : layouts) {
     ExpectSameRun(want, OnRanks(WithLayout(base, l), kSteps), "hf_concat " + Describe(l));
   }
+  // routing_scope per_rank: each data-parallel rank's forward is its own concatenation (Hugging
+  // Face under DDP), which is one rank with dp times the micro-batches.
+  TrainConfig per_rank = WithLayout(base, {.ranks = 2, .ep = 2});
+  per_rank.routing_scope = parallel::BatchScope::kPerRank;
+  TrainConfig split = base;
+  split.microbatches = 2 * base.microbatches;
+  const testing::RunRecord got = OnRanks(per_rank, kSteps);
+  ExpectSameRun(SingleRank(split, kSteps), got, "hf_concat per_rank dp 2");
+  EXPECT_GT(std::abs(got.aux_loss[0] - want.aux_loss[0]), 1e-6);  // fewer rows per concatenation
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, FamilyLayoutTest,
