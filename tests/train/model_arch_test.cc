@@ -575,6 +575,18 @@ TEST_F(HfConcatTrainTest, HfConcatEveryLayoutMatchesOneRank) {
   for (const Layout& l : layouts) {
     ExpectSameRun(want, OnRanks(WithLayout(base, l), kSteps), "hf_concat " + Describe(l));
   }
+  // The zero-bubble schedule (B split from W) and the interleaved one (two chunks per stage: the
+  // sums pass stage 0, 1, 0, 1 forward and back) on four blocks.
+  TrainConfig zb = WithLayout(base, {.ranks = 2, .pp = 2});
+  zb.pipeline_schedule = parallel::ScheduleKind::kZeroBubbleH1;
+  ExpectSameRun(want, OnRanks(zb, kSteps), "hf_concat pp 2 zb-h1");
+  TrainConfig deep = base;
+  deep.model.num_layers = 4;
+  TrainConfig interleaved = WithLayout(deep, {.ranks = 2, .pp = 2});
+  interleaved.pipeline_schedule = parallel::ScheduleKind::kInterleaved1F1B;
+  interleaved.virtual_stages = 2;
+  ExpectSameRun(SingleRank(deep, kSteps), OnRanks(interleaved, kSteps),
+                "hf_concat pp 2 interleaved");
   // routing_scope per_rank: each data-parallel rank's forward is its own concatenation (Hugging
   // Face under DDP), which is one rank with dp times the micro-batches.
   TrainConfig per_rank = WithLayout(base, {.ranks = 2, .ep = 2});
