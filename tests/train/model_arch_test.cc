@@ -477,6 +477,21 @@ TrainConfig HfConcatMixtral(const TempDir& dir) {
   return c;
 }
 
+// The concatenation needs E columns in every block's rows: a pyramid is refused by key.
+TEST_F(HfConcatTrainTest, HfConcatRefusesExpertsPerBlock) {
+  TrainConfig c = HfConcatMixtral(dir_);
+  c.experts_per_block = {4, 8};
+  try {
+    ValidateTrainConfig(c);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'experts_per_block'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("hf_concat"), std::string::npos) << e.what();
+  }
+  c.aux_loss = "gshard";
+  EXPECT_NO_THROW(ValidateTrainConfig(c));
+}
+
 // The training loss of each micro-batch is eval's aux_loss on the same rows and weights (eval
 // computes the convention on its own, with a wrapper of the MoE blocks: hf_eval.h); the step
 // reports the mean over the micro-batches, and loss - ce_loss = coef x aux (+ the blocks' z-loss
