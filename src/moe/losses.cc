@@ -96,7 +96,7 @@ bool NoiseFree(const GateResult& g) {
   return g.num_tokens == 0 || g.noisy_logits.SharesStorageWith(g.logits);
 }
 
-// The choices each token counts: all k (gshard_all_choices, global) or the 1st.
+// The choices each token counts: all k (gshard_all_choices, global, hf_concat) or the 1st.
 int64_t CountedChoices(const LayerConfig& config, int64_t top_k) {
   const bool all = config.aux_loss == AuxLoss::kGShardAllChoices ||
                    config.aux_loss == AuxLoss::kGlobal || config.aux_loss == AuxLoss::kHfConcat;

@@ -131,7 +131,8 @@ class MoeLayer {
   // Gradients of sum(y * dy) + aux_loss_coef * l_aux + z_loss_coef * z_loss.
   // dy [T, M] float32 or bfloat16; `forward` from Forward on the same params. aux_loss
   // hf_concat: `concat_total` (null: this layer's own rows) is the sums of the whole
-  // concatenation this layer's rows are part of, and l_aux is its loss.
+  // concatenation this layer's rows are part of, and l_aux in the objective is the
+  // concatenation's loss (LayerOutput::l_aux stays this call's rows' own value).
   LayerGradients Backward(const LayerParams& params, const LayerOutput& forward, const Tensor& dy,
                           int threads = 1, const RouterLoadSums* concat_total = nullptr) const;
 
