@@ -45,6 +45,7 @@ void RequireSupported(const moe::LayerConfig& c) {
   if (c.aux_loss == moe::AuxLoss::kImportanceLoad) refuse("aux_loss", "importance_load");
   if (c.aux_loss == moe::AuxLoss::kSequence) refuse("aux_loss", "sequence");
   if (c.aux_loss == moe::AuxLoss::kGlobal) refuse("aux_loss", "global");
+  if (c.aux_loss == moe::AuxLoss::kHfConcat) refuse("aux_loss", "hf_concat");
   if (c.group_topk > 0) refuse("group_topk", std::to_string(c.group_topk));
   if (c.topk_scaling_factor != 1.0f) {
     refuse("topk_scaling_factor", fmt::format("{}", c.topk_scaling_factor));

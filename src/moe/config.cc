@@ -46,6 +46,7 @@ constexpr std::pair<std::string_view, AuxLoss> kAuxLosses[] = {
     {"importance_load", AuxLoss::kImportanceLoad},
     {"sequence", AuxLoss::kSequence},
     {"global", AuxLoss::kGlobal},
+    {"hf_concat", AuxLoss::kHfConcat},
     {"none", AuxLoss::kNone}};
 constexpr std::pair<std::string_view, kernels::Activation> kActivations[] = {
     {"relu", kernels::Activation::kRelu},

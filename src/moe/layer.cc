@@ -26,7 +26,8 @@ struct LayerState {
   Tensor expert_out;  // [num_rows, M]
   ExpertActivations experts;
   VariantState variants;  // residual_moe, shared experts
-  // aux_loss global: the loss sums with the running mean of the counts (the backward's batch).
+  // aux_loss global: the loss sums with the running mean of the counts (the backward's batch);
+  // hf_concat: this layer's sums (the backward replaces the counts by the concatenation's).
   std::optional<GateLossSums> loss_sums;
 };
 
@@ -248,6 +249,7 @@ LayerOutput MoeLayer::Forward(const LayerParams& params, const Tensor& x,
         c, options.aux_counts_so_far ? *options.aux_counts_so_far : AuxCountsSoFar{}, &sums);
     s.loss_sums = sums;
   }
+  if (c.aux_loss == AuxLoss::kHfConcat) s.loss_sums = sums;
   const GateLosses losses = GateLossesFromSums(c, sums);
   s.plan = MakeDispatchPlan(
       c, s.gate,
@@ -273,13 +275,15 @@ LayerOutput MoeLayer::Forward(const LayerParams& params, const Tensor& x,
   out.expert_counts = s.plan.counts;
   out.dropped = s.plan.dropped;
   out.aux_counts = std::move(aux_counts);
+  out.concat_sums = ConcatSumsOf(c, sums);
   if (options.entropy) out.entropy_sum = RouterEntropySum(c, s.gate);
   if (options.save_for_backward) out.state = std::move(state);
   return out;
 }
 
 LayerGradients MoeLayer::Backward(const LayerParams& params, const LayerOutput& forward,
-                                  const Tensor& dy_in, int threads) const {
+                                  const Tensor& dy_in, int threads,
+                                  const RouterLoadSums* concat_total) const {
   const LayerConfig& c = config_;
   threads = std::max(1, threads);
   SY_REQUIRE(forward.state != nullptr, InvalidArgument,
@@ -309,8 +313,10 @@ LayerGradients MoeLayer::Backward(const LayerParams& params, const LayerOutput& 
   for (size_t i = 0; i < d_weights.size(); ++i) d_weights[i] += dg.weights[i];
   std::vector<float> d_gates = CombineWeightsBackward(c, s.gate, s.plan, d_weights);
   std::vector<float> d_scores = GateValuesBackward(c, s.gate, d_gates);
+  std::optional<GateLossSums> batch = s.loss_sums;
+  if (batch && concat_total != nullptr) UseConcatenationCounts(c, *concat_total, &*batch);
   GateGradients gg = GateBackward(c, s.gate, s.x, params.gate_weight, d_scores, c.aux_loss_coef,
-                                  c.z_loss_coef, s.loss_sums ? &*s.loss_sums : nullptr);
+                                  c.z_loss_coef, batch ? &*batch : nullptr);
   AddInto(dx, gg.x);
   g.params.gate_weight = gg.gate_weight;
   g.x = FromFloat32(dx, s.x_dtype, threads);

@@ -96,10 +96,10 @@ bool NoiseFree(const GateResult& g) {
   return g.num_tokens == 0 || g.noisy_logits.SharesStorageWith(g.logits);
 }
 
-// The choices each token counts: all k (gshard_all_choices, global) or the 1st.
+// The choices each token counts: all k (gshard_all_choices, global, hf_concat) or the 1st.
 int64_t CountedChoices(const LayerConfig& config, int64_t top_k) {
-  const bool all =
-      config.aux_loss == AuxLoss::kGShardAllChoices || config.aux_loss == AuxLoss::kGlobal;
+  const bool all = config.aux_loss == AuxLoss::kGShardAllChoices ||
+                   config.aux_loss == AuxLoss::kGlobal || config.aux_loss == AuxLoss::kHfConcat;
   return all ? top_k : 1;
 }
 
@@ -117,12 +117,14 @@ void AuxMapCounts(const GateResult& g, double* counts) {
 
 // Counted choices per expert (1st choice, all k, or the aux routing map's) and the loss scale:
 // l_aux = scale * sum_e m_e * c_e with c_e = choices_e / T.
-double GShardScale(const LayerConfig& config, const GateResult& g) {
-  return static_cast<double>(g.num_experts) / static_cast<double>(CountedChoices(config, g.top_k));
+// hf_concat: Hugging Face's E (its f_e counts all k choices without dividing by k).
+double GShardScale(const LayerConfig& config, int64_t num_experts, int64_t top_k) {
+  if (config.aux_loss == AuxLoss::kHfConcat) return static_cast<double>(num_experts);
+  return static_cast<double>(num_experts) / static_cast<double>(CountedChoices(config, top_k));
 }
 std::vector<double> GShardChoices(const LayerConfig& config, const GateResult& g) {
   std::vector<double> c(static_cast<size_t>(g.num_experts), 0.0);
-  if (config.aux_loss == AuxLoss::kGlobal) {
+  if (config.aux_loss == AuxLoss::kGlobal || config.aux_loss == AuxLoss::kHfConcat) {
     AuxMapCounts(g, c.data());
     return c;
   }
@@ -224,11 +226,11 @@ double LogSumExp(const float* l, int64_t e_num) {
   return mx + std::log(s);
 }
 
-// The losses of the form scale * sum_e (P_e / T) (choices_e / T): gshard, gshard_all_choices and
-// global (whose choices are the aux routing map's).
+// The losses of the form scale * sum_e (P_e / T) (choices_e / T): gshard, gshard_all_choices,
+// global and hf_concat (whose choices are the aux routing map's).
 bool IsGShard(const LayerConfig& config) {
   return config.aux_loss == AuxLoss::kGShard || config.aux_loss == AuxLoss::kGShardAllChoices ||
-         config.aux_loss == AuxLoss::kGlobal;
+         config.aux_loss == AuxLoss::kGlobal || config.aux_loss == AuxLoss::kHfConcat;
 }
 
 // The number of sequences of a batch of batch_tokens tokens (aux_loss sequence).
@@ -383,8 +385,7 @@ GateLosses GateLossesFromSums(const LayerConfig& config, const GateLossSums& s) 
   const int64_t e_num = config.num_experts;
   out.z_loss = static_cast<float>(s.z / s.num_tokens);
   if (IsGShard(config)) {
-    const int64_t choices = CountedChoices(config, EffectiveTopK(config));
-    double scale = static_cast<double>(e_num) / static_cast<double>(choices);
+    const double scale = GShardScale(config, e_num, EffectiveTopK(config));
     double inv_t = 1.0 / s.num_tokens;
     double sum = 0;
     for (int64_t e = 0; e < e_num; ++e) {
@@ -422,6 +423,32 @@ void UseRunningMeanCounts(const LayerConfig& config, const AuxCountsSoFar& prior
     const double before = prior.counts.empty() ? 0.0 : prior.counts[e];
     sums->choices[e] = (before + sums->choices[e]) / n;
   }
+}
+
+RouterLoadSums ConcatSumsOf(const LayerConfig& config, const GateLossSums& sums) {
+  RouterLoadSums r(config.num_experts, EffectiveTopK(config));
+  if (config.aux_loss != AuxLoss::kHfConcat) return r;
+  SY_CHECK(sums.probs.size() == r.probs.size() && sums.choices.size() == r.choices.size());
+  r.num_rows = sums.num_tokens;
+  r.probs = sums.probs;
+  r.choices = sums.choices;
+  return r;
+}
+
+void UseConcatenationCounts(const LayerConfig& config, const RouterLoadSums& total,
+                            GateLossSums* sums) {
+  if (config.aux_loss != AuxLoss::kHfConcat) return;
+  const auto e_num = static_cast<size_t>(config.num_experts);
+  SY_REQUIRE(total.choices.size() == e_num && total.num_rows >= sums->num_tokens, InvalidArgument,
+             "hf_concat totals: expected the counts of {} experts over at least this layer's {} "
+             "rows, got {} counts over {} rows",
+             e_num, sums->num_tokens, total.choices.size(), total.num_rows);
+  SY_CHECK(sums->choices.size() == e_num);
+  if (sums->num_tokens <= 0) return;
+  // The gshard form's gradient is scale * choices_e / T^2 per row; the concatenation's is
+  // E * C_e / N^2.
+  const double r = sums->num_tokens / total.num_rows;
+  for (size_t e = 0; e < e_num; ++e) sums->choices[e] = total.choices[e] * r * r;
 }
 
 GateLosses ComputeGateLosses(const LayerConfig& config, const GateResult& g) {
@@ -476,7 +503,8 @@ void GateLossesBackward(const LayerConfig& config, const GateResult& g, float au
                batch.choices.size(), e_num);
     const float* nl = g.noisy_logits.data<float>();
     std::vector<double> p = AuxProbabilitiesOfScores(config, g);
-    const double scale = GShardScale(config, g), inv_t = 1.0 / batch.num_tokens;
+    const double scale = GShardScale(config, g.num_experts, g.top_k);
+    const double inv_t = 1.0 / batch.num_tokens;
     std::vector<double> dp(p.size());
     for (int64_t t = 0; t < t_num; ++t) {
       for (int64_t e = 0; e < e_num; ++e) {

@@ -363,6 +363,7 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
       if (route_z[1] > 0) s.z_coef_scale = static_cast<float>(sums.num_tokens / route_z[1]);
     }
   }
+  if (c.aux_loss == moe::AuxLoss::kHfConcat) s.has_batch_sums = true;  // Backward's part
   if (s.has_batch_sums) s.batch_sums = sums;
   moe::GateLosses losses = moe::GateLossesFromSums(c, sums);
   if (global_aux && !global) {
@@ -437,6 +438,7 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
   lo.expert_counts = s.plan.counts;
   lo.dropped = s.plan.dropped;
   lo.aux_counts = std::move(aux_counts);
+  lo.concat_sums = moe::ConcatSumsOf(c, sums);
   if (options.entropy) lo.entropy_sum = moe::RouterEntropySum(c, s.gate);
   if (options.save_for_backward) out.state = std::move(state);
   return out;
@@ -444,7 +446,7 @@ ParallelOutput ParallelMoeLayer::Forward(const moe::LayerParams& params, const T
 
 ParallelGradients ParallelMoeLayer::Backward(const moe::LayerParams& params,
                                              const ParallelOutput& forward, const Tensor& dy_in,
-                                             int threads) {
+                                             int threads, const moe::RouterLoadSums* concat_total) {
   const moe::LayerConfig& c = config_;
   ParallelGradients g;
   CommStats* st = &g.stats;
@@ -486,9 +488,16 @@ ParallelGradients ParallelMoeLayer::Backward(const moe::LayerParams& params,
   internal::TraceSpan gate_span("gate backward");
   std::vector<float> d_gates = moe::CombineWeightsBackward(c, s.gate, s.plan, dg.weights);
   std::vector<float> d_scores = moe::GateValuesBackward(c, s.gate, d_gates);
-  moe::GateGradients gg = moe::GateBackward(
-      c, s.gate, s.x, params.gate_weight, d_scores, c.aux_loss_coef * s.aux_coef_scale,
-      c.z_loss_coef * s.z_coef_scale, s.has_batch_sums ? &s.batch_sums : nullptr);
+  moe::GateLossSums concat_batch;
+  const moe::GateLossSums* batch = s.has_batch_sums ? &s.batch_sums : nullptr;
+  if (batch != nullptr && concat_total != nullptr && c.aux_loss == moe::AuxLoss::kHfConcat) {
+    concat_batch = s.batch_sums;
+    moe::UseConcatenationCounts(c, *concat_total, &concat_batch);
+    batch = &concat_batch;
+  }
+  moe::GateGradients gg =
+      moe::GateBackward(c, s.gate, s.x, params.gate_weight, d_scores,
+                        c.aux_loss_coef * s.aux_coef_scale, c.z_loss_coef * s.z_coef_scale, batch);
   internal::AddInto(dx, gg.x);
   g.x = s.x_dtype == DType::kFloat32 ? dx : dx.To(s.x_dtype);
   g.params.gate_weight = gg.gate_weight;

@@ -350,6 +350,10 @@ moe::LayerConfig MoeBlockLayerConfig(const TrainConfig& c, int64_t block) {
   return layer;
 }
 
+bool UsesConcatAux(const TrainConfig& c) {
+  return c.aux_loss == "hf_concat" && NumMoeBlocks(c.model) > 0;
+}
+
 int64_t RouterGroupCount(const TrainConfig& c) {
   if (c.router_group_by == RouterGroupBy::kNone) return c.num_groups;
   const char* what = c.router_group_by == RouterGroupBy::kEpRank ? "ep_rank" : "node";
@@ -491,8 +495,9 @@ bool IsLayoutKey(std::string_view key) {
 namespace {
 
 // The values `arch` gives a run (docs/models.md, the family table): the families' components,
-// router, balancing-loss coefficient and norms. Sizes stay the run's (model_dim, layers, heads,
-// experts), except the kv heads of Mixtral (a quarter of the heads, at least one).
+// router, balancing loss (Hugging Face's, hf_concat) and its coefficient, and norms. Sizes stay the
+// run's (model_dim, layers, heads, experts), except the kv heads of Mixtral (a quarter of the
+// heads, at least one).
 json ArchPreset(Arch arch, const TrainConfig& c) {
   if (arch == Arch::kGpt) return json::object();
   json j = {{"norm", "rmsnorm"},        {"position_embedding", "rope"},
@@ -501,7 +506,7 @@ json ArchPreset(Arch arch, const TrainConfig& c) {
             {"hf_router", true},        {"norm_topk_prob", false},
             {"moe_every", 1},           {"rope_theta", 10000.0},
             {"norm_eps", 1e-5},         {"aux_loss_coef", 0.001},
-            {"capacity_factor", 0.0}};
+            {"capacity_factor", 0.0},   {"aux_loss", "hf_concat"}};
   switch (arch) {
     case Arch::kMixtral:
       j["rope_theta"] = 1e6;

@@ -198,11 +198,15 @@ void ValidateTrainConfig(const TrainConfig& c) {
   // Before anything builds the MoE layer's config from these keys.
   SY_REQUIRE(c.aux_loss == "gshard" || c.aux_loss == "gshard_all_choices" ||
                  c.aux_loss == "importance_load" || c.aux_loss == "global" ||
-                 c.aux_loss == "sequence" || c.aux_loss == "none",
+                 c.aux_loss == "sequence" || c.aux_loss == "hf_concat" || c.aux_loss == "none",
              InvalidArgument,
              "config: 'aux_loss' must be \"gshard\", \"gshard_all_choices\", \"importance_load\", "
-             "\"global\", \"sequence\" or \"none\", got \"{}\"",
+             "\"global\", \"sequence\", \"hf_concat\" or \"none\", got \"{}\"",
              c.aux_loss);
+  // One loss over every MoE block's router rows: each row has the same E columns.
+  SY_REQUIRE(c.aux_loss != "hf_concat" || c.experts_per_block.empty(), InvalidArgument,
+             "config: 'aux_loss' hf_concat concatenates the router rows of every MoE block, which "
+             "needs num_experts in each: leave 'experts_per_block' unset");
   (void)RouterTraceOptionsFromConfig(c.router_trace, c.router_trace_steps, c.router_replay);
   // The sequence loss needs whole sequences in every MoE call; sampling feeds the model a growing
   // context (moe/losses.cc refuses a batch that is not whole sequences).

@@ -41,6 +41,7 @@ void Scale(const Tensor& t, float factor) {
 
 struct ParallelMoeState {
   parallel::ParallelOutput out;
+  std::shared_ptr<const ConcatAuxTotals> concat_totals;  // aux_loss hf_concat
 };
 
 // What every rank of an MPI run must agree on (comm/agree.h): every key of the config but those
@@ -165,6 +166,7 @@ FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
   auto state = std::make_shared<ParallelMoeState>();
   RebindLayerParams(*params_, prefix_, &shard_);
   state->out = layer.Forward(shard_, x, o);
+  state->concat_totals = context.concat_totals;
   traced.Record(state->out.layer, context.save_for_backward);
   if (global_aux) aux_counts_.Add(context.step, key, state->out.layer.aux_counts);
   FeedForwardOutput r =
@@ -199,7 +201,8 @@ Tensor ParallelMoeFeedForward::Backward(const FeedForwardOutput& forward, const 
     Scale(d, 1.0f / scale);
   }
   RebindLayerParams(*params_, prefix_, &shard_);
-  parallel::ParallelGradients g = layer.Backward(shard_, s.out, d, threads);
+  parallel::ParallelGradients g =
+      layer.Backward(shard_, s.out, d, threads, ConcatTotalsOf(s.concat_totals));
   for (const auto& [name, grad] : moe::ParamsToMap(layer.config(), g.params)) {
     Parameter& p = params_->Get(prefix_ + name);
     if (!p.options.trainable) continue;

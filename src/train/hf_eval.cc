@@ -201,7 +201,8 @@ PassOutput RunPass(EvalRank& r, bool backward, bool keep_logits, int threads) {
                     .save_for_backward = true,
                     .step = 0,
                     .global_token_offset = r.row_begin * seq,
-                    .threads = threads};
+                    .threads = threads,
+                    .concat_totals = nullptr};  // the wrapper computes the family's loss
   r.sums->mine = moe::RouterLoadSums(r.config.num_experts, r.config.top_k);
   if (backward) {
     buffer.BeginStep(model.parameters());

@@ -525,6 +525,7 @@ LmOutput TransformerLm::ForwardChunk(int chunk, const Tensor& tokens_in, const T
   ctx.training = options.training;
   ctx.save_for_backward = options.save_for_backward;
   ctx.threads = options.threads;
+  ctx.concat_totals = options.concat_totals;
 
   LmOutput out;
   state->blocks.resize(static_cast<size_t>(range.end - range.begin));

@@ -18,6 +18,7 @@ double Now() {
 // What the backward needs besides the layer's own state.
 struct MoeState {
   moe::LayerOutput out;
+  std::shared_ptr<const ConcatAuxTotals> concat_totals;  // aux_loss hf_concat
 };
 
 }  // namespace
@@ -55,6 +56,7 @@ FeedForwardOutput MoeFeedForward::Forward(const Tensor& x, const FeedForwardCont
   auto state = std::make_shared<MoeState>();
   RebindLayerParams(*params_, prefix_, &layer_params_);
   state->out = layer.Forward(layer_params_, x, o);
+  state->concat_totals = context.concat_totals;
   traced.Record(state->out, context.save_for_backward);
   if (global_aux) aux_counts_.Add(context.step, key, state->out.aux_counts);
   FeedForwardOutput r =
@@ -80,7 +82,8 @@ Tensor MoeFeedForward::Backward(const FeedForwardOutput& forward, const Tensor& 
     for (int64_t i = 0; i < d.numel(); ++i) p[i] /= loss_scale;
   }
   RebindLayerParams(*params_, prefix_, &layer_params_);
-  moe::LayerGradients g = layer.Backward(layer_params_, s.out, d, threads);
+  moe::LayerGradients g =
+      layer.Backward(layer_params_, s.out, d, threads, ConcatTotalsOf(s.concat_totals));
   for (const auto& [name, grad] : moe::ParamsToMap(layer.config(), g.params)) {
     Parameter& p = params_->Get(prefix_ + name);
     if (!p.options.trainable) continue;
@@ -119,13 +122,25 @@ FeedForwardFactory MoeFeedForwardFactory(
   };
 }
 
+const moe::RouterLoadSums* ConcatTotalsOf(const std::shared_ptr<const ConcatAuxTotals>& totals) {
+  if (totals == nullptr) return nullptr;
+  SY_CHECK(totals->ready,
+           "aux_loss hf_concat: the micro-batch's totals are not set before its "
+           "backward");
+  return &totals->sums;
+}
+
 FeedForwardOutput MoeFeedForwardOutput(const moe::LayerConfig& config, const moe::LayerOutput& out,
                                        int64_t num_tokens, const Tensor& expert_bias) {
   FeedForwardOutput r;
   r.y = out.y;
-  r.aux_loss = out.l_aux;
+  // hf_concat: the loss is the concatenation's, which the caller computes from routing's
+  // concat_sums of every layer; this layer's own value is not a term of the objective.
+  const bool concat = config.aux_loss == moe::AuxLoss::kHfConcat;
+  const double l_aux = concat ? 0.0 : out.l_aux;
+  r.aux_loss = l_aux;
   r.z_loss = out.z_loss;
-  r.loss = static_cast<double>(config.aux_loss_coef) * out.l_aux +
+  r.loss = static_cast<double>(config.aux_loss_coef) * l_aux +
            static_cast<double>(config.z_loss_coef) * out.z_loss;
   RoutingStats& s = r.routing;
   s.expert_loads = out.expert_loads;
@@ -134,8 +149,9 @@ FeedForwardOutput MoeFeedForwardOutput(const moe::LayerConfig& config, const moe
   s.dropped = out.dropped;
   s.num_tokens = num_tokens;
   s.entropy_sum = out.entropy_sum;
-  s.l_aux = out.l_aux;
+  s.l_aux = l_aux;
   s.z_loss = out.z_loss;
+  s.concat_sums = out.concat_sums;
   if (expert_bias.defined() && expert_bias.numel() > 0) {
     const float* b = expert_bias.data<float>();
     const auto [lo, hi] = std::minmax_element(b, b + expert_bias.numel());

@@ -12,6 +12,8 @@
 #include "switchyard/core/limits.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/kernels/gemm.h"
+#include "switchyard/moe/router_load_loss.h"
+#include "switchyard/train/aux_counts.h"
 #include "switchyard/train/generate.h"
 #include "switchyard/train/memory_estimate.h"
 #include "switchyard/train/moe_feed_forward.h"
@@ -157,6 +159,13 @@ struct Trainer::StepTotals {
   std::vector<internal::StepSums::Routing> routing;  // per MoE block of the model (ordinal)
   bool has_head = false;
 
+  // aux_loss hf_concat: one micro-batch's loss over its concatenation (the head's chunk), in
+  // the FFN terms and, counted once per MoE block as Add counts l_aux, in aux.
+  void AddConcatAux(double aux_loss, double coef, int64_t moe_blocks) {
+    ffn += coef * aux_loss;
+    aux += aux_loss * static_cast<double>(moe_blocks);
+  }
+
   void Add(const ModelConfig& model, const LmOutput& o, bool head) {
     if (head) {
       ce_sum += o.ce_loss * static_cast<double>(o.count);
@@ -190,32 +199,74 @@ void Trainer::RunMicrobatches(const std::vector<Batch>& batches,
   const int v = model_->num_chunks();
   std::vector<std::vector<LmOutput>> outs(static_cast<size_t>(m),
                                           std::vector<LmOutput>(static_cast<size_t>(v)));
+  // aux_loss hf_concat: each micro-batch's sums over its MoE blocks; with pipeline stages the
+  // running sums travel with the activations and the totals back with the gradients, in
+  // `payload` extra rows (aux_counts.h).
+  const bool concat = UsesConcatAux(config_);
+  const int64_t experts = config_.num_experts;
+  const int64_t top_k = std::min(config_.top_k, experts);
+  const int64_t payload =
+      concat && ctx_.pp_size > 1 ? ConcatPayloadRows(experts, config_.model.model_dim) : 0;
+  std::vector<std::shared_ptr<ConcatAuxTotals>> concat_totals(static_cast<size_t>(m));
+  for (auto& t : concat_totals) {
+    if (!concat) continue;
+    t = std::make_shared<ConcatAuxTotals>();
+    t->sums = moe::RouterLoadSums(experts, top_k);
+  }
   parallel::PipelineStageCallbacks cb;
   cb.input_shape = [&](int mb, int) -> Shape {
-    return {model_->ActivationRows(batches[static_cast<size_t>(mb)].tokens),
+    return {model_->ActivationRows(batches[static_cast<size_t>(mb)].tokens) + payload,
             config_.model.model_dim};
   };
   cb.forward = [&](int mb, int chunk, const Tensor& input) {
     const Batch& b = batches[static_cast<size_t>(mb)];
     ForwardOptions fo = options;
     fo.global_token_offset = row_begins[static_cast<size_t>(mb)] * seq;
+    fo.concat_totals = concat_totals[static_cast<size_t>(mb)];
+    moe::RouterLoadSums running(concat ? experts : 0, concat ? top_k : 0);
+    Tensor x = input;
+    if (payload > 0 && input.defined()) {
+      running = ReadConcatSums(input, payload, experts, top_k);
+      x = input.Slice(0, input.size(0) - payload);
+    }
     if (ctx_.pp_size == 1) buffer_->BeginMicrobatch(mb, m);
-    LmOutput o = model_->ForwardChunk(chunk, b.tokens, b.targets, input, fo);
+    LmOutput o = model_->ForwardChunk(chunk, b.tokens, b.targets, x, fo);
     if (ctx_.pp_size == 1) {  // one micro-batch through the whole model
       saved_activation_bytes_ = std::max(saved_activation_bytes_, model_->SavedActivationBytes(o));
     }
-    totals->Add(config_.model, o, model_->chunk_has_head(chunk));
+    const bool head = model_->chunk_has_head(chunk);
+    totals->Add(config_.model, o, head);
+    if (concat) {
+      for (const RoutingStats& r : o.routing) running.Add(r.concat_sums);
+      if (head) {
+        ConcatAuxTotals& t = *concat_totals[static_cast<size_t>(mb)];
+        t.sums = running;
+        t.ready = true;
+        totals->AddConcatAux(moe::RouterLoadLoss(running), config_.aux_loss_coef,
+                             NumMoeBlocks(config_.model));
+      }
+    }
     Tensor activation = std::move(o.activation);
     o.activation = Tensor();
     outs[static_cast<size_t>(mb)][static_cast<size_t>(chunk)] = std::move(o);
+    if (payload > 0 && activation.defined()) {
+      activation = AppendConcatSums(activation, running, payload);
+    }
     return activation;
   };
   // Zero-bubble: B (input_only) queues the dense layers' weight-gradient GEMMs of its
   // (micro-batch, chunk) and the schedule's W runs them (train/weight_grad.h).
   std::vector<std::vector<WeightGradQueue>> deferred(
       static_cast<size_t>(m), std::vector<WeightGradQueue>(static_cast<size_t>(v)));
-  cb.backward = [&](int mb, int chunk, const Tensor& grad, bool input_only) {
+  cb.backward = [&](int mb, int chunk, const Tensor& grad_in, bool input_only) {
     LmOutput& o = outs[static_cast<size_t>(mb)][static_cast<size_t>(chunk)];
+    Tensor grad = grad_in;
+    if (payload > 0 && grad_in.defined()) {  // the totals, from the stage after this one
+      ConcatAuxTotals& t = *concat_totals[static_cast<size_t>(mb)];
+      t.sums = ReadConcatSums(grad_in, payload, experts, top_k);
+      t.ready = true;
+      grad = grad_in.Slice(0, grad_in.size(0) - payload);
+    }
     Tensor dx;
     if (input_only) {
       DeferWeightGrads defer(deferred[static_cast<size_t>(mb)][static_cast<size_t>(chunk)]);
@@ -224,6 +275,9 @@ void Trainer::RunMicrobatches(const std::vector<Batch>& batches,
       dx = model_->BackwardChunk(o, grad, scale, threads_);
     }
     o.state.reset();  // the activations of this micro-batch chunk are no longer needed
+    if (payload > 0 && dx.defined()) {
+      dx = AppendConcatSums(dx, concat_totals[static_cast<size_t>(mb)]->sums, payload);
+    }
     return dx;
   };
   cb.backward_weight = [&](int mb, int chunk) {

@@ -14,6 +14,7 @@
 #include "switchyard/core/error.h"
 #include "switchyard/moe/config.h"
 #include "switchyard/moe/gate.h"
+#include "switchyard/moe/layer.h"
 #include "switchyard/moe/router_load_loss.h"
 #include "testing/random.h"
 
@@ -168,6 +169,87 @@ TEST(HfLoadBalancingLoss, PartsAddUpAndGradientsMatchFiniteDifferences) {
       *p = saved;
       const double fd = coef * (plus - minus) / (2 * eps);
       EXPECT_NEAR(d.data<float>()[i], fd, 1e-4 + 1e-2 * std::abs(fd)) << "element " << i;
+    }
+  }
+}
+
+// x [T, M] -> x W^T [T, E] (the router logits).
+Tensor RouterLogits(const Tensor& x, const Tensor& w) {
+  const int64_t t_num = x.size(0), m_dim = x.size(1), e_num = w.size(0);
+  Tensor l = Tensor::Zeros({t_num, e_num});
+  for (int64_t t = 0; t < t_num; ++t) {
+    for (int64_t e = 0; e < e_num; ++e) {
+      double acc = 0;
+      for (int64_t i = 0; i < m_dim; ++i) {
+        acc += static_cast<double>(x.data<float>()[t * m_dim + i]) * w.data<float>()[e * m_dim + i];
+      }
+      l.data<float>()[t * e_num + e] = static_cast<float>(acc);
+    }
+  }
+  return l;
+}
+
+// aux_loss hf_concat in the MoE layer: two layers' calls are parts of one concatenation. Each
+// reports its sums (those of its logits x Wg^T), alone its l_aux is Hugging Face's loss of its
+// rows, and its Backward given the concatenation's sums differentiates coef x the
+// concatenation's loss: with dy = 0 the gate weight's and the input's gradients match central
+// differences of ReferenceLoss over both layers' logits (both router families).
+TEST(HfLoadBalancingLoss, MoeLayerBackwardDifferentiatesTheConcatenation) {
+  for (ScoreFunction score : {ScoreFunction::kSoftmax, ScoreFunction::kSoftmaxAfterTopK}) {
+    LayerConfig c;
+    c.model_dim = 6;
+    c.hidden_dim = 4;
+    c.num_experts = 5;
+    c.top_k = 2;
+    c.score_function = score;
+    c.normalize_gate = false;
+    c.dropless = true;
+    c.capacity_factor = 0;
+    c.aux_loss = AuxLoss::kHfConcat;
+    c.aux_loss_coef = 0.7f;
+    const MoeLayer layer(c);
+    LayerParams p[2] = {InitParams(c, 11), InitParams(c, 12)};
+    for (LayerParams& q : p) {  // logits of a few units: distinct top k
+      for (int64_t i = 0; i < q.gate_weight.numel(); ++i) q.gate_weight.data<float>()[i] *= 8.0f;
+    }
+    Tensor x[2] = {Random(7, c.model_dim, 21), Random(4, c.model_dim, 22)};
+    LayerOutput out[2];
+    RouterLoadSums total(c.num_experts, c.top_k);
+    for (int l = 0; l < 2; ++l) {
+      out[l] = layer.Forward(p[l], x[l]);
+      const Tensor logits = RouterLogits(x[l], p[l].gate_weight);
+      const RouterLoadSums want = ComputeRouterLoadSums(logits, c.top_k);
+      ASSERT_EQ(out[l].concat_sums.num_rows, want.num_rows);
+      EXPECT_EQ(out[l].concat_sums.choices, want.choices);
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        EXPECT_NEAR(out[l].concat_sums.probs[e], want.probs[e], 1e-5);
+      }
+      EXPECT_NEAR(out[l].l_aux, ReferenceLoss({logits}, c.top_k), 1e-5);
+      total.Add(out[l].concat_sums);
+    }
+    auto objective = [&]() {
+      return c.aux_loss_coef * ReferenceLoss({RouterLogits(x[0], p[0].gate_weight),
+                                              RouterLogits(x[1], p[1].gate_weight)},
+                                             c.top_k);
+    };
+    for (int l = 0; l < 2; ++l) {
+      const LayerGradients g = layer.Backward(p[l], out[l], Tensor::Zeros(x[l].shape()), 1, &total);
+      for (auto [value, grad] :
+           {std::pair{&p[l].gate_weight, &g.params.gate_weight}, std::pair{&x[l], &g.x}}) {
+        for (int64_t i = 0; i < value->numel(); i += 3) {
+          float* v = value->data<float>() + i;
+          const float saved = *v;
+          const double eps = 1e-3;
+          *v = saved + static_cast<float>(eps);
+          const double plus = objective();
+          *v = saved - static_cast<float>(eps);
+          const double minus = objective();
+          *v = saved;
+          const double fd = (plus - minus) / (2 * eps);
+          EXPECT_NEAR(grad->data<float>()[i], fd, 2e-4 + 1e-2 * std::abs(fd))
+              << "layer " << l << " element " << i;
+        }
+      }
     }
   }
 }

@@ -16,6 +16,7 @@
 #include "switchyard/train/config.h"
 #include "switchyard/train/gated_shared_moe.h"
 #include "switchyard/train/gqa_attention.h"
+#include "switchyard/train/hf_eval.h"
 #include "switchyard/train/memory_estimate.h"
 #include "switchyard/train/moe_feed_forward.h"
 #include "switchyard/train/rope.h"
@@ -285,6 +286,12 @@ TEST(ModelArchTest, ArchPresetsSetFamilyDefaults) {
   EXPECT_FALSE(layer.fc_bias);
   EXPECT_TRUE(layer.dropless);
   EXPECT_EQ(layer.score_function, moe::ScoreFunction::kSoftmaxAfterTopK);
+  // Hugging Face's loss over the concatenated layers; the per-layer gshard stays selectable.
+  EXPECT_EQ(m.aux_loss, "hf_concat");
+  EXPECT_EQ(layer.aux_loss, moe::AuxLoss::kHfConcat);
+  EXPECT_EQ(gpt.config.aux_loss, "gshard");
+  EXPECT_EQ(Resolve(defaults, {{"arch", "olmoe"}, {"aux_loss", "gshard"}}).config.aux_loss,
+            "gshard");
   const TrainConfig olmoe = Resolve(defaults, {{"arch", "olmoe"}}).config;
   EXPECT_TRUE(olmoe.model.qk_norm);
   EXPECT_FALSE(olmoe.norm_topk_prob);
@@ -451,6 +458,159 @@ TEST_P(FamilyLayoutTest, EveryLayoutMatchesOneRank) {
     EXPECT_NEAR(got.grad_norm[s], want_bf16.grad_norm[s], 5e-3 * want_bf16.grad_norm[s])
         << GetParam() << " bf16 step " << s;
   }
+}
+
+// aux_loss hf_concat (Hugging Face's loss over every MoE block's router rows of a micro-batch)
+// in training: a small Mixtral (two MoE blocks, so the concatenation is not one layer's) with a
+// coefficient large enough to move the gradients.
+class HfConcatTrainTest : public ::testing::Test {
+ protected:
+  void SetUp() override { kernels::SetBlasThreads(1); }
+  TempDir dir_;
+};
+
+TrainConfig HfConcatMixtral(const TempDir& dir) {
+  TrainConfig c = Family(dir, "mixtral");
+  c.aux_loss = "hf_concat";
+  c.aux_loss_coef = 0.5;
+  c.microbatches = 2;
+  return c;
+}
+
+// The concatenation needs E columns in every block's rows: a pyramid is refused by key.
+TEST_F(HfConcatTrainTest, HfConcatRefusesExpertsPerBlock) {
+  TrainConfig c = HfConcatMixtral(dir_);
+  c.experts_per_block = {4, 8};
+  try {
+    ValidateTrainConfig(c);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'experts_per_block'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("hf_concat"), std::string::npos) << e.what();
+  }
+  c.aux_loss = "gshard";
+  EXPECT_NO_THROW(ValidateTrainConfig(c));
+}
+
+// The training loss of each micro-batch is eval's aux_loss on the same rows and weights (eval
+// computes the convention on its own, with a wrapper of the MoE blocks: hf_eval.h); the step
+// reports the mean over the micro-batches, and loss - ce_loss = coef x aux (+ the blocks' z-loss
+// terms).
+TEST_F(HfConcatTrainTest, HfConcatTrainingLossEqualsEval) {
+  const TrainConfig c = HfConcatMixtral(dir_);
+  Trainer t(c);
+  std::vector<Batch> seen;
+  t.set_batch_observer(
+      [&](int64_t, const std::vector<int64_t>&, const std::vector<Batch>& b) { seen = b; });
+  TensorMap weights;
+  for (const auto& [name, value] : t.model().parameters().Values()) weights[name] = value.Clone();
+  const StepMetrics m = t.Step();
+  ASSERT_EQ(seen.size(), 2u);
+  double want = 0;
+  for (const Batch& b : seen) {
+    want += hf::EvaluateModel(c, weights, b.tokens, c.aux_loss_coef, false).aux_loss / 2;
+  }
+  EXPECT_NEAR(m.aux_loss, want, 1e-6 * want);
+  // The z-loss term is each block's (m.z_loss their mean); the aux term is counted once.
+  const double z_term = c.z_loss_coef * m.z_loss * static_cast<double>(NumMoeBlocks(c.model));
+  EXPECT_NEAR(m.loss - m.ce_loss, c.aux_loss_coef * want + z_term, 1e-6);
+  EXPECT_GT(want, 1.0);  // about k = 2 when balanced
+}
+
+// The trainer's gradient of the aux term (its gradient with aux_loss_coef 0.5 minus with 0, same
+// weights and batch, no clipping) equals eval's (hf_eval.h's wrapper: an independent
+// implementation with two passes) averaged over the step's micro-batches, for every parameter:
+// the totals reach every block's backward, the later block's counts included.
+TEST_F(HfConcatTrainTest, HfConcatGradientEqualsEval) {
+  TrainConfig c = HfConcatMixtral(dir_);
+  c.grad_clip = 0;
+  auto train_grads = [&](double coef, std::vector<Batch>* seen, TensorMap* weights) {
+    TrainConfig tc = c;
+    tc.aux_loss_coef = coef;
+    Trainer t(tc);
+    t.set_batch_observer(
+        [&](int64_t, const std::vector<int64_t>&, const std::vector<Batch>& b) { *seen = b; });
+    for (const auto& [name, v] : t.model().parameters().Values()) (*weights)[name] = v.Clone();
+    t.Step();
+    TensorMap g;
+    for (const Parameter& p : t.model().parameters().all()) {
+      if (p.grad.defined()) g[p.name] = p.grad.Clone();
+    }
+    return g;
+  };
+  std::vector<Batch> seen;
+  TensorMap weights;
+  const TensorMap with = train_grads(c.aux_loss_coef, &seen, &weights);
+  const TensorMap without = train_grads(0.0, &seen, &weights);
+  ASSERT_EQ(seen.size(), 2u);
+  TensorMap want;
+  for (const Batch& b : seen) {
+    const hf::EvalResult e1 = hf::EvaluateModel(c, weights, b.tokens, c.aux_loss_coef, true);
+    const hf::EvalResult e0 = hf::EvaluateModel(c, weights, b.tokens, 0.0, true);
+    for (const auto& [name, g1] : e1.grads) {
+      Tensor& w = want[name];
+      if (!w.defined()) w = Tensor::Zeros(g1.shape());
+      for (int64_t i = 0; i < g1.numel(); ++i) {
+        w.data<float>()[i] += (g1.data<float>()[i] - e0.grads.at(name).data<float>()[i]) / 2;
+      }
+    }
+  }
+  double largest = 0;
+  for (const auto& [name, w] : want) {
+    ASSERT_TRUE(with.count(name) && without.count(name)) << name;
+    for (int64_t i = 0; i < w.numel(); ++i) {
+      const double got = with.at(name).data<float>()[i] - without.at(name).data<float>()[i];
+      const double expected = w.data<float>()[i];
+      largest = std::max(largest, std::abs(expected));
+      EXPECT_NEAR(got, expected, 2e-6 + 1e-3 * std::abs(expected)) << name << " [" << i << "]";
+    }
+  }
+  EXPECT_GT(largest, 1e-3);  // the aux term moves the gradients
+}
+
+// hf_concat in every layout the brief of the convention names (tp 2 with and without sequence
+// parallelism, cp 2, pp 2 with 1F1B over 2 micro-batches — the counts travel between the stages
+// with the activations and the totals with the gradients —, ep 2, ep 2 with ZeRO 3, full and
+// selective recomputation) against one rank.
+TEST_F(HfConcatTrainTest, HfConcatEveryLayoutMatchesOneRank) {
+  const TrainConfig base = HfConcatMixtral(dir_);
+  const int kSteps = 2;
+  const testing::RunRecord want = SingleRank(base, kSteps);
+  const Layout layouts[] = {
+      {.ranks = 2, .tp = 2},
+      {.ranks = 2, .tp = 2, .sp = true},
+      {.ranks = 2, .cp = 2},
+      {.ranks = 2, .pp = 2},
+      {.ranks = 2, .ep = 2},
+      {.ranks = 4, .ep = 2, .zero = 3},
+      {.ranks = 2, .tp = 2, .recompute = "full"},
+      {.ranks = 2, .pp = 2, .recompute = "full"},
+      {.ranks = 1, .recompute = "selective"},
+  };
+  for (const Layout& l : layouts) {
+    ExpectSameRun(want, OnRanks(WithLayout(base, l), kSteps), "hf_concat " + Describe(l));
+  }
+  // The zero-bubble schedule (B split from W) and the interleaved one (two chunks per stage: the
+  // sums pass stage 0, 1, 0, 1 forward and back) on four blocks.
+  TrainConfig zb = WithLayout(base, {.ranks = 2, .pp = 2});
+  zb.pipeline_schedule = parallel::ScheduleKind::kZeroBubbleH1;
+  ExpectSameRun(want, OnRanks(zb, kSteps), "hf_concat pp 2 zb-h1");
+  TrainConfig deep = base;
+  deep.model.num_layers = 4;
+  TrainConfig interleaved = WithLayout(deep, {.ranks = 2, .pp = 2});
+  interleaved.pipeline_schedule = parallel::ScheduleKind::kInterleaved1F1B;
+  interleaved.virtual_stages = 2;
+  ExpectSameRun(SingleRank(deep, kSteps), OnRanks(interleaved, kSteps),
+                "hf_concat pp 2 interleaved");
+  // routing_scope per_rank: each data-parallel rank's forward is its own concatenation (Hugging
+  // Face under DDP), which is one rank with dp times the micro-batches.
+  TrainConfig per_rank = WithLayout(base, {.ranks = 2, .ep = 2});
+  per_rank.routing_scope = parallel::BatchScope::kPerRank;
+  TrainConfig split = base;
+  split.microbatches = 2 * base.microbatches;
+  const testing::RunRecord got = OnRanks(per_rank, kSteps);
+  ExpectSameRun(SingleRank(split, kSteps), got, "hf_concat per_rank dp 2");
+  EXPECT_GT(std::abs(got.aux_loss[0] - want.aux_loss[0]), 1e-6);  // fewer rows per concatenation
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, FamilyLayoutTest,

@@ -197,7 +197,8 @@ TEST(StepSumsTest, RoutingAddsCallsAndItsStatisticsAreThoseOfTheSums) {
                     .l_aux = 1.5,
                     .z_loss = 0.25,
                     .bias_min = -0.5,
-                    .bias_max = 0.75};
+                    .bias_max = 0.75,
+                    .concat_sums = {}};
   r.Add(call);
   call.expert_loads = {1, 1};
   call.dropped = 0;

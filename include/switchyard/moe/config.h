@@ -47,7 +47,12 @@ enum class AuxLoss : uint8_t {
   // Megatron-Core's global_aux_loss: E / (k T^2) * sum_e P_e * Nbar_e over the micro-batch's
   // tokens on every rank, Nbar the running mean of the counts over the step's micro-batches
   // (ForwardOptions::aux_counts_so_far, losses.h)
-  kGlobal
+  kGlobal,
+  // Hugging Face's load_balancing_loss_func: E * sum_e f_e * P_e over the router rows of every
+  // MoE layer of a forward concatenated (f_e: the top k of P counted per expert, / N). A layer
+  // alone computes its own rows' value; the caller gives Backward the concatenation's sums
+  // (layer.h, router_load_loss.h).
+  kHfConcat
 };
 
 struct LayerConfig {

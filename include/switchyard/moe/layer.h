@@ -22,6 +22,7 @@
 #include "switchyard/core/tensor.h"
 #include "switchyard/moe/config.h"
 #include "switchyard/moe/experts.h"
+#include "switchyard/moe/router_load_loss.h"
 
 namespace switchyard::moe {
 
@@ -100,6 +101,9 @@ struct LayerOutput {
   // over every rank's tokens in the parallel layer), for the next micro-batch's AuxCountsSoFar;
   // empty for other losses.
   std::vector<double> aux_counts;
+  // aux_loss hf_concat: this call's batch's sums (over every rank of the batch in the parallel
+  // layer), this layer's part of the concatenation (router_load_loss.h); empty sums otherwise.
+  RouterLoadSums concat_sums;
   // With ForwardOptions::entropy: the sum over this call's tokens of the router entropy
   // -sum_e P log P (RouterEntropySum, router_stats.h); 0 otherwise.
   double entropy_sum = 0;
@@ -125,9 +129,12 @@ class MoeLayer {
                       const ForwardOptions& options = {}) const;
 
   // Gradients of sum(y * dy) + aux_loss_coef * l_aux + z_loss_coef * z_loss.
-  // dy [T, M] float32 or bfloat16; `forward` from Forward on the same params.
+  // dy [T, M] float32 or bfloat16; `forward` from Forward on the same params. aux_loss
+  // hf_concat: `concat_total` (null: this layer's own rows) is the sums of the whole
+  // concatenation this layer's rows are part of, and l_aux in the objective is the
+  // concatenation's loss (LayerOutput::l_aux stays this call's rows' own value).
   LayerGradients Backward(const LayerParams& params, const LayerOutput& forward, const Tensor& dy,
-                          int threads = 1) const;
+                          int threads = 1, const RouterLoadSums* concat_total = nullptr) const;
 
  private:
   LayerConfig config_;

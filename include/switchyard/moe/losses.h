@@ -23,6 +23,12 @@
 //                       tokens whose top k of P holds e (Megatron's aux routing map). The counts
 //                       of earlier micro-batches come from the caller (AuxCountsSoFar). Gradient
 //                       through P only.
+//   hf_concat           Hugging Face's load_balancing_loss_func (router_load_loss.h):
+//                       l_aux = E * sum_e (P_e / N) (C_e / N) over the rows of every MoE layer of
+//                       a forward concatenated, C_e the (row, choice) pairs whose top k of P holds
+//                       e. One layer alone: its own rows (N = T). Gradient through P only; the
+//                       layer's backward takes the concatenation's C and N
+//                       (UseConcatenationCounts).
 //   z-loss              z = mean_t (logsumexp_e logits[t, e])^2 on the noise-free logits (ST-MoE).
 // P are the aux probabilities: the softmax over all E experts (score functions softmax and
 // softmax_after_topk), or the sigmoid scores normalized to sum 1 per token (Megatron-Core).
@@ -33,6 +39,7 @@
 
 #include "switchyard/moe/config.h"
 #include "switchyard/moe/gate.h"
+#include "switchyard/moe/router_load_loss.h"
 
 namespace switchyard::moe {
 
@@ -94,6 +101,16 @@ GateLosses GateLossesFromSums(const LayerConfig& config, const GateLossSums& sum
 // prior.counts is neither empty nor [E], or prior.micro_batches < 0. Other losses: no change.
 void UseRunningMeanCounts(const LayerConfig& config, const AuxCountsSoFar& prior,
                           GateLossSums* sums);
+// aux_loss hf_concat: the layer's sums (num_tokens, probs, choices) as a part of the
+// concatenation; other losses: empty sums of E experts.
+RouterLoadSums ConcatSumsOf(const LayerConfig& config, const GateLossSums& sums);
+// aux_loss hf_concat: makes the backward of the layer whose sums are `sums` (this layer's
+// batch) differentiate the concatenation's loss, whose sums are `total` (every layer's rows;
+// total.num_rows >= sums->num_tokens, InvalidArgument otherwise): the choices become
+// total.choices * (T / N)^2, so that the gshard form's gradient E * choices / T^2 is
+// E * C / N^2. Other losses: no change.
+void UseConcatenationCounts(const LayerConfig& config, const RouterLoadSums& total,
+                            GateLossSums* sums);
 // As GateLossesBackward, for the losses of the batch whose sums are `batch` (gate is this rank's
 // part of it).
 void GateLossesBackward(const LayerConfig& config, const GateResult& gate, float aux_coef,

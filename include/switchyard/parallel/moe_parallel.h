@@ -225,9 +225,11 @@ class ParallelMoeLayer {
                          const ParallelForwardOptions& options = {});
 
   // Gradients of this rank's share of sum(y * dy) + aux_loss_coef * l_aux + z_loss_coef * z_loss
-  // (global scope: of the whole batch's losses). dy [T, M]. Collective.
+  // (global scope: of the whole batch's losses). dy [T, M]. aux_loss hf_concat: `concat_total`
+  // as in moe::MoeLayer::Backward (the concatenation's sums, over the batch's ranks). Collective.
   ParallelGradients Backward(const moe::LayerParams& params, const ParallelOutput& forward,
-                             const Tensor& dy, int threads = 1);
+                             const Tensor& dy, int threads = 1,
+                             const moe::RouterLoadSums* concat_total = nullptr);
 
   // Sums gradients over the ranks that share each parameter (see the top). mean = true divides
   // by the number of token shards (data-parallel averaging). Collective.

@@ -1,15 +1,21 @@
-// aux_loss global in training (docs/moe.md, "Losses"): the counts of the step's earlier
-// micro-batches that each MoE FFN hands its layer (moe::AuxCountsSoFar), as Megatron-Core's
-// router keeps global_tokens_per_expert and ga_steps until the step's end.
+// The router counts that balancing losses need beyond one layer's call.
+// - aux_loss global in training (docs/moe.md, "Losses"): the counts of the step's earlier
+//   micro-batches that each MoE FFN hands its layer (moe::AuxCountsSoFar), as Megatron-Core's
+//   router keeps global_tokens_per_expert and ga_steps until the step's end.
+// - aux_loss hf_concat across pipeline stages (docs/models.md): a micro-batch's running router
+//   sums travel forward with the activation and its totals back with the gradient.
 //
-// Thread-safety: one per FFN (a rank's FFN runs one micro-batch at a time).
+// Thread-safety: StepAuxCounts one per FFN (a rank's FFN runs one micro-batch at a time); the
+// functions are reentrant.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <vector>
 
+#include "switchyard/core/tensor.h"
 #include "switchyard/moe/losses.h"
+#include "switchyard/moe/router_load_loss.h"
 
 namespace switchyard::train {
 
@@ -37,5 +43,17 @@ class StepAuxCounts {
   std::map<int64_t, moe::AuxCountsSoFar> given_;  // what each micro-batch was handed
   std::map<int64_t, bool> added_;
 };
+
+// aux_loss hf_concat between pipeline stages: the 2E + 1 doubles of RouterLoadSums::ToVector,
+// bit for bit, in extra rows below a float32 [rows, model_dim] activation or gradient (the
+// executor moves float32 tensors; no collective is added to the schedule).
+// The extra rows that hold them.
+int64_t ConcatPayloadRows(int64_t num_experts, int64_t model_dim);
+// [rows + payload_rows, model_dim]: x [rows, model_dim] float32 and then `sums`.
+Tensor AppendConcatSums(const Tensor& x, const moe::RouterLoadSums& sums, int64_t payload_rows);
+// The sums held by the last payload_rows rows of x (InvalidArgument when x is not float32 with
+// that many rows).
+moe::RouterLoadSums ReadConcatSums(const Tensor& x, int64_t payload_rows, int64_t num_experts,
+                                   int64_t top_k);
 
 }  // namespace switchyard::train

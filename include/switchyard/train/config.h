@@ -120,6 +120,9 @@ int64_t NumMoeBlocks(const ModelConfig& model);
 int64_t BlockExperts(const TrainConfig& config, int64_t block);
 // MoeLayerConfig with that block's number of experts.
 moe::LayerConfig MoeBlockLayerConfig(const TrainConfig& config, int64_t block);
+// True when the model has MoE blocks and their balancing loss is aux_loss hf_concat (Hugging
+// Face's: one loss over the router rows of every MoE block of a micro-batch; docs/models.md).
+bool UsesConcatAux(const TrainConfig& config);
 
 // Where a run's configuration comes from, lowest precedence first: the command's defaults, the
 // checkpoint being resumed (every key but the layout and `out`), the --config file, the flags;

@@ -22,6 +22,7 @@
 
 #include "switchyard/core/tensor.h"
 #include "switchyard/kernels/ops.h"
+#include "switchyard/moe/router_load_loss.h"
 #include "switchyard/train/layers.h"
 #include "switchyard/train/parameters.h"
 
@@ -36,6 +37,14 @@ struct FeedForwardTimes {
     comm_seconds += o.comm_seconds;
     return *this;
   }
+};
+
+// aux_loss hf_concat: the router sums of the whole concatenation one micro-batch's forward makes
+// (every MoE block of every stage, every rank of the batch), which the trainer fills in after
+// the forward and before the backward of that micro-batch; the MoE FFNs' Backward reads it.
+struct ConcatAuxTotals {
+  moe::RouterLoadSums sums;
+  bool ready = false;
 };
 
 // Per-call settings of a forward pass.
@@ -55,6 +64,9 @@ struct FeedForwardContext {
   // bfloat16 mixed precision (mixed_precision.h): the dense MLP keeps bfloat16 activations and
   // multiplies bfloat16 operands; MoE FFNs run in float32 whatever this says.
   Precision precision = Precision::kFloat32;
+  // aux_loss hf_concat: where this micro-batch's concatenation sums will be (kept by the MoE
+  // FFNs' state for Backward); null: each layer's own rows.
+  std::shared_ptr<const ConcatAuxTotals> concat_totals;
 };
 
 // Routing statistics of one MoE forward (empty for a dense FFN).
@@ -69,6 +81,9 @@ struct RoutingStats {
   double z_loss = 0;       // the z-loss, before its coefficient
   double bias_min = 0;     // the range of the expert bias the call routed with (0, 0: none)
   double bias_max = 0;
+  // aux_loss hf_concat: the call's router sums (the whole batch's, over its ranks), its part of
+  // the concatenation; empty sums otherwise.
+  moe::RouterLoadSums concat_sums;
   // With the layer's check_finite: non-finite elements of the layer's input on this rank
   // (reported, not thrown, so that every rank stops at the same point: Trainer::Step).
   int64_t nonfinite_inputs = 0;

@@ -219,6 +219,9 @@ struct ForwardOptions {
   uint64_t step = 0;                // keys the MoE layers' random draws
   int64_t global_token_offset = 0;  // global index of this rank's first token
   int threads = 1;
+  // aux_loss hf_concat: the micro-batch's concatenation sums, filled in by the caller before
+  // the backward (FeedForwardContext::concat_totals); null: each MoE block's own rows.
+  std::shared_ptr<const ConcatAuxTotals> concat_totals;
 };
 
 struct ModelState;  // activations kept for Backward (opaque)

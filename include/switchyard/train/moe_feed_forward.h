@@ -66,8 +66,13 @@ void RebindLayerParams(const ParameterSet& params, const std::string& prefix,
                        moe::LayerParams* layer);
 
 // The FFN output of one MoE layer call: y, the loss terms (with the config's coefficients) and
-// the routing statistics of the call's `num_tokens` tokens, with the range of `expert_bias` ([E]
-// float32, or undefined) the call routed with. Shared by the single-rank and parallel MoE FFNs.
+// the routing statistics of the call's `num_tokens` tokens (aux_loss hf_concat: the layer's
+// sums in routing.concat_sums and no aux term: the concatenation's is the caller's), with the range
+// of `expert_bias` ([E] float32, or undefined) the call routed with. Shared by the single-rank and
+// parallel MoE FFNs. aux_loss hf_concat: the sums a Backward uses (null: the layer's own rows).
+// InternalError when the trainer has not filled them in yet.
+const moe::RouterLoadSums* ConcatTotalsOf(const std::shared_ptr<const ConcatAuxTotals>& totals);
+
 FeedForwardOutput MoeFeedForwardOutput(const moe::LayerConfig& config, const moe::LayerOutput& out,
                                        int64_t num_tokens, const Tensor& expert_bias);
 
