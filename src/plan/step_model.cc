@@ -256,6 +256,24 @@ Cluster RankShareOf(const Cluster& cluster, int64_t ranks) {
   return c;
 }
 
+// The MoE layers' routing collectives (global routing statistics, the row counts, the capacity
+// or the sizes of the exchange; counted in train's --trace-step timelines) of one micro-batch:
+// small, so their cost is their messages' latency, a synchronization of the ranks each. 5 per MoE
+// block in forward, and one in backward with all-to-all-v (the sizes) and all-gather dispatch
+// (the weights' gradients); over the expert group, or the data ranks with ep 1.
+Traffic RoutingTraffic(const Cluster& c, const internal::ModelView& m,
+                       const internal::LayoutView& l, double moe_blocks) {
+  Traffic routing;
+  if (m.moe_blocks > 0 && m.num_experts > 0) {
+    const int64_t group = l.ep > 1 ? l.ep : l.dp * l.cp;
+    const int64_t span = l.ep > 1 ? l.ep * (l.megatron ? l.etp : l.tp) : l.ranks / l.pp;
+    const double per_block = l.dispatch == "alltoall" || l.ep == 1 ? 5.0 : 6.0;
+    routing.Add(c, Collective::kAllGather, 8.0 * static_cast<double>(m.num_experts * group), group,
+                span, "allgather", per_block * moe_blocks);
+  }
+  return routing;
+}
+
 }  // namespace
 
 StepPrediction PredictStep(const train::TrainConfig& config, const Cluster& cluster) {
@@ -367,19 +385,7 @@ StepPrediction internal::PredictStepOf(const train::TrainConfig& config, const M
               4 * moe_blocks * chunks);
     }
   }
-  // The MoE layers' routing collectives (global routing statistics, the row counts, the
-  // capacity or the sizes of the exchange; counted in train's --trace-step timelines): small, so
-  // their cost is their messages' latency, a synchronization of the ranks each. 5 per MoE block
-  // in forward, and one in backward with all-to-all-v (the sizes) and all-gather dispatch (the
-  // weights' gradients); over the expert group, or the data ranks with ep 1.
-  Traffic routing;
-  if (m.moe_blocks > 0 && m.num_experts > 0) {
-    const int64_t group = l.ep > 1 ? l.ep : l.dp * l.cp;
-    const int64_t span = l.ep > 1 ? l.ep * (l.megatron ? l.etp : l.tp) : stage_ranks;
-    const double per_block = l.dispatch == "alltoall" || l.ep == 1 ? 5.0 : 6.0;
-    routing.Add(c, Collective::kAllGather, 8.0 * static_cast<double>(m.num_experts * group), group,
-                span, "allgather", per_block * moe_blocks);
-  }
+  const Traffic routing = RoutingTraffic(c, m, l, moe_blocks);
   const double ep_hidden = l.overlap_degree > 1 && l.dispatch == "alltoall"
                                ? std::min(epc.seconds, 3 * expert_gemm) *
                                      (1.0 - 1.0 / static_cast<double>(l.overlap_degree))

@@ -69,6 +69,24 @@ double MoeSlotsPerToken(const TrainConfig& c, double experts_held, int ep) {
   return std::min(k * std::max(1.0, cf), static_cast<double>(ep) * std::min(k, experts_held));
 }
 
+namespace {
+
+// The MoE blocks (IsMoeBlock: moe_every and mlp_only_layers) of the stage holding the most, with
+// the blocks split evenly over the stages (`layers` each).
+int64_t MoeBlocksOfFullestStage(const ModelConfig& m, int64_t layers) {
+  int64_t most = 0;
+  for (int64_t first = 0; first < m.num_layers; first += layers) {
+    int64_t here = 0;
+    for (int64_t b = first; b < std::min(m.num_layers, first + layers); ++b) {
+      here += IsMoeBlock(m, b) ? 1 : 0;
+    }
+    most = std::max(most, here);
+  }
+  return most;
+}
+
+}  // namespace
+
 RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const ModelConfig& m = c.model;
   const char* what = "per-rank memory estimate";
@@ -77,16 +95,7 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const int64_t dp = std::max<int64_t>(1, c.ranks / (tp * cp * pp));
   const int64_t d = m.model_dim, v = m.vocab_size, s = m.seq_len;
   const int64_t layers = (m.num_layers + pp - 1) / pp;
-  // The MoE blocks (IsMoeBlock: moe_every and mlp_only_layers) of the stage holding the most,
-  // with the blocks split evenly over the stages.
-  int64_t moe_layers = 0;
-  for (int64_t first = 0; first < m.num_layers; first += layers) {
-    int64_t here = 0;
-    for (int64_t b = first; b < std::min(m.num_layers, first + layers); ++b) {
-      here += IsMoeBlock(m, b) ? 1 : 0;
-    }
-    moe_layers = std::max(moe_layers, here);
-  }
+  const int64_t moe_layers = MoeBlocksOfFullestStage(m, layers);
   const int64_t eh = c.expert_hidden_dim > 0 ? c.expert_hidden_dim : m.hidden_dim;
   // Parameters of this rank: embeddings (and an untied head), split over tp; the position
   // embedding; per layer attention, norms, and the dense FFN or this rank's experts and the gate.
