@@ -341,11 +341,23 @@ bool IsHfDirectory(const std::string& path) {
          (fs::exists(dir / kSingleFile, ec) || fs::exists(dir / kIndexFile, ec));
 }
 
+std::string ResolveModelPath(const std::string& path) {
+  if (IsHfDirectory(path)) return path;
+  try {
+    return ResolveCheckpoint(path);
+  } catch (const IoError& e) {
+    throw IoError(
+        fmt::format("{}; or a Hugging Face model directory (config.json beside {} or "
+                    "{})",
+                    e.what(), kSingleFile, kIndexFile));
+  }
+}
+
 std::string InitFromModelKeysJson(const std::string& path) {
   if (IsHfDirectory(path)) {
     return TrainKeysJson(ReadModelConfig(path), path + "/config.json");
   }
-  const Json all = Json::parse(ReadCheckpointConfigJson(path));
+  const Json all = Json::parse(ReadCheckpointConfigJson(ResolveModelPath(path)));
   Json keys = Json::object();
   for (const auto& [key, value] : all.items()) {
     const ConfigKeyInfo* info = FindConfigKey(key);

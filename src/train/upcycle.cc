@@ -171,7 +171,7 @@ UpcycleSource ReadUpcycleSource(const std::string& path) {
     s.arch = c.family == hf::Family::kQwen2 ? "qwen2_moe" : "mixtral";
     return s;
   }
-  const Json all = Json::parse(ReadCheckpointConfigJson(path));
+  const Json all = Json::parse(ReadCheckpointConfigJson(hf::ResolveModelPath(path)));
   const int64_t moe_every = all.value("moe_every", int64_t{0});
   SY_REQUIRE(moe_every == 0, InvalidArgument,
              "--upcycle-from {}: key 'moe_every': the checkpoint is already an MoE model "

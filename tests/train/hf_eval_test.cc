@@ -268,12 +268,15 @@ TEST_F(HfEval, ExportInitFromExportRoundTripsBitForBit) {
   r = RunSwitchyard("eval --model " + missing + " --tokens " + tokens + " --out " + from_run);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("no_such_run"), std::string::npos) << r.err;
+  // ... and the message names every form --model takes, the Hugging Face directory too.
+  EXPECT_NE(r.err.find("or a Hugging Face model directory"), std::string::npos) << r.err;
   r = RunSwitchyard("export --run " + missing + " --to hf --out " + (*hf_.dir / "export_x"));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("no_such_run"), std::string::npos) << r.err;
   r = RunSwitchyard(common + "--steps 1 --init-from " + missing + " --out " + (*hf_.dir / "run_x"));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("--init-from " + missing), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("or a Hugging Face model directory"), std::string::npos) << r.err;
   EXPECT_FALSE(std::filesystem::exists(*hf_.dir / "run_x"));
 
   // A flag that contradicts the directory's config is an error naming both.

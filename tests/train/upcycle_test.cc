@@ -111,6 +111,7 @@ TEST_F(Upcycle, FirstStepLossEqualsTheDenseModels) {
         Bad{"--upcycle-from " + dense + " --model_dim 64", "'model_dim': --model_dim gives 64"},
         Bad{"--upcycle-from " + dense + " --init-from " + dense, "--init-from"},
         Bad{"--upcycle-from " + Path("missing"), "--upcycle-from " + Path("missing")},
+        Bad{"--upcycle-from " + Path("missing"), "or a Hugging Face model directory"},
         Bad{"--upcycle-zero-router", "needs --upcycle-from"}}) {
     const std::string out = Path("bad_run");
     r = RunSwitchyard(common + "--steps 1 --num_experts 4 --top_k 2 " + b.flags + " --out " + out);

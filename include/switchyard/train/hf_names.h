@@ -100,6 +100,10 @@ void ForEachHfTensor(const ModelConfig& config,
 // or its index, no state.json) or a switchyard checkpoint (a checkpoint, checkpoints or run
 // directory, ResolveCheckpoint). IsHfDirectory tells which.
 bool IsHfDirectory(const std::string& path);
+// PATH as --init-from, --upcycle-from and `eval --model` take it: a Hugging Face directory as it
+// is, else the checkpoint ResolveCheckpoint finds. A path that is neither is an IoError naming
+// every form these flags accept (ResolveCheckpoint's own error names only switchyard's).
+std::string ResolveModelPath(const std::string& path);
 // The model keys PATH fixes (a JSON object of TrainConfig keys): TrainKeysJson of its config.json,
 // or every model-category key of the checkpoint's config.
 std::string InitFromModelKeysJson(const std::string& path);
