@@ -393,6 +393,10 @@ std::string WhyKeyCannotAct(std::string_view key, const TrainConfig& c,
   const bool moe_exchange = key == "overlap_degree" || key == "shadow_experts" ||
                             key == "smart_schedule" || key == "a2a_algo";
   if (moe_exchange && NumMoeBlocks(c.model) == 0) return "the model has no MoE blocks";
+  // The balancing loss is the MoE router's: a dense model has no router to balance.
+  if (key == "aux_loss" && (run.dense || NumMoeBlocks(c.model) == 0)) {
+    return "the model has no MoE blocks (no router to balance)";
+  }
   if (moe_exchange && (run.dense || TrainExpertParallelSize(c, static_cast<int>(c.ranks)) == 1)) {
     return "the MoE blocks exchange no tokens with an expert-parallel size of 1";
   }

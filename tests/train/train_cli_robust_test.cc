@@ -139,6 +139,7 @@ TEST_F(TrainCliRobustTest, KeysThatCannotActAreRefused) {
       {"--ranks 1 --overlap_degree 2", {"'overlap_degree'"}},
       {"--ranks 1 --shadow_experts auto", {"'shadow_experts'"}},
       {"--ranks 2 --moe_every 0 --overlap_degree 2", {"'overlap_degree'", "no MoE blocks"}},
+      {"--ranks 2 --moe_every 0 --aux_loss hf_concat", {"'aux_loss'", "no MoE blocks"}},
       {"--ranks 2 --pp 2", {"'pp'", "'microbatches'"}},
       {"--ranks 2 --steps 3 --trace_step 10", {"'trace_step'", "10", "step 3"}},
       {"--ranks 2 --moe_every 5", {"'moe_every'", "dense"}},
@@ -147,6 +148,7 @@ TEST_F(TrainCliRobustTest, KeysThatCannotActAreRefused) {
                  {"--pp 2", {"'pp'", "train-dense"}},
                  {"--cp 2", {"'cp'", "train-dense"}},
                  {"--zero_stage 1", {"'zero_stage'", "train-dense"}},
+                 {"--aux_loss global", {"'aux_loss'", "no MoE blocks"}},
                  {"--trace_step 1", {"'trace_step'"}},
                  {"--resume ''", {"--resume"}}},
                 "train-dense");
