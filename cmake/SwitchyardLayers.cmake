@@ -24,6 +24,12 @@ function(sy_add_layer name)
   add_library(sy_${name} STATIC ${ARG_SOURCES})
   add_library(switchyard::${name} ALIAS sy_${name})
   set_target_properties(sy_${name} PROPERTIES EXPORT_NAME ${name} OUTPUT_NAME switchyard_${name})
+  # Unity sources: a batch of a layer's files compiled as one translation unit instantiates the
+  # templates they share (nlohmann-json, fmt, the standard containers) once instead of per file,
+  # about half the CPU time. The GEMM kernels stay separate files (their inlining is measured).
+  if(SY_UNITY_BUILD AND NOT name STREQUAL "kernels")
+    set_target_properties(sy_${name} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 8)
+  endif()
   target_include_directories(sy_${name} PUBLIC $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
                                          PRIVATE ${PROJECT_SOURCE_DIR}/src)
   # This build's warning flags are not imposed on users of the installed package; sanitizer

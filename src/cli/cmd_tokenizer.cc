@@ -22,7 +22,7 @@ namespace {
 
 namespace ds = train::dataset;
 
-struct TrainOptions {
+struct TokenizerTrainOptions {
   std::vector<std::string> inputs;
   int64_t vocab_size = 8000;
   std::string model_type = "bpe";
@@ -123,7 +123,7 @@ int RunDecode(const CodecOptions& o) {
   return 0;
 }
 
-int RunTrain(const TrainOptions& o) {
+int RunTokenizerTrain(const TokenizerTrainOptions& o) {
   ds::SentencePieceTrainOptions options;
   options.inputs = o.inputs;
   options.vocab_size = o.vocab_size;
@@ -154,7 +154,7 @@ void AddCodecOptions(CLI::App& app, CodecOptions& o, const char* input_help, con
 SY_REGISTER_COMMAND(Command{
     "tokenizer", "train", "Train a SentencePiece model (bpe or unigram) on text files",
     [](CLI::App& app) -> Action {
-      auto o = std::make_shared<TrainOptions>();
+      auto o = std::make_shared<TokenizerTrainOptions>();
       app.add_option("--input", o->inputs, "text files, one sentence or document per line")
           ->required()
           ->type_name("PATH");
@@ -173,7 +173,7 @@ SY_REGISTER_COMMAND(Command{
           ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
       app.add_option("--threads", o->threads, "training threads")->check(CLI::Range(1, 256));
       app.add_flag("--verbose", o->verbose, "print SentencePiece's training log");
-      return [o] { return RunTrain(*o); };
+      return [o] { return RunTokenizerTrain(*o); };
     }});
 
 SY_REGISTER_COMMAND(Command{"tokenizer", "encode", "Text to token ids, one line to one line",

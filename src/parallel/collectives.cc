@@ -8,22 +8,19 @@
 #include <vector>
 
 #include "parallel/trace_context.h"
+#include "switchyard/core/clock.h"
 #include "switchyard/core/error.h"
 
 namespace switchyard::parallel::internal {
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 namespace {
 
 template <typename Fn>
 void Timed(const char* name, CommStats* stats, Traffic traffic, double bytes, Fn&& start) {
-  double t0 = Now();
+  double t0 = NowSeconds();
   comm::Work work = start();
   work.Wait();
-  const double t1 = Now();
+  const double t1 = NowSeconds();
   AccountWork(Tracing() ? fmt::format("{} {}", name, TrafficName(traffic)) : std::string(), work,
               stats, traffic, bytes, t0, t0, t1);
 }

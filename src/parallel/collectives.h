@@ -8,20 +8,18 @@
 #include <vector>
 
 #include "switchyard/comm/communicator.h"
+#include "switchyard/core/clock.h"
 #include "switchyard/core/tensor.h"
 #include "switchyard/parallel/comm_stats.h"
 
 namespace switchyard::parallel::internal {
 
-// Seconds since an arbitrary epoch (steady clock).
-double Now();
-
 // Adds the wall time of its scope to stats->total_seconds.
 class ScopedTotal {
  public:
-  explicit ScopedTotal(CommStats* stats) : stats_(stats), start_(Now()) {}
+  explicit ScopedTotal(CommStats* stats) : stats_(stats), start_(NowSeconds()) {}
   ~ScopedTotal() {
-    if (stats_) stats_->total_seconds += Now() - start_;
+    if (stats_) stats_->total_seconds += NowSeconds() - start_;
   }
   ScopedTotal(const ScopedTotal&) = delete;
   ScopedTotal& operator=(const ScopedTotal&) = delete;

@@ -9,6 +9,7 @@
 
 #include "parallel/collectives.h"
 #include "parallel/trace_context.h"
+#include "switchyard/core/clock.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/thread_pool.h"
 #include "switchyard/kernels/reduce.h"
@@ -46,12 +47,12 @@ Tensor TokenAllToAllV(comm::Communicator& group, const Tensor& send,
   int64_t total = 0;
   for (int64_t n : recv_rows) total += n;
   Tensor recv = Tensor::Empty({total, send.size(1)});
-  const double issued = Now();
+  const double issued = NowSeconds();
   const double bytes = WireBytes(send_rows, group.rank(), send.size(1) * 4);
   comm::Work work = group.AllToAllV(send, send_rows, recv, recv_rows);
-  const double t0 = Now();
+  const double t0 = NowSeconds();
   work.Wait();
-  AccountWork(name, work, stats, Traffic::kTokens, bytes, issued, t0, Now());
+  AccountWork(name, work, stats, Traffic::kTokens, bytes, issued, t0, NowSeconds());
   return recv;
 }
 

@@ -11,6 +11,7 @@
 
 #include "parallel/collectives.h"
 #include "switchyard/comm/agree.h"
+#include "switchyard/core/clock.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/threading.h"
 #include "switchyard/parallel/expert_shard.h"
@@ -85,7 +86,7 @@ RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
   const int reps = std::max(0, o.warmup) + std::max(1, o.repeat);
   for (int rep = 0; rep < reps; ++rep) {
     if (rep == reps - 1) layer.set_tracer(tracer);
-    const double t0 = internal::Now();
+    const double t0 = NowSeconds();
     ParallelOutput out = layer.Forward(p, xs, fo);
     r.report.forward = out.stats;
     const moe::LayerOutput& lo = out.layer;
@@ -119,7 +120,7 @@ RankResult RunRank(comm::Communicator& world, const moe::LayerConfig& config,
       r.grad_coef_w = g.params.coefficient_weight;
       r.grad_coef_b = g.params.coefficient_bias;
     }
-    if (rep >= o.warmup) r.report.step_seconds.push_back(internal::Now() - t0);
+    if (rep >= o.warmup) r.report.step_seconds.push_back(NowSeconds() - t0);
   }
   layer.set_tracer(nullptr);
   r.cost = layer.cost_model();

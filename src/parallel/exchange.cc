@@ -7,6 +7,7 @@
 
 #include "parallel/collectives.h"
 #include "parallel/trace_context.h"
+#include "switchyard/core/clock.h"
 #include "switchyard/core/error.h"
 
 namespace switchyard::parallel::internal {
@@ -202,7 +203,7 @@ TokenExchange::Flight TokenExchange::Send(int k, const Tensor& buffer) const {
   SY_CHECK(buffer.size(0) == num_rows_);
   Flight f;
   f.k = k;
-  f.issued = Now();
+  f.issued = NowSeconds();
   f.send = spec_.fixed ? Tensor::Zeros({ph.send_total, m}) : Tensor::Empty({ph.send_total, m});
   const float* src = buffer.data<float>();
   float* wire = f.send.data<float>();
@@ -234,11 +235,11 @@ void TokenExchange::WaitFor(const Flight& f, bool on_progress_thread) const {
 Tensor TokenExchange::ReceiveAtExperts(Flight& f, bool on_progress_thread, CommStats* stats) const {
   const Phase& ph = phases_[static_cast<size_t>(f.k)];
   const int64_t m = f.recv.size(1);
-  const double t0 = Now();
+  const double t0 = NowSeconds();
   WaitFor(f, on_progress_thread);
   if (!ph.local_only) {
     AccountWork(fmt::format("send c{}", f.k), f.work, stats, Traffic::kTokens, f.bytes, f.issued,
-                t0, Now());
+                t0, NowSeconds());
   }
   Tensor rows = Tensor::Empty({ph.groups.total_rows(), m});
   const float* wire = f.recv.data<float>();
@@ -256,7 +257,7 @@ TokenExchange::Flight TokenExchange::Return(int k, const Tensor& rows) const {
   SY_CHECK(rows.size(0) == ph.groups.total_rows());
   Flight f;
   f.k = k;
-  f.issued = Now();
+  f.issued = NowSeconds();
   f.send = spec_.fixed ? Tensor::Zeros({ph.recv_total, m}) : Tensor::Empty({ph.recv_total, m});
   const float* src = rows.data<float>();
   float* wire = f.send.data<float>();
@@ -281,11 +282,11 @@ void TokenExchange::ReceiveAtSource(Flight& f, const Tensor& out, bool on_progre
                                     CommStats* stats) const {
   const Phase& ph = phases_[static_cast<size_t>(f.k)];
   const int64_t m = out.size(1);
-  const double t0 = Now();
+  const double t0 = NowSeconds();
   WaitFor(f, on_progress_thread);
   if (!ph.local_only) {
     AccountWork(fmt::format("return c{}", f.k), f.work, stats, Traffic::kTokens, f.bytes, f.issued,
-                t0, Now());
+                t0, NowSeconds());
   }
   const float* wire = f.recv.data<float>();
   float* dst = out.data<float>();

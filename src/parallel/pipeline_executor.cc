@@ -8,15 +8,12 @@
 #include <utility>
 #include <vector>
 
+#include "switchyard/core/clock.h"
 #include "switchyard/core/error.h"
 #include "switchyard/parallel/pipeline.h"
 
 namespace switchyard::parallel {
 namespace {
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // FNV-1a over the configuration and every rank's operations.
 int64_t Digest(const Schedule& s) {
@@ -75,27 +72,27 @@ PipelineRunStats RunSchedule(comm::Communicator& group, const Schedule& schedule
                                  (gradient ? 1 : 0));
   };
   PipelineRunStats stats;
-  const double t0 = Now();
+  const double t0 = NowSeconds();
   using Key = std::pair<int, int>;  // (micro-batch, chunk)
   std::map<Key, Tensor> inputs, grads_in, outputs, grads_out;
   std::vector<std::pair<comm::Work, Tensor>> pending;  // sends and the tensors they read
   int in_flight = 0;
   auto timed = [&](auto&& fn) {
-    const double s = Now();
+    const double s = NowSeconds();
     fn();
-    stats.compute_seconds += Now() - s;
+    stats.compute_seconds += NowSeconds() - s;
   };
   auto receive = [&](const PipelineOp& op, bool gradient, std::map<Key, Tensor>& into) {
     const int st = stage_of(op.chunk);
     // An activation has the shape of this chunk's input; the gradient of its output too (the
     // chunks of a model keep the activation's shape).
     Tensor t = Tensor::Empty(cb.input_shape(op.microbatch, op.chunk));
-    const double s = Now();
+    const double s = NowSeconds();
     group
         .Recv(t.raw(), static_cast<size_t>(t.numel()), DType::kFloat32, op.peer,
               {.tag = tag(op.microbatch, gradient ? st + 1 : st - 1, gradient)})
         .Wait();
-    stats.blocked_seconds += Now() - s;
+    stats.blocked_seconds += NowSeconds() - s;
     into[{op.microbatch, op.chunk}] = t;
   };
   auto send = [&](const PipelineOp& op, bool gradient, std::map<Key, Tensor>& from) {
@@ -154,10 +151,10 @@ PipelineRunStats RunSchedule(comm::Communicator& group, const Schedule& schedule
         break;
     }
   }
-  const double s = Now();
+  const double s = NowSeconds();
   for (auto& [work, tensor] : pending) work.Wait();
-  stats.blocked_seconds += Now() - s;
-  stats.seconds = Now() - t0;
+  stats.blocked_seconds += NowSeconds() - s;
+  stats.seconds = NowSeconds() - t0;
   return stats;
 }
 

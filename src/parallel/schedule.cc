@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "parallel/collectives.h"
+#include "switchyard/core/clock.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/tensor.h"
 #include "switchyard/kernels/gemm.h"
@@ -22,9 +23,9 @@ template <typename Fn>
 double TimeIt(Fn&& fn) {
   double t[3];
   for (double& v : t) {
-    const double t0 = internal::Now();
+    const double t0 = NowSeconds();
     fn();
-    v = internal::Now() - t0;
+    v = NowSeconds() - t0;
   }
   std::sort(t, t + 3);
   return t[1];

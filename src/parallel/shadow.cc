@@ -6,6 +6,7 @@
 
 #include "parallel/collectives.h"
 #include "parallel/trace_context.h"
+#include "switchyard/core/clock.h"
 #include "switchyard/core/error.h"
 
 namespace switchyard::parallel::internal {
@@ -94,18 +95,19 @@ void ShadowExperts::StartBroadcast() {
     if (owner == group_.rank()) PackExpert(local_, e % local_experts_, buf.data<float>(), true);
     comm::BroadcastOptions o;
     o.root = owner;
-    pending_.push_back({group_.Broadcast(buf, o), Now()});
+    pending_.push_back({group_.Broadcast(buf, o), NowSeconds()});
     packed_params_.push_back(buf);
   }
 }
 
 void ShadowExperts::FinishBroadcast(CommStats* stats) {
   for (size_t j = 0; j < pending_.size(); ++j) {
-    const double t0 = Now();
+    const double t0 = NowSeconds();
     pending_[j].work.Wait();
     AccountWork(Tracing() ? fmt::format("broadcast e{}", experts_[j]) : std::string(),
                 pending_[j].work, stats, Traffic::kWeights,
-                static_cast<double>(packed_params_[j].nbytes()), pending_[j].issued, t0, Now());
+                static_cast<double>(packed_params_[j].nbytes()), pending_[j].issued, t0,
+                NowSeconds());
     PackExpert(weights_, static_cast<int64_t>(j), packed_params_[j].data<float>(), false);
   }
   pending_.clear();
@@ -135,7 +137,7 @@ void ShadowExperts::StartReduce(const moe::ExpertWeights& grads) {
     pending_.push_back(
         {group_.Reduce(buf.data<float>(), out.defined() ? out.data<float>() : nullptr,
                        static_cast<size_t>(packed_), DType::kFloat32, o),
-         Now()});
+         NowSeconds()});
     packed_grads_.push_back(buf);
     reduced_.push_back(out);
   }
@@ -143,11 +145,12 @@ void ShadowExperts::StartReduce(const moe::ExpertWeights& grads) {
 
 void ShadowExperts::FinishReduce(moe::ExpertWeights* local_grads, CommStats* stats) {
   for (size_t j = 0; j < pending_.size(); ++j) {
-    const double t0 = Now();
+    const double t0 = NowSeconds();
     pending_[j].work.Wait();
     AccountWork(Tracing() ? fmt::format("reduce e{}", experts_[j]) : std::string(),
                 pending_[j].work, stats, Traffic::kWeights,
-                static_cast<double>(packed_grads_[j].nbytes()), pending_[j].issued, t0, Now());
+                static_cast<double>(packed_grads_[j].nbytes()), pending_[j].issued, t0,
+                NowSeconds());
     if (reduced_[j].defined()) {
       AddExpert(*local_grads, experts_[j] % local_experts_, reduced_[j].data<float>());
     }

@@ -36,12 +36,12 @@ void RecordWork(std::string name, const comm::Work& work, double fallback_begin_
 TraceSpan::TraceSpan(std::string_view name) : active_(Tracing()) {
   if (!active_) return;
   name_ = name;
-  begin_ = Now();
+  begin_ = NowSeconds();
 }
 
 TraceSpan::~TraceSpan() {
   if (active_)
-    RecordEvent(std::move(name_), TraceStream::kCompute, begin_, Now(), std::move(args_));
+    RecordEvent(std::move(name_), TraceStream::kCompute, begin_, NowSeconds(), std::move(args_));
 }
 
 }  // namespace switchyard::parallel::internal

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "switchyard/comm/communicator.h"
+#include "switchyard/core/clock.h"
 #include "switchyard/parallel/trace.h"
 
 namespace switchyard::parallel::internal {
@@ -48,7 +49,7 @@ void RecordEvent(std::string name, TraceStream stream, double begin_s, double en
 void RecordWork(std::string name, const comm::Work& work, double fallback_begin_s,
                 double fallback_end_s, std::vector<std::pair<std::string, double>> args = {});
 
-// Seconds of a steady-clock time point (the clock of internal::Now()).
+// Seconds of a steady-clock time point (the clock of NowSeconds()).
 double Seconds(comm::Clock::time_point t);
 
 // A compute-track event for its scope (nothing when not tracing).

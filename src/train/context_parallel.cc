@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "parallel/collectives.h"
+#include "switchyard/core/clock.h"
 #include "switchyard/core/error.h"
 #include "train/attention_flash.h"
 #include "train/parallel_for.h"
@@ -21,7 +22,6 @@ namespace switchyard::train {
 using parallel::CommStats;
 using parallel::Traffic;
 using parallel::internal::AccountWork;
-using parallel::internal::Now;
 
 namespace {
 
@@ -109,14 +109,14 @@ class Hop {
     }
   }
   void Start(comm::Communicator& g, const Tensor& send, const Tensor& recv) {
-    issued_ = Now();
+    issued_ = NowSeconds();
     bytes_ = static_cast<double>(send.nbytes());
     work_ = StartHop(g, send.data<float>(), recv.data<float>(), send.numel());
   }
   void Finish(CommStats* stats) {
-    const double t0 = Now();
+    const double t0 = NowSeconds();
     work_.Wait();
-    AccountWork("cp ring hop", work_, stats, Traffic::kContext, bytes_, issued_, t0, Now());
+    AccountWork("cp ring hop", work_, stats, Traffic::kContext, bytes_, issued_, t0, NowSeconds());
     work_ = comm::Work();
   }
 

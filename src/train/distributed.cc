@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "switchyard/comm/agree.h"
+#include "switchyard/core/clock.h"
 #include "switchyard/core/error.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/memory_account.h"
@@ -29,10 +30,6 @@
 
 namespace switchyard::train {
 namespace {
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 void Scale(const Tensor& t, float factor) {
   float* p = t.data<float>();
@@ -140,7 +137,7 @@ ParallelMoeFeedForward::ParallelMoeFeedForward(ParameterSet& params, const std::
 
 FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
                                                   const FeedForwardContext& context) {
-  const double t0 = Now();
+  const double t0 = NowSeconds();
   parallel::ParallelForwardOptions o;
   o.global_token_offset = context.global_token_offset;
   if (context.token_index) o.token_index = *context.token_index;
@@ -173,7 +170,7 @@ FeedForwardOutput ParallelMoeFeedForward::Forward(const Tensor& x,
       MoeFeedForwardOutput(layer.config(), state->out.layer, x.size(0), shard_.expert_bias);
   r.routing.nonfinite_inputs = nonfinite;
   if (context.save_for_backward) r.state = state;
-  times_.seconds += Now() - t0;
+  times_.seconds += NowSeconds() - t0;
   times_.comm_seconds += state->out.stats.comm_seconds;
   return r;
 }
@@ -183,7 +180,7 @@ Tensor ParallelMoeFeedForward::Backward(const FeedForwardOutput& forward, const 
   SY_CHECK(forward.state != nullptr, "ParallelMoeFeedForward::Backward needs save_for_backward");
   SY_REQUIRE(loss_scale != 0.0f, InvalidArgument,
              "ParallelMoeFeedForward: loss_scale must not be 0");
-  const double t0 = Now();
+  const double t0 = NowSeconds();
   const auto& s = *static_cast<const ParallelMoeState*>(forward.state.get());
   parallel::ParallelMoeLayer& layer = layer_;
   // The layer differentiates sum(y * d) + (this rank's share of) the loss terms. This rank must
@@ -213,7 +210,7 @@ Tensor ParallelMoeFeedForward::Backward(const FeedForwardOutput& forward, const 
   }
   Tensor dx = g.x;
   if (scale != 1.0f) Scale(dx, scale);
-  times_.seconds += Now() - t0;
+  times_.seconds += NowSeconds() - t0;
   times_.comm_seconds += g.stats.comm_seconds;
   return dx;
 }

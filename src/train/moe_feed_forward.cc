@@ -4,16 +4,13 @@
 #include <chrono>
 #include <utility>
 
+#include "switchyard/core/clock.h"
 #include "switchyard/core/rng.h"
 #include "switchyard/moe/gate.h"
 #include "switchyard/train/router_trace.h"
 
 namespace switchyard::train {
 namespace {
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // What the backward needs besides the layer's own state.
 struct MoeState {
@@ -37,7 +34,7 @@ MoeFeedForward::MoeFeedForward(ParameterSet& params, const std::string& prefix,
 }
 
 FeedForwardOutput MoeFeedForward::Forward(const Tensor& x, const FeedForwardContext& context) {
-  const double t0 = Now();
+  const double t0 = NowSeconds();
   moe::ForwardOptions o;
   o.global_token_offset = context.global_token_offset;
   if (context.token_index) o.token_index = *context.token_index;
@@ -62,14 +59,14 @@ FeedForwardOutput MoeFeedForward::Forward(const Tensor& x, const FeedForwardCont
   FeedForwardOutput r =
       MoeFeedForwardOutput(layer.config(), state->out, x.size(0), layer_params_.expert_bias);
   if (context.save_for_backward) r.state = state;
-  times_.seconds += Now() - t0;
+  times_.seconds += NowSeconds() - t0;
   return r;
 }
 
 Tensor MoeFeedForward::Backward(const FeedForwardOutput& forward, const Tensor& dy,
                                 float loss_scale, int threads) {
   SY_CHECK(forward.state != nullptr, "MoeFeedForward::Backward needs save_for_backward");
-  const double t0 = Now();
+  const double t0 = NowSeconds();
   const auto& s = *static_cast<const MoeState*>(forward.state.get());
   const moe::MoeLayer& layer = layer_;
   // The layer differentiates sum(y * dy) + loss. For sum(y * dy) + loss_scale * loss, pass
@@ -97,7 +94,7 @@ Tensor MoeFeedForward::Backward(const FeedForwardOutput& forward, const Tensor& 
     float* p = dx.data<float>();
     for (int64_t i = 0; i < dx.numel(); ++i) p[i] *= loss_scale;
   }
-  times_.seconds += Now() - t0;
+  times_.seconds += NowSeconds() - t0;
   return dx;
 }
 

@@ -4,13 +4,12 @@
 #include <filesystem>
 #include <utility>
 
+#include "switchyard/core/clock.h"
 #include "switchyard/core/file_util.h"
 
 namespace switchyard::train::internal {
 
-double StepTrace::Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double StepTrace::Now() { return NowSeconds(); }
 
 StepTrace::StepTrace(comm::Communicator& world, int64_t step, std::string path)
     : world_(world), step_(step), path_(std::move(path)) {}

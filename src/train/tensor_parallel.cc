@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "switchyard/core/clock.h"
 #include "switchyard/kernels/gemm.h"
 #include "switchyard/kernels/reduce.h"
 #include "switchyard/kernels/vec_math.h"
@@ -28,10 +29,6 @@ using parallel::ReduceScatterToSp;
 using parallel::Traffic;
 
 namespace {
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 double Seconds(comm::Clock::time_point t) {
   return std::chrono::duration<double>(t.time_since_epoch()).count();
@@ -57,10 +54,10 @@ void Account(CommStats* stats, const comm::Work& work, double bytes, double issu
 // Runs a collective to completion and counts it.
 template <typename Start>
 void Blocking(CommStats* stats, double bytes, Start&& start) {
-  const double t0 = Now();
+  const double t0 = NowSeconds();
   comm::Work work = start();
   work.Wait();
-  Account(stats, work, bytes, t0, t0, Now());
+  Account(stats, work, bytes, t0, t0, NowSeconds());
 }
 
 double AllReduceBytes(const comm::Communicator& g, double bytes) {
@@ -284,14 +281,14 @@ void RingAllGatherGemm(comm::Communicator& group, const Tensor& part, const Tens
     double issued = 0;
     if (s + 1 < p) {
       const int next = (block - 1 + p) % p;
-      issued = Now();
+      issued = NowSeconds();
       hop = StartShift(group, base + block * count, base + next * count, count);
     }
     compute(block, gathered.Slice(block * n, (block + 1) * n));
     if (s + 1 < p) {
-      const double t0 = Now();
+      const double t0 = NowSeconds();
       hop.Wait();
-      Account(stats, hop, static_cast<double>(count) * sizeof(float), issued, t0, Now());
+      Account(stats, hop, static_cast<double>(count) * sizeof(float), issued, t0, NowSeconds());
     }
   }
 }
@@ -317,15 +314,15 @@ void RingGemmReduceScatter(comm::Communicator& group, const Tensor& output,
     const Tensor& cur = s + 1 == p ? output : acc[s % 2];
     partial(block, cur);
     if (s > 0) {
-      const double t0 = Now();
+      const double t0 = NowSeconds();
       hop.Wait();
-      Account(stats, hop, static_cast<double>(count) * sizeof(float), issued, t0, Now());
+      Account(stats, hop, static_cast<double>(count) * sizeof(float), issued, t0, NowSeconds());
       float* c = cur.data<float>();
       const float* in = recv.data<float>();
       for (int64_t i = 0; i < count; ++i) c[i] += in[i];
     }
     if (s + 1 < p) {
-      issued = Now();
+      issued = NowSeconds();
       hop = StartShift(group, cur.data<float>(), recv.data<float>(), count);
     }
   }

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "switchyard/core/clock.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/limits.h"
 #include "switchyard/core/threading.h"
@@ -27,13 +28,7 @@ namespace switchyard::train {
 
 using nlohmann::json;
 
-namespace {
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-}  // namespace
+namespace {}  // namespace
 
 uint64_t TrainingMemoryBytes(const TrainConfig& c, int ranks_in_process) {
   // Every rank of the process holds its layout's share (memory_estimate.h).
@@ -302,7 +297,7 @@ internal::StepSums Trainer::SumOverRanks(const StepTotals& totals,
   mine.moe_s = moe_times.seconds;
   mine.moe_comm_s = moe_times.comm_seconds;
   mine.nonfinite = static_cast<double>(totals.nonfinite);
-  mine.rank_time_s = Now() - t0;
+  mine.rank_time_s = NowSeconds() - t0;
   mine.tp_bytes = tp_stats.Bytes(parallel::Traffic::kTensor);
   mine.tp_comm_s = tp_stats.CommSeconds(parallel::Traffic::kTensor);
   mine.cp_bytes = tp_stats.Bytes(parallel::Traffic::kContext);
@@ -325,7 +320,7 @@ internal::StepSums Trainer::SumOverRanks(const StepTotals& totals,
 
 StepMetrics Trainer::Step() {
   const TrainConfig& c = config_;
-  double t0 = Now();
+  double t0 = NowSeconds();
   if (rank_->trace) rank_->trace->Begin(step_ + 1);
   const int64_t world = ctx_.world_size;
   const int64_t shards = ctx_.data_size, shard = ctx_.data_rank;
@@ -432,7 +427,7 @@ StepMetrics Trainer::Step() {
   if (!kept_counts.empty() && finite) model_->EndStep(kept_counts);
   met.lr = lr;
   met.grad_norm = grad_norm;
-  met.step_time_s = Now() - t0;
+  met.step_time_s = NowSeconds() - t0;
   if (met.step_time_s > 0) {
     met.tokens_per_s = static_cast<double>(c.batch_size * c.model.seq_len) / met.step_time_s;
   }

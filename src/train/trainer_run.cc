@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <optional>
 
+#include "switchyard/core/clock.h"
 #include "switchyard/core/file_util.h"
 #include "switchyard/core/memory_account.h"
 #include "switchyard/train/dataset/metrics.h"
@@ -26,10 +27,6 @@
 namespace switchyard::train {
 
 namespace {
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // `error` rethrown as the same type with `note` appended to its message.
 [[noreturn]] void RethrowWithNote(std::exception_ptr error, const std::string& note) {
@@ -363,7 +360,7 @@ void Trainer::BeginRun(RunState& r) {
     if (std::isfinite(m.val_loss)) summary.final_val_ce_loss = m.val_loss;
   }
   r.last_val = summary.final_val_ce_loss;
-  r.run_start = Now();
+  r.run_start = NowSeconds();
   r.first_step = step_;
   r.saved_step = r.resumes_own_run ? r.resumed_step : -1;
   r.keep = static_cast<int>(std::min<int64_t>(c.keep_checkpoints, INT32_MAX));
@@ -409,7 +406,8 @@ bool Trainer::RecordStep(RunState& r, const StepMetrics& m) {
   }
   if (r.writer) {
     // The progress bar cannot fail the run (it prints to the output stream).
-    const double per_step = (Now() - r.run_start) / static_cast<double>(step_ - r.first_step);
+    const double per_step =
+        (NowSeconds() - r.run_start) / static_cast<double>(step_ - r.first_step);
     double drop = NAN;
     if (!m.drop_rate.empty()) {
       drop = 0;
@@ -474,7 +472,7 @@ void Trainer::FinishRun(RunState& r) {
   const TrainConfig& c = config_;
   RunSummary& summary = r.summary;
   summary.steps = step_;
-  summary.seconds = Now() - r.run_start;
+  summary.seconds = NowSeconds() - r.run_start;
   summary.saved_activation_bytes = saved_activation_bytes_;
   summary.final_val_ce_loss = r.last_val;
   for (const StepMetrics& m : r.history) {
@@ -595,7 +593,7 @@ RunSummary Trainer::Run(const RunOptions& options) {
     r.bar->Finish();
     if (r.summary.stop_signal != 0) {
       r.summary.steps = step_;
-      r.summary.seconds = Now() - r.run_start;
+      r.summary.seconds = NowSeconds() - r.run_start;
       if (r.writer) {
         fmt::print(r.out,
                    "stopped by signal {} after step {}: the last completed step was saved to {}: "
