@@ -9,6 +9,7 @@
 # Usage: scripts/fuzz.sh [SECONDS]   (default 20; per target)
 #   SY_FUZZ_TARGETS="fuzz_npy ..."  run only these targets
 #   SY_JOBS=N                       build parallelism (default: nproc)
+#   SY_UNITY_BUILD=ON               unity batches of the libraries (scripts/test.sh sets it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${1:-20}
@@ -22,7 +23,8 @@ done
 # Tests, benchmarks and MPI are not needed; warnings are checked by the gcc builds.
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSY_BUILD_FUZZ=ON -DSY_SANITIZE=address,undefined \
-  -DSY_BUILD_TESTS=OFF -DSY_BUILD_BENCH=OFF -DSY_WITH_MPI=OFF -DSY_WERROR=OFF >/dev/null
+  -DSY_BUILD_TESTS=OFF -DSY_BUILD_BENCH=OFF -DSY_WITH_MPI=OFF -DSY_WERROR=OFF \
+  -DSY_UNITY_BUILD="${SY_UNITY_BUILD:-OFF}" >/dev/null
 mapfile -t targets < <(grep -v '^$' "$BUILD/fuzz/targets.txt")
 if [ -n "${SY_FUZZ_TARGETS:-}" ]; then read -r -a targets <<< "$SY_FUZZ_TARGETS"; fi
 cmake --build "$BUILD" --target "${targets[@]}" -j "$JOBS"

@@ -76,8 +76,11 @@ void AddRouterSums(const std::vector<moe::RouterSums>& from, std::vector<moe::Ro
   }
 }
 
-// The steps since the last metrics line, summed (reset at every line).
-struct Interval {
+}  // namespace
+
+// The steps since the last metrics line, summed (reset at every line). Not in the anonymous
+// namespace: Trainer::RunState holds one.
+struct RunInterval {
   StepMetrics acc;
   std::vector<moe::RouterStats> last_router;  // the last step's (its expert bias)
   int64_t steps = 0, good = 0;                // steps, and those not skipped as non-finite
@@ -154,8 +157,6 @@ struct Interval {
   }
 };
 
-}  // namespace
-
 // Everything one Run keeps between its phases.
 struct Trainer::RunState {
   const RunOptions& options;
@@ -181,7 +182,7 @@ struct Trainer::RunState {
   int64_t train_peak = 0, run_peak = 0;
   std::string saved_dir;  // its directory (the writer's)
   int keep = 0;
-  Interval interval;
+  RunInterval interval;
   // Over the run's steps: MoE, tensor- and context-parallel times and bytes, the rates logged.
   double run_moe = 0, run_moe_comm = 0, run_rank_time = 0;
   double run_tp_bytes = 0, run_tp_comm = 0, run_tp_time = 0, run_cp_bytes = 0, run_cp_comm = 0;
@@ -371,7 +372,7 @@ bool Trainer::RecordStep(RunState& r, const StepMetrics& m) {
   // A stop asked for by a signal: this step is complete; it gets its metrics line and a
   // checkpoint, then the run returns.
   const int stop = AgreedStop(r.options);
-  Interval& in = r.interval;
+  RunInterval& in = r.interval;
   in.Add(m);
   if (std::isfinite(m.moe_time_s)) {
     r.run_moe += m.moe_time_s;
@@ -450,7 +451,7 @@ bool Trainer::RecordStep(RunState& r, const StepMetrics& m) {
 
 void Trainer::WriteStepRecords(RunState& r, const StepMetrics& m, double val, bool log_line,
                                bool evaluate) {
-  const Interval& in = r.interval;
+  const RunInterval& in = r.interval;
   if (std::isfinite(val)) {
     const double h = data_->unigram_entropy(), bpt = data_->bytes_per_token();
     r.bar->Print(fmt::format("step {}: val_ce_loss {:.4f}{}, {}", step_, val,
