@@ -457,6 +457,13 @@ TEST(StepModelTest, GradientAllReduceOverDataParallelRanks) {
   const StepPrediction q = PredictStep(c, cluster);
   EXPECT_NEAR(q.dp_comm_s, ar, 1e-12);
   EXPECT_LT(q.dp_exposed_s, ar);
+  // As train runs it: block 1's reduction behind block 0's backward (far longer on this slow
+  // cluster); block 0's and the embeddings' after the backward.
+  EXPECT_NEAR(q.dp_exposed_s,
+              ar - (layers - 1) * CostOfCollective(Collective::kAllReduce, unit_bytes, 2,
+                                                   cluster.intra_node, 1.0)
+                                      .seconds,
+              1e-12);
   // ZeRO 1: reduce-scatter and all-gather instead of the all-reduce.
   c.zero_stage = 1;
   c.overlap_grad_reduce = false;
