@@ -226,6 +226,32 @@ TEST(StepModelTest, MemoryEstimateByHand) {
   EXPECT_EQ(e.total(), std::max(e.steps(), e.build_bytes));
 }
 
+// The expert-data ranks by arrangement (parallel::LayerMesh): with tp 2 and sequence parallelism
+// (Megatron's arrangement) the experts are sharded over world / (ep x etp) = 2 ranks, the tp
+// ranks among them; with DeepSpeed's over dp cp / ep = 1 (measured 2026-11-28 on bench
+// plan-check's default model, tp 2, ep 2, ZeRO 3: the AdamW state 3.25 MB, the estimate 5.38
+// before this, 3.27 after).
+TEST(StepModelTest, MemoryEstimateExpertShardsByArrangement) {
+  train::TrainConfig c = DenseModel();
+  c.model.moe_every = 2;  // block 1 is MoE
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.ranks = 4;
+  c.tp = 2;
+  c.ep = 2;
+  c.zero_stage = 1;
+  const double d = 32, h = 64, v = 256, s = 16, experts = 4;
+  const double attention = (4 * d * d) / 2 + 8 * d;  // q, k, v, o split over tp
+  const double dense = v * d / 2 + s * d + 2 * attention + 2 * d * h / 2 + experts * d;
+  const double expert = 2 * (2 * d * h + h + d);  // 2 experts held
+  c.sequence_parallel = false;  // DeepSpeed: ep 2 of the dp 2 ranks of a tp rank, edp 1
+  EXPECT_EQ(train::EstimateRankMemory(c).optimizer_bytes,
+            static_cast<int64_t>(8 * (dense / 2 + expert)));
+  c.sequence_parallel = true;  // Megatron: etp 1 x ep 2 x edp 2
+  EXPECT_EQ(train::EstimateRankMemory(c).optimizer_bytes,
+            static_cast<int64_t>(8 * (dense / 2 + expert / 2)));
+}
+
 // The families' blocks: grouped-query attention's k and v are num_kv_heads / num_heads of q's
 // size, a swiglu FFN has 3 matrices (dense and experts alike).
 TEST(StepModelTest, MemoryEstimateGqaAndSwiglu) {
