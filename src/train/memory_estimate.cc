@@ -279,13 +279,10 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const double per_token = static_cast<double>(kept) * in_flight + static_cast<double>(transient);
   e.activation_bytes = CheckedToInt64(std::ceil(static_cast<double>(tokens) * per_token * 4), what,
                                       0, std::numeric_limits<int64_t>::max());
-  // The reductions run after their blocks' backward, which gave back what those blocks kept.
-  const int64_t last_two =
-      CheckedMul(tokens, 4 * (IsMoeBlock(m, layers - 1) ? moe_layer : dense_layer), what) +
-      (layers > 1
-           ? CheckedMul(tokens, 4 * (IsMoeBlock(m, layers - 2) ? moe_layer : dense_layer), what)
-           : 0);
-  e.reduction_freed_bytes = last_two;
+  // Two reductions are in flight while block i's backward runs, after block i + 1's gave back
+  // what it kept (block i's rows are still held): at least the last block's rows are free.
+  e.reduction_freed_bytes =
+      CheckedMul(tokens, 4 * (IsMoeBlock(m, layers - 1) ? moe_layer : dense_layer), what);
   e.reduction_bytes = ReductionInFlightBytes(c, {.layers = layers,
                                                  .dense_block = attention + dense_ffn,
                                                  .moe_block = attention + gate,

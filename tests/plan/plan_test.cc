@@ -417,8 +417,8 @@ TEST(StepModelTest, MemoryEstimateGradientsAccumulateWhole) {
 // whole and their receive buffers (the ZeRO meter's reduction_buffers), above the shards. By hand
 // on the tiny model (block 0 dense, block 1 MoE with its 4 experts replicated on both ranks,
 // ep 1), and against a real 2-rank run's arrays: within 3 % (measured 2026-11-28: the arrays
-// -1.4 %; without the term -28 %). The reductions raise the run's peak only past what the two
-// blocks kept for their backward (reduction_freed_bytes), which on this model they do not.
+// -1.4 %; without the term -28 %). The reductions raise the run's peak only past what the last
+// block kept for its backward (reduction_freed_bytes), which on this model they do not.
 TEST(StepModelTest, MemoryEstimateReductionsInFlight) {
   train::TrainConfig c = TinyMoe();
   c.batch_size = 8;

@@ -20,8 +20,8 @@ struct RankMemoryEstimate {
   // two consecutive blocks' receive buffers and, with one micro-batch, their gradients whole
   // (above the shards parameter_bytes counts); what the ZeRO meter measures at its peak.
   int64_t reduction_bytes = 0;
-  // What the two blocks whose reductions are in flight kept for their backward, given back by
-  // then: the reductions raise the peak by reduction_bytes - this, when positive.
+  // What the last block kept for its backward, given back before two reductions are in flight:
+  // the reductions raise the peak by reduction_bytes - this, when positive.
   int64_t reduction_freed_bytes = 0;
   // The model's build, before the first step shards anything: every value and (zero) gradient
   // of this rank's tp / ep / pp share, unsharded over the data-parallel ranks, and the optimizer
