@@ -119,6 +119,7 @@ json LayoutJson(const PlanOptions& o, const plan::Layout& l) {
            {{"parameters_mib", MiB(static_cast<double>(p.memory.parameter_bytes))},
             {"optimizer_mib", MiB(static_cast<double>(p.memory.optimizer_bytes))},
             {"activations_mib", MiB(static_cast<double>(p.memory.activation_bytes))},
+            {"reduction_mib", MiB(static_cast<double>(p.memory.reduction_bytes))},
             {"build_mib", MiB(static_cast<double>(p.memory.build_bytes))}}}};
 }
 

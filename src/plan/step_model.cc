@@ -163,7 +163,7 @@ void PredictGradients(const Cluster& c, const ModelView& m, const LayoutView& l,
   const int64_t dense_group = l.dp * l.cp;
   const int64_t expert_group =
       std::max<int64_t>(1, stage_ranks / (l.ep * (l.megatron ? l.etp : l.tp)));
-  Traffic grads, gathers;
+  Traffic reductions, regathers, gathers;
   // Train reduces (and ZeRO-3 gathers) the gradients block by block (param_grad_buffer.cc:
   // one bucket per block): the dense parameters in blocks + 1 units (the embeddings and the head
   // one more), the experts in one unit per MoE block; each unit its own collective.
@@ -173,11 +173,12 @@ void PredictGradients(const Cluster& c, const ModelView& m, const LayoutView& l,
         std::tuple{params.expert, expert_group, expert_units}}) {
     const double bytes = count * 4 / units;
     if (l.zero_stage == 0) {
-      grads.Add(c, Collective::kAllReduce, bytes, group, stage_ranks, "allreduce", units);
+      reductions.Add(c, Collective::kAllReduce, bytes, group, stage_ranks, "allreduce", units);
     } else {
-      grads.Add(c, Collective::kReduceScatter, bytes, group, stage_ranks, "reduce_scatter", units);
+      reductions.Add(c, Collective::kReduceScatter, bytes, group, stage_ranks, "reduce_scatter",
+                     units);
       if (l.zero_stage < 3) {
-        grads.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather", units);
+        regathers.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather", units);
       } else {
         gathers.Add(c, Collective::kAllGather, bytes, group, stage_ranks, "allgather",
                     2 * mbs * units);
@@ -188,15 +189,22 @@ void PredictGradients(const Cluster& c, const ModelView& m, const LayoutView& l,
   // routing statistics: Trainer::SumOverRanks), a few floats each.
   Traffic step_sums;
   step_sums.Add(c, Collective::kAllReduce, 64, l.ranks, l.ranks, "allreduce", 2);
+  // With overlap_grad_reduce (pp 1) train launches block i's reduction after its backward in
+  // the last micro-batch and waits for it after block i - 1's (param_grad_buffer.cc's
+  // AfterBlock): blocks - 1 of the blocks + 1 units each hide behind one block's backward; block
+  // 0's and the embeddings' run after the backward. ZeRO 1-2's all-gathers follow the optimizer
+  // step: exposed. (Until 2026-11-28 the model hid up to 1 - 1 / blocks of all of it; train's
+  // summary measured the ranks blocked in the reduction for most of its time.)
   double grad_hidden = 0;
   if (l.overlap_grad_reduce && l.pp == 1 && blocks > 1) {
-    grad_hidden = std::min(grads.seconds * (1.0 - 1.0 / blocks), bwd_compute);
+    grad_hidden = (blocks - 1) * std::min(reductions.seconds / (blocks + 1), bwd_compute / blocks);
   }
-  p->dp_comm_s = grads.seconds + gathers.seconds + step_sums.seconds;
+  const double grads = reductions.seconds + regathers.seconds;
+  p->dp_comm_s = grads + gathers.seconds + step_sums.seconds;
   // ZeRO-3's gathers are prefetched one block ahead, so their bytes can move behind compute;
   // their latency cannot: each block waits for its gather, a synchronization of the ranks.
   p->dp_exposed_s =
-      grads.seconds - grad_hidden + gathers.latency_s + step_sums.seconds +
+      grads - grad_hidden + gathers.latency_s + step_sums.seconds +
       std::max(0.0, gathers.seconds - gathers.latency_s - mbs * (fwd_compute + bwd_compute));
   const double bw = c.memory_bandwidth_gbps * 1e9;
   const double shards = l.zero_stage >= 1 ? static_cast<double>(dense_group) : 1.0;

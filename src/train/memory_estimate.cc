@@ -87,6 +87,47 @@ int64_t MoeBlocksOfFullestStage(const ModelConfig& m, int64_t layers) {
 
 }  // namespace
 
+namespace {
+
+// A block's parameters on a rank, by how the gradient reduction divides them.
+struct BlockUnits {
+  int64_t layers = 0;       // blocks of the stage
+  int64_t dense_block = 0;  // a dense block's values (attention, norms, FFN), over dense_shards
+  int64_t moe_block = 0;    // an MoE block's values other than its experts, over dense_shards
+  int64_t experts = 0;      // an MoE block's experts held here, over expert_shards
+  int64_t dense_shards = 1, expert_shards = 1;
+};
+
+// ZeRO 2 and 3 reduce-scatter the gradients block by block during the last micro-batch's
+// backward (overlap_grad_reduce, pp 1; param_grad_buffer.cc's AfterBlock): block i's reduction
+// is launched after its backward and finished after block i - 1's, so at the backward's peak two
+// consecutive blocks' reductions are in flight. Each holds its receive buffer (1 / shards of the
+// unit: zero.cc's Bucket::received) and, with one micro-batch, its whole gradients, of which the
+// estimate's gradients count only the shard; together the two blocks' whole size (measured on
+// bench plan-check's default model, ZeRO 2 / 3 with ep 2 and 4: the ZeRO meter's gradients and
+// reduction buffers 1.10-2.23 MB above the shards, this 1.06-2.11 MB). Bytes above the shards.
+int64_t ReductionInFlightBytes(const TrainConfig& c, const BlockUnits& u) {
+  if (c.zero_stage < 2 || !c.overlap_grad_reduce || std::max<int64_t>(1, c.pp) > 1) return 0;
+  const bool whole = c.microbatches <= 1;  // else the gradients are counted whole already
+  // The elements of block b a reduction holds beyond its shard.
+  auto held = [&](int64_t b) {
+    double sum = 0;
+    const bool moe = IsMoeBlock(c.model, b) && u.experts > 0;
+    for (const auto& [n, shards] : {std::pair{moe ? u.moe_block : u.dense_block, u.dense_shards},
+                                    std::pair{moe ? u.experts : int64_t{0}, u.expert_shards}}) {
+      if (shards <= 1) continue;  // a group of one rank reduces nothing
+      const double g = static_cast<double>(shards);
+      sum += static_cast<double>(n) * (whole ? 1.0 : 1.0 / g);
+    }
+    return sum;
+  };
+  double most = u.layers == 1 ? held(0) : 0;
+  for (int64_t b = 0; b + 1 < u.layers; ++b) most = std::max(most, held(b) + held(b + 1));
+  return static_cast<int64_t>(std::ceil(4 * most));
+}
+
+}  // namespace
+
 RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const ModelConfig& m = c.model;
   const char* what = "per-rank memory estimate";
@@ -142,7 +183,15 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   // experts: the stage's ranks holding the same experts); stage 3 gathers one block's values
   // at a time, the next one prefetched.
   const int64_t dense_shards = dp * cp;
-  const int64_t expert_shards = std::max<int64_t>(1, c.ranks / pp / (std::max(1, ep) * tp));
+  // The expert-data ranks (parallel::LayerMesh): DeepSpeed's arrangement builds the expert
+  // groups of the ranks with the same tp rank (dp cp / ep of them); Megatron's (sequence
+  // parallel) of etp x ep x edp x pp over the whole world, the tp ranks among the data ranks.
+  // (Until 2026-11-28 the estimate divided by tp in both: the tp 2, sequence-parallel ZeRO 3
+  // layouts of bench plan-check were +11-15 % over, their experts' moments counted twice.)
+  const int64_t expert_width =
+      TrainArrangement(c) == parallel::Arrangement::kMegatron ? std::max<int64_t>(1, c.etp) : tp;
+  const int64_t expert_shards =
+      std::max<int64_t>(1, c.ranks / pp / (std::max(1, ep) * expert_width));
   auto sharded = [&](int stage, int64_t bytes_per_value) {
     const bool shard = c.zero_stage >= stage;
     return CheckedMul(params / (shard ? dense_shards : 1), bytes_per_value, what) +
@@ -230,6 +279,16 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   const double per_token = static_cast<double>(kept) * in_flight + static_cast<double>(transient);
   e.activation_bytes = CheckedToInt64(std::ceil(static_cast<double>(tokens) * per_token * 4), what,
                                       0, std::numeric_limits<int64_t>::max());
+  // Two reductions are in flight while block i's backward runs, after block i + 1's gave back
+  // what it kept (block i's rows are still held): at least the last block's rows are free.
+  e.reduction_freed_bytes =
+      CheckedMul(tokens, 4 * (IsMoeBlock(m, layers - 1) ? moe_layer : dense_layer), what);
+  e.reduction_bytes = ReductionInFlightBytes(c, {.layers = layers,
+                                                 .dense_block = attention + dense_ffn,
+                                                 .moe_block = attention + gate,
+                                                 .experts = experts,
+                                                 .dense_shards = dense_shards,
+                                                 .expert_shards = expert_shards});
   return e;
 }
 

@@ -226,6 +226,32 @@ TEST(StepModelTest, MemoryEstimateByHand) {
   EXPECT_EQ(e.total(), std::max(e.steps(), e.build_bytes));
 }
 
+// The expert-data ranks by arrangement (parallel::LayerMesh): with tp 2 and sequence parallelism
+// (Megatron's arrangement) the experts are sharded over world / (ep x etp) = 2 ranks, the tp
+// ranks among them; with DeepSpeed's over dp cp / ep = 1 (measured 2026-11-28 on bench
+// plan-check's default model, tp 2, ep 2, ZeRO 3: the AdamW state 3.25 MB, the estimate 5.38
+// before this, 3.27 after).
+TEST(StepModelTest, MemoryEstimateExpertShardsByArrangement) {
+  train::TrainConfig c = DenseModel();
+  c.model.moe_every = 2;  // block 1 is MoE
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.ranks = 4;
+  c.tp = 2;
+  c.ep = 2;
+  c.zero_stage = 1;
+  const double d = 32, h = 64, v = 256, s = 16, experts = 4;
+  const double attention = (4 * d * d) / 2 + 8 * d;  // q, k, v, o split over tp
+  const double dense = v * d / 2 + s * d + 2 * attention + 2 * d * h / 2 + experts * d;
+  const double expert = 2 * (2 * d * h + h + d);  // 2 experts held
+  c.sequence_parallel = false;  // DeepSpeed: ep 2 of the dp 2 ranks of a tp rank, edp 1
+  EXPECT_EQ(train::EstimateRankMemory(c).optimizer_bytes,
+            static_cast<int64_t>(8 * (dense / 2 + expert)));
+  c.sequence_parallel = true;  // Megatron: etp 1 x ep 2 x edp 2
+  EXPECT_EQ(train::EstimateRankMemory(c).optimizer_bytes,
+            static_cast<int64_t>(8 * (dense / 2 + expert / 2)));
+}
+
 // The families' blocks: grouped-query attention's k and v are num_kv_heads / num_heads of q's
 // size, a swiglu FFN has 3 matrices (dense and experts alike).
 TEST(StepModelTest, MemoryEstimateGqaAndSwiglu) {
@@ -387,6 +413,52 @@ TEST(StepModelTest, MemoryEstimateGradientsAccumulateWhole) {
   std::filesystem::remove_all(dir, ec);
 }
 
+// ZeRO 2's gradient reductions in flight during the backward: two consecutive blocks' gradients
+// whole and their receive buffers (the ZeRO meter's reduction_buffers), above the shards. By hand
+// on the tiny model (block 0 dense, block 1 MoE with its 4 experts replicated on both ranks,
+// ep 1), and against a real 2-rank run's arrays: within 3 % (measured 2026-11-28: the arrays
+// -1.4 %; without the term -28 %). The reductions raise the run's peak only past what the last
+// block kept for its backward (reduction_freed_bytes), which on this model they do not.
+TEST(StepModelTest, MemoryEstimateReductionsInFlight) {
+  train::TrainConfig c = TinyMoe();
+  c.batch_size = 8;
+  c.ranks = 2;
+  c.ep = 1;
+  c.zero_stage = 2;
+  const double d = 64, h = 256, experts = 4;
+  const double attention = 4 * d * d + 8 * d;
+  const double pair =
+      (attention + 2 * d * h) + (attention + experts * d) + experts * (2 * d * h + h + d);
+  EXPECT_EQ(train::EstimateRankMemory(c).reduction_bytes, static_cast<int64_t>(4 * pair));
+  // Two micro-batches: the gradients are whole anyway (parameter_bytes); the receive buffers.
+  c.microbatches = 2;
+  EXPECT_EQ(train::EstimateRankMemory(c).reduction_bytes, static_cast<int64_t>(4 * pair / 2));
+  c.microbatches = 1;
+  for (auto edit : {+[](train::TrainConfig& x) { x.zero_stage = 1; },  // all-reduce in place
+                    +[](train::TrainConfig& x) { x.overlap_grad_reduce = false; },  // after
+                    +[](train::TrainConfig& x) { x.ranks = 1; }}) {  // nothing to reduce
+    train::TrainConfig off = c;
+    edit(off);
+    EXPECT_EQ(train::EstimateRankMemory(off).reduction_bytes, 0);
+  }
+  kernels::SetBlasThreads(1);
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / fmt::format("sy-plan-reductions-{}", ::getpid());
+  const train::RunSummary s = RunTwoSteps(c, dir);
+  const train::RankMemoryEstimate e = train::EstimateRankMemory(c);
+  const double estimate =
+      static_cast<double>(e.parameter_bytes + e.optimizer_bytes + e.reduction_bytes);
+  EXPECT_NEAR(estimate / static_cast<double>(s.zero_peak_bytes), 1.0, 0.03)
+      << "estimate parameters " << e.parameter_bytes << " optimizer " << e.optimizer_bytes
+      << " reductions " << e.reduction_bytes << "; measured values " << s.zero_peak_values
+      << " gradients " << s.zero_peak_gradients << " state " << s.zero_peak_state
+      << " reduction buffers " << s.zero_peak_scratch;
+  EXPECT_GT(e.reduction_freed_bytes, e.reduction_bytes);
+  EXPECT_EQ(e.steps(), e.parameter_bytes + e.optimizer_bytes + e.activation_bytes);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
 TEST(StepModelTest, GradientAllReduceOverDataParallelRanks) {
   train::TrainConfig c = DenseModel();
   c.ranks = 2;
@@ -411,6 +483,13 @@ TEST(StepModelTest, GradientAllReduceOverDataParallelRanks) {
   const StepPrediction q = PredictStep(c, cluster);
   EXPECT_NEAR(q.dp_comm_s, ar, 1e-12);
   EXPECT_LT(q.dp_exposed_s, ar);
+  // As train runs it: block 1's reduction behind block 0's backward (far longer on this slow
+  // cluster); block 0's and the embeddings' after the backward.
+  EXPECT_NEAR(q.dp_exposed_s,
+              ar - (layers - 1) * CostOfCollective(Collective::kAllReduce, unit_bytes, 2,
+                                                   cluster.intra_node, 1.0)
+                                      .seconds,
+              1e-12);
   // ZeRO 1: reduce-scatter and all-gather instead of the all-reduce.
   c.zero_stage = 1;
   c.overlap_grad_reduce = false;

@@ -16,12 +16,22 @@ struct RankMemoryEstimate {
   int64_t parameter_bytes = 0;
   int64_t optimizer_bytes = 0;   // AdamW's two moments (ZeRO >= 1: this rank's share)
   int64_t activation_bytes = 0;  // what the micro-batches in flight keep for backward, logits
+  // ZeRO 2 / 3's gradient reductions in flight during the backward (overlap_grad_reduce, pp 1):
+  // two consecutive blocks' receive buffers and, with one micro-batch, their gradients whole
+  // (above the shards parameter_bytes counts); what the ZeRO meter measures at its peak.
+  int64_t reduction_bytes = 0;
+  // What the last block kept for its backward, given back before two reductions are in flight:
+  // the reductions raise the peak by reduction_bytes - this, when positive.
+  int64_t reduction_freed_bytes = 0;
   // The model's build, before the first step shards anything: every value and (zero) gradient
   // of this rank's tp / ep / pp share, unsharded over the data-parallel ranks, and the optimizer
   // state as ZeRO shards it (param_grad_buffer.cc builds the optimizers on the built model).
   int64_t build_bytes = 0;
   // The training steps' parts.
-  int64_t steps() const { return parameter_bytes + optimizer_bytes + activation_bytes; }
+  int64_t steps() const {
+    const int64_t reductions = reduction_bytes - reduction_freed_bytes;
+    return parameter_bytes + optimizer_bytes + activation_bytes + (reductions > 0 ? reductions : 0);
+  }
   // The run's peak: the larger of the build and the steps (the build only with ZeRO 2 and 3,
   // whose steps hold less than every value and gradient).
   int64_t total() const { return steps() > build_bytes ? steps() : build_bytes; }
