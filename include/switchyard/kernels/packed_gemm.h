@@ -10,9 +10,6 @@
 // op(A) is packed in blocks of kMc x kKc into 6-row panels. The micro-kernel holds a 6 x 16 tile of
 // C in 12 ymm accumulators (2 vector loads of B and 6 broadcasts of A per k step, 12 FMAs). The
 // first k block applies beta, so beta = 0 never reads C and needs no zeroing pass of its own.
-// With at most 64 rows of op(A) (an expert of few tokens) and op(B) stored [k, n] in whole
-// 16-column panels (the data gradient dY W), op(B) is read where it is instead: its pack would
-// serve too few row tiles to pay for itself.
 // Edges (m, n not multiples of the tile) are zero-padded in the packs and stored through a
 // buffer. The kernels are compiled with target attributes and never run on a CPU without AVX2
 // and FMA: callers check PackedGemmAvailable() (cpuid) first. Tested against kernels::ref::Gemm
