@@ -25,11 +25,6 @@ constexpr int64_t kKc = 256;   // k block: a 6 x kKc A panel (6 KiB) and a kKc x
                                // (16 KiB) together in the 32 KiB L1
 constexpr int64_t kMc = 144;   // row block of A: 144 x kKc packed = 144 KiB, in L2 (512 KiB)
 constexpr int64_t kNc = 2048;  // column block of B: kKc x kNc packed = 2 MiB, in L3
-// A product with at most this many rows of op(A) and op(B) stored [k, n] with whole 16-column
-// panels reads op(B) where it is instead of packing it: packing costs about as much per element
-// as the few row tiles that would reuse the pack (config C, 32 rows per expert: PackB was 27 % of
-// the packed GEMM's samples with the weights in cache; docs/PERFORMANCE.md).
-constexpr int64_t kInPlaceBMaxRows = 64;
 
 // A growable 64-byte aligned float buffer (one per thread for each pack).
 class PackBuffer {
@@ -192,11 +187,10 @@ SY_NOINLINE SY_AVX2 void PackB(const Operand& b, int64_t p0, int64_t kc, int64_t
 }
 
 // The MR x 16 tile (MR = 6 but at the last rows of op(A)): C[0:MR, 0:16] = alpha * (A panel ·
-// B panel) + beta * C (beta = 0: C not read). The A panel has 6 values per k whatever MR is; the
-// B panel's rows of 16 values are b_step floats apart (kNr packed, ldb read in place).
+// B panel) + beta * C (beta = 0: C not read). The A panel has 6 values per k whatever MR is.
 template <int MR>
-SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b, int64_t b_step,
-                                     float* c, int64_t ldc, float alpha, float beta) {
+SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b, float* c,
+                                     int64_t ldc, float alpha, float beta) {
   __m256 acc0[MR], acc1[MR];
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) {
@@ -206,8 +200,8 @@ SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b,
   }
 #pragma GCC unroll 4
   for (int64_t kk = 0; kk < kc; ++kk) {
-    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-    _mm_prefetch(reinterpret_cast<const char*>(b + 8 * b_step), _MM_HINT_T0);
+    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+    _mm_prefetch(reinterpret_cast<const char*>(b + 8 * kNr), _MM_HINT_T0);
 #pragma GCC unroll 6
     for (int i = 0; i < MR; ++i) {
       const __m256 av = _mm256_broadcast_ss(a + i);
@@ -215,7 +209,7 @@ SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b,
       acc1[i] = _mm256_fmadd_ps(av, b1, acc1[i]);
     }
     a += kMr;
-    b += b_step;
+    b += kNr;
   }
   const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
   // Every loop over the tile is unrolled so the accumulators stay in registers.
@@ -234,8 +228,7 @@ SY_NOINLINE SY_AVX2 void MicroKernel(int64_t kc, const float* a, const float* b,
 
 // Full-width tiles by their rows: the last row tile of a block computes only the rows it has
 // (an expert of 32 rows: 5 tiles of 6 and one of 2, not 6).
-using TileFn = void (*)(int64_t, const float*, const float*, int64_t, float*, int64_t, float,
-                        float);
+using TileFn = void (*)(int64_t, const float*, const float*, float*, int64_t, float, float);
 constexpr TileFn kRowTiles[kMr] = {MicroKernel<1>, MicroKernel<2>, MicroKernel<3>,
                                    MicroKernel<4>, MicroKernel<5>, MicroKernel<6>};
 
@@ -243,7 +236,7 @@ constexpr TileFn kRowTiles[kMr] = {MicroKernel<1>, MicroKernel<2>, MicroKernel<3
 SY_AVX2 void EdgeKernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
                         int64_t mr, int64_t nr, float alpha, float beta) {
   alignas(32) float t[kMr * kNr];
-  MicroKernel<kMr>(kc, a, b, kNr, t, kNr, alpha, 0.0f);
+  MicroKernel<kMr>(kc, a, b, t, kNr, alpha, 0.0f);
   for (int64_t i = 0; i < mr; ++i) {
     float* cr = c + i * ldc;
     for (int64_t j = 0; j < nr; ++j) {
@@ -300,46 +293,36 @@ template <typename COf>
 SY_AVX2 void RunBlock(std::span<const Part> rows, std::span<const Part> cols, int64_t k, COf&& c_of,
                       float alpha, float beta, const TileEpilogue* epi = nullptr,
                       int64_t epi_col = 0) {
-  int64_t cols_padded = 0, row_count = 0;
+  int64_t cols_padded = 0;
   for (const Part& s : cols) cols_padded += (s.size + kNr - 1) / kNr * kNr;
-  for (const Part& r : rows) row_count += r.size;
-  // op(B) read in place (kInPlaceBMaxRows): one column part stored [k, n] of whole panels.
-  const bool b_in_place = cols.size() == 1 && !cols[0].op.trans && cols[0].size % kNr == 0 &&
-                          row_count <= kInPlaceBMaxRows;
   const int64_t kc_max = std::min(kKc, k);
   float* pack_a = pack_a_buffer.Get((kMc + kMr) * kc_max);
-  float* pack_b = b_in_place ? nullptr : pack_b_buffer.Get(cols_padded * kc_max);
+  float* pack_b = pack_b_buffer.Get(cols_padded * kc_max);
   for (int64_t p0 = 0; p0 < k; p0 += kKc) {
     const int64_t kc = std::min(kKc, k - p0);
     const float beta_block = p0 == 0 ? beta : 1.0f;  // later k blocks accumulate
     const bool last_k = p0 + kc >= k;
     int64_t off = 0;
     for (const Part& s : cols) {
-      if (b_in_place) break;
       PackB(s.op, p0, kc, 0, s.size, pack_b + off * kc);
       off += (s.size + kNr - 1) / kNr * kNr;
     }
-    // Panel q of the column parts: packed (kc x 16, contiguous) or in place (16 floats of each
-    // of op(B)'s rows p0.., ld apart).
-    const int64_t b_step = b_in_place ? cols[0].op.ld : kNr;
-    const float* b_first = b_in_place ? cols[0].op.p + p0 * cols[0].op.ld : pack_b;
-    const int64_t b_next = b_in_place ? kNr : kNr * kc;
     for (size_t r = 0; r < rows.size(); ++r) {
       for (int64_t i0 = 0; i0 < rows[r].size; i0 += kMc) {
         const int64_t mc = std::min(kMc, rows[r].size - i0);
         PackA(rows[r].op, i0, mc, p0, kc, pack_a);
-        const float* bp = b_first;
+        const float* bp = pack_b;
         for (size_t s = 0; s < cols.size(); ++s) {
           const CView cv = c_of(r, s);
           const int64_t nc = cols[s].size;
-          for (int64_t jr = 0; jr < nc; jr += kNr, bp += b_next) {
+          for (int64_t jr = 0; jr < nc; jr += kNr, bp += kNr * kc) {
             const int64_t nr = std::min(kNr, nc - jr);
             for (int64_t ir = 0; ir < mc; ir += kMr) {
               const int64_t mr = std::min(kMr, mc - ir);
               const float* ap = pack_a + ir * kc;
               float* c = cv.p + (i0 + ir) * cv.ld + jr;
               if (nr == kNr) {
-                kRowTiles[mr - 1](kc, ap, bp, b_step, c, cv.ld, alpha, beta_block);
+                kRowTiles[mr - 1](kc, ap, bp, c, cv.ld, alpha, beta_block);
               } else {
                 EdgeKernel(kc, ap, bp, c, cv.ld, mr, nr, alpha, beta_block);
               }

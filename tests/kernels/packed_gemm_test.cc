@@ -47,52 +47,6 @@ INSTANTIATE_TEST_SUITE_P(Shapes, PackedGemmTest,
                                             ::testing::Values(0, 1, 13, 300), ::testing::Bool(),
                                             ::testing::Bool()));
 
-// Products of at most 64 rows whose op(B) is stored [k, n] in whole 16-column panels read op(B)
-// in place instead of packing it (NN and TN; m = 65 packs again): odd and unaligned leading
-// dimensions of B, k across the 256-deep block, alone and as a SharedB pair (rows of both
-// products counted together: 30 + 34 in place, 30 + 40 packed).
-TEST(PackedGemm, InPlaceBMatchesFloat64Reference) {
-  if (!PackedGemmAvailable()) GTEST_SKIP() << "no AVX2/FMA on this CPU: the kernel is not used";
-  for (int m : {1, 7, 32, 64, 65}) {
-    for (int n : {16, 48}) {
-      for (int k : {13, 300}) {
-        for (bool ta : {false, true}) {
-          const Trans trans_a = ta ? Trans::kYes : Trans::kNo;
-          const int64_t lda = (ta ? m : k) + 3, ldb = n + 5, ldc = n + 2;
-          auto a = RandomVector(static_cast<size_t>((ta ? k : m) * lda), 21);
-          auto b = RandomVector(static_cast<size_t>(k * ldb), 22);
-          auto c0 = RandomVector(static_cast<size_t>(m * ldc), 23);
-          for (float beta : {0.0f, 1.0f}) {
-            auto c = c0, want = c0;
-            PackedGemm(trans_a, Trans::kNo,
-                       {m, n, k, a.data(), lda, b.data() + 1, ldb, c.data(), ldc}, 1.5f, beta);
-            ref::Gemm(trans_a, Trans::kNo, m, n, k, 1.5f, a.data(), lda, b.data() + 1, ldb, beta,
-                      want.data(), ldc);
-            EXPECT_TRUE(AllClose(c, want, 1e-5, 2e-5 * k))
-                << "m " << m << " n " << n << " k " << k << " ta " << ta << " beta " << beta;
-          }
-        }
-      }
-    }
-  }
-  for (int m2 : {34, 40}) {
-    const int m1 = 30, n = 32, k = 300;
-    auto a1 = RandomVector(static_cast<size_t>(k * m1), 24);
-    auto a2 = RandomVector(static_cast<size_t>(k * m2), 25);
-    auto b = RandomVector(static_cast<size_t>(k * n), 26);
-    std::vector<float> c1(static_cast<size_t>(m1 * n)), c2(static_cast<size_t>(m2 * n));
-    auto want1 = c1, want2 = c2;
-    PackedGemmSharedB(Trans::kYes, Trans::kNo, {m1, n, k, a1.data(), m1, b.data(), n, c1.data(), n},
-                      {m2, n, k, a2.data(), m2, b.data(), n, c2.data(), n}, 1.0f, 0.0f);
-    ref::Gemm(Trans::kYes, Trans::kNo, m1, n, k, 1.0f, a1.data(), m1, b.data(), n, 0.0f,
-              want1.data(), n);
-    ref::Gemm(Trans::kYes, Trans::kNo, m2, n, k, 1.0f, a2.data(), m2, b.data(), n, 0.0f,
-              want2.data(), n);
-    EXPECT_TRUE(AllClose(c1, want1, 1e-5, 2e-5 * k)) << "m2 " << m2;
-    EXPECT_TRUE(AllClose(c2, want2, 1e-5, 2e-5 * k)) << "m2 " << m2;
-  }
-}
-
 // Wider than one 2048-column block of B, with an edge tile in both directions.
 TEST(PackedGemm, WideProductCrossesColumnBlocks) {
   if (!PackedGemmAvailable()) GTEST_SKIP() << "no AVX2/FMA on this CPU: the kernel is not used";
