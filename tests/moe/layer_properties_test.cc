@@ -314,50 +314,6 @@ TEST(LayerProperties, ExpertsOverFullCapacityEqualFilledSlots) {
   }
 }
 
-// Expert buffers larger than the last-level cache are written with streaming stores
-// (moe/dispatch.cc): the rows are still exactly x[t] (w * x[t] pre-score), dy[t] scaled the same
-// way in CombineBackward, and padding rows zero. 10240 rows of 1024 floats = 40 MiB.
-TEST(LayerProperties, CopiesIntoBuffersLargerThanTheCacheAreExact) {
-  LayerConfig c = MediumConfig();
-  c.model_dim = 1024;
-  c.capacity_factor = 1.25f;  // 2 * 640 slots per expert, some of them padding
-  LayerParams params = InitParams(c, 5);
-  const int64_t t_count = 4096, m = c.model_dim;
-  Tensor x = RandomX(t_count, m, 21);
-  Tensor dy = RandomX(t_count, m, 22);
-  GateResult gate = GateForward(c, x, params.gate_weight, Tensor(), {});
-  DispatchPlan plan = MakeDispatchPlan(c, gate, {});
-  ASSERT_GE(plan.num_rows * m * static_cast<int64_t>(sizeof(float)), int64_t{32} << 20);
-  ASSERT_GT(std::count(plan.row_tokens.begin(), plan.row_tokens.end(), -1), 0);
-  for (bool prescore : {false, true}) {
-    Tensor in = Dispatch(plan, x, prescore, 2);
-    CombineGradients cg = CombineBackward(plan, dy, in, prescore, 2);
-    int64_t wrong = 0;
-    for (int64_t r = 0; r < plan.num_rows; ++r) {
-      const int32_t t = plan.row_tokens[static_cast<size_t>(r)];
-      const float* ir = in.data<float>() + r * m;
-      const float* gr = cg.expert_out.data<float>() + r * m;
-      if (t < 0) {
-        for (int64_t j = 0; j < m; ++j) wrong += (ir[j] != 0.0f) + (gr[j] != 0.0f);
-        continue;
-      }
-      const auto pair = static_cast<size_t>(plan.row_pairs[static_cast<size_t>(r)]);
-      const float w = plan.weights[pair];
-      const float* xr = x.data<float>() + int64_t{t} * m;
-      const float* dr = dy.data<float>() + int64_t{t} * m;
-      for (int64_t j = 0; j < m; ++j) {
-        wrong += ir[j] != (prescore ? w * xr[j] : xr[j]);
-        wrong += gr[j] != (prescore ? dr[j] : w * dr[j]);
-      }
-      // (Dot may fuse its multiply-adds differently in another translation unit: close, not
-      // equal.)
-      const float dot = prescore ? 0.0f : kernels::Dot(dr, ir, m);
-      EXPECT_NEAR(cg.weights[pair], dot, 1e-5 * (1.0 + std::abs(dot))) << "row " << r;
-    }
-    EXPECT_EQ(wrong, 0) << "prescore " << prescore;
-  }
-}
-
 TEST(LayerProperties, ExpertBiasUpdate) {
   Tensor bias = Tensor::Zeros({4});
   UpdateExpertBias(std::vector<int64_t>{10, 2, 4, 4}, 0.5f, bias);  // mean load 5
