@@ -146,14 +146,17 @@ void BM_ExpertGemm(benchmark::State& state) {
       2.0 * static_cast<double>(m * n * k) * static_cast<double>(state.iterations()) / 1e9,
       benchmark::Counter::kIsRate);
 }
-// Layer F's products (model 512, expert hidden 256, ~512 rows per expert) and layer A's
-// (model 512, hidden 2048, 1024 rows), each on both kernels.
+// Layer F's products (model 512, expert hidden 256, ~512 rows per expert), layer A's (model 512,
+// hidden 2048, 1024 rows) and layer C's (model 256, hidden 1024, 32 rows: the few-row bound of
+// docs/PERFORMANCE.md), each on both kernels.
 void ExpertShapes(benchmark::internal::Benchmark* b) {
   for (int64_t kernel : {0, 1}) {
     for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{512, 256, 512},
                            {512, 512, 256},
                            {64, 256, 512},
-                           {1024, 2048, 512}}) {
+                           {1024, 2048, 512},
+                           {32, 1024, 256},
+                           {32, 256, 1024}}) {
       b->Args({0, m, n, k, kernel});
       b->Args({1, m, n, k, kernel});
       b->Args({2, n, k, m, kernel});  // weight gradient [n, k] over the expert's m rows
