@@ -85,10 +85,6 @@ int64_t MoeBlocksOfFullestStage(const ModelConfig& m, int64_t layers) {
   return most;
 }
 
-}  // namespace
-
-namespace {
-
 // A block's parameters on a rank, by how the gradient reduction divides them.
 struct BlockUnits {
   int64_t layers = 0;       // blocks of the stage
