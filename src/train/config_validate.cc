@@ -441,7 +441,12 @@ std::vector<std::string> ValidateTrainConfig(const ResolvedTrainConfig& resolved
   }
   std::vector<std::string> notices;
   for (const auto& [key, source] : resolved.explicit_keys) {
-    if (!source.starts_with("--")) continue;
+    // What the user typed; a checkpoint's or an --init-from / --upcycle-from source's recorded
+    // values (a dense model's 'aux_loss', say) are the model's, not a request.
+    if (!source.starts_with("--") || source.starts_with("--init-from ") ||
+        source.starts_with("--upcycle-from ")) {
+      continue;
+    }
     const std::string why = WhyKeyCannotAct(key, c, run);
     if (why.empty()) continue;
     const json& value = mine.at(key);
