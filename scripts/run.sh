@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 cmake --preset release >/dev/null
 cmake --build --preset release -j "$(nproc)" --target switchyard
-# The main job: `switchyard train` on its embedded default (4 ranks as threads of this process,
-# the experts of every other block spread over them, the fortunes corpus), into runs/train.
+# The main job: `switchyard train` on its embedded default (a small Mixtral-style MoE transformer,
+# 4 ranks as threads of this process with the experts spread over them, the fortunes corpus),
+# into runs/train.
 exec build/release/src/cli/switchyard train "$@"

@@ -1,6 +1,8 @@
 // `switchyard train`: the main job. With no arguments it trains the embedded default: a 4-block
-// byte-level transformer with an MoE FFN in every other block, on 4 ranks as threads of this
-// process with the experts spread over them (expert parallelism) and the fortunes corpus.
+// byte-level Mixtral-style transformer (the `mixtral` preset: an MoE FFN in every block, SwiGLU
+// experts, RoPE, RMSNorm; `--arch gpt` is the GPT-2-style model that was the default before), on
+// 4 ranks as threads of this process with the experts spread over them (expert parallelism) and
+// the fortunes corpus.
 // Every TrainConfig key is a flag (--ranks 2, --ep 2, --zero-stage 3, --steps 500, ...) and a
 // key of the JSON file given with --config; flags override the file. Under mpirun each process
 // is one rank (--transport mpi, or detected). --resume continues a run in its own directory
@@ -48,9 +50,13 @@ struct TrainOptions {
   std::map<std::string, std::string> values;  // flag -> text, only for flags given
 };
 
-// The embedded default run (the README's main job): learns visibly in about 3 minutes on 2 cores.
-train::TrainConfig DefaultTrainConfig() {
+// The embedded default run (the README's main job): the `mixtral` preset at the sizes of
+// PlanDefaultModel(). A run whose model comes from elsewhere (--resume, --init-from,
+// --upcycle-from) defaults to `gpt` instead: the source's own 'arch' decides, and a checkpoint
+// written before the key existed is a gpt model (docs/training.md, "The default model").
+train::TrainConfig DefaultTrainConfig(bool model_from_source) {
   train::TrainConfig c = PlanDefaultModel();  // the model and layout keys
+  if (model_from_source) c.arch = train::Arch::kGpt;
   c.steps = 1000;
   c.out = "runs/train";
   return c;
@@ -117,10 +123,12 @@ int RunTrain(const TrainOptions& o) {
     SY_REQUIRE(!o.upcycle_zero_router, InvalidArgument,
                "--upcycle-zero-router needs --upcycle-from");
   }
-  train::ResolvedTrainConfig resolved = train::ResolveTrainConfig({.defaults = DefaultTrainConfig(),
-                                                                   .config_file = o.config_file,
-                                                                   .flags = flags,
-                                                                   .resume = o.resume});
+  train::ResolvedTrainConfig resolved = train::ResolveTrainConfig(
+      {.defaults =
+           DefaultTrainConfig(!o.resume.empty() || !o.init_from.empty() || !o.upcycle_from.empty()),
+       .config_file = o.config_file,
+       .flags = flags,
+       .resume = o.resume});
   // The model's vocabulary follows a SentencePiece tokenizer (and must match a checkpoint's).
   train::ApplyTokenizerVocabulary(resolved);
   if (!o.layout.empty()) {
@@ -151,7 +159,7 @@ int RunTrain(const TrainOptions& o) {
     // The default run directory is taken by an earlier run: keep it, use the next free name.
     std::error_code ec;
     for (int i = 2; std::filesystem::exists(config.out, ec); ++i) {
-      config.out = fmt::format("{}-{}", DefaultTrainConfig().out, i);
+      config.out = fmt::format("{}-{}", DefaultTrainConfig(false).out, i);
     }
   }
   const std::string transport = ResolveTransport(o.transport);

@@ -20,6 +20,7 @@ namespace switchyard::cli {
 
 train::TrainConfig PlanDefaultModel() {
   train::TrainConfig c;
+  c.arch = train::Arch::kMixtral;  // the preset's model at these sizes (docs/training.md)
   c.model.moe_every = 2;
   c.num_experts = 4;
   c.top_k = 2;

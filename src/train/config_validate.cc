@@ -236,6 +236,18 @@ void ValidateTrainConfig(const TrainConfig& c) {
   SY_REQUIRE(!c.tp_comm_overlap || c.sequence_parallel, InvalidArgument,
              "config: 'tp_comm_overlap' overlaps the sequence-parallel collectives: it needs "
              "'sequence_parallel' true");
+  // The overlap rings exist for GPT-2's attention and GELU MLP only (tensor_parallel_gqa.cc): a
+  // layout the planner proposes is refused here, not when the model is built.
+  const bool swiglu_mlp =
+      c.model.mlp == MlpKind::kSwiGlu && NumMoeBlocks(c.model) < c.model.num_layers;
+  SY_REQUIRE(c.tp == 1 || !c.tp_comm_overlap || (!UsesGqaAttention(c.model) && !swiglu_mlp),
+             InvalidArgument,
+             "config: 'tp_comm_overlap' is not supported with {} (arch {}): use "
+             "'tp_comm_overlap' false, or arch gpt",
+             swiglu_mlp && !UsesGqaAttention(c.model) ? "the SwiGLU MLP"
+                                                      : "grouped-query attention (RoPE, kv heads, "
+                                                        "q/k/v biases or QK-norm)",
+             ChoiceTraits<Arch>::Name(c.arch));
   // The layout sizes are in range (CheckRanges): tp x pp x cp divides ranks (ResolveLayout).
   (void)ResolveLayout(c, static_cast<int>(c.ranks));
   // The MoE layer's options: the file's, the run's keys over them, router_group_by's groups and
@@ -441,7 +453,12 @@ std::vector<std::string> ValidateTrainConfig(const ResolvedTrainConfig& resolved
   }
   std::vector<std::string> notices;
   for (const auto& [key, source] : resolved.explicit_keys) {
-    if (!source.starts_with("--")) continue;
+    // What the user typed; a checkpoint's or an --init-from / --upcycle-from source's recorded
+    // values (a dense model's 'aux_loss', say) are the model's, not a request.
+    if (!source.starts_with("--") || source.starts_with("--init-from ") ||
+        source.starts_with("--upcycle-from ")) {
+      continue;
+    }
     const std::string why = WhyKeyCannotAct(key, c, run);
     if (why.empty()) continue;
     const json& value = mine.at(key);

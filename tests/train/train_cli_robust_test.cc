@@ -264,11 +264,12 @@ TEST_F(TrainCliRobustTest, ASignalSavesTheLastCompletedStep) {
 }
 
 // Resuming with a changed MoE layer file names the option that changed and the checkpoint (it
-// used to be "internal check 'false' failed" or "parameter ... is missing").
+// used to be "internal check 'false' failed" or "parameter ... is missing"). The gpt model, whose
+// experts have biases (the default model's SwiGLU experts have none, so fc_bias false is theirs).
 TEST_F(TrainCliRobustTest, ResumeNamesAChangedMoeLayerOption) {
   const std::string layer = dir_ + "/layer.json";
   WriteTextFileAtomic(layer, "{}");
-  CommandResult r = Run(Command("a", "--ranks 2 --steps 1 --moe_layer_config " + layer));
+  CommandResult r = Run(Command("a", "--arch gpt --ranks 2 --steps 1 --moe_layer_config " + layer));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   for (const char* changed :
        {"{\"fc_bias\": false}", "{\"residual_moe\": true}", "{\"shared_expert_hidden\": 16}",

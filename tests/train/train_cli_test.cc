@@ -101,7 +101,8 @@ TEST_F(TrainCliTest, RunDirectoryAndResumeUnderAnotherLayout) {
   EXPECT_NE(a.out.find("done: 4 steps"), std::string::npos) << a.out;
   auto config = nlohmann::json::parse(ReadAll(dir_ + "/a/config.json"));
   EXPECT_EQ(config.at("ranks"), 4);
-  EXPECT_EQ(config.at("moe_every"), 2);  // the embedded default puts MoE in every other block
+  EXPECT_EQ(config.at("arch"), "mixtral");  // the embedded default: MoE in every block
+  EXPECT_EQ(config.at("moe_every"), 1);
   const std::vector<double> full = Losses("a");
   ASSERT_EQ(full.size(), 4u);
 
@@ -120,8 +121,10 @@ TEST_F(TrainCliTest, RunDirectoryAndResumeUnderAnotherLayout) {
   }
 }
 
-// No layout flags: the embedded default layout, 4 ranks as threads with EP 4 (and MoE in every
-// other block, 4 experts, top-2).
+// No layout flags: the embedded default layout, 4 ranks as threads with EP 4, and the default
+// model, the `mixtral` preset (MoE in every block, 4 experts, top-2, dropless, SwiGLU, RoPE,
+// RMSNorm, a quarter of the heads as kv heads, Hugging Face's balancing loss). `--arch gpt` is
+// the GPT-2-style model that was the default before (MoE in every other block, capacity 1.25).
 TEST_F(TrainCliTest, NoLayoutFlagsRunTheEmbeddedDefault) {
   CommandResult r = RunCommand(Command("default", "--steps 1"), dir_);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
@@ -129,10 +132,68 @@ TEST_F(TrainCliTest, NoLayoutFlagsRunTheEmbeddedDefault) {
   EXPECT_EQ(config.at("ranks"), 4);
   EXPECT_EQ(config.at("ep"), 4);
   EXPECT_EQ(config.at("zero_stage"), 0);
-  EXPECT_EQ(config.at("moe_every"), 2);
+  EXPECT_EQ(config.at("arch"), "mixtral");
+  EXPECT_EQ(config.at("moe_every"), 1);
   EXPECT_EQ(config.at("num_experts"), 4);
   EXPECT_EQ(config.at("top_k"), 2);
+  EXPECT_EQ(config.at("capacity_factor"), 0.0);
+  EXPECT_EQ(config.at("aux_loss"), "hf_concat");
+  EXPECT_EQ(config.at("mlp"), "swiglu");
+  EXPECT_EQ(config.at("norm"), "rmsnorm");
+  EXPECT_EQ(config.at("position_embedding"), "rope");
+  EXPECT_EQ(config.at("num_kv_heads"), 1);  // max(1, 2 heads / 4)
+  EXPECT_EQ(config.at("tied_head"), false);
   EXPECT_EQ(Steps("default"), std::vector<int64_t>({1}));
+
+  CommandResult g = RunCommand(Command("gpt", "--steps 1 --arch gpt"), dir_);
+  ASSERT_EQ(g.exit_code, 0) << g.out << g.err;
+  auto gpt = nlohmann::json::parse(ReadAll(dir_ + "/gpt/config.json"));
+  EXPECT_EQ(gpt.at("arch"), "gpt");
+  EXPECT_EQ(gpt.at("moe_every"), 2);
+  EXPECT_EQ(gpt.at("capacity_factor"), 1.25);
+  EXPECT_EQ(gpt.at("aux_loss"), "gshard");
+  EXPECT_EQ(gpt.at("mlp"), "gelu");
+  EXPECT_EQ(gpt.at("norm"), "layernorm");
+  EXPECT_EQ(gpt.at("position_embedding"), "learned");
+  EXPECT_EQ(gpt.at("num_kv_heads"), 0);
+  EXPECT_EQ(gpt.at("tied_head"), true);
+}
+
+// A checkpoint of a gpt run (`--arch gpt`, or a default run from before the default became the
+// `mixtral` preset, whose checkpoint has no 'arch' key) resumes without flags as that gpt model:
+// the resumed steps repeat the uninterrupted run's losses.
+TEST_F(TrainCliTest, AGptCheckpointResumesAsGptWithoutFlags) {
+  CommandResult full =
+      RunCommand(Command("full", "--arch gpt --ranks 2 --steps 3 --checkpoint_every 0"), dir_);
+  ASSERT_EQ(full.exit_code, 0) << full.out << full.err;
+  CommandResult a =
+      RunCommand(Command("a", "--arch gpt --ranks 2 --steps 2 --checkpoint_every 2"), dir_);
+  ASSERT_EQ(a.exit_code, 0) << a.out << a.err;
+  const std::vector<double> want = Losses("full");
+  ASSERT_EQ(want.size(), 3u);
+  // The same checkpoint with its config as a checkpoint from before the 'arch' key: without
+  // the model-architecture keys, which took their (GPT-2) defaults then.
+  fs::copy(dir_ + "/a/checkpoints/step_00000002", dir_ + "/old", fs::copy_options::recursive);
+  const std::string state = dir_ + "/old/state.json";
+  auto j = nlohmann::json::parse(ReadAll(state));
+  for (const char* key :
+       {"arch", "norm", "mlp", "position_embedding", "num_kv_heads", "rope_theta", "attention_bias",
+        "mlp_bias", "hf_router", "norm_topk_prob", "aux_loss"}) {
+    ASSERT_EQ(j.at("config").erase(key), 1u) << key;
+  }
+  WriteTextFileAtomic(state, j.dump());
+  for (const std::string& from : {dir_ + "/a/checkpoints/step_00000002", dir_ + "/old"}) {
+    fs::remove_all(dir_ + "/b");
+    CommandResult b = RunCommand(Command("b", "--ranks 2 --steps 3 --resume " + from), dir_);
+    ASSERT_EQ(b.exit_code, 0) << from << "\n" << b.out << b.err;
+    auto config = nlohmann::json::parse(ReadAll(dir_ + "/b/config.json"));
+    EXPECT_EQ(config.at("arch"), "gpt") << from;
+    EXPECT_EQ(config.at("moe_every"), 2) << from;
+    EXPECT_EQ(config.at("norm"), "layernorm") << from;
+    const std::vector<double> resumed = Losses("b");
+    ASSERT_EQ(resumed.size(), 1u) << from;
+    EXPECT_EQ(resumed[0], want[2]) << from;
+  }
 }
 
 // --resume without --out continues the resumed run in its own directory, for each form of the
@@ -173,13 +234,30 @@ TEST_F(TrainCliTest, ResumeWithoutOutContinuesTheResumedRunInItsDirectory) {
   EXPECT_EQ(Files("runs/train"), other_files);
 }
 
+// A dense run of the default model (moe_every 0: the preset's router keys recorded but acting
+// nowhere) starts a new run with --init-from: the source's recorded keys are not refused as
+// settings that cannot act.
+TEST_F(TrainCliTest, ADenseDefaultModelRunInitsANewRun) {
+  CommandResult a = RunCommand(Command("dense", "--moe_every 0 --ranks 1 --steps 1"), dir_);
+  ASSERT_EQ(a.exit_code, 0) << a.out << a.err;
+  CommandResult b =
+      RunCommand(Command("next", "--ranks 1 --steps 1 --init-from " + dir_ + "/dense"), dir_);
+  ASSERT_EQ(b.exit_code, 0) << b.out << b.err;
+  auto config = nlohmann::json::parse(ReadAll(dir_ + "/next/config.json"));
+  EXPECT_EQ(config.at("arch"), "mixtral");
+  EXPECT_EQ(config.at("moe_every"), 0);
+  EXPECT_EQ(config.at("aux_loss"), "hf_concat");
+}
+
 // `--tp N [--sequence-parallel] [--tp-comm-overlap]` on ranks as threads: the one-rank losses,
-// the layout in the header, and a run saved at tp 2 resumes at tp 1.
+// the layout in the header, and a run saved at tp 2 resumes at tp 1. The gpt model: the
+// comm-GEMM overlap does not support the default model's grouped-query attention.
 TEST_F(TrainCliTest, TensorParallelFlags) {
-  CommandResult one = RunCommand(Command("one", "--ranks 1 --steps 3"), dir_);
+  CommandResult one = RunCommand(Command("one", "--arch gpt --ranks 1 --steps 3"), dir_);
   ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
   CommandResult tp = RunCommand(
-      Command("tp", "--ranks 4 --tp 2 --sequence-parallel --tp-comm-overlap --steps 2"), dir_);
+      Command("tp", "--arch gpt --ranks 4 --tp 2 --sequence-parallel --tp-comm-overlap --steps 2"),
+      dir_);
   ASSERT_EQ(tp.exit_code, 0) << tp.out << tp.err;
   EXPECT_NE(tp.out.find("layout: 4 ranks = tp 2 (sequence parallel, comm-GEMM overlap) x dp 2"),
             std::string::npos)
@@ -277,24 +355,33 @@ TEST_F(TrainCliTest, BadFlagsAreOneLineErrors) {
   r = RunCommand(Command("z", "--steps ten"), dir_);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("'steps'"), std::string::npos) << r.err;
+  // The comm-GEMM overlap with the default model's attention: refused before anything runs
+  // (the planner's candidates go through the same check).
+  r = RunCommand(Command("w", "--ranks 2 --tp 2 --sequence-parallel --tp-comm-overlap"), dir_);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("'tp_comm_overlap' is not supported with grouped-query attention"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(fs::exists(dir_ + "/w"));
   EXPECT_FALSE(fs::exists(dir_ + "/x/checkpoints"));
 }
 
 #ifdef SY_MPIRUN_SCRIPT
 // Tensor parallelism from the command line in MPI processes: tp 2 with sequence parallelism and
 // comm-GEMM overlap (Megatron arrangement for the MoE block), and tp 2 without (DeepSpeed's),
-// give the one-rank run's losses.
+// give the one-rank run's losses. The gpt model: the overlap does not support the default
+// model's grouped-query attention.
 TEST_F(TrainCliTest, MpiTensorParallelGivesTheOneRankLosses) {
-  CommandResult one = RunCommand(Command("one", "--ranks 1 --steps 3"), dir_);
+  CommandResult one = RunCommand(Command("one", "--arch gpt --ranks 1 --steps 3"), dir_);
   ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
   const std::vector<double> want = Losses("one");
   ASSERT_EQ(want.size(), 3u);
   for (const std::string layout :
        {"--tp 2 --sequence-parallel --tp-comm-overlap", "--tp 2 --arrangement deepspeed"}) {
     const std::string out = layout.find("sequence") != std::string::npos ? "sp" : "ds";
-    CommandResult m = RunCommand(
-        std::string("bash ") + SY_MPIRUN_SCRIPT + " -np 2 " + Command(out, "--steps 3 " + layout),
-        dir_);
+    CommandResult m = RunCommand(std::string("bash ") + SY_MPIRUN_SCRIPT + " -np 2 " +
+                                     Command(out, "--arch gpt --steps 3 " + layout),
+                                 dir_);
     ASSERT_EQ(m.exit_code, 0) << layout << "\n" << m.out << m.err;
     EXPECT_NE(m.out.find("tp 2"), std::string::npos) << m.out;
     const std::vector<double> got = Losses(out);

@@ -57,7 +57,7 @@ TEST_F(Upcycle, FirstStepLossEqualsTheDenseModels) {
   const std::string dense = Path("dense");
   auto r = RunSwitchyard(common +
                          "--seq_len 16 --model_dim 32 --num_layers 2 --num_heads 2 --hidden_dim 48 "
-                         "--moe_every 0 --steps 2 --ranks 1 --out " +
+                         "--arch gpt --moe_every 0 --steps 2 --ranks 1 --out " +
                          dense);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   // The dense model's loss at those weights: a new run from them, one step.
