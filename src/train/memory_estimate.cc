@@ -122,6 +122,46 @@ int64_t ReductionInFlightBytes(const TrainConfig& c, const BlockUnits& u) {
   return static_cast<int64_t>(std::ceil(4 * most));
 }
 
+// An expert's matrices and values.
+struct ExpertShape {
+  int64_t matrices = 2;  // fc1 and fc2, and fc3 when gated (SwiGLU)
+  int64_t values = 0;
+};
+
+// An expert: fc1 and fc2 (and fc3 when gated, SwiGLU), with their biases unless fc_bias is off
+// (the moe_layer_config file's keys; its defaults without one, not read per call then).
+// With mlp swiglu and no file, MoeLayerConfig's gated SiLU experts, biases as mlp_bias (set
+// here: MoeLayerConfig reads the whole config, too slow for the planner's every candidate).
+ExpertShape ExpertShapeOf(const TrainConfig& c, bool has_moe, int64_t expert_hidden) {
+  const ModelConfig& m = c.model;
+  moe::LayerConfig layer =
+      has_moe && !c.moe_layer_config.empty() ? MoeLayerConfig(c) : moe::LayerConfig{};
+  if (m.mlp == MlpKind::kSwiGlu && c.moe_layer_config.empty()) {
+    layer.gated = true;
+    layer.fc_bias = m.mlp_bias;
+  }
+  const int64_t matrices = layer.gated ? 3 : 2;
+  const int64_t d = m.model_dim;
+  return {.matrices = matrices,
+          .values = CheckedMul(matrices, CheckedMul(d, expert_hidden, "per-rank memory estimate"),
+                               "per-rank memory estimate") +
+                    (layer.fc_bias ? expert_hidden + d : 0)};
+}
+
+// The expert-data ranks over which ZeRO shards an expert (parallel::LayerMesh): DeepSpeed's
+// arrangement builds the expert groups of the ranks with the same tp rank (dp cp / ep of them);
+// Megatron's (sequence parallel) of etp x ep x edp x pp over the whole world, the tp ranks among
+// the data ranks. (Until 2026-11-28 the estimate divided by tp in both: the tp 2,
+// sequence-parallel ZeRO 3 layouts of bench plan-check were +11-15 % over, their experts'
+// moments counted twice.)
+int64_t ExpertDataShards(const TrainConfig& c, int ep) {
+  const int64_t pp = std::max<int64_t>(1, c.pp);
+  const int64_t width = TrainArrangement(c) == parallel::Arrangement::kMegatron
+                            ? std::max<int64_t>(1, c.etp)
+                            : std::max<int64_t>(1, c.tp);
+  return std::max<int64_t>(1, c.ranks / pp / (std::max(1, ep) * width));
+}
+
 }  // namespace
 
 RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
@@ -152,20 +192,9 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
     ep = TrainExpertParallelSize(c, static_cast<int>(std::max<int64_t>(1, c.ranks)));
     experts_held = std::max<int64_t>(1, c.num_experts / std::max(1, ep));
   }
-  // An expert: fc1 and fc2 (and fc3 when gated, SwiGLU), with their biases unless fc_bias is off
-  // (the moe_layer_config file's keys; its defaults without one, not read per call then).
-  // With mlp swiglu and no file, MoeLayerConfig's gated SiLU experts, biases as mlp_bias (set
-  // here: MoeLayerConfig reads the whole config, too slow for the planner's every candidate).
-  moe::LayerConfig layer =
-      moe_layers > 0 && !c.moe_layer_config.empty() ? MoeLayerConfig(c) : moe::LayerConfig{};
-  if (swiglu && c.moe_layer_config.empty()) {
-    layer.gated = true;
-    layer.fc_bias = m.mlp_bias;
-  }
-  const int64_t expert_matrices = layer.gated ? 3 : 2;
-  const int64_t per_expert =
-      CheckedMul(expert_matrices, CheckedMul(d, eh, what), what) + (layer.fc_bias ? eh + d : 0);
-  const int64_t experts = CheckedMul(experts_held, per_expert, what);
+  const ExpertShape expert = ExpertShapeOf(c, moe_layers > 0, eh);
+  const int64_t expert_matrices = expert.matrices;
+  const int64_t experts = CheckedMul(experts_held, expert.values, what);
   // Qwen2-MoE's gated shared expert of every MoE block: a SwiGLU MLP over tp and its [1, d] gate.
   const int64_t shared_hidden = m.gated_shared_expert_hidden;
   const int64_t shared =
@@ -179,15 +208,7 @@ RankMemoryEstimate EstimateRankMemory(const TrainConfig& c) {
   // experts: the stage's ranks holding the same experts); stage 3 gathers one block's values
   // at a time, the next one prefetched.
   const int64_t dense_shards = dp * cp;
-  // The expert-data ranks (parallel::LayerMesh): DeepSpeed's arrangement builds the expert
-  // groups of the ranks with the same tp rank (dp cp / ep of them); Megatron's (sequence
-  // parallel) of etp x ep x edp x pp over the whole world, the tp ranks among the data ranks.
-  // (Until 2026-11-28 the estimate divided by tp in both: the tp 2, sequence-parallel ZeRO 3
-  // layouts of bench plan-check were +11-15 % over, their experts' moments counted twice.)
-  const int64_t expert_width =
-      TrainArrangement(c) == parallel::Arrangement::kMegatron ? std::max<int64_t>(1, c.etp) : tp;
-  const int64_t expert_shards =
-      std::max<int64_t>(1, c.ranks / pp / (std::max(1, ep) * expert_width));
+  const int64_t expert_shards = ExpertDataShards(c, ep);
   auto sharded = [&](int stage, int64_t bytes_per_value) {
     const bool shard = c.zero_stage >= stage;
     return CheckedMul(params / (shard ? dense_shards : 1), bytes_per_value, what) +
