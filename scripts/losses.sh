@@ -5,8 +5,10 @@
 # metrics.jsonl line with the timing fields removed (losses, gradient norms, aux loss, lr, ...).
 # Two binaries' outputs compared with `cmp` say whether a change kept the arithmetic bit for bit;
 # e.g. `scripts/losses.sh old/switchyard a --arch gpt; scripts/losses.sh new/switchyard b --arch gpt`.
+# Run both under the same SY_EXPERT_GEMM (docs/moe.md): the experts' GEMM kernel follows the CPU
+# unless it is set, and the packed kernel and the BLAS backend sum in different orders.
 set -euo pipefail
-[ $# -ge 2 ] || { sed -n 2,7p "$0"; exit 2; }
+[ $# -ge 2 ] || { sed -n 2,9p "$0"; exit 2; }
 BIN=$(readlink -f "$1"); OUT=$(readlink -f -m "$2"); shift 2
 mkdir -p "$OUT"
 common=(--steps 6 --log-every 1 --eval-every 3 --checkpoint-every 0 --sample-tokens 0 --threads 1)
