@@ -93,8 +93,7 @@ int RunEval(const EvalOptions& o) {
       throw InvalidArgument(e.what());
     }
   };
-  const std::string dir =
-      is_hf ? o.model : as_bad_input([&] { return hf::ResolveModelPath(o.model); });
+  const std::string dir = as_bad_input([&] { return hf::ResolveModelPath(o.model); });
   const std::string config_path = (fs::path(dir) / (is_hf ? "config.json" : "state.json")).string();
   RequireDistinctOutput({"--out", o.out},
                         {{"--tokens", o.tokens}, {"the model's config", config_path}});

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <utility>
 
+#include "switchyard/core/clock.h"
 #include "switchyard/core/error.h"
 #include "switchyard/train/tensor_parallel.h"
 #include "switchyard/train/trainer.h"
@@ -230,7 +231,7 @@ void ParamGradBuffer::ReduceGradients(ParameterSet& params) {
   SY_CHECK(dense_opt_ != nullptr, "ParamGradBuffer: Prepare() was not called");
   if (trace_) {
     trace_->Add("forward + backward", "step", parallel::TraceStream::kCompute,
-                trace_->step_begin_s(), internal::StepTrace::Now());
+                trace_->step_begin_s(), NowSeconds());
   }
   const internal::StepTrace::Span span(trace_, "gradient reduce", "sync",
                                        parallel::TraceStream::kComm);

@@ -9,15 +9,13 @@
 
 namespace switchyard::train::internal {
 
-double StepTrace::Now() { return NowSeconds(); }
-
 StepTrace::StepTrace(comm::Communicator& world, int64_t step, std::string path)
     : world_(world), step_(step), path_(std::move(path)) {}
 
 void StepTrace::Begin(int64_t step) {
   if (step != step_) return;
   active_ = true;
-  step_begin_s_ = Now();
+  step_begin_s_ = NowSeconds();
   for (parallel::ParallelMoeLayer* layer : layers_) layer->set_tracer(&tracer_);
 }
 
@@ -65,10 +63,10 @@ StepTrace::Span::Span(StepTrace* trace, const char* name, const char* category,
       name_(name),
       category_(category),
       stream_(stream),
-      begin_s_(trace_ != nullptr ? Now() : 0) {}
+      begin_s_(trace_ != nullptr ? NowSeconds() : 0) {}
 
 StepTrace::Span::~Span() {
-  if (trace_ != nullptr) trace_->Add(name_, category_, stream_, begin_s_, Now());
+  if (trace_ != nullptr) trace_->Add(name_, category_, stream_, begin_s_, NowSeconds());
 }
 
 }  // namespace switchyard::train::internal

@@ -50,8 +50,6 @@ class StepTrace {
     double begin_s_;
   };
 
-  // Steady-clock seconds (the clock parallel::Tracer's events use).
-  static double Now();
   // When the traced step began on this rank (its forward + backward phase starts there).
   double step_begin_s() const { return step_begin_s_; }
 

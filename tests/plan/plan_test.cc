@@ -298,7 +298,12 @@ train::TrainConfig TinyMoe() {
 }
 
 // Runs `c` for 2 steps with ranks as threads, quietly, in `out`.
-train::RunSummary RunTwoSteps(train::TrainConfig c, const std::filesystem::path& out) {
+// Two logged steps of `c` on in-process ranks (one BLAS thread each), in a temporary run
+// directory named after `name` that is removed afterwards.
+train::RunSummary RunTwoSteps(train::TrainConfig c, const std::string& name) {
+  kernels::SetBlasThreads(1);
+  const std::filesystem::path out =
+      std::filesystem::temp_directory_path() / fmt::format("sy-plan-{}-{}", name, ::getpid());
   c.steps = 2;
   c.log_every = 1;
   c.eval_every = 0;
@@ -312,6 +317,8 @@ train::RunSummary RunTwoSteps(train::TrainConfig c, const std::filesystem::path&
   const train::RunSummary s = train::RunDistributedTraining(
       *comm::CreateInProcessLauncher(static_cast<int>(c.ranks)), c, o);
   std::fclose(sink);
+  std::error_code ec;
+  std::filesystem::remove_all(out, ec);
   return s;
 }
 
@@ -321,9 +328,6 @@ train::RunSummary RunTwoSteps(train::TrainConfig c, const std::filesystem::path&
 // and the memory account's peak of the build and the steps (the rank's tensors and those arrays;
 // memory_train_peak_bytes) against the estimate's total.
 TEST(StepModelTest, MemoryEstimateMatchesTheMeasuredPeak) {
-  kernels::SetBlasThreads(1);
-  const std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / fmt::format("sy-plan-memory-{}", ::getpid());
   struct Case {
     int64_t zero, ep, microbatches;
   };
@@ -335,7 +339,7 @@ TEST(StepModelTest, MemoryEstimateMatchesTheMeasuredPeak) {
     c.zero_stage = k.zero;
     c.microbatches = k.microbatches;
     const train::RunSummary s =
-        RunTwoSteps(c, dir / fmt::format("z{}-ep{}-m{}", k.zero, k.ep, k.microbatches));
+        RunTwoSteps(c, fmt::format("memory-z{}-ep{}-m{}", k.zero, k.ep, k.microbatches));
     const train::RankMemoryEstimate e = train::EstimateRankMemory(c);
     const std::string what = fmt::format(
         "zero {} ep {} microbatches {}: estimate parameters {} optimizer {} activations {} build "
@@ -359,8 +363,6 @@ TEST(StepModelTest, MemoryEstimateMatchesTheMeasuredPeak) {
     // The checkpoint saved at the end is in the run's peak, not in the steps'.
     EXPECT_GE(s.memory_peak_bytes, s.memory_train_peak_bytes) << what;
   }
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
 }
 
 // Dropless-by-size dispatch (all-to-all-v with a capacity factor): an untrained router sends most
@@ -369,9 +371,6 @@ TEST(StepModelTest, MemoryEstimateMatchesTheMeasuredPeak) {
 // the combine's buffer: within 5 % of it on 4 expert ranks (measured 2026-11-28: +1 %; with
 // the mean slots and no combine buffer, as before, -8 %).
 TEST(StepModelTest, MemoryEstimateIsTheBusiestExpertRanks) {
-  kernels::SetBlasThreads(1);
-  const std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / fmt::format("sy-plan-busiest-{}", ::getpid());
   train::TrainConfig c = TinyMoe();
   c.model.model_dim = 128;
   c.model.hidden_dim = 512;
@@ -380,37 +379,30 @@ TEST(StepModelTest, MemoryEstimateIsTheBusiestExpertRanks) {
   c.ranks = 4;
   c.ep = 4;
   c.zero_stage = 1;
-  const train::RunSummary s = RunTwoSteps(c, dir);
+  const train::RunSummary s = RunTwoSteps(c, "busiest");
   const train::RankMemoryEstimate e = train::EstimateRankMemory(c);
   const std::string what =
       fmt::format("estimate {} (activations {}); measured peak of the steps, largest rank {}",
                   e.total(), e.activation_bytes, s.memory_train_peak_bytes);
   EXPECT_NEAR(static_cast<double>(e.total()) / s.memory_train_peak_bytes, 1.0, 0.05) << what;
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
 }
 
 // With several micro-batches the gradients accumulate whole until the last backward reduces
 // them, whatever the ZeRO stage: ZeRO 2 with 2 micro-batches holds every value and every
 // gradient, which the estimate's parameter part counts (measured by the ZeRO meter).
 TEST(StepModelTest, MemoryEstimateGradientsAccumulateWhole) {
-  kernels::SetBlasThreads(1);
-  const std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / fmt::format("sy-plan-accumulate-{}", ::getpid());
   train::TrainConfig c = TinyMoe();
   c.batch_size = 8;
   c.ranks = 2;
   c.ep = 2;
   c.zero_stage = 2;
   c.microbatches = 2;
-  const train::RunSummary s = RunTwoSteps(c, dir);
+  const train::RunSummary s = RunTwoSteps(c, "accumulate");
   const train::RankMemoryEstimate e = train::EstimateRankMemory(c);
   const double measured = static_cast<double>(s.zero_peak_values + s.zero_peak_gradients);
   EXPECT_NEAR(static_cast<double>(e.parameter_bytes) / measured, 1.0, 0.03)
       << "estimate " << e.parameter_bytes << ", measured values " << s.zero_peak_values
       << " and gradients " << s.zero_peak_gradients;
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
 }
 
 // ZeRO 2's gradient reductions in flight during the backward: two consecutive blocks' gradients
@@ -441,10 +433,7 @@ TEST(StepModelTest, MemoryEstimateReductionsInFlight) {
     edit(off);
     EXPECT_EQ(train::EstimateRankMemory(off).reduction_bytes, 0);
   }
-  kernels::SetBlasThreads(1);
-  const std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / fmt::format("sy-plan-reductions-{}", ::getpid());
-  const train::RunSummary s = RunTwoSteps(c, dir);
+  const train::RunSummary s = RunTwoSteps(c, "reductions");
   const train::RankMemoryEstimate e = train::EstimateRankMemory(c);
   const double estimate =
       static_cast<double>(e.parameter_bytes + e.optimizer_bytes + e.reduction_bytes);
@@ -455,8 +444,6 @@ TEST(StepModelTest, MemoryEstimateReductionsInFlight) {
       << " reduction buffers " << s.zero_peak_scratch;
   EXPECT_GT(e.reduction_freed_bytes, e.reduction_bytes);
   EXPECT_EQ(e.steps(), e.parameter_bytes + e.optimizer_bytes + e.activation_bytes);
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
 }
 
 TEST(StepModelTest, GradientAllReduceOverDataParallelRanks) {
