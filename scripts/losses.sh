@@ -9,6 +9,7 @@
 # unless it is set, and the packed kernel and the BLAS backend sum in different orders.
 set -euo pipefail
 [ $# -ge 2 ] || { sed -n 2,9p "$0"; exit 2; }
+[ -f "$1" ] && [ -x "$1" ] || { echo "losses.sh: '$1' is not an executable file (expected a switchyard binary)" >&2; exit 2; }
 BIN=$(readlink -f "$1"); OUT=$(readlink -f -m "$2"); shift 2
 mkdir -p "$OUT"
 common=(--steps 6 --log-every 1 --eval-every 3 --checkpoint-every 0 --sample-tokens 0 --threads 1)
